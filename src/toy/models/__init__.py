@@ -1,0 +1,1 @@
+"""Model definitions. Imports only torch and toy.models.* (see docs/architecture.md)."""

@@ -1,0 +1,158 @@
+"""Projects, run ids, run directories and the append-only event log.
+
+A project is a directory holding `toy.toml` (made by `toy new`). A run lives in
+`<runs dir>/<run_id>/` with `run.json`, `events.jsonl`, `checkpoints/`, `final/`.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import re
+import time
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from toy.errors import InputError, UsageError
+
+DEFAULT_RUN_ID_TEMPLATE = "{date}-{recipe}-{arch}-{n}"
+_RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,127}$")
+
+
+@dataclass
+class Project:
+    """Where runs and data go. `root` is None outside a project (no toy.toml)."""
+
+    root: Path | None
+    run_id_template: str = DEFAULT_RUN_ID_TEMPLATE
+    train_defaults: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def runs_dir(self) -> Path:
+        return (self.root or Path.cwd()) / "runs"
+
+    @property
+    def data_dir(self) -> Path | None:
+        return self.root / "data" if self.root else None
+
+
+def find_project(start: Path | None = None) -> Project:
+    """The nearest toy.toml at or above `start` (default: cwd), else no project."""
+    here = (start or Path.cwd()).resolve()
+    for d in (here, *here.parents):
+        f = d / "toy.toml"
+        if f.is_file():
+            return load_project(f)
+    return Project(root=None)
+
+
+def load_project(path: Path) -> Project:
+    try:
+        with open(path, "rb") as fh:
+            doc = tomllib.load(fh)
+    except tomllib.TOMLDecodeError as e:
+        raise InputError(f"{path}: not valid TOML ({e}); fix the file or recreate it with `toy new`")
+    template = doc.get("run_id", DEFAULT_RUN_ID_TEMPLATE)
+    if not isinstance(template, str):
+        raise InputError(f"{path}: run_id must be a string template such as '{DEFAULT_RUN_ID_TEMPLATE}'")
+    train = doc.get("train", {})
+    if not isinstance(train, dict):
+        raise InputError(f"{path}: [train] must be a table of flag defaults")
+    return Project(root=path.parent, run_id_template=template, train_defaults=train)
+
+
+def check_run_id(run_id: str, flag: str = "--run-id") -> str:
+    """A run id is a plain directory name: it can never escape the runs directory."""
+    if not _RUN_ID_RE.match(run_id) or ".." in run_id:
+        raise UsageError(
+            f"{flag} {run_id!r} is not a plain name; use letters, digits, '.', '_', '-', '+' "
+            "(no '/', no '..', at most 128 characters)"
+        )
+    return run_id
+
+
+def make_run_id(template: str, runs_dir: Path, **fields: str) -> str:
+    """Fill the template; `{n}` is the smallest positive integer not yet taken."""
+    fields = {"date": _dt.date.today().strftime("%Y%m%d"), **fields}
+    try:
+        if "{n}" not in template:
+            return check_run_id(template.format(n=0, **fields), "run_id template")
+        for n in range(1, 100_000):
+            rid = template.format(n=n, **fields)
+            if not (runs_dir / rid).exists():
+                return check_run_id(rid, "run_id template")
+    except (KeyError, IndexError, ValueError) as e:
+        raise UsageError(
+            f"run_id template {template!r} is invalid ({e}); use the fields "
+            "{date}, {recipe}, {arch}, {n}"
+        )
+    raise UsageError(f"no free run id for template {template!r} under {runs_dir}")
+
+
+def create_run_dir(runs_dir: Path, run_id: str) -> Path:
+    check_run_id(run_id)
+    run_dir = runs_dir / run_id
+    try:
+        runs_dir.mkdir(parents=True, exist_ok=True)
+        run_dir.mkdir()
+    except FileExistsError:
+        raise UsageError(f"run directory {run_dir} already exists; pick another --run-id or remove it")
+    except OSError as e:
+        raise UsageError(f"cannot create run directory {run_dir}: {e.strerror}; choose a writable --out")
+    (run_dir / "checkpoints").mkdir()
+    return run_dir
+
+
+def write_json_atomic(path: Path, obj: Any) -> None:
+    """Write JSON to a temp file, fsync, rename: readers never see half a file."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as fh:
+        json.dump(obj, fh, indent=2, sort_keys=True)
+        fh.write("\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+class EventLog:
+    """`events.jsonl`: one JSON object a line, flushed per line, append-only.
+
+    Only rank 0 writes; other ranks get a log that drops everything (`enabled=False`).
+    """
+
+    def __init__(self, path: Path | None, enabled: bool = True):
+        self.path = path
+        self._fh = open(path, "a", buffering=1) if (path is not None and enabled) else None
+
+    def emit(self, event: str, **fields: Any) -> dict:
+        rec = {"event": event, "time": round(time.time(), 3), **fields}
+        if self._fh is not None:
+            self._fh.write(json.dumps(rec, sort_keys=False) + "\n")
+            self._fh.flush()
+        return rec
+
+    def close(self) -> None:
+        if self._fh is not None:
+            self._fh.close()
+            self._fh = None
+
+
+def read_events(run_dir: Path) -> list[dict]:
+    path = run_dir / "events.jsonl"
+    if not path.is_file():
+        raise InputError(f"{path} not found; is {run_dir} a toy run directory?")
+    out = []
+    with open(path) as fh:
+        for i, line in enumerate(fh, 1):
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                # A killed run can leave a half-written last line; earlier lines are whole.
+                continue
+    return out
