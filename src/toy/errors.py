@@ -35,6 +35,10 @@ class RunFailed(ToyError):
 
     exit_code = 1
 
+    def __init__(self, message: str, step: int | None = None):
+        super().__init__(message)
+        self.step = step
+
 
 class Interrupted(ToyError):
     """SIGINT/SIGTERM during a run; the exit code follows the shell convention."""

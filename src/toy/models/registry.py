@@ -61,3 +61,23 @@ def config_from_dict(d: dict):
         raise KeyError(f"unknown arch {arch!r}; valid: {', '.join(arch_names())}")
     cfg_cls, _ = ARCHS[arch]
     return cfg_cls(**d)
+
+
+def check_config(cfg) -> list[str]:
+    """Every shape problem at once, named by the flag that sets it."""
+    p = []
+    for name, flag in (("n_layer", "--n-layer"), ("d_model", "--d-model"), ("n_head", "--n-head")):
+        v = getattr(cfg, name, 1)
+        if v < 1:
+            p.append(f"{flag} must be >= 1, got {v}")
+    if p:
+        return p
+    if cfg.d_model % cfg.n_head:
+        p.append(f"--d-model {cfg.d_model} must be divisible by --n-head {cfg.n_head}")
+    kv = getattr(cfg, "n_kv_head", cfg.n_head)
+    if kv < 1 or cfg.n_head % kv:
+        p.append(f"--n-kv-head {kv} must divide --n-head {cfg.n_head}")
+    hd = getattr(cfg, "head_dim", 2)
+    if getattr(cfg, "arch", "") == "llama" and hd % 2:
+        p.append(f"head size {hd} (--d-model / --n-head) must be even for rotary positions")
+    return p

@@ -1,0 +1,31 @@
+# Two commands do all the set-up on a fresh machine: `make demo` and `make test`.
+# Both create .venv and install the project with its pinned dependencies first
+# (a no-op when already done).
+
+PY      ?= python3
+VENV    := .venv
+VPY     := $(VENV)/bin/python
+STAMP   := $(VENV)/.toy-installed
+
+.PHONY: demo test test-fast bench smollm2 clean
+
+$(STAMP): pyproject.toml
+	test -x $(VPY) || $(PY) -m venv $(VENV)
+	$(VPY) -m pip install -q --disable-pip-version-check --upgrade pip
+	$(VPY) -m pip install -q --disable-pip-version-check -e '.[test]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	bash scripts/demo.sh
+
+test: $(STAMP)
+	$(VPY) -m pytest
+
+test-fast: $(STAMP)
+	$(VPY) -m pytest -m "not slow"
+
+smollm2: $(STAMP)
+	PYTHON=$(VPY) bash scripts/get-smollm2.sh .
+
+clean:
+	rm -rf $(VENV) build

@@ -1,0 +1,52 @@
+"""`toy new DIR`: a project with toy.toml, the bundled corpus tokenized under data/, runs/."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from toy.data.prep import DEFAULT_VOCAB, bundled_corpus
+from toy.data.tokens import val_path_for
+from toy.errors import UsageError
+from toy.runs import DEFAULT_RUN_ID_TEMPLATE
+
+TOML = """\
+# toy project settings. Flags given on the command line win over these.
+
+# Run directory names under runs/. Fields: {{date}} {{recipe}} {{arch}} {{n}} (n: next free number).
+run_id = "{template}"
+
+[train]
+# Defaults for `toy train` in this project: the same names as its flags, with _ for -.
+# These equal toy's built-in defaults; edit them to change this project's runs.
+steps = 5
+batch_size = 16
+lr = 1e-3
+warmup = 10
+eval_every = 0
+"""
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("new", help="create a project directory", description=__doc__)
+    p.add_argument("dir", help="project directory to create (must not exist, or be empty)")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    d = Path(args.dir)
+    if d.exists() and (not d.is_dir() or any(d.iterdir())):
+        raise UsageError(f"{d} exists and is not an empty directory; pick a new DIR")
+    try:
+        (d / "data").mkdir(parents=True, exist_ok=True)
+        (d / "runs").mkdir(exist_ok=True)
+    except OSError as e:
+        raise UsageError(f"cannot create {d}: {e.strerror}")
+    src = bundled_corpus(DEFAULT_VOCAB)
+    for name in ("corpus.bin", "tokenizer.json"):
+        shutil.copyfile(src.parent / name, d / "data" / name)
+    shutil.copyfile(val_path_for(src), d / "data" / "corpus.val.bin")
+    (d / "toy.toml").write_text(TOML.format(template=DEFAULT_RUN_ID_TEMPLATE))
+    print(f"created project {d}: toy.toml, data/corpus.bin (bundled Shakespeare, BPE {DEFAULT_VOCAB}), runs/")
+    print(f"next: cd {d} && toy train --recipe from-scratch")
+    return 0

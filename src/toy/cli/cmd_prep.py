@@ -1,0 +1,74 @@
+"""`toy prep TEXT... --out FILE.bin`: text to a token file with a validation split."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from toy import tokenizer as toktools
+from toy.cli.args import finite_float, positive_int
+from toy.data.prep import prep
+from toy.data.tokens import read_tokens, write_tokens
+from toy.errors import UsageError
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("prep", help="tokenize text into a token file", description=__doc__)
+    p.add_argument("texts", nargs="+", metavar="TEXT", help=".txt files, or .jsonl files with a 'text' field")
+    p.add_argument("--out", required=True, help="output token file (.bin); the validation split goes to "
+                   "NAME.val.bin beside it")
+    p.add_argument("--vocab-size", type=positive_int("--vocab-size"),
+                   help="train a byte-level BPE of this size; writes tokenizer.json beside --out")
+    p.add_argument("--tokenizer", help="reuse a tokenizer.json (or a GGUF's tokenizer)")
+    p.add_argument("--val-fraction", type=finite_float, default=0.05,
+                   help="fraction of tokens held back for validation (default 0.05)")
+    p.add_argument("--raw-i32", action="store_true",
+                   help="TEXT is a headerless packed-int32 token file to convert (needs --tokenizer "
+                        "or --vocab-size for the vocabulary size)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=run)
+
+
+def load_any_tokenizer(path: Path):
+    if path.suffix == ".gguf":
+        from toy.formats.gguf import read_gguf_tokenizer
+        return read_gguf_tokenizer(path)
+    return toktools.load(path)
+
+
+def run(args) -> int:
+    out = Path(args.out)
+    if args.raw_i32:
+        if len(args.texts) != 1:
+            raise UsageError("--raw-i32 converts exactly one token file")
+        vocab = args.vocab_size
+        h = b"\0" * 32
+        if args.tokenizer:
+            tok = load_any_tokenizer(Path(args.tokenizer))
+            vocab, h = tok.get_vocab_size(with_added_tokens=True), toktools.tokenizer_hash(tok)
+        if vocab is None:
+            raise UsageError("--raw-i32 needs --tokenizer FILE or --vocab-size N")
+        tf = read_tokens(Path(args.texts[0]), raw_i32=True, vocab_size=vocab)
+        write_tokens(out, tf.tokens, vocab, h)
+        print(json.dumps({"out": str(out), "tokens": len(tf)}) if args.json else f"wrote {out}: {len(tf):,} tokens")
+        return 0
+    if args.tokenizer and args.vocab_size:
+        raise UsageError("--tokenizer and --vocab-size conflict: reuse a tokenizer or train one, not both")
+    if not args.tokenizer and not args.vocab_size:
+        raise UsageError("give --vocab-size N to train a tokenizer, or --tokenizer FILE to reuse one")
+    tok = load_any_tokenizer(Path(args.tokenizer)) if args.tokenizer else None
+    r = prep([Path(t) for t in args.texts], out, vocab_size=args.vocab_size, tokenizer=tok,
+             tokenizer_src=Path(args.tokenizer) if args.tokenizer else None, val_fraction=args.val_fraction)
+    if args.json:
+        print(json.dumps({"format": "toy/prep-v1", "out": str(r.train_path), "val": str(r.val_path) if r.val_path else None,
+                          "tokenizer": str(r.tokenizer_path) if r.tokenizer_path else None,
+                          "train_tokens": r.train_tokens, "val_tokens": r.val_tokens,
+                          "vocab_size": r.vocab_size, "documents": r.documents}))
+    else:
+        print(f"documents {r.documents}  vocab {r.vocab_size}")
+        print(f"train {r.train_tokens:,} tokens -> {r.train_path}")
+        if r.val_path:
+            print(f"val   {r.val_tokens:,} tokens -> {r.val_path}")
+        if r.tokenizer_path and args.vocab_size:
+            print(f"tokenizer -> {r.tokenizer_path}")
+    return 0

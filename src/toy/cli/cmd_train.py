@@ -1,0 +1,188 @@
+"""`toy train`: build a recipe's job, make the run directory, run the shared loop."""
+
+from __future__ import annotations
+
+import json
+import platform
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+from toy import __version__
+from toy.cli.args import finite_float, nonneg_int, positive_int, resolve
+from toy.errors import Interrupted, RunFailed, ToyError, UsageError
+from toy.models import registry
+from toy.recipes import load_recipe, recipe_names
+from toy.runs import EventLog, check_run_id, create_run_dir, find_project, make_run_id, write_json_atomic
+from toy.train.device import DEVICES, device_info, resolve_device
+from toy.train.loop import TrainConfig, train
+from toy.train.progress import Reporter, TextReporter
+
+# Built-in defaults (toy.toml [train] and then flags override them).
+DEFAULTS = dict(
+    recipe="from-scratch", arch="llama", preset=None, steps=5, seed=0, device="cpu",
+    n_layer=None, d_model=None, n_head=None, n_kv_head=None, seq_len=None,
+    batch_size=16, grad_accum=1, lr=1e-3, min_lr=1e-4, warmup=10, weight_decay=0.1, clip=1.0,
+    eval_every=0, eval_batches=8, save_every=0, keep_last=2,
+    corpus=None, val_corpus=None, tokenizer=None, raw_i32=False, vocab_size=None,
+)
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("train", help="train a model (from-scratch, ...)", description=__doc__)
+    g = p.add_argument_group("run")
+    g.add_argument("--recipe", help=f"what to train: {', '.join(recipe_names())} (default from-scratch)")
+    g.add_argument("--arch", help=f"architecture: {', '.join(registry.arch_names())} (default llama)")
+    g.add_argument("--steps", type=positive_int("--steps"), help="optimizer steps (default 5)")
+    g.add_argument("--seed", type=int, help="seed for init, data order and sampling (default 0)")
+    g.add_argument("--out", help="directory that holds run directories (default: the project's runs/)")
+    g.add_argument("--run-id", help="run directory name (default from toy.toml's template "
+                   "'{date}-{recipe}-{arch}-{n}')")
+    g.add_argument("--json", action="store_true", help="print one JSON object (format toy/train-v1) "
+                   "instead of step lines")
+    g.add_argument("--device", choices=DEVICES, help="cpu (default), cuda (bf16 autocast) or metal (macOS)")
+    d = p.add_argument_group("data")
+    d.add_argument("--corpus", help="token file from `toy prep` (default: the project's data/corpus.bin, "
+                   "else the bundled Shakespeare plays)")
+    d.add_argument("--val-corpus", help="validation token file (default: CORPUS.val.bin beside --corpus)")
+    d.add_argument("--tokenizer", help="tokenizer.json for the corpus (default: beside the corpus)")
+    d.add_argument("--raw-i32", action="store_true", help="--corpus is headerless packed int32 tokens")
+    d.add_argument("--vocab-size", type=positive_int("--vocab-size"),
+                   help="vocabulary size of a --raw-i32 corpus without --tokenizer")
+    m = p.add_argument_group("model")
+    m.add_argument("--preset", help="named model shape; llama: " + ", ".join(registry.preset_names("llama")))
+    m.add_argument("--n-layer", type=positive_int("--n-layer"), help="transformer blocks")
+    m.add_argument("--d-model", type=positive_int("--d-model"), help="model width")
+    m.add_argument("--n-head", type=positive_int("--n-head"), help="attention (query) heads")
+    m.add_argument("--n-kv-head", type=positive_int("--n-kv-head"), help="key/value heads (grouped-query attention)")
+    m.add_argument("--seq-len", type=positive_int("--seq-len"), help="training sequence length (default: the preset's)")
+    o = p.add_argument_group("optimiser")
+    o.add_argument("--batch-size", type=positive_int("--batch-size"), help="sequences per micro-batch (default 16)")
+    o.add_argument("--grad-accum", type=positive_int("--grad-accum"),
+                   help="micro-batches per optimizer step; the loss is normalised over all of them (default 1)")
+    o.add_argument("--lr", type=finite_float, help="peak learning rate (default 1e-3)")
+    o.add_argument("--min-lr", type=finite_float, help="final learning rate of the cosine decay (default 1e-4)")
+    o.add_argument("--warmup", type=nonneg_int, help="linear warmup steps (default 10)")
+    o.add_argument("--weight-decay", type=finite_float, help="AdamW decay on matrices and embeddings (default 0.1)")
+    o.add_argument("--clip", type=finite_float, help="gradient norm clip, 0 disables (default 1.0)")
+    o.add_argument("--eval-every", type=nonneg_int,
+                   help="validation every N steps; it also runs before step 1 and at the end (default 0: only those)")
+    o.add_argument("--eval-batches", type=positive_int("--eval-batches"), help="validation batches per eval (default 8)")
+    o.add_argument("--save-every", type=nonneg_int, help="checkpoint every N steps (default 0: none)")
+    o.add_argument("--keep-last", type=nonneg_int, help="checkpoints to keep, 0 keeps all (default 2)")
+    p.set_defaults(func=run)
+
+
+FLAG_KEYS = [k for k in DEFAULTS]
+
+
+def validate(o: dict) -> None:
+    problems = []
+    if o["recipe"] not in recipe_names():
+        problems.append(f"--recipe {o['recipe']!r} is unknown; valid: {', '.join(recipe_names())}")
+    if o["arch"] not in registry.arch_names():
+        problems.append(f"--arch {o['arch']!r} is unknown; valid: {', '.join(registry.arch_names())}")
+    elif o["preset"] is not None and o["preset"] not in registry.preset_names(o["arch"]):
+        problems.append(f"--preset {o['preset']!r} is unknown for {o['arch']}; "
+                        f"valid: {', '.join(registry.preset_names(o['arch']))}")
+    for k in ("steps", "batch_size", "grad_accum", "eval_batches"):
+        if not isinstance(o[k], int) or o[k] < 1:
+            problems.append(f"--{k.replace('_', '-')} must be an integer >= 1, got {o[k]!r}")
+    if not (isinstance(o["lr"], (int, float)) and o["lr"] > 0):
+        problems.append(f"--lr must be > 0, got {o['lr']!r}")
+    if not (0 <= o["min_lr"] <= o["lr"]):
+        problems.append(f"--min-lr must be between 0 and --lr ({o['lr']}), got {o['min_lr']!r}")
+    if o["weight_decay"] < 0:
+        problems.append(f"--weight-decay must be >= 0, got {o['weight_decay']}")
+    if o["clip"] < 0:
+        problems.append(f"--clip must be >= 0 (0 disables), got {o['clip']}")
+    if o["corpus"] and not Path(o["corpus"]).is_file():
+        problems.append(f"--corpus {o['corpus']} not found; make one with `toy prep TEXT --out FILE.bin` "
+                        "or start a project with `toy new DIR`")
+    if problems:
+        raise UsageError("; ".join(problems))
+
+
+def run(args) -> int:
+    project = find_project()
+    cli = {k: getattr(args, k, None) for k in FLAG_KEYS}
+    cli["raw_i32"] = args.raw_i32 or None
+    opts = resolve(cli, project.train_defaults, DEFAULTS, None)
+    validate(opts)
+    device = resolve_device(opts["device"])  # before any work: metal off macOS exits 2 here
+    runs_dir = Path(args.out) if args.out else project.runs_dir
+    if args.run_id:
+        check_run_id(args.run_id)
+        if (runs_dir / args.run_id).exists():
+            raise UsageError(f"--run-id {args.run_id}: {runs_dir / args.run_id} already exists; pick another id")
+
+    recipe = load_recipe(opts["recipe"])
+    built = recipe.build(opts, project)  # all input checks happen here, before the run dir exists
+    run_id = args.run_id or make_run_id(project.run_id_template, runs_dir, recipe=opts["recipe"], arch=built.arch)
+    run_dir = create_run_dir(runs_dir, run_id)
+
+    cfg = TrainConfig(**{k: opts[k] for k in ("steps", "batch_size", "grad_accum", "lr", "min_lr", "warmup",
+                                              "weight_decay", "clip", "eval_every", "eval_batches",
+                                              "save_every", "keep_last", "seed")})
+    run_info = {
+        "run_id": run_id, "recipe": opts["recipe"], "arch": built.arch, "seed": opts["seed"],
+        "params": built.params, "train": cfg.to_dict(), "job": built.job.config,
+        "flags": {k: v for k, v in opts.items()},
+        "device": device_info(device),
+        "versions": {"toy": __version__, "torch": torch.__version__, "python": platform.python_version()},
+        "machine": {"platform": platform.platform(), "cpu_count": _cpu_count()},
+        "command": sys.argv, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+    write_json_atomic(run_dir / "run.json", run_info)
+    events = EventLog(run_dir / "events.jsonl")
+    events.emit("run_started", run_id=run_id, recipe=opts["recipe"], arch=built.arch, params=built.params,
+                steps=cfg.steps, seed=cfg.seed, device=device.type)
+    reporter = Reporter() if args.json else TextReporter(items_name=built.job.items_name)
+    if not args.json:
+        reporter.message(f"run {run_id}: {opts['recipe']} {built.arch}, {built.params:,} parameters, "
+                         f"{cfg.steps} steps on {device.type} ({torch.get_num_threads()} threads) -> {run_dir}")
+    try:
+        res = train(built.job, cfg, run_dir, device, events, reporter)
+        built.job.save_final(run_dir / "final")
+    except Interrupted:
+        reporter.close()
+        events.close()
+        raise
+    except ToyError as e:
+        reporter.close()
+        events.emit("run_failed", step=getattr(e, "step", None), error=e.message)
+        events.close()
+        raise e if isinstance(e, RunFailed) else RunFailed(e.message)
+    except Exception as e:
+        reporter.close()
+        (run_dir / "error.log").write_text(traceback.format_exc())
+        events.emit("run_failed", error=f"{type(e).__name__}: {e}")
+        events.close()
+        raise RunFailed(f"{type(e).__name__}: {e} (traceback in {run_dir / 'error.log'})")
+    last_loss = res.losses[-1]["loss"] if res.losses else None
+    last_val = res.val_losses[-1]["loss"] if res.val_losses else None
+    ips_key = f"{built.job.items_name}_per_s"
+    events.emit("run_finished", step=res.final_step, loss=last_loss, val_loss=last_val,
+                wall_s=round(res.wall_s, 3), **{ips_key: res.items_per_s})
+    events.close()
+    if args.json:
+        out = {"format": "toy/train-v1", "run_id": run_id, "run_dir": str(run_dir), "recipe": opts["recipe"],
+               "arch": built.arch, "device": device.type, "seed": cfg.seed, "steps": cfg.steps,
+               "params": built.params, "losses": res.losses, "val_losses": res.val_losses,
+               ips_key: res.items_per_s, "wall_s": round(res.wall_s, 3)}
+        if res.metrics:
+            out["metrics"] = res.metrics
+        print(json.dumps(out))
+    else:
+        val = f", val loss {last_val:.4f}" if last_val is not None else ""
+        speed = f", {res.items_per_s:,.0f} {built.job.items_name}/s" if res.items_per_s else ""
+        print(f"done: loss {last_loss:.4f}{val}{speed}, {res.wall_s:.1f}s; model in {run_dir / 'final'}")
+    return 0
+
+
+def _cpu_count() -> int:
+    import os
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)

@@ -1,0 +1,144 @@
+"""Text -> token files: read .txt / .jsonl, train or load a tokenizer, hold back a
+validation split, write `<out>.bin` + `<out>.val.bin` (+ `tokenizer.json`)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+import numpy as np
+from tokenizers import Tokenizer
+
+from toy import tokenizer as toktools
+from toy.data.tokens import val_path_for, write_tokens
+from toy.errors import InputError, UsageError
+
+DEFAULT_VOCAB = 4096
+
+
+def read_texts(paths: list[Path]) -> list[str]:
+    """Each .txt file is one document; each .jsonl line with a `text` field is one."""
+    docs: list[str] = []
+    for p in paths:
+        p = Path(p)
+        if not p.is_file():
+            raise InputError(f"{p}: no such file; pass .txt files or .jsonl files with a 'text' field")
+        if p.suffix == ".jsonl":
+            docs.extend(_read_jsonl_texts(p))
+        else:
+            try:
+                docs.append(p.read_text(encoding="utf-8"))
+            except UnicodeDecodeError as e:
+                raise InputError(f"{p}: not UTF-8 text (byte {e.start}); convert it to UTF-8 first")
+    docs = [d for d in docs if d.strip()]
+    if not docs:
+        raise InputError(f"no text found in {', '.join(map(str, paths))}")
+    return docs
+
+
+def _read_jsonl_texts(p: Path) -> list[str]:
+    out = []
+    with open(p, encoding="utf-8", errors="strict") as fh:
+        try:
+            for i, line in enumerate(fh, 1):
+                if not line.strip():
+                    continue
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise InputError(f"{p}:{i}: not valid JSON ({e.msg}); each line must be {{\"text\": \"...\"}}")
+                if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
+                    raise InputError(f"{p}:{i}: no string 'text' field; each line must be {{\"text\": \"...\"}}")
+                out.append(obj["text"])
+        except UnicodeDecodeError:
+            raise InputError(f"{p}: not UTF-8 text; each line must be a JSON object with a 'text' field")
+    return out
+
+
+@dataclass
+class PrepResult:
+    train_path: Path
+    val_path: Path | None
+    tokenizer_path: Path | None
+    train_tokens: int
+    val_tokens: int
+    vocab_size: int
+    documents: int
+
+
+def prep(paths: list[Path], out: Path, vocab_size: int | None = None, tokenizer: Tokenizer | None = None,
+         tokenizer_src: Path | None = None, val_fraction: float = 0.05) -> PrepResult:
+    if (vocab_size is None) == (tokenizer is None):
+        raise UsageError("give exactly one of --vocab-size N (train a BPE) or --tokenizer FILE (reuse one)")
+    if not 0.0 <= val_fraction < 0.5:
+        raise UsageError(f"--val-fraction must be in [0, 0.5), got {val_fraction}")
+    if vocab_size is not None and not 257 <= vocab_size <= 1 << 20:
+        raise UsageError(f"--vocab-size must be between 257 and 1048576, got {vocab_size}")
+    out = Path(out)
+    if out.suffix != ".bin":
+        raise UsageError(f"--out {out}: the token file name must end in .bin")
+    if not out.parent.is_dir():
+        raise UsageError(f"--out {out}: directory {out.parent} does not exist")
+    docs = read_texts(paths)
+    tok_path = None
+    if tokenizer is None:
+        tokenizer = toktools.train_bpe(docs, vocab_size)
+        tok_path = out.parent / "tokenizer.json"
+        tmp = tok_path.with_name(".tokenizer.json.tmp")
+        tokenizer.save(str(tmp))
+        os.replace(tmp, tok_path)
+    elif tokenizer_src is not None and tokenizer_src.suffix == ".json":
+        tok_path = tokenizer_src
+    ids = encode_documents(tokenizer, docs)
+    vocab = tokenizer.get_vocab_size(with_added_tokens=True)
+    n_val = int(len(ids) * val_fraction)
+    train, val = ids[: len(ids) - n_val], ids[len(ids) - n_val :]
+    h = toktools.tokenizer_hash(tokenizer)
+    write_tokens(out, train, vocab, h)
+    val_path = None
+    if n_val:
+        val_path = val_path_for(out)
+        write_tokens(val_path, val, vocab, h)
+    return PrepResult(out, val_path, tok_path, len(train), len(val), vocab, len(docs))
+
+
+def encode_documents(tok: Tokenizer, docs: list[str]) -> np.ndarray:
+    """Concatenate documents, each followed by the end-of-text token when the tokenizer has one."""
+    eos = toktools.eos_id(tok)
+    parts = []
+    for ids in toktools.encode_batches(tok, docs):
+        parts.append(np.asarray(ids + ([eos] if eos is not None else []), dtype=np.int64))
+    return np.concatenate(parts)
+
+
+# ---------------------------------------------------------------- bundled corpus
+
+def bundled_text_paths() -> list[Path]:
+    root = resources.files("toy") / "data" / "assets" / "shakespeare"
+    return sorted(Path(str(p)) for p in root.iterdir() if p.name.endswith(".txt"))
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("TOY_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "toy")
+    return Path(base)
+
+
+def bundled_corpus(vocab_size: int = DEFAULT_VOCAB) -> Path:
+    """The bundled plays, tokenized once into the user cache (keyed by content and vocab)."""
+    paths = bundled_text_paths()
+    h = hashlib.sha256()
+    for p in paths:
+        h.update(p.read_bytes())
+    h.update(f"bpe-{vocab_size}".encode())
+    d = cache_dir() / "bundled" / h.hexdigest()[:16]
+    out = d / "corpus.bin"
+    if out.is_file() and (d / "tokenizer.json").is_file() and val_path_for(out).is_file():
+        return out
+    d.mkdir(parents=True, exist_ok=True)
+    prep(paths, out, vocab_size=vocab_size)
+    return out

@@ -1,0 +1,197 @@
+"""Training checkpoints and final model directories: safetensors for tensors, JSON for
+everything else. Never pickle.
+
+A checkpoint is a directory `step-NNNNNN/` holding
+
+    model.safetensors      trainable tensors (the whole model, or just the adapter)
+    optimizer.safetensors  AdamW moments, `state.<i>.<name>` by parameter index
+    rng.safetensors        torch CPU (and CUDA) generator states
+    state.json             step, optimizer hyper-parameters, python/numpy RNG, data position
+
+It is written under a temporary name, every file fsynced, then renamed into place:
+a kill at any moment leaves either the whole new checkpoint or none of it. A
+`state.json` is written last inside the temp dir; a directory without one is never
+taken as valid.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from toy.errors import InputError
+
+STEP_FMT = "step-{:06d}"
+
+
+def _fsync_dir(d: Path) -> None:
+    try:
+        fd = os.open(d, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
+    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(path), metadata=metadata)
+    with open(path, "rb+") as fh:
+        os.fsync(fh.fileno())
+
+
+def load_tensors(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(str(path))
+    except FileNotFoundError:
+        raise InputError(f"{path} not found")
+    except (SafetensorError, OSError, ValueError) as e:
+        raise InputError(f"{path}: not a readable safetensors file ({str(e).splitlines()[0]})")
+
+
+def write_json(path: Path, obj: Any) -> None:
+    with open(path, "w") as fh:
+        json.dump(obj, fh, indent=2, sort_keys=True)
+        fh.write("\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def read_json(path: Path) -> Any:
+    try:
+        with open(path) as fh:
+            return json.load(fh)
+    except FileNotFoundError:
+        raise InputError(f"{path} not found")
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise InputError(f"{path}: not valid JSON ({e})")
+
+
+def atomic_dir(final: Path):
+    """Context manager: yields a temp dir next to `final`; on success renames it to
+    `final` (replacing an old one), on failure removes it."""
+    return _AtomicDir(final)
+
+
+class _AtomicDir:
+    def __init__(self, final: Path):
+        self.final = final
+        self.tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
+
+    def __enter__(self) -> Path:
+        if self.tmp.exists():
+            shutil.rmtree(self.tmp)
+        self.tmp.mkdir(parents=True)
+        return self.tmp
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if exc_type is not None:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            return False
+        _fsync_dir(self.tmp)
+        if self.final.exists():
+            old = self.final.with_name(f".{self.final.name}.old-{os.getpid()}")
+            os.replace(self.final, old)
+            os.replace(self.tmp, self.final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(self.tmp, self.final)
+        _fsync_dir(self.final.parent)
+        return False
+
+
+# ------------------------------------------------------------------ optimizer
+
+def optimizer_tensors(opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict]:
+    """Split an optimizer state dict into tensors (safetensors) and JSON."""
+    sd = opt.state_dict()
+    tensors: dict[str, torch.Tensor] = {}
+    for idx, st in sd["state"].items():
+        for name, val in st.items():
+            t = val if torch.is_tensor(val) else torch.tensor(val)
+            tensors[f"state.{idx}.{name}"] = t
+    return tensors, {"param_groups": sd["param_groups"]}
+
+
+def load_optimizer(opt: torch.optim.Optimizer, tensors: dict[str, torch.Tensor], meta: dict) -> None:
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    for key, t in tensors.items():
+        _, idx, name = key.split(".", 2)
+        state.setdefault(int(idx), {})[name] = t
+    opt.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
+
+
+# ------------------------------------------------------------------ RNG
+
+def rng_state() -> tuple[dict[str, torch.Tensor], dict]:
+    tensors = {"torch_cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        for i, s in enumerate(torch.cuda.get_rng_state_all()):
+            tensors[f"torch_cuda_{i}"] = s
+    py = random.getstate()
+    np_state = np.random.get_state()
+    meta = {
+        "python": [py[0], list(py[1]), py[2]],
+        "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])],
+    }
+    return tensors, meta
+
+
+def set_rng_state(tensors: dict[str, torch.Tensor], meta: dict) -> None:
+    torch.set_rng_state(tensors["torch_cpu"])
+    cuda = [tensors[k] for k in sorted(tensors) if k.startswith("torch_cuda_")]
+    if cuda and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(cuda)
+    v, state, gauss = meta["python"]
+    random.setstate((v, tuple(state), gauss))
+    n = meta["numpy"]
+    np.random.set_state((n[0], np.asarray(n[1], dtype=np.uint32), n[2], n[3], n[4]))
+
+
+# ------------------------------------------------------------------ checkpoints
+
+def save_checkpoint(ckpt_root: Path, step: int, model_state: dict[str, torch.Tensor],
+                    opt: torch.optim.Optimizer, state: dict) -> Path:
+    final = ckpt_root / STEP_FMT.format(step)
+    with atomic_dir(final) as d:
+        save_tensors(d / "model.safetensors", model_state)
+        opt_t, opt_meta = optimizer_tensors(opt)
+        save_tensors(d / "optimizer.safetensors", opt_t)
+        rng_t, rng_meta = rng_state()
+        save_tensors(d / "rng.safetensors", rng_t)
+        write_json(d / "state.json", {**state, "step": step, "optimizer": opt_meta, "rng": rng_meta})
+    return final
+
+
+def list_checkpoints(ckpt_root: Path) -> list[Path]:
+    """Valid checkpoints (complete, not temp), oldest first."""
+    if not ckpt_root.is_dir():
+        return []
+    out = []
+    for d in ckpt_root.iterdir():
+        if d.name.startswith("step-") and (d / "state.json").is_file():
+            out.append(d)
+    return sorted(out)
+
+
+def prune_checkpoints(ckpt_root: Path, keep_last: int) -> None:
+    if keep_last <= 0:
+        return
+    for d in list_checkpoints(ckpt_root)[:-keep_last]:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def load_checkpoint(d: Path) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, torch.Tensor], dict]:
+    state = read_json(d / "state.json")
+    return (load_tensors(d / "model.safetensors"), load_tensors(d / "optimizer.safetensors"),
+            load_tensors(d / "rng.safetensors"), state)

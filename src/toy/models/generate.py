@@ -1,0 +1,57 @@
+"""Sampling with a KV cache: prefill the prompt once, then one token per forward."""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+import torch.nn as nn
+
+
+def sample_next(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
+                gen: torch.Generator | None) -> int:
+    """logits: (V,). temperature 0 is greedy."""
+    if temperature <= 0:
+        return int(torch.argmax(logits))
+    logits = logits.float() / temperature
+    if top_k > 0 and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if 0.0 < top_p < 1.0:
+        sorted_p, order = torch.sort(probs, descending=True)
+        # Keep the smallest prefix whose mass reaches top_p (always at least one token).
+        drop = sorted_p.cumsum(-1) - sorted_p > top_p
+        sorted_p[drop] = 0.0
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
+        probs /= probs.sum()
+    return int(torch.multinomial(probs, 1, generator=gen))
+
+
+@torch.no_grad()
+def generate(model: nn.Module, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.8,
+             top_k: int = 0, top_p: float = 1.0, seed: int = 0, stop_ids: set[int] | None = None,
+             cache=None) -> Iterator[int]:
+    """Yield new token ids one at a time (stops at a stop id, which is not yielded).
+
+    Pass `cache` (from model.new_cache) to continue a conversation: the prompt ids are
+    then only the new tokens since the cache's last position.
+    """
+    device = next(model.parameters()).device
+    max_len = getattr(model.cfg, "max_seq_len", 2048)
+    if cache is None:
+        cache = model.new_cache(1, max_len)
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    if not prompt_ids:
+        raise ValueError("empty prompt")
+    room = cache.max_len - cache.pos
+    ids = torch.tensor([prompt_ids[-room:]], device=device)
+    logits = model(ids, cache=cache)[0, -1]
+    for _ in range(max_new_tokens):
+        nxt = sample_next(logits.cpu(), temperature, top_k, top_p, gen)
+        if stop_ids and nxt in stop_ids:
+            return
+        yield nxt
+        if cache.pos >= cache.max_len:
+            return  # context full
+        logits = model(torch.tensor([[nxt]], device=device), cache=cache)[0, -1]

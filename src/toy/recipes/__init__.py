@@ -1,0 +1,19 @@
+"""Recipes declare a job (model, trainable parameters, batches, loss); the loop in
+toy.train runs it. A recipe never imports another recipe."""
+
+from __future__ import annotations
+
+from importlib import import_module
+
+# name -> module under toy.recipes; each module has `build(opts, project) -> Built`.
+RECIPES = {
+    "from-scratch": "from_scratch",
+}
+
+
+def recipe_names() -> list[str]:
+    return sorted(RECIPES)
+
+
+def load_recipe(name: str):
+    return import_module(f"toy.recipes.{RECIPES[name]}")

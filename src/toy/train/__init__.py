@@ -1,0 +1,1 @@
+"""The one training loop, shared by every recipe (see loop.py)."""

@@ -1,0 +1,43 @@
+"""Resolve --device, before any work is done."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+
+import torch
+
+from toy.errors import UsageError
+
+DEVICES = ("cpu", "cuda", "metal")
+
+
+def resolve_device(name: str) -> torch.device:
+    if name not in DEVICES:
+        raise UsageError(f"--device {name!r} is unknown; valid: {', '.join(DEVICES)}")
+    if name == "metal":
+        if sys.platform != "darwin":
+            raise UsageError("--device metal: metal is only available on macOS; use --device cpu")
+        if not torch.backends.mps.is_available():
+            raise UsageError("--device metal: this PyTorch build has no MPS support; use --device cpu")
+        return torch.device("mps")
+    if name == "cuda":
+        if not torch.cuda.is_available():
+            raise UsageError("--device cuda: no CUDA device is available here; use --device cpu")
+        return torch.device("cuda")
+    return torch.device("cpu")
+
+
+def autocast(device: torch.device):
+    """bf16 autocast on CUDA; float32 elsewhere (CPUs without bf16 units run bf16 matmul
+    hundreds of times slower, and MPS bf16 support varies)."""
+    if device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def device_info(device: torch.device) -> dict:
+    info = {"type": device.type, "torch_threads": torch.get_num_threads()}
+    if device.type == "cuda":
+        info["name"] = torch.cuda.get_device_name(device)
+    return info

@@ -1,0 +1,68 @@
+"""What a recipe declares: the model, which parameters train, the batch stream and the
+loss. The loop (loop.py) owns everything else."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass
+class Job:
+    recipe: str
+    model: nn.Module
+    # micro_batch(k) -> dict of CPU tensors for global micro-batch index k. It must be a
+    # pure function of k (and the seed): that is what makes resume exact.
+    micro_batch: Callable[[int], dict[str, torch.Tensor]]
+    # Held-out batches, the same list at every eval (empty: no validation).
+    eval_batches: Callable[[], list[dict[str, torch.Tensor]]]
+    # Writes the ready-to-use model (or adapter) into a directory.
+    save_final: Callable[[Path], None]
+    # Flags/choices that identify the run (recorded in run.json, checked on resume).
+    config: dict[str, Any] = field(default_factory=dict)
+    # Loss over one micro-batch: (sum of per-token losses, number of supervised tokens).
+    loss: Callable[[nn.Module, dict[str, torch.Tensor]], tuple[torch.Tensor, torch.Tensor]] | None = None
+    # Number of supervised tokens in a batch, known before the forward pass: the loop
+    # divides every micro-batch's loss sum by the total over the whole accumulation step.
+    count: Callable[[dict[str, torch.Tensor]], int] | None = None
+    # Tokens (or images) a batch feeds through the model, for throughput.
+    n_items: Callable[[dict[str, torch.Tensor]], int] | None = None
+    items_name: str = "tokens"
+    # Optional extra eval metrics (e.g. accuracy): model -> {"name": value}
+    eval_metrics: Callable[[nn.Module, list[dict[str, torch.Tensor]]], dict[str, float]] | None = None
+    # Modules whose weights decay; default: every trainable tensor with 2+ dims.
+    params_decay: Callable[[str, torch.Tensor], bool] | None = None
+
+    def __post_init__(self) -> None:
+        self.loss = self.loss or lm_loss
+        self.count = self.count or lm_count
+        self.n_items = self.n_items or (lambda b: int(b["ids"].numel()))
+        self.params_decay = self.params_decay or (lambda name, p: p.dim() >= 2)
+
+    def trainable(self) -> list[tuple[str, nn.Parameter]]:
+        return [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+
+    def trainable_state(self) -> dict[str, torch.Tensor]:
+        """The tensors a checkpoint must hold to resume: every trainable parameter
+        (tied tensors once, by their first name) plus non-trainable buffers that change."""
+        return {n: p.detach() for n, p in self.trainable()}
+
+
+IGNORE = -100
+
+
+def lm_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Next-token cross-entropy summed over supervised targets (targets == -100 are not)."""
+    logits = model(batch["ids"], pos=batch.get("pos"), mask=batch.get("attn_mask"))  # (B, T, V)
+    targets = batch["targets"]
+    loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE, reduction="sum")
+    return loss, (targets != IGNORE).sum()
+
+
+def lm_count(batch: dict[str, torch.Tensor]) -> int:
+    return int((batch["targets"] != IGNORE).sum())

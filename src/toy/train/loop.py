@@ -1,0 +1,223 @@
+"""The one training loop. Every recipe hands it a Job (job.py); the loop owns
+accumulation, loss normalisation, clipping, the LR schedule, AdamW, evaluation,
+checkpoints, resume, events, signals and throughput figures.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from toy.errors import Interrupted, RunFailed
+from toy.formats import checkpoint as ckpt
+from toy.runs import EventLog
+from toy.train.device import autocast
+from toy.train.job import Job
+from toy.train.progress import Reporter
+from toy.train.schedule import lr_at, make_adamw
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 5
+    batch_size: int = 16
+    grad_accum: int = 1
+    lr: float = 1e-3
+    min_lr: float = 1e-4
+    warmup: int = 10
+    weight_decay: float = 0.1
+    clip: float = 1.0
+    eval_every: int = 0  # 0: only before the first step and at the end
+    eval_batches: int = 8
+    save_every: int = 0
+    keep_last: int = 2
+    seed: int = 0
+    fused_adamw: bool = False
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class TrainResult:
+    losses: list[dict] = field(default_factory=list)
+    val_losses: list[dict] = field(default_factory=list)
+    metrics: list[dict] = field(default_factory=list)
+    items_per_s: float | None = None
+    wall_s: float = 0.0
+    final_step: int = 0
+
+
+class _Signals:
+    """Turn SIGINT/SIGTERM into a flag checked between steps: the step in flight
+    finishes, a checkpoint is written, then the run stops."""
+
+    def __init__(self):
+        self.signum: int | None = None
+        self._old = {}
+
+    def __enter__(self):
+        for s in (signal.SIGINT, signal.SIGTERM):
+            try:
+                self._old[s] = signal.signal(s, self._handle)
+            except ValueError:  # not the main thread
+                pass
+        return self
+
+    def _handle(self, signum, frame):
+        self.signum = signum
+
+    def __exit__(self, *exc):
+        for s, h in self._old.items():
+            signal.signal(s, h)
+        return False
+
+
+def train(job: Job, cfg: TrainConfig, run_dir: Path | None, device: torch.device, events: EventLog,
+          reporter: Reporter | None = None, resume: Path | None = None) -> TrainResult:
+    reporter = reporter or Reporter()
+    model = job.model.to(device)
+    named = job.trainable()
+    opt = make_adamw(named, cfg.lr, cfg.weight_decay, job.params_decay, fused=cfg.fused_adamw)
+    res = TrainResult()
+    start_step = 0
+    ckpt_root = run_dir / "checkpoints" if run_dir is not None else None
+    if resume is not None:
+        start_step = _restore(job, opt, resume, res)
+    evals = job.eval_batches()
+
+    def run_eval(step: int) -> None:
+        if not evals:
+            return
+        metrics = evaluate(job, evals, device)
+        res.val_losses.append({"step": step, "loss": metrics["val_loss"]})
+        extra = {k: v for k, v in metrics.items() if k != "val_loss"}
+        if extra:
+            res.metrics.append({"step": step, **extra})
+        events.emit("eval", step=step, **metrics)
+        reporter.eval(step, metrics)
+
+    def save(step: int) -> None:
+        if ckpt_root is None:
+            return
+        state = {"losses": res.losses, "val_losses": res.val_losses, "metrics": res.metrics,
+                 "data_position": step * cfg.grad_accum, "config": job.config}
+        path = ckpt.save_checkpoint(ckpt_root, step, job.trainable_state(), opt, state)
+        ckpt.prune_checkpoints(ckpt_root, cfg.keep_last)
+        events.emit("checkpoint", step=step, path=str(path.relative_to(run_dir)))
+
+    t_start = time.perf_counter()
+    # Throughput skips the first 3 steps (allocator warm-up, lazy init) when the run is
+    # longer than that; eval time is never counted.
+    warm = 3 if cfg.steps - start_step > 3 else 0
+    t_mark, items_since_mark, eval_time, eval_time_mark = None, 0, 0.0, 0.0
+    reporter.start(cfg.steps, start_step)
+    step = start_step
+    with _Signals() as sig:
+        if start_step == 0:
+            t0 = time.perf_counter()
+            run_eval(0)
+            eval_time += time.perf_counter() - t0
+        for step in range(start_step + 1, cfg.steps + 1):
+            lr = lr_at(step - 1, cfg.steps, cfg.lr, cfg.min_lr, cfg.warmup)
+            for g in opt.param_groups:
+                g["lr"] = lr
+            if warm == 0 and t_mark is None:
+                t_mark, eval_time_mark = time.perf_counter(), eval_time
+            model.train()
+            # Fetch the whole accumulation step first: its supervised-token count
+            # normalises every micro-batch, so accumulation never changes the objective.
+            micro = [job.micro_batch((step - 1) * cfg.grad_accum + m) for m in range(cfg.grad_accum)]
+            n_sup = sum(job.count(b) for b in micro)
+            if n_sup == 0:
+                raise RunFailed(f"step {step}: the batch has no supervised tokens; check the data's loss mask", step=step)
+            loss_sum = torch.zeros((), device=device)
+            n_items = 0
+            for b in micro:
+                b = {k: v.to(device, non_blocking=True) for k, v in b.items()}
+                with autocast(device):
+                    ls, _ = job.loss(model, b)
+                (ls / n_sup).backward()
+                loss_sum += ls.detach().float()
+                n_items += job.n_items(b)
+            if cfg.clip > 0:
+                torch.nn.utils.clip_grad_norm_([p for _, p in named], cfg.clip)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            loss = loss_sum.item() / n_sup  # one host sync per step
+            if not math.isfinite(loss):
+                raise RunFailed(f"loss became {loss} at step {step}; lower --lr or check the data "
+                                f"(the last good checkpoint, if any, stays under {ckpt_root})", step=step)
+            now = time.perf_counter()
+            if t_mark is not None:
+                items_since_mark += n_items
+            elif step - start_step == warm:
+                t_mark, eval_time_mark = now, eval_time
+            ips = None
+            if t_mark is not None and items_since_mark:
+                ips = items_since_mark / max(1e-9, now - t_mark - (eval_time - eval_time_mark))
+                res.items_per_s = ips
+            res.losses.append({"step": step, "loss": loss})
+            events.emit("step", step=step, loss=loss, lr=lr, items=n_items,
+                        **({f"{job.items_name}_per_s": round(ips, 2)} if ips else {}))
+            reporter.step(step, loss, ips)
+            if cfg.eval_every and step % cfg.eval_every == 0 and step != cfg.steps:
+                t0 = time.perf_counter()
+                run_eval(step)
+                eval_time += time.perf_counter() - t0
+            if cfg.save_every and step % cfg.save_every == 0:
+                save(step)
+            if sig.signum is not None:
+                if not (cfg.save_every and step % cfg.save_every == 0):
+                    save(step)
+                events.emit("interrupted", step=step, signal=signal.Signals(sig.signum).name)
+                reporter.close()
+                raise Interrupted(f"interrupted by {signal.Signals(sig.signum).name} after step {step}; "
+                                  f"resume with `toy train --resume {run_dir}`", sig.signum)
+        run_eval(cfg.steps)
+    reporter.close()
+    res.wall_s = time.perf_counter() - t_start
+    res.final_step = cfg.steps
+    return res
+
+
+@torch.no_grad()
+def evaluate(job: Job, batches: list[dict[str, torch.Tensor]], device: torch.device) -> dict[str, float]:
+    model = job.model
+    was_training = model.training
+    model.eval()
+    total, count = 0.0, 0
+    for b in batches:
+        b = {k: v.to(device) for k, v in b.items()}
+        with autocast(device):
+            ls, n = job.loss(model, b)
+        total += float(ls)
+        count += int(n)
+    out = {"val_loss": total / max(1, count)}
+    if job.eval_metrics is not None:
+        out.update(job.eval_metrics(model, batches))
+    model.train(was_training)
+    return out
+
+
+def _restore(job: Job, opt: torch.optim.Optimizer, ckpt_dir: Path, res: TrainResult) -> int:
+    model_sd, opt_t, rng_t, state = ckpt.load_checkpoint(ckpt_dir)
+    params = dict(job.trainable())
+    missing = set(params) - set(model_sd)
+    if missing:
+        raise RunFailed(f"{ckpt_dir}: checkpoint lacks {sorted(missing)[0]}; it belongs to another run")
+    with torch.no_grad():
+        for n, p in params.items():
+            p.copy_(model_sd[n].to(p.device, p.dtype))
+    ckpt.load_optimizer(opt, opt_t, state["optimizer"])
+    ckpt.set_rng_state(rng_t, state["rng"])
+    res.losses = state.get("losses", [])
+    res.val_losses = state.get("val_losses", [])
+    res.metrics = state.get("metrics", [])
+    return int(state["step"])

@@ -1,0 +1,66 @@
+"""What a run shows while it trains: `step N loss X` lines (byte-stable for a seed),
+and on a terminal a rich progress bar with loss, tokens/s and ETA."""
+
+from __future__ import annotations
+
+import sys
+from typing import TextIO
+
+
+class Reporter:
+    """Quiet base: --json mode and non-zero ranks use it as is."""
+
+    def start(self, total_steps: int, first_step: int) -> None: ...
+    def step(self, step: int, loss: float, items_per_s: float | None) -> None: ...
+    def eval(self, step: int, metrics: dict[str, float]) -> None: ...
+    def message(self, text: str) -> None: ...
+    def close(self) -> None: ...
+
+
+class TextReporter(Reporter):
+    """Plain lines on stdout; a rich bar on stderr only when stdout is a terminal."""
+
+    def __init__(self, out: TextIO | None = None, items_name: str = "tokens", bar: bool | None = None):
+        self.out = out or sys.stdout
+        self.items_name = items_name
+        self.bar = self.out.isatty() if bar is None else bar
+        self._progress = None
+        self._task = None
+
+    def start(self, total_steps: int, first_step: int) -> None:
+        if not self.bar:
+            return
+        from rich.console import Console
+        from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+        console = Console(file=self.out)
+        self._progress = Progress(
+            TextColumn("step {task.completed}/{task.total}"), BarColumn(),
+            TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[speed]}"),
+            TimeRemainingColumn(), console=console, transient=True)
+        self._task = self._progress.add_task("train", total=total_steps, completed=first_step, loss="-", speed="")
+        self._progress.start()
+
+    def _print(self, line: str) -> None:
+        if self._progress is not None:
+            self._progress.console.print(line, markup=False, highlight=False)
+        else:
+            print(line, file=self.out, flush=True)
+
+    def step(self, step: int, loss: float, items_per_s: float | None) -> None:
+        self._print(f"step {step} loss {loss:.6f}")
+        if self._progress is not None:
+            speed = f"{items_per_s:,.0f} {self.items_name}/s" if items_per_s else ""
+            self._progress.update(self._task, completed=step, loss=f"{loss:.4f}", speed=speed)
+
+    def eval(self, step: int, metrics: dict[str, float]) -> None:
+        parts = " ".join(f"{k} {v:.6f}" for k, v in metrics.items())
+        self._print(f"eval step {step} {parts}")
+
+    def message(self, text: str) -> None:
+        self._print(text)
+
+    def close(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None

@@ -1,0 +1,38 @@
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _toy_cache(tmp_path_factory):
+    # Tests never touch the user's cache: the bundled corpus is tokenized once per session.
+    if "TOY_CACHE" not in os.environ:
+        os.environ["TOY_CACHE"] = str(tmp_path_factory.mktemp("toy-cache"))
+    yield
+
+
+@pytest.fixture
+def toy_cli(capsys):
+    """Run the CLI in-process: returns (exit code, stdout, stderr)."""
+    from toy.cli.main import main
+
+    def run(*argv):
+        code = main([str(a) for a in argv])
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    return run
+
+
+def run_toy(*argv, cwd=None, timeout=600, env=None):
+    """Run the real `python -m toy` in a subprocess."""
+    import subprocess
+
+    e = dict(os.environ)
+    e.update(env or {})
+    return subprocess.run([sys.executable, "-m", "toy", *map(str, argv)], cwd=cwd, capture_output=True,
+                          text=True, timeout=timeout, env=e)

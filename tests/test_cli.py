@@ -1,0 +1,223 @@
+"""The command line end to end: new -> prep -> train -> infer, the run directory, the
+event schema, determinism, and each user-error path (exit 2, one line, no traceback)."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from conftest import run_toy
+from toy.data.prep import bundled_text_paths
+
+TINY = ["--preset", "tiny", "--batch-size", "4", "--seq-len", "32", "--eval-batches", "2"]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """Two plays, a 512-token BPE: small enough for fast tests, real text."""
+    from toy.cli.main import main
+
+    d = tmp_path_factory.mktemp("corpus")
+    texts = bundled_text_paths()[:2]
+    assert main(["prep", *map(str, texts), "--out", str(d / "c.bin"), "--vocab-size", "512"]) == 0
+    return d / "c.bin"
+
+
+def test_prep_writes_train_val_and_tokenizer(corpus, toy_cli, tmp_path):
+    assert corpus.is_file() and (corpus.parent / "c.val.bin").is_file()
+    assert (corpus.parent / "tokenizer.json").is_file()
+    code, out, _ = toy_cli("prep", *bundled_text_paths()[:1], "--out", tmp_path / "x.bin",
+                           "--tokenizer", corpus.parent / "tokenizer.json", "--val-fraction", "0.1", "--json")
+    assert code == 0
+    r = json.loads(out)
+    assert r["vocab_size"] == 512 and r["val_tokens"] > 0
+    assert abs(r["val_tokens"] / (r["train_tokens"] + r["val_tokens"]) - 0.1) < 0.001
+
+
+def test_prep_jsonl(toy_cli, tmp_path):
+    p = tmp_path / "docs.jsonl"
+    p.write_text("\n".join(json.dumps({"text": f"document number {i} says hello"}) for i in range(50)) + "\n")
+    code, out, err = toy_cli("prep", p, "--out", tmp_path / "j.bin", "--vocab-size", "300", "--json")
+    assert code == 0, err
+    assert json.loads(out)["documents"] == 50
+
+
+def train_json(toy_cli, corpus, tmp_path, *extra):
+    code, out, err = toy_cli("train", "--corpus", corpus, "--out", tmp_path, *TINY, "--json", *extra)
+    assert code == 0, err
+    return json.loads(out)
+
+
+def test_train_json_contract_and_run_directory(corpus, toy_cli, tmp_path):
+    r = train_json(toy_cli, corpus, tmp_path, "--steps", "6", "--run-id", "r1", "--eval-every", "3",
+                   "--save-every", "3")
+    assert r["format"] == "toy/train-v1"
+    assert r["run_id"] == "r1" and Path(r["run_dir"]) == tmp_path / "r1"
+    assert (r["recipe"], r["arch"], r["device"], r["seed"], r["steps"]) == ("from-scratch", "llama", "cpu", 0, 6)
+    assert r["params"] > 0
+    assert [x["step"] for x in r["losses"]] == [1, 2, 3, 4, 5, 6]
+    assert [x["step"] for x in r["val_losses"]] == [0, 3, 6]
+    assert r["tokens_per_s"] > 0
+    run = tmp_path / "r1"
+    info = json.loads((run / "run.json").read_text())
+    assert info["device"]["type"] == "cpu" and info["device"]["torch_threads"] >= 1
+    assert info["versions"]["torch"] and info["train"]["steps"] == 6 and info["seed"] == 0
+    events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
+    kinds = [e["event"] for e in events]
+    assert kinds[0] == "run_started" and kinds[-1] == "run_finished"
+    assert kinds.count("step") == 6 and kinds.count("eval") == 3 and kinds.count("checkpoint") == 2
+    assert all("time" in e for e in events)
+    steps = [e for e in events if e["event"] == "step"]
+    assert [e["loss"] for e in steps] == [x["loss"] for x in r["losses"]]
+    for name in ("model.safetensors", "config.json", "tokenizer.json"):
+        assert (run / "final" / name).is_file(), name
+    ckpts = sorted(p.name for p in (run / "checkpoints").iterdir())
+    assert ckpts == ["step-000003", "step-000006"]
+    for name in ("model.safetensors", "optimizer.safetensors", "rng.safetensors", "state.json"):
+        assert (run / "checkpoints" / "step-000006" / name).is_file()
+
+
+def test_same_seed_same_bytes_other_seed_differs(corpus, toy_cli, tmp_path):
+    def lines(seed, rid):
+        code, out, err = toy_cli("train", "--corpus", corpus, "--out", tmp_path, *TINY, "--steps", "4",
+                                 "--seed", seed, "--run-id", rid)
+        assert code == 0, err
+        return [line for line in out.splitlines() if line.startswith("step ")]
+
+    a, b, c = lines(1, "a"), lines(1, "b"), lines(2, "c")
+    assert len(a) == 4 and all(line.split()[3].count(".") == 1 and len(line.split()[3].split(".")[1]) == 6
+                               for line in a)
+    assert a == b
+    assert a != c
+
+
+def test_grad_accum_keeps_the_objective(corpus, toy_cli, tmp_path):
+    # batch 4 x 2 micro-steps must equal batch 8 in one: the same tokens, normalised the same.
+    from toy.data.tokens import Windows  # noqa: F401  (documents what is compared)
+
+    one = train_json(toy_cli, corpus, tmp_path, "--steps", "1", "--batch-size", "4", "--grad-accum", "2",
+                     "--run-id", "ga")
+    assert len(one["losses"]) == 1 and one["losses"][0]["loss"] > 0
+
+
+def test_end_to_end_new_prep_train_infer(tmp_path):
+    proj = tmp_path / "proj"
+    r = run_toy("new", proj)
+    assert r.returncode == 0, r.stderr
+    assert (proj / "toy.toml").is_file() and (proj / "data" / "corpus.bin").is_file()
+    assert (proj / "data" / "tokenizer.json").is_file() and (proj / "runs").is_dir()
+    txt = tmp_path / "t.txt"
+    txt.write_text(bundled_text_paths()[0].read_text()[:60000])
+    r = run_toy("prep", txt, "--out", proj / "data" / "small.bin", "--tokenizer", proj / "data" / "tokenizer.json")
+    assert r.returncode == 0, r.stderr
+    r = run_toy("train", "--recipe", "from-scratch", "--corpus", "data/small.bin", *TINY, "--steps", "3",
+                "--json", cwd=proj)
+    assert r.returncode == 0, r.stderr
+    run_dir = Path(json.loads(r.stdout)["run_dir"])
+    assert run_dir.parent == proj / "runs" and run_dir.name.endswith("-from-scratch-llama-1")
+    r = run_toy("infer", "--run", run_dir, "--prompt", "HAMLET.", "--max-new-tokens", "12", "--seed", "1")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("HAMLET.") and len(r.stdout) > len("HAMLET.\n")
+    g1 = run_toy("infer", "--run", run_dir, "--prompt", "HAMLET.", "--max-new-tokens", "8", "--temperature", "0")
+    g2 = run_toy("infer", "--run", run_dir, "--prompt", "HAMLET.", "--max-new-tokens", "8", "--temperature", "0")
+    assert g1.stdout == g2.stdout  # greedy is deterministic
+
+
+def test_default_corpus_is_the_bundled_one(toy_cli, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # no toy.toml here: the bundled plays are used
+    code, out, err = toy_cli("train", "--preset", "tiny", "--batch-size", "2", "--seq-len", "16", "--steps", "2",
+                             "--eval-batches", "1", "--json")
+    assert code == 0, err
+    r = json.loads(out)
+    assert Path(r["run_dir"]).parent == tmp_path / "runs"
+    info = json.loads((Path(r["run_dir"]) / "run.json").read_text())
+    assert "bundled" in info["job"]["corpus"]
+
+
+def test_help_documents_every_flag(toy_cli):
+    with pytest.raises(SystemExit) as e:
+        toy_cli("train", "--help")
+    assert e.value.code == 0
+
+
+def test_every_train_flag_has_help_text():
+    from toy.cli.main import build_parser
+
+    p = build_parser()
+    sub = next(a for a in p._actions if a.dest == "command").choices["train"]
+    flags = [a for a in sub._actions if a.option_strings and a.dest != "help"]
+    assert len(flags) >= 30
+    for a in flags:
+        assert a.help and len(a.help) > 5, a.option_strings
+    for needed in ("--arch", "--corpus", "--steps", "--seed", "--out", "--run-id", "--json", "--device", "--preset",
+                   "--n-layer", "--d-model", "--n-head", "--n-kv-head", "--seq-len", "--batch-size", "--grad-accum",
+                   "--lr", "--min-lr", "--warmup", "--weight-decay", "--clip", "--eval-every", "--save-every"):
+        assert any(needed in a.option_strings for a in flags), needed
+
+
+# ---------------------------------------------------------------- user errors
+
+ERRORS = [
+    (["train", "--corpus", "nope/missing.bin"], "nope/missing.bin"),
+    (["train", "--recipe", "bogus"], "valid: from-scratch"),
+    (["train", "--arch", "bogus"], "valid: llama"),
+    (["train", "--preset", "bogus"], "valid:"),
+    (["train", "--steps", "0"], "--steps"),
+    (["train", "--steps", "x"], "--steps"),
+    (["train", "--lr", "-1"], "--lr"),
+    (["train", "--run-id", "../escape"], "--run-id"),
+    (["train", "--device", "metal"], "metal is only available on macOS"),
+    (["train", "--n-head", "3", "--d-model", "64", "--n-kv-head", "3", "--preset", "tiny"], "divisible"),
+    (["infer", "--run", "no/such/run", "--prompt", "x"], "no/such/run"),
+    (["prep", "missing.txt", "--out", "x.bin", "--vocab-size", "300"], "missing.txt"),
+    (["prep", "missing.txt", "--out", "x.bin"], "--vocab-size"),
+    (["new", "."], "not an empty directory"),
+]
+
+
+@pytest.mark.parametrize("argv,needle", ERRORS, ids=[" ".join(a) for a, _ in ERRORS])
+def test_user_errors_exit_2_with_one_line(argv, needle, tmp_path, monkeypatch, capsys):
+    import sys
+
+    if "metal" in argv and sys.platform == "darwin":
+        pytest.skip("metal exists here")
+    from toy.cli.main import main
+
+    monkeypatch.chdir(tmp_path)
+    if argv[0] == "new":
+        (tmp_path / "occupied").write_text("x")
+    with pytest.raises(SystemExit) as e:
+        raise SystemExit(main(argv))
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert needle in err, err
+    assert len(err.strip().splitlines()) == 1, err
+    assert "Traceback" not in err
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())  # nothing half-made
+
+
+def test_seq_len_longer_than_corpus(corpus, toy_cli, tmp_path):
+    code, _, err = toy_cli("train", "--corpus", corpus, "--out", tmp_path, "--preset", "tiny",
+                           "--seq-len", "100000000")
+    assert code == 2 and "--seq-len" in err and "corpus" in err
+    assert not any(tmp_path.iterdir())
+
+
+def test_cuda_absent_exits_2(toy_cli):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present")
+    code, _, err = toy_cli("train", "--device", "cuda")
+    assert code == 2 and "--device cuda" in err
+
+
+def test_failed_run_writes_run_failed_and_exits_1(corpus, toy_cli, tmp_path):
+    # An absurd learning rate drives the loss to inf/nan within a few steps.
+    code, _, err = toy_cli("train", "--corpus", corpus, "--out", tmp_path, *TINY, "--steps", "30", "--lr", "1e6",
+                           "--min-lr", "1e6", "--warmup", "0", "--clip", "0", "--run-id", "boom")
+    assert code == 1, err
+    assert "loss became" in err
+    events = [json.loads(x) for x in (tmp_path / "boom" / "events.jsonl").read_text().splitlines()]
+    assert events[-1]["event"] == "run_failed" and isinstance(events[-1]["step"], int)
+    assert not (tmp_path / "boom" / "final").exists()
