@@ -52,6 +52,8 @@ def resolve(cli: dict, toml: dict, builtin: dict, flag_of) -> dict:
     out = dict(builtin)
     for k, v in toml.items():
         key = k.replace("-", "_")
+        if isinstance(v, dict):  # a per-recipe table, applied by the caller
+            continue
         if key not in builtin:
             raise UsageError(f"toy.toml [train] has unknown key {k!r}; valid: {', '.join(sorted(builtin))}")
         out[key] = v

@@ -18,12 +18,16 @@ run_id = "{template}"
 
 [train]
 # Defaults for `toy train` in this project: the same names as its flags, with _ for -.
-# These equal toy's built-in defaults; edit them to change this project's runs.
-steps = 5
-batch_size = 16
-lr = 1e-3
-warmup = 10
-eval_every = 0
+# A [train.<recipe>] table (e.g. [train.lora]) applies to one recipe only.
+seed = 0
+device = "cpu"
+eval_batches = 8
+# steps = 300
+# batch_size = 16
+# eval_every = 50
+
+# [train.from-scratch]
+# lr = 1e-3
 """
 
 

@@ -73,10 +73,19 @@ def add_parser(sub) -> None:
     o.add_argument("--eval-batches", type=positive_int("--eval-batches"), help="validation batches per eval (default 8)")
     o.add_argument("--save-every", type=nonneg_int, help="checkpoint every N steps (default 0: none)")
     o.add_argument("--keep-last", type=nonneg_int, help="checkpoints to keep, 0 keeps all (default 2)")
+    # Each recipe adds its own flags in a group of its own (recipe modules own them).
+    for name in recipe_names():
+        mod = load_recipe(name)
+        if hasattr(mod, "add_arguments"):
+            mod.add_arguments(p.add_argument_group(f"{name} recipe"))
     p.set_defaults(func=run)
 
 
-FLAG_KEYS = [k for k in DEFAULTS]
+def flag_keys() -> list[str]:
+    keys = list(DEFAULTS)
+    for name in recipe_names():
+        keys += [k for k in getattr(load_recipe(name), "FLAGS", {}) if k not in keys]
+    return keys
 
 
 def validate(o: dict) -> None:
@@ -108,9 +117,17 @@ def validate(o: dict) -> None:
 
 def run(args) -> int:
     project = find_project()
-    cli = {k: getattr(args, k, None) for k in FLAG_KEYS}
+    cli = {k: getattr(args, k, None) for k in flag_keys()}
     cli["raw_i32"] = args.raw_i32 or None
-    opts = resolve(cli, project.train_defaults, DEFAULTS, None)
+    recipe_name = cli["recipe"] or project.train_defaults.get("recipe") or DEFAULTS["recipe"]
+    if recipe_name not in recipe_names():
+        raise UsageError(f"--recipe {recipe_name!r} is unknown; valid: {', '.join(recipe_names())}")
+    recipe = load_recipe(recipe_name)
+    # Precedence: flag > toy.toml [train.<recipe>] > toy.toml [train] > the recipe's defaults > toy's.
+    builtin = {**DEFAULTS, **{k: v for k, v in getattr(recipe, "FLAGS", {}).items()}}
+    toml = {k: v for k, v in project.train_defaults.items() if not isinstance(v, dict)}
+    toml.update(project.train_defaults.get(recipe_name, {}))
+    opts = resolve(cli, toml, builtin, None)
     validate(opts)
     device = resolve_device(opts["device"])  # before any work: metal off macOS exits 2 here
     runs_dir = Path(args.out) if args.out else project.runs_dir
@@ -119,7 +136,6 @@ def run(args) -> int:
         if (runs_dir / args.run_id).exists():
             raise UsageError(f"--run-id {args.run_id}: {runs_dir / args.run_id} already exists; pick another id")
 
-    recipe = load_recipe(opts["recipe"])
     built = recipe.build(opts, project)  # all input checks happen here, before the run dir exists
     run_id = args.run_id or make_run_id(project.run_id_template, runs_dir, recipe=opts["recipe"], arch=built.arch)
     run_dir = create_run_dir(runs_dir, run_id)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -15,15 +14,7 @@ from toy.errors import InputError, UsageError
 from toy.formats.model_dir import save_model_dir
 from toy.models import registry
 from toy.runs import Project
-from toy.train.job import Job
-
-
-@dataclass
-class Built:
-    job: Job
-    arch: str
-    params: int
-    notes: list[str]
+from toy.train.job import Built, Job
 
 
 def resolve_corpus(opts: dict, project: Project) -> tuple[Path, bool]:
@@ -97,4 +88,4 @@ def build(opts: dict, project: Project) -> Built:
     config = {"recipe": "from-scratch", "arch": arch, "model": cfg.to_dict(), "corpus": str(train.path),
               "corpus_tokens": len(train), "seq_len": seq_len}
     job = lm_job("from-scratch", model, train, val, opts, tok_path, config)
-    return Built(job=job, arch=arch, params=model.num_params(), notes=[])
+    return Built(job=job, arch=arch, params=model.num_params())

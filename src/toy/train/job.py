@@ -66,3 +66,13 @@ def lm_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Ten
 
 def lm_count(batch: dict[str, torch.Tensor]) -> int:
     return int((batch["targets"] != IGNORE).sum())
+
+
+@dataclass
+class Built:
+    """What a recipe's `build(opts, project)` returns to the CLI."""
+
+    job: Job
+    arch: str
+    params: int
+    notes: list[str] = field(default_factory=list)
