@@ -4,6 +4,10 @@ from pathlib import Path
 
 import pytest
 
+# Nothing is ever fetched from a model hub: transformers/peft run offline in tests.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -44,6 +44,8 @@ def add_parser(sub) -> None:
     g.add_argument("--json", action="store_true", help="print one JSON object (format toy/train-v1) "
                    "instead of step lines")
     g.add_argument("--device", choices=DEVICES, help="cpu (default), cuda (bf16 autocast) or metal (macOS)")
+    g.add_argument("--resume", metavar="RUN_DIR", help="continue RUN_DIR from its latest checkpoint, in place "
+                   "(same config; --steps may be raised)")
     d = p.add_argument_group("data")
     d.add_argument("--corpus", help="token file from `toy prep` (default: the project's data/corpus.bin, "
                    "else the bundled Shakespeare plays)")
@@ -115,10 +117,15 @@ def validate(o: dict) -> None:
         raise UsageError("; ".join(problems))
 
 
+RESUME_MAY_CHANGE = ("steps", "device")
+
+
 def run(args) -> int:
     project = find_project()
     cli = {k: getattr(args, k, None) for k in flag_keys()}
     cli["raw_i32"] = args.raw_i32 or None
+    if args.resume:
+        return _resume(args, cli, project)
     recipe_name = cli["recipe"] or project.train_defaults.get("recipe") or DEFAULTS["recipe"]
     if recipe_name not in recipe_names():
         raise UsageError(f"--recipe {recipe_name!r} is unknown; valid: {', '.join(recipe_names())}")
@@ -139,10 +146,7 @@ def run(args) -> int:
     built = recipe.build(opts, project)  # all input checks happen here, before the run dir exists
     run_id = args.run_id or make_run_id(project.run_id_template, runs_dir, recipe=opts["recipe"], arch=built.arch)
     run_dir = create_run_dir(runs_dir, run_id)
-
-    cfg = TrainConfig(**{k: opts[k] for k in ("steps", "batch_size", "grad_accum", "lr", "min_lr", "warmup",
-                                              "weight_decay", "clip", "eval_every", "eval_batches",
-                                              "save_every", "keep_last", "seed")})
+    cfg = train_config(opts)
     run_info = {
         "run_id": run_id, "recipe": opts["recipe"], "arch": built.arch, "seed": opts["seed"],
         "params": built.params, "train": cfg.to_dict(), "job": built.job.config,
@@ -156,12 +160,69 @@ def run(args) -> int:
     events = EventLog(run_dir / "events.jsonl")
     events.emit("run_started", run_id=run_id, recipe=opts["recipe"], arch=built.arch, params=built.params,
                 steps=cfg.steps, seed=cfg.seed, device=device.type)
+    return _execute(args, opts, built, cfg, run_dir, run_id, device, events, None)
+
+
+def train_config(opts: dict) -> TrainConfig:
+    return TrainConfig(**{k: opts[k] for k in ("steps", "batch_size", "grad_accum", "lr", "min_lr", "warmup",
+                                               "weight_decay", "clip", "eval_every", "eval_batches",
+                                               "save_every", "keep_last", "seed")})
+
+
+def _resume(args, cli: dict, project) -> int:
+    from toy.formats.checkpoint import list_checkpoints, read_json
+
+    run_dir = Path(args.resume)
+    if not (run_dir / "run.json").is_file():
+        raise UsageError(f"--resume {run_dir}: no run.json there; give a run directory made by `toy train`")
+    if args.run_id or args.out:
+        raise UsageError("--resume continues a run in place; --run-id and --out conflict with it")
+    info = read_json(run_dir / "run.json")
+    saved = info["flags"]
+    for k, v in cli.items():
+        if v is None or k in RESUME_MAY_CHANGE:
+            continue
+        if saved.get(k) != v:
+            flag = "--" + k.replace("_", "-")
+            raise UsageError(f"--resume: {flag} {v!r} differs from the run's {saved.get(k)!r}; "
+                             "a resumed run keeps its config (only --steps may be raised)")
+    ckpts = list_checkpoints(run_dir / "checkpoints")
+    if not ckpts:
+        raise UsageError(f"--resume {run_dir}: no checkpoint to resume from; train with --save-every N")
+    last = ckpts[-1]
+    done = int(read_json(last / "state.json")["step"])
+    opts = dict(saved)
+    if cli["steps"] is not None:
+        if cli["steps"] < saved["steps"]:
+            raise UsageError(f"--steps {cli['steps']} is below the run's {saved['steps']}; it may only be raised")
+        opts["steps"] = cli["steps"]
+    if cli["device"] is not None:
+        opts["device"] = cli["device"]
+    if done >= opts["steps"]:
+        raise UsageError(f"--resume {run_dir}: its checkpoint is at step {done} of {opts['steps']}; "
+                         "raise --steps to train further")
+    device = resolve_device(opts["device"])
+    recipe = load_recipe(opts["recipe"])
+    built = recipe.build(opts, project)
+    for k in sorted(set(built.job.config) | set(info["job"])):
+        a, b = info["job"].get(k), json.loads(json.dumps(built.job.config.get(k)))
+        if a != b:
+            raise UsageError(f"--resume {run_dir}: {k} changed since the run started ({a!r} -> {b!r}); "
+                             "restore the original input or start a new run")
+    cfg = train_config(opts)
+    events = EventLog(run_dir / "events.jsonl")
+    events.emit("run_resumed", from_step=done, steps=cfg.steps, checkpoint=str(last.relative_to(run_dir)))
+    return _execute(args, opts, built, cfg, run_dir, run_dir.name, device, events, last)
+
+
+def _execute(args, opts, built, cfg, run_dir, run_id, device, events, resume) -> int:
     reporter = Reporter() if args.json else TextReporter(items_name=built.job.items_name)
     if not args.json:
-        reporter.message(f"run {run_id}: {opts['recipe']} {built.arch}, {built.params:,} parameters, "
+        what = f"resuming {run_id} from {resume.name}" if resume else f"run {run_id}"
+        reporter.message(f"{what}: {opts['recipe']} {built.arch}, {built.params:,} parameters, "
                          f"{cfg.steps} steps on {device.type} ({torch.get_num_threads()} threads) -> {run_dir}")
     try:
-        res = train(built.job, cfg, run_dir, device, events, reporter)
+        res = train(built.job, cfg, run_dir, device, events, reporter, resume=resume)
         built.job.save_final(run_dir / "final")
     except Interrupted:
         reporter.close()

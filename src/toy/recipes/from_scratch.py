@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +47,14 @@ def open_corpus(opts: dict, project: Project) -> tuple[TokenFile, TokenFile | No
     return train, val, tok_path if tok is not None else None
 
 
+def fingerprint(path: Path, limit: int = 1 << 22) -> str:
+    """sha256 of the file's size and first 4 MiB: cheap, and catches a swapped corpus on resume."""
+    h = hashlib.sha256(str(path.stat().st_size).encode())
+    with open(path, "rb") as fh:
+        h.update(fh.read(limit))
+    return h.hexdigest()[:16]
+
+
 def lm_job(recipe: str, model: torch.nn.Module, train: TokenFile, val: TokenFile | None, opts: dict,
            tok_path: Path | None, config: dict[str, Any]) -> Job:
     seq_len = opts["seq_len"]
@@ -86,6 +95,6 @@ def build(opts: dict, project: Project) -> Built:
     torch.manual_seed(opts["seed"])
     model = registry.build_model(cfg)
     config = {"recipe": "from-scratch", "arch": arch, "model": cfg.to_dict(), "corpus": str(train.path),
-              "corpus_tokens": len(train), "seq_len": seq_len}
+              "corpus_tokens": len(train), "corpus_sha256": fingerprint(train.path), "seq_len": seq_len}
     job = lm_job("from-scratch", model, train, val, opts, tok_path, config)
     return Built(job=job, arch=arch, params=model.num_params())

@@ -1,0 +1,359 @@
+"""Chat JSONL -> (ids, mask): loss on every assistant turn, packing, padding.
+
+Input, one conversation per line (blank lines and lines starting with `#` skipped):
+
+    {"messages": [{"role": "system", "content": "..."}, {"role": "user", "content": "..."},
+                  {"role": "assistant", "content": "..."}, ...]}
+
+The conversation is rendered with the model's own chat template (jinja2, sandboxed:
+a template from a downloaded GGUF is untrusted input), tokenized once, and masked.
+
+Mask convention (what the loss code relies on):
+    mask[t] == 1  <=>  token ids[t] is a *target*: the loss includes
+                       -log p(ids[t] | ids[:t]).
+    So the loss shifts: logits from ids[:-1] are scored against ids[1:] with mask[1:].
+    mask[0] is 0 in practice (nothing predicts the first token).
+
+What is supervised: for EVERY assistant turn (not only the last one, unlike mlx-lm;
+ANCHORS pitfall 1) the tokens of its content and of the end-of-turn marker the template
+puts after it (ChatML: `<|im_end|>`), because the model must learn to stop. Not
+supervised: system and user turns, the assistant header (`<|im_start|>assistant\\n`),
+and the whitespace the template writes *after* the end-of-turn marker (ChatML's `\\n`
+after `<|im_end|>`). That newline is glue before the next `<|im_start|>`: generation
+stops at `<|im_end|>`, so the model never has to produce it (the same span TRL's
+`{% generation %}` tags mark in ChatML templates).
+
+How the spans are found: for assistant message i, render messages[:i] with
+add_generation_prompt=True (P) and messages[:i+1] (F). The template must be
+prefix-stable (P a prefix of F, F a prefix of the whole rendering); then F[len(P):] is
+what the assistant "says". Character spans map to tokens through the tokenizer's
+offsets: a token is supervised iff its characters overlap a supervised span, so every
+character of a reply lies in a supervised token.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import jinja2
+import jinja2.ext
+import numpy as np
+import torch
+from jinja2.exceptions import SecurityError, TemplateError, TemplateSyntaxError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer
+
+from toy.errors import InputError, ToyError, UsageError
+
+ROLES = ("system", "user", "assistant")
+SCHEMA_HINT = ('each line must be {"messages": [{"role": "system"|"user"|"assistant", "content": "..."}, ...]} '
+               'with at least one assistant turn')
+
+Message = dict[str, str]
+Conversation = list[Message]
+
+
+# --------------------------------------------------------------------------- templates
+
+class _Env(ImmutableSandboxedEnvironment):
+    """The sandbox, but an unsafe attribute access fails at once.
+
+    Plain jinja2 sandboxes return an Undefined for `''.__class__`, which renders as an
+    empty string: an escape attempt would then "succeed" silently with wrong text. We
+    want it loud: raise SecurityError, which render_template turns into an InputError.
+    """
+
+    def unsafe_undefined(self, obj: Any, attribute: str) -> Any:
+        raise SecurityError(f"access to attribute {attribute!r} of {type(obj).__name__!r} object is unsafe")
+
+
+def _raise_exception(message: str) -> None:
+    # Templates call this to reject a conversation (e.g. "roles must alternate").
+    raise InputError(f"chat template rejected the conversation: {message}")
+
+
+def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
+            sort_keys: bool = False) -> str:
+    # HF's tojson: plain JSON. jinja2's own escapes <, >, & for HTML, which would change
+    # the rendered text of tool schemas relative to what the model was trained on.
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+@functools.lru_cache(maxsize=16)
+def _compile(template: str) -> jinja2.Template:
+    # trim_blocks / lstrip_blocks and loopcontrols as transformers renders chat templates,
+    # so the same template gives the same text here as there. No `strftime_now` global:
+    # a date inside the rendered text would make the data depend on the day (Llama 3.1
+    # templates then fall back to their fixed default date).
+    env = _Env(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    return env.from_string(template)
+
+
+def _one_line(e: BaseException) -> str:
+    s = str(e).strip().splitlines()
+    return s[0] if s else type(e).__name__
+
+
+def render_template(template: str, messages: Sequence[Message], add_generation_prompt: bool,
+                    bos_token: str, eos_token: str) -> str:
+    """Render a chat template in jinja2's immutable sandbox. Every failure (syntax error,
+    unsafe access, a `raise_exception` call, a runtime error) is an InputError."""
+    try:
+        tpl = _compile(template)
+    except TemplateSyntaxError as e:
+        raise InputError(f"chat template line {e.lineno}: syntax error: {_one_line(e)}")
+    except TemplateError as e:
+        raise InputError(f"chat template does not compile: {_one_line(e)}")
+    try:
+        return tpl.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
+                          bos_token=bos_token, eos_token=eos_token)
+    except ToyError:
+        raise
+    except SecurityError as e:
+        raise InputError(f"chat template refused by the sandbox: {_one_line(e)} (a template may not reach "
+                         f"Python internals or modify its inputs); use the model's own chat template")
+    except Exception as e:  # UndefinedError, TypeError ...: a broken template, not a toy bug
+        raise InputError(f"chat template failed to render: {type(e).__name__}: {_one_line(e)}")
+
+
+# --------------------------------------------------------------------------- JSONL
+
+def _stderr(msg: str) -> None:
+    print(f"warning: {msg}", file=sys.stderr)
+
+
+def _check_conversation(obj: Any) -> tuple[Conversation | None, str]:
+    """(messages, "") or (None, reason)."""
+    if not isinstance(obj, dict):
+        return None, f"expected a JSON object, got {type(obj).__name__}"
+    if "messages" not in obj:
+        return None, f"no \"messages\" key (keys: {', '.join(sorted(map(str, obj))[:5]) or 'none'})"
+    msgs = obj["messages"]
+    if not isinstance(msgs, list):
+        return None, f"\"messages\" must be a list, got {type(msgs).__name__}"
+    if not msgs:
+        return None, "\"messages\" is empty"
+    out: Conversation = []
+    for j, m in enumerate(msgs):
+        if not isinstance(m, dict):
+            return None, f"messages[{j}] must be an object, got {type(m).__name__}"
+        role, content = m.get("role"), m.get("content")
+        if role not in ROLES:
+            return None, f"messages[{j}] has unknown role {role!r} (use one of: {', '.join(ROLES)})"
+        if not isinstance(content, str):
+            return None, f"messages[{j}] \"content\" must be a string, got {type(content).__name__}"
+        out.append({"role": role, "content": content})  # extra keys dropped: the template sees only these
+    if not any(m["role"] == "assistant" for m in out):
+        return None, "no assistant turn (nothing to learn from)"
+    return out, ""
+
+
+def read_chat_jsonl(path: str | Path, strict: bool = False,
+                    warn: Callable[[str], None] | None = None) -> tuple[list[Conversation], int]:
+    """Read conversations; returns (conversations, number of invalid lines skipped).
+
+    An invalid line is reported through `warn` (default: stderr) as `FILE:LINE: reason`
+    and skipped; with strict=True the first one raises InputError instead.
+    """
+    warn = warn or _stderr
+    path = Path(path)
+    try:
+        fh = open(path, "rb")
+    except FileNotFoundError:
+        raise InputError(f"{path}: no such file; pass a chat JSONL file ({SCHEMA_HINT})")
+    except IsADirectoryError:
+        raise InputError(f"{path}: is a directory; pass a chat JSONL file")
+    except OSError as e:
+        raise InputError(f"{path}: cannot read ({e.strerror})")
+    convs: list[Conversation] = []
+    n_invalid = 0
+    with fh:
+        # Read as bytes and decode per line: one corrupt line must not hide the others.
+        for lineno, raw in enumerate(fh, 1):
+            reason = ""
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                reason = f"not UTF-8 text (bad byte at column {e.start + 1})"
+            if not reason:
+                if lineno == 1:
+                    line = line.removeprefix("\ufeff")  # editors on Windows add a BOM
+                line = line.strip()
+                if not line or line.startswith("#"):
+                    continue
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError as e:
+                    reason = f"not valid JSON ({e.msg} at column {e.colno})"
+                except RecursionError:
+                    reason = "not valid JSON (nested too deeply)"
+                else:
+                    conv, reason = _check_conversation(obj)
+                    if conv is not None:
+                        convs.append(conv)
+                        continue
+            n_invalid += 1
+            if strict:
+                raise InputError(f"{path}:{lineno}: {reason}; {SCHEMA_HINT} (strict mode stops at the first bad line)")
+            warn(f"{path}:{lineno}: {reason}; line skipped")
+    if not convs:
+        raise InputError(f"{path}: no valid conversation ({n_invalid} invalid lines); {SCHEMA_HINT}")
+    return convs, n_invalid
+
+
+# --------------------------------------------------------------------------- encoding
+
+def _assistant_char_spans(template: str, messages: Sequence[Message], bos_token: str,
+                          eos_token: str) -> tuple[str, list[tuple[int, int]]]:
+    """The full rendering and the [start, end) character spans to supervise."""
+    full = render_template(template, messages, False, bos_token, eos_token)
+    spans = []
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        prompt = render_template(template, messages[:i], True, bos_token, eos_token)
+        upto = render_template(template, messages[: i + 1], False, bos_token, eos_token)
+        if not upto.startswith(prompt) or not full.startswith(upto):
+            raise InputError(
+                f"chat template is not prefix-stable at message {i} (assistant): rendering the conversation "
+                "up to a turn must be a prefix of rendering the whole of it, so the assistant spans cannot be "
+                "found; use a template that renders earlier turns the same way whatever follows")
+        start, end = len(prompt), len(upto)
+        # Drop whitespace after the end-of-turn marker (template glue, see module doc),
+        # unless there is no marker at all: then the whitespace is the reply's own.
+        reply = upto[start:end].rstrip()
+        content = m["content"].rstrip()
+        has_marker = not content or not reply.endswith(content)
+        if has_marker:
+            end = start + len(reply)
+        spans.append((start, end))
+    return full, spans
+
+
+def encode_chat(tok: Tokenizer, template: str, messages: Sequence[Message], max_len: int,
+                bos_token: str, eos_token: str) -> tuple[list[int], list[int]]:
+    """Render and tokenize one conversation; returns (ids, mask), truncated to max_len.
+
+    mask[t] == 1 iff ids[t] is a supervised target (see the module doc). Special tokens
+    come only from the template (add_special_tokens=False): a post-processor adding
+    its own BOS would double the template's `{{ bos_token }}`. The mask may be all
+    zero after truncation (a long prompt); the caller decides whether to skip it.
+    """
+    if max_len < 1:
+        raise UsageError(f"--seq-len must be >= 1, got {max_len}")
+    text, spans = _assistant_char_spans(template, messages, bos_token, eos_token)
+    enc = tok.encode(text, add_special_tokens=False)
+    ids = list(enc.ids)
+    mask = [0] * len(ids)
+    # Offsets are sorted; walk tokens and spans together.
+    k = 0
+    for t, (s, e) in enumerate(enc.offsets):
+        while k < len(spans) and spans[k][1] <= s:
+            k += 1
+        if k == len(spans):
+            break
+        a, b = spans[k]
+        if s < b and e > a:  # the token's characters overlap the supervised span
+            mask[t] = 1
+    return ids[:max_len], mask[:max_len]
+
+
+# --------------------------------------------------------------------------- batching
+
+class _Row:
+    """One packed row being filled; numpy so big datasets pack in seconds."""
+
+    def __init__(self, seq_len: int, pad_id: int):
+        self.ids = np.full(seq_len, pad_id, dtype=np.int64)
+        self.mask = np.zeros(seq_len, dtype=np.int64)
+        self.doc_ids = np.full(seq_len, -1, dtype=np.int64)
+        self.pos = np.zeros(seq_len, dtype=np.int64)
+        self.fill = 0
+        self.n_docs = 0
+
+
+def pack_samples(samples: Sequence[tuple[Sequence[int], Sequence[int]]], seq_len: int,
+                 pad_id: int) -> list[dict[str, torch.Tensor]]:
+    """Pack whole samples into rows of exactly seq_len tokens, first-fit in input order
+    (deterministic). A sample is never split across rows; one longer than seq_len is
+    truncated to seq_len.
+
+    Each row: ids, mask (as in encode_chat), doc_ids (0, 1, ... per sample in the row;
+    -1 on padding), pos (positions restarting at 0 for each sample and for the padding
+    run): all int64 tensors of shape (seq_len,). The loss code builds the attention mask
+    with `toy.models.layers.causal_doc_mask(doc_ids)` so samples never see each other
+    (ANCHORS pitfall 3). Padding attends only to padding, so no attention row is empty.
+
+    mask is forced to 0 on each sample's first token: nothing *in its document*
+    precedes it, and the shifted loss would otherwise predict it from the previous
+    sample's last token.
+    """
+    if seq_len < 1:
+        raise UsageError(f"--seq-len must be >= 1, got {seq_len}")
+    rows: list[_Row] = []
+    # First fit over an unbounded line of rows, each starting with seq_len free slots:
+    # a max-tree over the free space finds the leftmost row with room in O(log n), where
+    # scanning every open row would be quadratic on a large dataset. Rows not opened yet
+    # are full-capacity leaves, so "no open row fits" lands on the next new row by itself.
+    size = 1
+    while size < max(1, len(samples)):
+        size *= 2
+    free = [seq_len] * (2 * size)
+    for ids, mask in samples:
+        if len(ids) != len(mask):
+            raise ValueError(f"sample has {len(ids)} ids but {len(mask)} mask entries")
+        ids, mask = ids[:seq_len], mask[:seq_len]
+        n = len(ids)
+        if n == 0:
+            continue
+        node = 1
+        while node < size:
+            node = 2 * node if free[2 * node] >= n else 2 * node + 1
+        r = node - size
+        free[node] -= n
+        node //= 2
+        while node:
+            free[node] = max(free[2 * node], free[2 * node + 1])
+            node //= 2
+        if r == len(rows):
+            rows.append(_Row(seq_len, pad_id))
+        row = rows[r]
+        a, b = row.fill, row.fill + n
+        row.ids[a:b] = ids
+        row.mask[a:b] = mask
+        row.mask[a] = 0  # see the docstring: the first token of a document is no target
+        row.doc_ids[a:b] = row.n_docs
+        row.pos[a:b] = np.arange(n)
+        row.fill, row.n_docs = b, row.n_docs + 1
+    out = []
+    for row in rows:
+        row.pos[row.fill:] = np.arange(seq_len - row.fill)  # padding: its own run of positions
+        out.append({"ids": torch.from_numpy(row.ids), "mask": torch.from_numpy(row.mask),
+                    "doc_ids": torch.from_numpy(row.doc_ids), "pos": torch.from_numpy(row.pos)})
+    return out
+
+
+def pad_batch(samples: Sequence[tuple[Sequence[int], Sequence[int]]], pad_id: int,
+              seq_len: int | None = None) -> dict[str, torch.Tensor]:
+    """Right-pad samples to a common length (the longest, or seq_len: longer samples
+    are truncated). Returns ids and mask, int64 (B, T); mask is 0 on padding.
+
+    Right padding needs no attention mask: with causal attention a real token never
+    sees the padding after it, and padding positions are never targets.
+    """
+    if not samples:
+        raise ValueError("pad_batch needs at least one sample")
+    T = seq_len if seq_len is not None else max(len(ids) for ids, _ in samples)
+    ids_out = torch.full((len(samples), T), pad_id, dtype=torch.long)
+    mask_out = torch.zeros((len(samples), T), dtype=torch.long)
+    for b, (ids, mask) in enumerate(samples):
+        n = min(len(ids), T)
+        ids_out[b, :n] = torch.tensor(list(ids[:n]), dtype=torch.long)
+        mask_out[b, :n] = torch.tensor(list(mask[:n]), dtype=torch.long)
+    return {"ids": ids_out, "mask": mask_out}

@@ -1,0 +1,222 @@
+"""LoRA: low-rank adapters wrapped around a loaded base model's linear layers.
+
+Applied *after* the base is loaded (mlx-lm's `from_base`, torchtune's shape):
+
+    model = Llama(cfg); model.load_state_dict(base_sd, strict=True)
+    names = apply_lora(model, ["q_proj", "v_proj"], rank=8, alpha=16, dropout=0.05, seed=0)
+
+`LoRALinear` keeps the base's parameter names `weight` / `bias` on itself, so the
+wrapped model's keys for the base are unchanged and a base state dict still loads
+with `strict=True` (the adapter's own `lora_A` / `lora_B` may be absent from it).
+
+    y = x W^T + b + (dropout(x) A^T B^T) * alpha / r      A: (r, in), B: (out, r)
+
+B starts at zero, so at init the wrapped model computes exactly what the base does.
+A is kaiming-uniform as in PEFT, drawn from a generator seeded by (seed, module name):
+the same seed gives the same adapter whatever order the modules are visited in.
+
+The tied output head (`lm_head`, which *is* the token embedding in SmolLM2-style
+models) is never a target: PEFT and llama.cpp's converter both mishandle it
+(ANCHORS pitfall 6).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from toy.errors import InputError, UsageError
+
+VALID_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class LoRALinear(nn.Module):
+    """A frozen `nn.Linear` plus a trainable low-rank update.
+
+    Built from an existing linear layer with `LoRALinear.from_linear`; the base
+    `weight` / `bias` Parameters are reused (not copied), so tying and device
+    placement are preserved.
+    """
+
+    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, rank: int, alpha: float,
+                 dropout: float, generator: torch.Generator | None = None):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.weight = weight
+        self.bias = bias
+        self.rank = rank
+        self.alpha = alpha
+        self.scaling = alpha / rank
+        # Adapter weights stay in float32 when the base is half precision: AdamW's small
+        # updates to B would round away in bf16 (the base is frozen, so it may stay low).
+        dtype = weight.dtype if weight.dtype in (torch.float32, torch.float64) else torch.float32
+        self.lora_A = nn.Parameter(torch.empty(rank, self.in_features, dtype=dtype, device=weight.device))
+        self.lora_B = nn.Parameter(torch.zeros(self.out_features, rank, dtype=dtype, device=weight.device))
+        self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        self.reset_lora(generator)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, rank: int, alpha: float, dropout: float,
+                    generator: torch.Generator | None = None) -> "LoRALinear":
+        return cls(linear.weight, linear.bias, rank, alpha, dropout, generator)
+
+    def reset_lora(self, generator: torch.Generator | None = None) -> None:
+        # PEFT's default: A ~ kaiming_uniform(a=sqrt(5)) (nn.Linear's own init, bound
+        # 1/sqrt(in)), B = 0. Drawn on the CPU so a seed means the same A on every device.
+        a = torch.empty(self.rank, self.in_features, dtype=torch.float32)
+        nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=generator)
+        with torch.no_grad():
+            self.lora_A.copy_(a.to(self.lora_A.device, self.lora_A.dtype))
+            self.lora_B.zero_()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias)  # (..., out)
+        # Low rank first: (..., in) -> (..., r) -> (..., out). Never forms B @ A (out x in).
+        h = self.dropout(x).to(self.lora_A.dtype)
+        lora = F.linear(F.linear(h, self.lora_A), self.lora_B) * self.scaling
+        return y + lora.to(y.dtype)
+
+    def delta_weight(self) -> torch.Tensor:
+        """B @ A * scaling, (out, in): what `merge_lora` adds to the base weight."""
+        return (self.lora_B @ self.lora_A) * self.scaling
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        # A base checkpoint knows nothing of the adapter: its absence is not an error, so
+        # `model.load_state_dict(base_sd, strict=True)` works on the wrapped model. The
+        # adapter itself is loaded strictly by `load_lora_state_dict`.
+        n = len(missing_keys)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
+        lora_keys = {prefix + "lora_A", prefix + "lora_B"}
+        missing_keys[n:] = [k for k in missing_keys[n:] if k not in lora_keys]
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, rank={self.rank}, alpha={self.alpha}")
+
+
+def _module_seed(seed: int, name: str) -> int:
+    # A stable hash (not Python's salted hash()) of (seed, name): per-module streams that
+    # do not depend on the order modules are wrapped in.
+    digest = hashlib.sha256(f"toy-lora/{seed}/{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
+
+
+def _check_args(targets: list[str], rank: int, alpha: float, dropout: float) -> None:
+    problems = []
+    valid = ", ".join(VALID_TARGETS)
+    if isinstance(targets, str) or not targets:
+        problems.append(f"--targets must be a non-empty list of module names from: {valid}")
+    else:
+        for t in targets:
+            if t == "lm_head":
+                problems.append(f"--targets lm_head is not allowed: the output head is tied to the token "
+                                f"embedding and PEFT/llama.cpp mishandle adapters on it; choose from: {valid}")
+            elif t not in VALID_TARGETS:
+                problems.append(f"--targets {t!r} is not a valid target; choose from: {valid}")
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
+        problems.append(f"--rank must be >= 1, got {rank}")
+    if not (isinstance(alpha, (int, float)) and math.isfinite(alpha) and alpha > 0):
+        problems.append(f"--alpha must be > 0, got {alpha}")
+    if not (isinstance(dropout, (int, float)) and 0 <= dropout < 1):
+        problems.append(f"--dropout must be in [0, 1), got {dropout}")
+    if problems:
+        raise UsageError("; ".join(problems))
+
+
+def apply_lora(model: nn.Module, targets: list[str], rank: int, alpha: float, dropout: float,
+               seed: int) -> list[str]:
+    """Wrap every `nn.Linear` whose attribute name is in `targets`, in place.
+
+    Every parameter of the model is frozen first; only the new `lora_A` / `lora_B`
+    train. Returns the full names of the wrapped modules, in model order.
+    """
+    _check_args(targets, rank, alpha, dropout)
+    if any(isinstance(m, LoRALinear) for m in model.modules()):
+        raise UsageError("this model already has LoRA adapters; merge them (merge_lora) before applying new ones")
+    for p in model.parameters():
+        p.requires_grad_(False)
+    wanted = set(targets)
+    found = [(name, m) for name, m in model.named_modules()
+             if isinstance(m, nn.Linear) and name.rsplit(".", 1)[-1] in wanted]
+    if not found:
+        raise UsageError(f"--targets {','.join(targets)} matched no linear layer of this model; "
+                         f"choose from: {', '.join(VALID_TARGETS)}")
+    seen = {name.rsplit(".", 1)[-1] for name, _ in found}
+    if missing := [t for t in targets if t not in seen]:
+        raise UsageError(f"--targets {','.join(missing)} matched no linear layer of this model; "
+                         f"it has: {', '.join(sorted(seen))}")
+    names = []
+    for name, lin in found:
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        g = torch.Generator(device="cpu").manual_seed(_module_seed(seed, name))
+        setattr(parent, attr, LoRALinear.from_linear(lin, rank, alpha, dropout, g))
+        names.append(name)
+    return names
+
+
+def _lora_modules(model: nn.Module) -> list[tuple[str, LoRALinear]]:
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, LoRALinear)]
+
+
+def lora_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The adapter parameters (A then B for each wrapped module, in model order)."""
+    return [p for _, m in _lora_modules(model) for p in (m.lora_A, m.lora_B)]
+
+
+def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Adapter tensors only, keyed `<module>.lora_A` (r, in) / `<module>.lora_B` (out, r)."""
+    sd = {}
+    for name, m in _lora_modules(model):
+        sd[f"{name}.lora_A"] = m.lora_A.detach()
+        sd[f"{name}.lora_B"] = m.lora_B.detach()
+    return sd
+
+
+def load_lora_state_dict(model: nn.Module, sd: dict[str, torch.Tensor], source: str = "adapter") -> None:
+    """Copy adapter tensors into a model that already has `apply_lora` applied.
+
+    Strict: every adapter tensor of the model must be present with its shape, and no
+    other key may be; `source` (a file name) is named in the error.
+    """
+    own = lora_state_dict(model)
+    if not own:
+        raise UsageError(f"{source}: the model has no LoRA modules; call apply_lora with the adapter's targets first")
+    missing = sorted(set(own) - set(sd))
+    unexpected = sorted(set(sd) - set(own))
+    bad_shape = [f"{k} {tuple(sd[k].shape)} != {tuple(own[k].shape)}"
+                 for k in sorted(set(own) & set(sd)) if tuple(sd[k].shape) != tuple(own[k].shape)]
+    problems = []
+    if missing:
+        problems.append(f"missing {len(missing)} tensors (first: {', '.join(missing[:3])})")
+    if unexpected:
+        problems.append(f"unexpected {len(unexpected)} tensors (first: {', '.join(unexpected[:3])})")
+    if bad_shape:
+        problems.append(f"wrong shape for {len(bad_shape)} tensors (first: {'; '.join(bad_shape[:3])})")
+    if problems:
+        raise InputError(f"{source} does not match the model's LoRA modules (check --targets and --rank): "
+                         + "; ".join(problems))
+    with torch.no_grad():
+        for k, p in own.items():
+            p.copy_(sd[k].to(p.device, p.dtype))
+
+
+@torch.no_grad()
+def merge_lora(model: nn.Module) -> nn.Module:
+    """Fold each adapter into its base weight (W += B A * scaling) and put a plain
+    `nn.Linear` back in its place. In place; returns the model."""
+    for name, m in _lora_modules(model):
+        m.weight.add_(m.delta_weight().to(m.weight.dtype))
+        lin = nn.Linear(m.in_features, m.out_features, bias=m.bias is not None, device="meta")
+        lin.weight = m.weight
+        lin.bias = m.bias
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, attr, lin)
+    return model

@@ -1,0 +1,263 @@
+"""Chat JSONL -> (ids, mask): templates in the sandbox, every assistant turn supervised,
+packing, padding, and the errors a user sees for a bad file."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from toy.data.chat import encode_chat, pack_samples, pad_batch, read_chat_jsonl, render_template
+from toy.errors import InputError, ToyError
+from toy.tokenizer import train_bpe
+
+CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
+          "'<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+# SmolLM2-Instruct's template (ChatML plus a default system prompt).
+SMOLLM2 = """{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system
+You are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>
+' }}{% endif %}{{'<|im_start|>' + message['role'] + '
+' + message['content'] + '<|im_end|>' + '
+'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant
+' }}{% endif %}"""
+
+CONV = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "What is the capital of France?"},
+    {"role": "assistant", "content": "Paris."},
+    {"role": "user", "content": "And of Italy? Answer with café émoji 🙂."},
+    {"role": "assistant", "content": " Rome, naturally 🙂"},
+]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    texts = ["What is the capital of France? Paris. And of Italy? Rome, naturally.",
+             "You are terse. You are a helpful AI assistant named SmolLM, trained by Hugging Face",
+             "system user assistant"] * 4
+    t = train_bpe(texts, vocab_size=300)
+    t.add_special_tokens(["<|im_start|>", "<|im_end|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"])
+    return t
+
+
+def supervised_runs(tok, ids, mask) -> list[str]:
+    runs, cur = [], []
+    for i, m in zip(ids, mask):
+        if m:
+            cur.append(i)
+        elif cur:
+            runs.append(cur)
+            cur = []
+    if cur:
+        runs.append(cur)
+    return [tok.decode(r, skip_special_tokens=False) for r in runs]
+
+
+@pytest.mark.parametrize("template", [CHATML, SMOLLM2], ids=["chatml", "smollm2"])
+def test_every_assistant_turn_supervised(tok, template):
+    ids, mask = encode_chat(tok, template, CONV, max_len=1024, bos_token="", eos_token="<|im_end|>")
+    assert len(ids) == len(mask)
+    text = render_template(template, CONV, False, "", "<|im_end|>")
+    assert ids == tok.encode(text, add_special_tokens=False).ids  # one tokenization of the whole text
+    # Both turns, not only the last (ANCHORS pitfall 1), each with its end-of-turn token.
+    assert supervised_runs(tok, ids, mask) == ["Paris.<|im_end|>", " Rome, naturally 🙂<|im_end|>"]
+    # The newline after <|im_end|> and the assistant header are not targets.
+    im_end, im_start = tok.token_to_id("<|im_end|>"), tok.token_to_id("<|im_start|>")
+    ends = [t for t in range(len(ids)) if ids[t] == im_end]
+    assert [mask[t] for t in ends] == [0] * (len(ends) - 3) + [1, 0, 1]  # ..., assistant, user, assistant
+    assert all(mask[t + 1] == 0 for t in ends if t + 1 < len(ids))  # the "\n" after <|im_end|>
+    assert all(mask[t] == 0 for t in range(len(ids)) if ids[t] == im_start)
+    assert mask[0] == 0
+
+
+def test_llama3_style_template(tok):
+    # No newline after the end-of-turn token, a BOS from the template, a two-newline header.
+    tpl = ("{{ bos_token }}{% for m in messages %}{{ '<|start_header_id|>' + m['role'] + '<|end_header_id|>\n\n'"
+           " + m['content'] + '<|eot_id|>' }}{% endfor %}{% if add_generation_prompt %}"
+           "{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}")
+    ids, mask = encode_chat(tok, tpl, CONV, max_len=1024, bos_token="<|endoftext|>", eos_token="<|eot_id|>")
+    assert ids[0] == tok.token_to_id("<|endoftext|>") and mask[0] == 0
+    assert supervised_runs(tok, ids, mask) == ["Paris.<|eot_id|>", " Rome, naturally 🙂<|eot_id|>"]
+
+
+def test_no_system_prompt_default_inserted(tok):
+    conv = CONV[1:3]
+    ids, mask = encode_chat(tok, SMOLLM2, conv, max_len=1024, bos_token="", eos_token="<|im_end|>")
+    assert "You are a helpful AI" in tok.decode(ids, skip_special_tokens=False)
+    assert supervised_runs(tok, ids, mask) == ["Paris.<|im_end|>"]
+
+
+def test_truncation(tok):
+    full_ids, full_mask = encode_chat(tok, CHATML, CONV, max_len=10_000, bos_token="", eos_token="")
+    for n in (1, 7, len(full_ids) - 3, len(full_ids), len(full_ids) + 5):
+        ids, mask = encode_chat(tok, CHATML, CONV, max_len=n, bos_token="", eos_token="")
+        assert ids == full_ids[:n] and mask == full_mask[:n]
+    ids, mask = encode_chat(tok, CHATML, CONV, max_len=5, bos_token="", eos_token="")
+    assert sum(mask) == 0  # prompt only: the caller decides to skip such samples
+
+
+def test_template_not_prefix_stable(tok):
+    # Renders a closing marker only when the conversation ends: earlier prefixes differ.
+    bad = CHATML + "{% if not add_generation_prompt %}<END>{% endif %}"
+    with pytest.raises(InputError, match="not prefix-stable at message 2"):
+        encode_chat(tok, bad, CONV, max_len=100, bos_token="", eos_token="")
+
+
+def test_bos_and_raise_exception():
+    tpl = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'system' %}"
+           "{{ raise_exception('System role not supported') }}{% endif %}{{ m['content'] }}{% endfor %}")
+    assert render_template(tpl, [{"role": "user", "content": "hi"}], False, "<s>", "</s>") == "<s>hi"
+    with pytest.raises(InputError, match="rejected the conversation: System role not supported"):
+        render_template(tpl, CONV, False, "<s>", "</s>")
+
+
+def test_trim_blocks_like_hf():
+    # trim_blocks drops the newline after a block tag, lstrip_blocks the indent before one.
+    tpl = "{% for m in messages %}\n    {% if true %}{{ m['content'] }}\n    {% endif %}\n{% endfor %}"
+    assert render_template(tpl, CONV[:2], False, "", "") == "You are terse.\nWhat is the capital of France?\n"
+
+
+@pytest.mark.parametrize("template", [
+    "{{ ''.__class__.__mro__[1].__subclasses__() }}",
+    "{{ cycler.__init__.__globals__.os.popen('echo pwned').read() }}",
+    "{{ cycler.__init__.__globals__.os }}",
+    "{% set x = messages.append({'role': 'user'}) %}",
+    "{{ self._TemplateReference__context }}",
+])
+def test_sandbox_escape_fails_safely(template):
+    with pytest.raises(InputError) as e:
+        render_template(template, CONV, False, "", "")
+    assert "\n" not in str(e.value)
+    assert "pwned" not in str(e.value)
+
+
+def test_template_syntax_error_names_line():
+    with pytest.raises(InputError, match="chat template line 2: syntax error"):
+        render_template("ok\n{% for m in messages %}", CONV, False, "", "")
+    with pytest.raises(InputError, match="failed to render"):
+        render_template("{{ messages[0]['content'] + 1 }}", CONV, False, "", "")
+
+
+# --------------------------------------------------------------------------- JSONL
+
+def write_lines(path, lines):
+    path.write_bytes(b"".join((l if isinstance(l, bytes) else l.encode()) + b"\n" for l in lines))
+    return path
+
+
+GOOD = json.dumps({"messages": CONV[1:3]})
+
+
+def test_jsonl_skips_and_counts(tmp_path):
+    p = write_lines(tmp_path / "chat.jsonl", [
+        "# a comment",
+        "",
+        GOOD,
+        "   ",
+        b"\xff\xfe\x00garbage\x80",                                           # 5: binary
+        "{not json",                                                          # 6
+        json.dumps({"text": "hello"}),                                        # 7: wrong schema
+        json.dumps({"messages": [{"role": "robot", "content": "x"}]}),        # 8: unknown role
+        json.dumps({"messages": []}),                                         # 9: empty
+        json.dumps({"messages": [{"role": "user", "content": "hi"}]}),        # 10: no assistant
+        json.dumps({"messages": [{"role": "user", "content": 3}, {"role": "assistant", "content": "x"}]}),  # 11
+        json.dumps([1, 2]),                                                   # 12
+        json.dumps({"messages": CONV, "id": 7}),
+    ])
+    warnings: list[str] = []
+    convs, n_bad = read_chat_jsonl(p, strict=False, warn=warnings.append)
+    assert n_bad == 8 and len(warnings) == 8 and len(convs) == 2
+    assert convs[0] == CONV[1:3] and convs[1] == CONV
+    lines = [w.split(":")[1] for w in warnings]
+    assert lines == ["5", "6", "7", "8", "9", "10", "11", "12"]
+    assert all(w.startswith(str(p) + ":") and "\n" not in w for w in warnings)
+    assert "not UTF-8" in warnings[0] and "not valid JSON" in warnings[1]
+    assert "no \"messages\" key" in warnings[2] and "unknown role 'robot'" in warnings[3]
+    assert "is empty" in warnings[4] and "no assistant turn" in warnings[5]
+
+
+def test_jsonl_default_warns_on_stderr(tmp_path, capsys):
+    p = write_lines(tmp_path / "c.jsonl", [GOOD, "{oops"])
+    convs, n_bad = read_chat_jsonl(p, strict=False)
+    assert (len(convs), n_bad) == (1, 1)
+    assert f"{p}:2: not valid JSON" in capsys.readouterr().err
+
+
+def test_jsonl_strict(tmp_path):
+    p = write_lines(tmp_path / "c.jsonl", [GOOD, GOOD, json.dumps({"messages": [{"role": "bot", "content": ""}]}), "{"])
+    with pytest.raises(InputError, match=rf"{p}:3: messages\[0\] has unknown role 'bot'"):
+        read_chat_jsonl(p, strict=True)
+
+
+def test_jsonl_empty_missing_all_invalid(tmp_path):
+    with pytest.raises(InputError, match="no valid conversation \\(0 invalid lines\\)"):
+        read_chat_jsonl(write_lines(tmp_path / "e.jsonl", ["", "# only comments"]), strict=False)
+    (tmp_path / "z.jsonl").write_bytes(b"")
+    with pytest.raises(InputError, match="no valid conversation"):
+        read_chat_jsonl(tmp_path / "z.jsonl", strict=False)
+    with pytest.raises(InputError, match=r"no valid conversation \(2 invalid lines\); each line must be"):
+        read_chat_jsonl(write_lines(tmp_path / "bad.jsonl", ["{", "[]"]), strict=False, warn=lambda m: None)
+    with pytest.raises(InputError, match="no such file"):
+        read_chat_jsonl(tmp_path / "missing.jsonl", strict=False)
+    with pytest.raises(InputError, match="is a directory"):
+        read_chat_jsonl(tmp_path, strict=False)
+    assert issubclass(InputError, ToyError)
+
+
+def test_jsonl_bom_and_crlf(tmp_path):
+    p = tmp_path / "w.jsonl"
+    p.write_bytes(b"\xef\xbb\xbf" + GOOD.encode() + b"\r\n" + GOOD.encode() + b"\r\n")
+    convs, n_bad = read_chat_jsonl(p, strict=True)
+    assert (len(convs), n_bad) == (2, 0)
+
+
+# --------------------------------------------------------------------------- packing
+
+def sample(n: int, start: int) -> tuple[list[int], list[int]]:
+    return list(range(start, start + n)), [1] * n
+
+
+def test_pack_first_fit_and_resets():
+    samples = [sample(5, 100), sample(4, 200), sample(3, 300), sample(2, 400), sample(12, 500)]
+    rows = pack_samples(samples, seq_len=8, pad_id=0)
+    # first-fit in order: [5, 3] [4, 2] [12 -> truncated to 8]
+    assert [r["ids"].tolist() for r in rows] == [
+        [100, 101, 102, 103, 104, 300, 301, 302],
+        [200, 201, 202, 203, 400, 401, 0, 0],
+        list(range(500, 508)),
+    ]
+    assert rows[0]["doc_ids"].tolist() == [0] * 5 + [1] * 3
+    assert rows[0]["pos"].tolist() == [0, 1, 2, 3, 4, 0, 1, 2]
+    assert rows[1]["doc_ids"].tolist() == [0] * 4 + [1] * 2 + [-1] * 2
+    assert rows[1]["pos"].tolist() == [0, 1, 2, 3, 0, 1, 0, 1]
+    # First token of each document is never a target (no context inside its document).
+    assert rows[0]["mask"].tolist() == [0, 1, 1, 1, 1, 0, 1, 1]
+    assert rows[1]["mask"].tolist() == [0, 1, 1, 1, 0, 1, 0, 0]
+    for r in rows:
+        assert all(r[k].shape == (8,) and r[k].dtype == torch.long for k in ("ids", "mask", "doc_ids", "pos"))
+    # Deterministic.
+    again = pack_samples(samples, seq_len=8, pad_id=0)
+    assert all(torch.equal(a[k], b[k]) for a, b in zip(rows, again) for k in a)
+
+
+def test_pack_never_splits_a_sample(tok):
+    samples = [encode_chat(tok, CHATML, CONV[: 3 + 2 * (i % 2)], 10_000, "", "") for i in range(6)]
+    seq_len = max(len(s[0]) for s in samples) + 7
+    rows = pack_samples(samples, seq_len, pad_id=0)
+    pieces = []
+    for r in rows:
+        for d in r["doc_ids"].unique().tolist():
+            if d >= 0:
+                pieces.append(r["ids"][r["doc_ids"] == d].tolist())
+    assert sorted(pieces) == sorted(s[0] for s in samples)
+    assert sum(r["mask"].sum().item() for r in rows) == sum(sum(m) for _, m in samples)
+
+
+def test_pad_batch():
+    b = pad_batch([sample(3, 10), sample(5, 20)], pad_id=9)
+    assert b["ids"].tolist() == [[10, 11, 12, 9, 9], [20, 21, 22, 23, 24]]
+    assert b["mask"].tolist() == [[1, 1, 1, 0, 0], [1] * 5]
+    b = pad_batch([sample(3, 10), sample(5, 20)], pad_id=9, seq_len=4)
+    assert b["ids"].shape == (2, 4) and b["mask"][1].tolist() == [1] * 4

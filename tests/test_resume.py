@@ -1,0 +1,103 @@
+"""Checkpoints and exact resume: a run killed after a checkpoint and resumed prints the
+same loss bytes as one that was never interrupted; SIGINT checkpoints and exits 130."""
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import run_toy
+from toy.data.prep import bundled_text_paths
+
+TINY = ["--preset", "tiny", "--batch-size", "4", "--seq-len", "32", "--eval-batches", "2", "--eval-every", "5"]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    from toy.cli.main import main
+
+    d = tmp_path_factory.mktemp("corpus")
+    assert main(["prep", str(bundled_text_paths()[0]), "--out", str(d / "c.bin"), "--vocab-size", "400"]) == 0
+    return d / "c.bin"
+
+
+def start(corpus, out, run_id, steps, *extra):
+    return subprocess.Popen([sys.executable, "-m", "toy", "train", "--corpus", str(corpus), "--out", str(out),
+                             "--run-id", run_id, "--steps", str(steps), *TINY, *extra],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for_checkpoint(run_dir: Path, proc, timeout=120) -> None:
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        ev = run_dir / "events.jsonl"
+        if ev.is_file() and '"checkpoint"' in ev.read_text():
+            return
+        if proc.poll() is not None:
+            pytest.fail(f"run ended before its first checkpoint: {proc.stderr.read()}")
+        time.sleep(0.02)
+    pytest.fail("no checkpoint appeared")
+
+
+def step_lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.startswith("step ")]
+
+
+def test_sigkill_then_resume_gives_the_same_loss_bytes(corpus, tmp_path):
+    steps = 120
+    ref = run_toy("train", "--corpus", corpus, "--out", tmp_path, "--run-id", "ref", "--steps", steps, *TINY,
+                  "--save-every", "10")
+    assert ref.returncode == 0, ref.stderr
+
+    p = start(corpus, tmp_path, "killed", steps, "--save-every", "10")
+    wait_for_checkpoint(tmp_path / "killed", p)
+    p.send_signal(signal.SIGKILL)
+    out_before, _ = p.communicate()
+    assert p.returncode == -signal.SIGKILL
+    res = run_toy("train", "--resume", tmp_path / "killed")
+    assert res.returncode == 0, res.stderr
+    resumed = step_lines(res.stdout)
+    first = int(resumed[0].split()[1])
+    assert first > 1  # it did resume, not restart
+    before = [line for line in step_lines(out_before) if int(line.split()[1]) < first]
+    assert before + resumed == step_lines(ref.stdout)  # byte for byte
+    events = [json.loads(x) for x in (tmp_path / "killed" / "events.jsonl").read_text().splitlines()]
+    assert any(e["event"] == "run_resumed" for e in events) and events[-1]["event"] == "run_finished"
+    assert (tmp_path / "killed" / "final" / "model.safetensors").is_file()
+
+
+def test_sigint_checkpoints_records_and_exits_130(corpus, tmp_path):
+    p = start(corpus, tmp_path, "int", 100000, "--save-every", "1000")
+    run_dir = tmp_path / "int"
+    t0 = time.time()
+    while not ((run_dir / "events.jsonl").is_file() and '"step"' in (run_dir / "events.jsonl").read_text()):
+        assert time.time() - t0 < 120 and p.poll() is None
+        time.sleep(0.02)
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 130, err
+    assert "interrupted" in err and "--resume" in err and "Traceback" not in err
+    events = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()]
+    assert events[-1]["event"] == "interrupted" and events[-1]["signal"] == "SIGINT"
+    step = events[-1]["step"]
+    assert (run_dir / "checkpoints" / f"step-{step:06d}" / "state.json").is_file()
+    assert step_lines(out)[-1].startswith(f"step {step} ")
+
+
+def test_resume_refuses_a_changed_config(corpus, tmp_path, toy_cli):
+    code, _, err = toy_cli("train", "--corpus", corpus, "--out", tmp_path, "--run-id", "r", "--steps", "4", *TINY,
+                           "--save-every", "2")
+    assert code == 0, err
+    code, _, err = toy_cli("train", "--resume", tmp_path / "r", "--d-model", "128")
+    assert code == 2 and "--d-model" in err
+    code, _, err = toy_cli("train", "--resume", tmp_path / "r")
+    assert code == 2 and "raise --steps" in err
+    code, _, err = toy_cli("train", "--resume", tmp_path / "r", "--steps", "2")
+    assert code == 2 and "only be raised" in err
+    code, out, err = toy_cli("train", "--resume", tmp_path / "r", "--steps", "6", "--json")
+    assert code == 0, err
+    assert [x["step"] for x in json.loads(out)["losses"]] == [1, 2, 3, 4, 5, 6]
