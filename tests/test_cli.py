@@ -160,7 +160,7 @@ def test_every_train_flag_has_help_text():
 ERRORS = [
     (["train", "--corpus", "nope/missing.bin"], "nope/missing.bin"),
     (["train", "--recipe", "bogus"], "valid: from-scratch"),
-    (["train", "--arch", "bogus"], "valid: llama"),
+    (["train", "--arch", "bogus"], "valid: gpt2, llama"),
     (["train", "--preset", "bogus"], "valid:"),
     (["train", "--steps", "0"], "--steps"),
     (["train", "--steps", "x"], "--steps"),

@@ -5,8 +5,6 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import torch
-
 from toy.cli.args import finite_float, nonneg_int, positive_int
 from toy.errors import InputError, UsageError
 from toy.formats.model_dir import load_model_dir
@@ -17,7 +15,12 @@ from toy.tokenizer import eos_id
 def add_parser(sub) -> None:
     p = sub.add_parser("infer", help="generate text from a trained model", description=__doc__)
     p.add_argument("--run", help="run directory (or its final/) of a trained model")
-    p.add_argument("--prompt", help="text to continue")
+    p.add_argument("--model", help="a GGUF base model (llama family) to generate with")
+    p.add_argument("--adapter", help="a LoRA adapter directory (PEFT layout, e.g. a lora run's final/) "
+                   "to apply on --model")
+    p.add_argument("--prompt", help="text to continue, as is")
+    p.add_argument("--chat", metavar="MESSAGE", help="one chat message, rendered with the model's chat template")
+    p.add_argument("--system", help="system message for --chat and interactive chat")
     p.add_argument("--max-new-tokens", type=positive_int("--max-new-tokens"), default=100,
                    help="tokens to generate at most (default 100)")
     p.add_argument("--temperature", type=finite_float, default=0.8, help="0 is greedy (default 0.8)")
@@ -25,49 +28,157 @@ def add_parser(sub) -> None:
     p.add_argument("--top-p", type=finite_float, default=1.0, help="nucleus sampling mass (default 1.0: off)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     p.add_argument("--device", choices=("cpu", "cuda", "metal"), default="cpu")
+    p.add_argument("--image", metavar="PATH", help="classify this PNG/JPEG with an image-classifier run "
+                   "(prints the top 5 classes; --prompt is not needed)")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
+    if args.image:
+        from toy.cli.cmd_infer_image import infer_image
+        return infer_image(args)
     from toy.train.device import resolve_device
 
     if args.temperature < 0:
         raise UsageError(f"--temperature must be >= 0 (0 is greedy), got {args.temperature}")
     if not 0 < args.top_p <= 1:
         raise UsageError(f"--top-p must be in (0, 1], got {args.top_p}")
-    if not args.run:
-        raise UsageError("give --run RUN_DIR (a trained run)")
-    if args.prompt is None:
-        raise UsageError("give --prompt TEXT")
+    if not args.run and not args.model:
+        raise UsageError("give --run RUN_DIR (a trained run) or --model BASE.gguf [--adapter DIR]")
+    if args.prompt is not None and args.chat is not None:
+        raise UsageError("--prompt and --chat conflict: continue raw text or send a chat message, not both")
+    if args.adapter and not (args.model or args.run):
+        raise UsageError("--adapter needs --model BASE.gguf")
     device = resolve_device(args.device)
-    d = Path(args.run)
-    if not d.exists():
-        raise InputError(f"--run {d}: no such directory")
-    if (d / "final").is_dir():
-        d = d / "final"
-    model, meta, tok = load_model_dir(d, device)
-    if tok is None:
-        raise InputError(f"{d}: has no tokenizer.json; the run's corpus had no tokenizer beside it")
-    ids = tok.encode(args.prompt, add_special_tokens=False).ids
-    if not ids:
-        eid = eos_id(tok)
-        if eid is None:
-            raise UsageError("--prompt is empty and the tokenizer has no end-of-text token to start from")
-        ids = [eid]
-    stop = {eos_id(tok)} - {None}
+    lm = load_lm(args, device)
+    if args.prompt is not None:
+        return continue_text(lm, args)
+    if lm.template is None:
+        raise UsageError(f"{lm.source}: has no chat template; use --prompt TEXT to continue raw text")
+    if args.chat is not None:
+        chat_turn(lm, args, [*_system(args), {"role": "user", "content": args.chat}])
+        return 0
+    return interactive(lm, args)
+
+
+class LM:
+    """A model ready to generate, with its tokenizer and (for GGUF bases) chat template."""
+
+    def __init__(self, model, tok, template=None, bos="", eos="", stop=(), source=""):
+        self.model, self.tok, self.template, self.bos, self.eos = model, tok, template, bos, eos
+        self.stop, self.source = set(stop), source
+
+
+def load_lm(args, device) -> LM:
+    adapter = Path(args.adapter) if args.adapter else None
+    model_path = Path(args.model) if args.model else None
+    if args.run:
+        d = Path(args.run)
+        if not d.exists():
+            raise InputError(f"--run {d}: no such directory")
+        if (d / "final").is_dir():
+            d = d / "final"
+        if (d / "adapter_config.json").is_file():  # a LoRA run: its base plus its adapter
+            adapter = d
+            if model_path is None:
+                from toy.formats.checkpoint import read_json
+                model_path = Path(read_json(d / "adapter_config.json").get("base_model_name_or_path", ""))
+        else:
+            model, _, tok = load_model_dir(d, device)
+            if tok is None:
+                raise InputError(f"{d}: has no tokenizer.json; the run's corpus had no tokenizer beside it")
+            return LM(model, tok, stop={eos_id(tok)} - {None}, source=str(d))
+    return load_gguf_lm(model_path, adapter, device)
+
+
+def load_gguf_lm(model_path: Path, adapter: Path | None, device) -> LM:
+    from toy import tokenizer as toktools
+    from toy.formats.gguf import read_gguf
+    from toy.formats.peft import load_peft_adapter
+    from toy.lora import apply_lora, load_lora_state_dict, merge_lora
+
+    if not model_path.is_file():
+        raise InputError(f"--model {model_path} not found; get SmolLM2 with `make smollm2` or pass a GGUF file")
+    base = read_gguf(model_path)
+    tok = toktools.from_gguf_metadata(base.metadata, source=str(model_path))
+    model = base.build_model(device)
+    if adapter is not None:
+        sd, cfg = load_peft_adapter(adapter)
+        # The adapter's own tensors say which projections it adapts (target_modules may be a regex).
+        targets = sorted({k.rsplit(".", 2)[-2] for k in sd})
+        apply_lora(model, targets, int(cfg["r"]), float(cfg["lora_alpha"]), 0.0, seed=0)
+        load_lora_state_dict(model, sd, source=str(adapter))
+        merge_lora(model)  # one weight per projection: generation costs what the base costs
+    special = toktools.gguf_special_ids(base.metadata)
+    bos = tok.id_to_token(special.bos) if special.bos is not None else ""
+    eos = tok.id_to_token(special.eos) if special.eos is not None else ""
+    stop = {special.eos} - {None}
+    for name in ("<|im_end|>", "<|eot_id|>", "<|endoftext|>", "<|end|>"):
+        i = tok.token_to_id(name)
+        if i is not None:
+            stop.add(i)
+    return LM(model.eval(), tok, base.chat_template, bos, eos, stop, str(model_path))
+
+
+def stream(lm: LM, ids: list[int], args, cache=None) -> list[int]:
+    """Generate and print token by token; returns the new ids."""
     out = sys.stdout
-    out.write(args.prompt)
-    out.flush()
     new: list[int] = []
-    text_so_far = ""
-    for t in generate(model, ids, args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed, stop):
+    shown = ""
+    for t in generate(lm.model, ids, args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed,
+                      lm.stop, cache=cache):
         new.append(t)
         # Decode the whole continuation each time: a byte-level token may be half a
         # UTF-8 character, so print only the settled text.
-        text = tok.decode(new)
+        text = lm.tok.decode(new)
         if not text.endswith("\ufffd"):
-            out.write(text[len(text_so_far):])
+            out.write(text[len(shown):])
             out.flush()
-            text_so_far = text
+            shown = text
     out.write("\n")
+    out.flush()
+    return new
+
+
+def continue_text(lm: LM, args) -> int:
+    ids = lm.tok.encode(args.prompt, add_special_tokens=False).ids
+    if not ids:
+        eid = eos_id(lm.tok) if lm.template is None else None
+        if eid is None:
+            raise UsageError("--prompt is empty; give some text to continue")
+        ids = [eid]
+    sys.stdout.write(args.prompt)
+    sys.stdout.flush()
+    stream(lm, ids, args)
     return 0
+
+
+def _system(args) -> list[dict]:
+    return [{"role": "system", "content": args.system}] if args.system else []
+
+
+def chat_turn(lm: LM, args, messages: list[dict]) -> str:
+    from toy.data.chat import render_template
+
+    text = render_template(lm.template, messages, add_generation_prompt=True, bos_token=lm.bos, eos_token=lm.eos)
+    ids = lm.tok.encode(text, add_special_tokens=False).ids
+    new = stream(lm, ids, args)
+    return lm.tok.decode(new)
+
+
+def interactive(lm: LM, args) -> int:
+    """A chat session on the terminal: each turn re-renders the whole conversation with
+    the template (simple and always right), and the reply streams with the KV cache."""
+    messages = _system(args)
+    print(f"chatting with {lm.source} (empty line or Ctrl-D to quit)", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            print(file=sys.stderr)
+            return 0
+        if not line.strip():
+            return 0
+        messages.append({"role": "user", "content": line})
+        reply = chat_turn(lm, args, messages)
+        messages.append({"role": "assistant", "content": reply})

@@ -143,6 +143,8 @@ def run(args) -> int:
         if (runs_dir / args.run_id).exists():
             raise UsageError(f"--run-id {args.run_id}: {runs_dir / args.run_id} already exists; pick another id")
 
+    if cli.get("epochs") is not None and cli.get("steps") is not None:
+        raise UsageError("--epochs and --steps conflict: give one (--epochs sets the step count)")
     built = recipe.build(opts, project)  # all input checks happen here, before the run dir exists
     run_id = args.run_id or make_run_id(project.run_id_template, runs_dir, recipe=opts["recipe"], arch=built.arch)
     run_dir = create_run_dir(runs_dir, run_id)
@@ -221,6 +223,8 @@ def _execute(args, opts, built, cfg, run_dir, run_id, device, events, resume) ->
         what = f"resuming {run_id} from {resume.name}" if resume else f"run {run_id}"
         reporter.message(f"{what}: {opts['recipe']} {built.arch}, {built.params:,} parameters, "
                          f"{cfg.steps} steps on {device.type} ({torch.get_num_threads()} threads) -> {run_dir}")
+        for note in built.notes:
+            reporter.message(f"  {note}")
     try:
         res = train(built.job, cfg, run_dir, device, events, reporter, resume=resume)
         built.job.save_final(run_dir / "final")
@@ -242,6 +246,7 @@ def _execute(args, opts, built, cfg, run_dir, run_id, device, events, resume) ->
     last_loss = res.losses[-1]["loss"] if res.losses else None
     last_val = res.val_losses[-1]["loss"] if res.val_losses else None
     ips_key = f"{built.job.items_name}_per_s"
+    acc = [{"step": m["step"], "accuracy": m["accuracy"]} for m in res.metrics if "accuracy" in m]
     events.emit("run_finished", step=res.final_step, loss=last_loss, val_loss=last_val,
                 wall_s=round(res.wall_s, 3), **{ips_key: res.items_per_s})
     events.close()
@@ -252,10 +257,13 @@ def _execute(args, opts, built, cfg, run_dir, run_id, device, events, resume) ->
                ips_key: res.items_per_s, "wall_s": round(res.wall_s, 3)}
         if res.metrics:
             out["metrics"] = res.metrics
+        if acc:  # classifiers: the accuracy curve under its own key
+            out["val_accuracy"] = acc
         print(json.dumps(out))
     else:
         val = f", val loss {last_val:.4f}" if last_val is not None else ""
         speed = f", {res.items_per_s:,.0f} {built.job.items_name}/s" if res.items_per_s else ""
+        val += f", val accuracy {acc[-1]['accuracy']:.4f}" if acc else ""
         print(f"done: loss {last_loss:.4f}{val}{speed}, {res.wall_s:.1f}s; model in {run_dir / 'final'}")
     return 0
 

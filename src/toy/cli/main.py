@@ -9,18 +9,17 @@ import traceback
 from toy.cli.args import Parser
 from toy.errors import ToyError
 
-COMMANDS = ("new", "prep", "train", "infer")
 
 
 def build_parser() -> Parser:
-    from toy.cli import cmd_infer, cmd_new, cmd_prep, cmd_train
+    from toy.cli import cmd_describe, cmd_infer, cmd_new, cmd_prep, cmd_train
 
     p = Parser(prog="toy", description="Train small neural networks: decoder LMs from scratch, "
                "LoRA on GGUF bases, ViT-Tiny. Run `toy COMMAND --help` for a command's flags.")
     from toy import __version__
     p.add_argument("--version", action="version", version=f"toy {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
-    for mod in (cmd_new, cmd_prep, cmd_train, cmd_infer):
+    for mod in (cmd_new, cmd_prep, cmd_train, cmd_infer, cmd_describe):
         mod.add_parser(sub)
     return p
 

@@ -8,6 +8,8 @@ from importlib import import_module
 # name -> module under toy.recipes; each module has `build(opts, project) -> Built`.
 RECIPES = {
     "from-scratch": "from_scratch",
+    "vit-tiny": "vit_tiny",
+    "lora": "lora",
 }
 
 

@@ -57,10 +57,24 @@ IGNORE = -100
 
 
 def lm_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Next-token cross-entropy summed over supervised targets (targets == -100 are not)."""
-    logits = model(batch["ids"], pos=batch.get("pos"), mask=batch.get("attn_mask"))  # (B, T, V)
+    """Next-token cross-entropy summed over supervised targets (targets == -100 are not).
+
+    The vocabulary projection runs only on supervised positions: with chat data most
+    positions are prompt, and the (T, vocab) logits are the biggest tensor of the step.
+    """
     targets = batch["targets"]
-    loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE, reduction="sum")
+    hidden = getattr(model, "hidden", None)
+    if hidden is None:
+        logits = model(batch["ids"], pos=batch.get("pos"), mask=batch.get("attn_mask"))  # (B, T, V)
+        flat, tgt = logits.flatten(0, 1), targets.flatten()
+    else:
+        h = hidden(batch["ids"], pos=batch.get("pos"), mask=batch.get("attn_mask"))  # (B, T, C)
+        sup = targets != IGNORE
+        if bool(sup.all()):
+            flat, tgt = model.lm_head(h).flatten(0, 1), targets.flatten()
+        else:
+            flat, tgt = model.lm_head(h[sup]), targets[sup]  # (N, V) for N supervised tokens
+    loss = F.cross_entropy(flat.float(), tgt, ignore_index=IGNORE, reduction="sum")
     return loss, (targets != IGNORE).sum()
 
 

@@ -1,0 +1,71 @@
+"""Chat conversations made from the dialogue of the bundled plays: real text, varied
+lengths, several turns each. Used by the LoRA tests, the effect check and the chat
+benchmark, so they need no download.
+
+Each conversation is a run of consecutive speeches between two speakers of one scene:
+the first speaker's lines are the user turns, the second's the assistant turns.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+
+SYSTEM = "You are a player in a Shakespeare company. Answer in character, in verse or prose as the play does."
+_SPEAKER = re.compile(r"^([A-Z][A-Za-z]*\.?( [A-Z][A-Za-z]*\.?)?)\.$")
+
+
+def speeches(text: str) -> list[tuple[str, str]]:
+    """(speaker, speech) pairs in order. A speech is a speaker cue line ("Ham.") followed
+    by its lines up to a blank line; stage directions in brackets are dropped."""
+    out: list[tuple[str, str]] = []
+    for block in re.split(r"\n\s*\n", text):
+        lines = [ln.strip() for ln in block.strip().splitlines()]
+        if len(lines) < 2 or not _SPEAKER.match(lines[0]):
+            if lines and (lines[0].startswith("ACT") or lines[0].startswith("Scene")):
+                out.append(("", ""))  # a scene boundary: conversations never cross it
+            continue
+        body = [ln for ln in lines[1:] if not (ln.startswith("[") and ln.endswith("]"))]
+        speech = " ".join(body).strip()
+        if speech:
+            out.append((lines[0].rstrip("."), speech))
+    return out
+
+
+def conversations(paths: list[Path], n: int, seed: int = 0, turns: tuple[int, int] = (1, 3),
+                  max_chars: int = 600) -> list[dict]:
+    """Up to n conversations of 1-3 user/assistant exchanges, picked deterministically."""
+    pool: list[list[dict]] = []
+    for p in paths:
+        sp = speeches(Path(p).read_text())
+        i = 0
+        while i + 1 < len(sp):
+            a, b = sp[i][0], sp[i + 1][0]
+            if not a or not b or a == b:
+                i += 1
+                continue
+            msgs = []
+            j = i
+            # Alternate a, b, a, b... as long as the same two speakers keep talking.
+            while j + 1 < len(sp) and sp[j][0] == a and sp[j + 1][0] == b and len(msgs) < 2 * turns[1]:
+                if len(sp[j][1]) > max_chars or len(sp[j + 1][1]) > max_chars:
+                    break
+                msgs += [{"role": "user", "content": sp[j][1]}, {"role": "assistant", "content": sp[j + 1][1]}]
+                j += 2
+            if len(msgs) >= 2 * turns[0]:
+                pool.append([{"role": "system", "content": SYSTEM}] + msgs)
+                i = j
+            else:
+                i += 1
+    order = np.random.default_rng(seed).permutation(len(pool))[:n]
+    return [{"messages": pool[int(k)]} for k in sorted(order)]
+
+
+def write_jsonl(convs: list[dict], path: Path) -> Path:
+    with open(path, "w") as fh:
+        for c in convs:
+            fh.write(json.dumps(c) + "\n")
+    return path
