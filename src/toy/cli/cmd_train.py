@@ -113,6 +113,10 @@ def validate(o: dict) -> None:
     if o["corpus"] and not Path(o["corpus"]).is_file():
         problems.append(f"--corpus {o['corpus']} not found; make one with `toy prep TEXT --out FILE.bin` "
                         "or start a project with `toy new DIR`")
+    if o["recipe"] in recipe_names():
+        check = getattr(load_recipe(o["recipe"]), "check_opts", None)
+        if check is not None:
+            problems += check(o)
     if problems:
         raise UsageError("; ".join(problems))
 

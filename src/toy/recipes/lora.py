@@ -79,14 +79,16 @@ def check_opts(opts: dict) -> list[str]:
         p.append(f"--epochs must be >= 1, got {opts['epochs']}")
     if opts["seq_len"] is None or opts["seq_len"] < 2:
         p.append(f"--seq-len must be >= 2, got {opts['seq_len']}")
+    if opts.get("model") and not Path(opts["model"]).is_file():
+        p.append(f"--model {opts['model']} not found; {GET_MODEL}")
+    for flag in ("data", "val_data"):
+        if opts.get(flag) and not Path(opts[flag]).is_file():
+            p.append(f"--{flag.replace('_', '-')} {opts[flag]} not found; give a chat JSONL file")
     return p
 
 
 def build(opts: dict, project: Project) -> Built:
     targets = [t.strip() for t in str(opts["targets"]).split(",") if t.strip()]
-    problems = check_opts(opts)
-    if problems:
-        raise UsageError("; ".join(problems))
     model_path = resolve_model(opts, project)
     base = read_gguf(model_path)
     tok = toktools.from_gguf_metadata(base.metadata, source=str(model_path))

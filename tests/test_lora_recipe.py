@@ -1,0 +1,150 @@
+"""`toy train --recipe lora` end to end on a tiny GGUF with a ChatML tokenizer, the
+adapter it writes, chat inference on it, exact resume, and each bad input."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gguf_fixtures import tiny_model, write_llama_gguf  # noqa: E402
+
+from toy.data.dialogue import conversations, write_jsonl  # noqa: E402
+from toy.data.prep import bundled_text_paths  # noqa: E402
+from toy.tokenizer import train_bpe  # noqa: E402
+
+COMMON = ["--seq-len", "128", "--batch-size", "2", "--eval-batches", "2", "--lr", "1e-2", "--warmup", "0"]
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    """A tiny llama GGUF whose tokenizer knows ChatML's <|im_start|>/<|im_end|>, plus a
+    chat set of real dialogue from the bundled plays."""
+    d = tmp_path_factory.mktemp("lora")
+    text = bundled_text_paths()[0].read_text()[:40000]
+    tok = train_bpe([text[i : i + 400] for i in range(0, len(text), 400)], vocab_size=400)
+    tok.add_special_tokens(["<|im_start|>", "<|im_end|>"])
+    model = tiny_model(vocab_size=tok.get_vocab_size(with_added_tokens=True), max_seq_len=256)
+    path = write_llama_gguf(d / "base.gguf", model, tok)
+    chat = write_jsonl(conversations(bundled_text_paths(), 60, seed=1, turns=(1, 2), max_chars=150), d / "chat.jsonl")
+    return {"gguf": path, "chat": chat, "dir": d}
+
+
+def train(toy_cli, base, out, *extra):
+    return toy_cli("train", "--recipe", "lora", "--model", base["gguf"], "--out", out, *COMMON, *extra)
+
+
+def test_chat_lora_end_to_end(base, toy_cli, tmp_path):
+    code, out, err = train(toy_cli, base, tmp_path, "--data", base["chat"], "--steps", "6", "--json",
+                           "--run-id", "l1", "--output", tmp_path / "copy", "--targets", "q_proj,v_proj,down_proj")
+    assert code == 0, err
+    r = json.loads(out)
+    assert r["recipe"] == "lora" and [v["step"] for v in r["val_losses"]] == [0, 6]
+    losses = [x["loss"] for x in r["losses"]]
+    assert len(losses) == 6 and all(loss > 0 for loss in losses)
+    final = tmp_path / "l1" / "final"
+    cfg = json.loads((final / "adapter_config.json").read_text())
+    assert cfg["r"] == 8 and cfg["lora_alpha"] == 16 and sorted(cfg["target_modules"]) == ["down_proj", "q_proj", "v_proj"]
+    from safetensors.torch import load_file
+
+    sd = load_file(final / "adapter_model.safetensors")
+    assert "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight" in sd
+    assert not any("lm_head" in k or "embed" in k for k in sd)  # never the tied output
+    assert any(float(v.abs().sum()) > 0 for k, v in sd.items() if "lora_B" in k)  # B moved off zero
+    assert (tmp_path / "copy" / "adapter_model.safetensors").is_file()
+    code, out, err = toy_cli("infer", "--run", tmp_path / "l1", "--chat", "Who is there?", "--max-new-tokens", "5",
+                             "--temperature", "0")
+    assert code == 0, err
+    code, out2, err = toy_cli("infer", "--model", base["gguf"], "--adapter", final, "--chat", "Who is there?",
+                              "--max-new-tokens", "5", "--temperature", "0")
+    assert code == 0 and out2 == out
+
+
+def test_training_lowers_held_out_loss(base, toy_cli, tmp_path):
+    code, out, err = train(toy_cli, base, tmp_path, "--data", base["chat"], "--steps", "25", "--json",
+                           "--rank", "16", "--targets", "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj")
+    assert code == 0, err
+    val = json.loads(out)["val_losses"]
+    assert val[-1]["loss"] < val[0]["loss"]
+
+
+def test_token_stream_lora(base, toy_cli, tmp_path):
+    code, _, err = toy_cli("prep", bundled_text_paths()[1], "--out", tmp_path / "c.bin", "--tokenizer", base["gguf"])
+    assert code == 0, err
+    code, out, err = train(toy_cli, base, tmp_path, "--corpus", tmp_path / "c.bin", "--steps", "3", "--json")
+    assert code == 0, err
+    assert len(json.loads(out)["val_losses"]) == 2
+
+
+def test_resume_is_exact(base, toy_cli, tmp_path):
+    args = ("--data", base["chat"], "--steps", "4", "--save-every", "2", "--json", "--dropout", "0.1")
+    code, out, err = train(toy_cli, base, tmp_path, *args, "--run-id", "full")
+    assert code == 0, err
+    full = json.loads(out)["losses"]
+    # The same run cut after its step-2 checkpoint, then resumed.
+    cut = tmp_path / "cut"
+    shutil.copytree(tmp_path / "full", cut)
+    shutil.rmtree(cut / "checkpoints" / "step-000004")
+    shutil.rmtree(cut / "final")
+    code, out, err = toy_cli("train", "--resume", cut, "--json")
+    assert code == 0, err
+    assert json.loads(out)["losses"] == full  # float-exact, dropout RNG included
+
+
+def test_epochs_sets_steps(base, toy_cli, tmp_path):
+    code, out, err = train(toy_cli, base, tmp_path, "--data", base["chat"], "--epochs", "1", "--json",
+                           "--seq-len", "256", "--batch-size", "8")
+    assert code == 0, err
+    r = json.loads(out)
+    assert r["steps"] >= 1 and len(r["losses"]) == r["steps"]
+
+
+BAD = [
+    (["--model", "missing.gguf", "--data", "x.jsonl"], "missing.gguf"),
+    (["--rank", "0"], "--rank must be >= 1"),
+    (["--targets", "q_proj,bogus"], "bogus"),
+    (["--targets", "lm_head"], "lm_head"),
+    (["--steps", "3", "--epochs", "1"], "conflict"),
+    (["--corpus", "c.bin"], "conflict"),
+]
+
+
+@pytest.mark.parametrize("extra,needle", BAD, ids=[b[1] for b in BAD])
+def test_bad_lora_requests_exit_2(base, toy_cli, tmp_path, extra, needle):
+    argv = ["train", "--recipe", "lora", "--out", tmp_path]
+    if "--model" not in extra:
+        argv += ["--model", base["gguf"]]
+    if "--data" not in extra:
+        argv += ["--data", base["chat"]]
+    code, _, err = toy_cli(*argv, *extra)
+    assert code == 2, err
+    assert needle in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert not any(tmp_path.iterdir())
+
+
+def test_default_model_missing_says_how_to_get_it(toy_cli, tmp_path, monkeypatch, base):
+    monkeypatch.chdir(tmp_path)
+    code, _, err = toy_cli("train", "--recipe", "lora", "--data", base["chat"])
+    assert code == 2 and "smollm2-135m.gguf" in err and "make smollm2" in err
+
+
+def test_bad_model_files_exit_2(toy_cli, tmp_path, base):
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(bytes(range(256)) * 40)
+    code, _, err = toy_cli("train", "--recipe", "lora", "--model", junk, "--data", base["chat"])
+    assert code == 2 and "junk.gguf" in err
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(base["gguf"].read_bytes()[:5000])
+    code, _, err = toy_cli("train", "--recipe", "lora", "--model", cut, "--data", base["chat"])
+    assert code == 2 and "cut.gguf" in err
+
+
+def test_corpus_from_another_tokenizer_exits_2(base, toy_cli, tmp_path):
+    code, _, err = toy_cli("prep", bundled_text_paths()[1], "--out", tmp_path / "o.bin", "--vocab-size", "300")
+    assert code == 0, err
+    code, _, err = train(toy_cli, base, tmp_path / "runs", "--corpus", tmp_path / "o.bin")
+    assert code == 2 and "another tokenizer" in err
