@@ -108,7 +108,13 @@ def train(job: Job, cfg: TrainConfig, run_dir: Path | None, device: torch.device
             return
         state = {"losses": res.losses, "val_losses": res.val_losses, "metrics": res.metrics,
                  "data_position": step * cfg.grad_accum, "config": job.config}
-        path = ckpt.save_checkpoint(ckpt_root, step, job.trainable_state(), opt, state)
+        try:
+            path = ckpt.save_checkpoint(ckpt_root, step, job.trainable_state(), opt, state)
+        except OSError as e:
+            # The temp directory is gone (atomic_dir removed it): no partial checkpoint
+            # can pass for a valid one, and the previous checkpoint is untouched.
+            raise RunFailed(f"cannot write the step-{step} checkpoint under {ckpt_root}: {e.strerror or e}; "
+                            "free disk space or train with another --out", step=step)
         ckpt.prune_checkpoints(ckpt_root, cfg.keep_last)
         events.emit("checkpoint", step=step, path=str(path.relative_to(run_dir)))
 
