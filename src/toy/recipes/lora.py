@@ -98,12 +98,13 @@ def build(opts: dict, project: Project) -> Built:
     wrapped = apply_lora(model, targets, int(opts["rank"]), float(opts["alpha"]), float(opts["dropout"]),
                          int(opts["seed"]))
     seq_len = int(opts["seq_len"])
+    notes: list[str] = []
     if seq_len > base.config.max_seq_len:
-        raise UsageError(f"--seq-len {seq_len} exceeds the model's context {base.config.max_seq_len}")
+        notes.append(f"--seq-len {seq_len} lowered to the model's context {base.config.max_seq_len}")
+        seq_len = opts["seq_len"] = base.config.max_seq_len
     vocab = tok.get_vocab_size(with_added_tokens=True)
     config = {"recipe": "lora", "arch": "llama", "model": str(model_path), "model_sha256": file_fingerprint(model_path),
               "rank": int(opts["rank"]), "alpha": float(opts["alpha"]), "targets": targets, "seq_len": seq_len}
-    notes: list[str] = []
     if opts.get("data"):
         micro, evals, n_rows, info = chat_stream(opts, tok, base, seq_len, notes)
         config.update(info)

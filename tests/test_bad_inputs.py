@@ -1,0 +1,238 @@
+"""The bad-input catalogue: one case per broken or hostile input, each through the
+command line as a user would meet it. Every case must exit 2 with one line that names
+the file (or flag), without a traceback, in bounded time, and leave no run behind."""
+
+from __future__ import annotations
+
+import struct
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gguf_fixtures import tiny_model, write_llama_gguf  # noqa: E402
+
+from toy.data.dialogue import conversations, write_jsonl  # noqa: E402
+from toy.data.prep import bundled_text_paths  # noqa: E402
+from toy.data.tokens import write_tokens  # noqa: E402
+from toy.tokenizer import train_bpe  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def kit(tmp_path_factory):
+    d = tmp_path_factory.mktemp("bad")
+    text = bundled_text_paths()[0].read_text()[:30000]
+    tok = train_bpe([text[i : i + 400] for i in range(0, len(text), 400)], vocab_size=300)
+    tok.add_special_tokens(["<|im_start|>", "<|im_end|>"])
+    model = tiny_model(vocab_size=tok.get_vocab_size(with_added_tokens=True), max_seq_len=128)
+    good = write_llama_gguf(d / "good.gguf", model, tok)
+    chat = write_jsonl(conversations(bundled_text_paths(), 10, seed=0, max_chars=100), d / "chat.jsonl")
+    return {"d": d, "tok": tok, "model": model, "good": good, "chat": chat}
+
+
+def _field_offset(data: bytes, name: bytes) -> int:
+    return data.index(struct.pack("<Q", len(name)) + name) + 8 + len(name)
+
+
+# ---- GGUF: each builder returns the broken file's path
+
+def gguf_random(k, p):
+    p.write_bytes(np.random.default_rng(1).bytes(8192))
+
+
+def gguf_wrong_magic(k, p):
+    p.write_bytes(b"GGML" + k["good"].read_bytes()[4:])
+
+
+def _cut(frac_or_where):
+    def build(k, p):
+        from toy.formats.gguf import read_gguf_header
+
+        data = k["good"].read_bytes()
+        h = read_gguf_header(k["good"])
+        at = {"header": 12, "kv": 200, "tensor_info": h.data_start - 40, "data": h.data_start + 500}[frac_or_where]
+        p.write_bytes(data[:at])
+    return build
+
+
+def gguf_absurd_counts(k, p):
+    data = bytearray(k["good"].read_bytes())
+    data[8:24] = struct.pack("<QQ", 1 << 61, 1 << 61)
+    p.write_bytes(bytes(data))
+
+
+def gguf_tensor_out_of_bounds(k, p):
+    data = bytearray(k["good"].read_bytes())
+    at = _field_offset(data, b"blk.1.ffn_down.weight")
+    n_dims = struct.unpack_from("<I", data, at)[0]
+    struct.pack_into("<Q", data, at + 4 + 8 * n_dims + 4, 1 << 40)  # its data offset, far past the end
+    p.write_bytes(bytes(data))
+
+
+def gguf_unknown_quant(k, p):
+    data = bytearray(k["good"].read_bytes())
+    at = _field_offset(data, b"blk.0.attn_q.weight")
+    n_dims = struct.unpack_from("<I", data, at)[0]
+    struct.pack_into("<I", data, at + 4 + 8 * n_dims, 999)
+    p.write_bytes(bytes(data))
+
+
+def gguf_missing_key(k, p):
+    data = bytearray(k["good"].read_bytes())
+    key = b"llama.block_count"
+    at = data.index(key)
+    data[at : at + len(key)] = b"llama.bxock_count"  # same length: the key is simply absent
+    p.write_bytes(bytes(data))
+
+
+def gguf_missing_tensor(k, p):
+    write_llama_gguf(p, k["model"], k["tok"], drop={"blk.1.ffn_down.weight"})
+
+
+def gguf_misshapen_tensor(k, p):
+    write_llama_gguf(p, k["model"], k["tok"], replace={"blk.0.attn_q.weight": np.zeros((32, 64), np.float32)})
+
+
+def gguf_unsupported_arch(k, p):
+    write_llama_gguf(p, k["model"], k["tok"], arch="bert", permute=False)
+
+
+GGUF_CASES = {
+    "random bytes": (gguf_random, "not a GGUF"),
+    "wrong magic": (gguf_wrong_magic, "not a GGUF"),
+    "truncated in the header": (_cut("header"), ""),
+    "truncated in the key/values": (_cut("kv"), ""),
+    "truncated in the tensor infos": (_cut("tensor_info"), ""),
+    "truncated in the tensor data": (_cut("data"), ""),
+    "absurd counts in the header": (gguf_absurd_counts, ""),
+    "a tensor out of bounds": (gguf_tensor_out_of_bounds, ""),
+    "an unknown quant type": (gguf_unknown_quant, "999"),
+    "a missing key": (gguf_missing_key, "block_count"),
+    "a missing tensor": (gguf_missing_tensor, "blk.1.ffn_down.weight"),
+    "a misshapen tensor": (gguf_misshapen_tensor, "blk.0.attn_q.weight"),
+    "an unsupported architecture": (gguf_unsupported_arch, "llama"),
+}
+
+
+def check_one_line(code, err, *needles):
+    assert code == 2, err
+    assert len(err.strip().splitlines()) == 1, err
+    assert "Traceback" not in err
+    for n in needles:
+        assert n in err, (n, err)
+
+
+@pytest.mark.parametrize("case", list(GGUF_CASES))
+def test_gguf(kit, toy_cli, tmp_path, case):
+    build, needle = GGUF_CASES[case]
+    p = tmp_path / "broken.gguf"
+    build(kit, p)
+    commands = [["train", "--recipe", "lora", "--model", p, "--data", kit["chat"], "--out", tmp_path / "runs"],
+                ["infer", "--model", p, "--prompt", "x"]]
+    if case not in ("a missing tensor", "a misshapen tensor"):  # describe reads the header only
+        commands.append(["describe", p])
+    for argv in commands:
+        t0 = time.perf_counter()
+        code, _, err = toy_cli(*argv)
+        assert time.perf_counter() - t0 < 10
+        check_one_line(code, err, "broken.gguf", needle)
+    assert not (tmp_path / "runs").exists()
+
+
+# ---- token files
+
+def tokens_bad_magic(k, p):
+    write_tokens(p, np.arange(500) % 300, 300)
+    p.write_bytes(b"XXXXXXXX" + p.read_bytes()[8:])
+
+
+def tokens_truncated(k, p):
+    write_tokens(p, np.arange(500) % 300, 300)
+    p.write_bytes(p.read_bytes()[:-101])
+
+
+def tokens_id_too_big(k, p):
+    arr = np.arange(500) % 300
+    write_tokens(p, arr, 300)
+    data = bytearray(p.read_bytes())
+    struct.pack_into("<H", data, 64 + 2 * 77, 300)  # == vocab size
+    p.write_bytes(bytes(data))
+
+
+TOKEN_CASES = {"bad magic": (tokens_bad_magic, "bad magic"), "truncated": (tokens_truncated, "truncated"),
+               "token id >= vocab": (tokens_id_too_big, "outside the vocabulary")}
+
+
+@pytest.mark.parametrize("case", list(TOKEN_CASES))
+def test_token_file(toy_cli, tmp_path, case):
+    build, needle = TOKEN_CASES[case]
+    p = tmp_path / "broken.bin"
+    build(None, p)
+    code, _, err = toy_cli("train", "--corpus", p, "--out", tmp_path / "runs", "--preset", "tiny")
+    check_one_line(code, err, "broken.bin", needle)
+    assert not (tmp_path / "runs").exists()
+
+
+def test_token_file_vocab_mismatch_with_the_model(kit, toy_cli, tmp_path):
+    p = tmp_path / "other.bin"
+    code, _, err = toy_cli("prep", bundled_text_paths()[1], "--out", p, "--vocab-size", "260")
+    assert code == 0, err
+    code, _, err = toy_cli("train", "--recipe", "lora", "--model", kit["good"], "--corpus", p,
+                           "--out", tmp_path / "runs")
+    check_one_line(code, err, "other.bin", "another tokenizer")
+
+
+# ---- chat JSONL
+
+CHAT_CASES = {
+    "binary garbage": (b"\x00\xff\xfe\x81garbage\x00\n" * 5, "no valid conversation"),
+    "wrong schema": (b'{"text": "not a chat"}\n[1, 2, 3]\n', "no valid conversation"),
+    "unknown roles": (b'{"messages": [{"role": "wizard", "content": "hi"}, {"role": "assistant", "content": "x"}]}\n',
+                      "no valid conversation"),
+    "empty file": (b"", "no valid conversation"),
+    "all invalid": (b'{"messages": []}\n{"messages": [{"role": "user", "content": "only a question"}]}\n',
+                    "no valid conversation"),
+}
+
+
+@pytest.mark.parametrize("case", list(CHAT_CASES))
+def test_chat_jsonl(kit, toy_cli, tmp_path, case):
+    blob, needle = CHAT_CASES[case]
+    p = tmp_path / "broken.jsonl"
+    p.write_bytes(blob)
+    code, _, err = toy_cli("train", "--recipe", "lora", "--model", kit["good"], "--data", p, "--out", tmp_path / "r")
+    last = err.strip().splitlines()[-1] if err.strip() else ""
+    assert code == 2 and "broken.jsonl" in last and needle in last and "Traceback" not in err
+    # Warnings name each bad line; the final error is one line.
+    assert not (tmp_path / "r").exists()
+
+
+def test_chat_jsonl_strict_stops_at_the_first_bad_line(kit, toy_cli, tmp_path):
+    p = tmp_path / "mixed.jsonl"
+    p.write_bytes(kit["chat"].read_bytes() + b"{broken\n")
+    code, _, err = toy_cli("train", "--recipe", "lora", "--model", kit["good"], "--data", p, "--strict",
+                           "--out", tmp_path / "r")
+    check_one_line(code, err, "mixed.jsonl:11")
+
+
+# ---- conflicting flags
+
+CONFLICTS = [
+    (["prep", "x.txt", "--out", "x.bin", "--vocab-size", "300", "--tokenizer", "t.json"], "conflict"),
+    (["train", "--recipe", "lora", "--data", "{chat}", "--corpus", "{chat}"], "conflict"),
+    (["train", "--recipe", "lora", "--data", "{chat}", "--steps", "3", "--epochs", "1"], "conflict"),
+    (["infer", "--model", "{gguf}", "--prompt", "a", "--chat", "b"], "conflict"),
+    (["train", "--resume", "somewhere", "--run-id", "x"], "somewhere"),
+]
+
+
+@pytest.mark.parametrize("argv,needle", CONFLICTS, ids=[" ".join(a[:3]) + "..." + a[-2] for a, _ in CONFLICTS])
+def test_conflicting_flags(kit, toy_cli, tmp_path, monkeypatch, argv, needle):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "x.txt").write_text("hello world " * 50)
+    argv = [a.format(chat=kit["chat"], gguf=kit["good"]) for a in argv]
+    code, _, err = toy_cli(*argv)
+    check_one_line(code, err, needle)
