@@ -29,3 +29,6 @@ smollm2: $(STAMP)
 
 clean:
 	rm -rf $(VENV) build
+
+bench: $(STAMP)
+	$(VPY) bench/run.py

@@ -1,0 +1,85 @@
+"""One benchmark child: SmolLM2-135M (GGUF) + LoRA r=8 on q,v; time training steps.
+
+Each implementation runs in its own process so load time and peak RSS are its alone:
+    python bench/lora_step.py --impl toy|hf --model SmolLM2.gguf --corpus tokens.bin [--steps 8]
+toy runs its real recipe and loop (the figure `toy train --json` reports); the peer is
+transformers (GGUF load, SDPA) + peft with torch AdamW, fed the same token windows.
+Prints one JSON line: load_s, tokens_per_s, peak_rss_mb.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+
+def run_toy(a) -> tuple[float, float]:
+    from toy.recipes import lora
+    from toy.runs import EventLog, Project
+    from toy.train.loop import TrainConfig, train
+
+    opts = dict(lora.FLAGS, model=str(a.model), corpus=str(a.corpus), data=None, seed=0, seq_len=a.seq,
+                batch_size=a.batch, grad_accum=1, eval_batches=1, raw_i32=False, val_corpus=None)
+    t0 = time.perf_counter()
+    built = lora.build(opts, Project(root=None))
+    load_s = time.perf_counter() - t0
+    built.job.eval_batches = lambda: []  # time training only
+    cfg = TrainConfig(steps=3 + a.steps, batch_size=a.batch, lr=1e-4, min_lr=1e-5, warmup=0, weight_decay=0.0)
+    res = train(built.job, cfg, None, torch.device("cpu"), EventLog(None))
+    return load_s, res.items_per_s  # measured after 3 warm-up steps, as `toy train` reports it
+
+
+def run_hf(a) -> tuple[float, float]:
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from toy.data.tokens import Windows, read_tokens
+
+    t0 = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(str(a.model.parent), gguf_file=a.model.name, dtype=torch.float32,
+                                                 attn_implementation="sdpa")
+    model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0,
+                                             target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
+    load_s = time.perf_counter() - t0
+    model.train()
+    win = Windows(read_tokens(a.corpus, check_ids=False), a.seq, a.batch, seed=0)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, weight_decay=0.0)
+    times = []
+    for k in range(3 + a.steps):
+        b = win.batch(k)
+        t = time.perf_counter()
+        logits = model(input_ids=b["ids"], use_cache=False).logits  # (B, T, V)
+        loss = F.cross_entropy(logits.flatten(0, 1), b["targets"].flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        loss.item()
+        if k >= 3:
+            times.append(time.perf_counter() - t)
+    return load_s, a.batch * a.seq / statistics.mean(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--impl", choices=("toy", "hf"), required=True)
+    ap.add_argument("--model", type=Path, required=True)
+    ap.add_argument("--corpus", type=Path, required=True)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=256)
+    a = ap.parse_args()
+    torch.manual_seed(0)
+    load_s, tps = (run_toy if a.impl == "toy" else run_hf)(a)
+    print(json.dumps({"impl": a.impl, "load_s": round(load_s, 3), "tokens_per_s": round(tps, 1),
+                      "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}))
+
+
+if __name__ == "__main__":
+    main()

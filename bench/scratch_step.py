@@ -1,0 +1,112 @@
+"""One benchmark child: from-scratch training steps at a fixed shape, toy vs transformers.
+
+    python bench/scratch_step.py --impl toy|hf --arch llama|gpt2 [--steps 6]
+Shape (issue 8): 6 layers, 384 wide, 6 heads, sequence 256, batch 8, vocab 8192, fp32.
+toy runs its real recipe and loop on a synthetic token file; the peer is transformers'
+LlamaForCausalLM / GPT2LMHeadModel (SDPA) with torch.optim.AdamW on the same windows.
+Prints one JSON line: tokens_per_s, params, flops_per_token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+L, D, H, T, B, V = 6, 384, 6, 256, 8, 8192
+
+
+def corpus(d: Path) -> Path:
+    from toy.data.tokens import write_tokens
+
+    p = d / "synthetic.bin"
+    write_tokens(p, np.random.default_rng(0).integers(0, V, size=400_000), V)
+    return p
+
+
+def flops_per_token(n_params_no_embed: int, n_embed: int) -> float:
+    # 6N for the matmuls (forward + backward; the tied head counts once as a matmul)
+    # plus attention: 12 * L * T * D per token (QK^T and AV, forward and backward), causal
+    # halving ignored as PaLM's MFU convention does.
+    return 6 * (n_params_no_embed + n_embed) + 12 * L * T * D
+
+
+def run_toy(a, path: Path) -> dict:
+    from toy.recipes import from_scratch
+    from toy.runs import EventLog, Project
+    from toy.train.loop import TrainConfig, train
+
+    opts = dict(corpus=str(path), val_corpus=None, tokenizer=None, raw_i32=False, vocab_size=None, arch=a.arch,
+                preset="small", n_layer=L, d_model=D, n_head=H, n_kv_head=H, seq_len=T, batch_size=B,
+                grad_accum=1, seed=0, eval_batches=1)
+    built = from_scratch.build(opts, Project(root=None))
+    built.job.eval_batches = lambda: []
+    cfg = TrainConfig(steps=3 + a.steps, batch_size=B, lr=1e-3, warmup=0, fused_adamw=a.fused)
+    res = train(built.job, cfg, None, torch.device("cpu"), EventLog(None))
+    m = built.job.model
+    emb = m.embed_tokens.weight.numel() if hasattr(m, "embed_tokens") else m.wte.weight.numel()
+    n = sum(p.numel() for p in m.parameters())
+    return {"tokens_per_s": res.items_per_s, "params": n, "flops_per_token": flops_per_token(n - emb, emb)}
+
+
+def run_hf(a, path: Path) -> dict:
+    import transformers
+
+    from toy.data.tokens import Windows, read_tokens
+
+    torch.manual_seed(0)
+    if a.arch == "llama":
+        from toy.models.llama import LlamaConfig
+
+        d_ff = LlamaConfig(d_model=D, n_head=H).d_ff  # the same SwiGLU width toy uses
+        cfg = transformers.LlamaConfig(vocab_size=V, hidden_size=D, intermediate_size=d_ff, num_hidden_layers=L,
+                                       num_attention_heads=H, num_key_value_heads=H, max_position_embeddings=T,
+                                       tie_word_embeddings=True)
+        model = transformers.LlamaForCausalLM._from_config(cfg, attn_implementation="sdpa")
+    else:
+        cfg = transformers.GPT2Config(vocab_size=V, n_embd=D, n_layer=L, n_head=H, n_positions=T,
+                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        model = transformers.GPT2LMHeadModel._from_config(cfg, attn_implementation="sdpa")
+    model.train()
+    win = Windows(read_tokens(path), T, B, seed=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    times = []
+    for k in range(3 + a.steps):
+        b = win.batch(k)
+        t = time.perf_counter()
+        logits = model(input_ids=b["ids"], use_cache=False).logits
+        loss = F.cross_entropy(logits.flatten(0, 1), b["targets"].flatten())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        loss.item()
+        if k >= 3:
+            times.append(time.perf_counter() - t)
+    n = sum(p.numel() for p in model.parameters())
+    emb = model.get_input_embeddings().weight.numel()
+    return {"tokens_per_s": B * T / statistics.mean(times), "params": n, "flops_per_token": flops_per_token(n - emb, emb)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--impl", choices=("toy", "hf"), required=True)
+    ap.add_argument("--arch", choices=("llama", "gpt2"), default="llama")
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--fused", action="store_true", help="toy: fused AdamW")
+    a = ap.parse_args()
+    with tempfile.TemporaryDirectory() as d:
+        path = corpus(Path(d))
+        out = (run_toy if a.impl == "toy" else run_hf)(a, path)
+    print(json.dumps({"impl": a.impl, "arch": a.arch, **{k: round(v, 1) for k, v in out.items()}}))
+
+
+if __name__ == "__main__":
+    main()
