@@ -86,7 +86,8 @@ _QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
-_GPT2_STYLE = ("default", "gpt2")
+# "gpt-2" is llama.cpp's name for exactly GPT-2's regex (what toy's exports declare).
+_GPT2_STYLE = ("default", "gpt2", "gpt-2")
 # StarCoder-family vocabularies (SmolLM's included) put every digit on its own before
 # the GPT-2 split: llama.cpp's "\p{N}" rule, HF's Digits(individual_digits=True).
 _DIGITS_THEN_GPT2 = ("smollm", "starcoder", "refact", "codeshell")

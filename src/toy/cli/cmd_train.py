@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import platform
 import sys
 import time
@@ -17,6 +18,7 @@ from toy.errors import Interrupted, RunFailed, ToyError, UsageError
 from toy.models import registry
 from toy.recipes import load_recipe, recipe_names
 from toy.runs import EventLog, check_run_id, create_run_dir, find_project, make_run_id, write_json_atomic
+from toy.train import dist
 from toy.train.device import DEVICES, device_info, resolve_device
 from toy.train.loop import TrainConfig, train
 from toy.train.progress import Reporter, TextReporter
@@ -27,7 +29,7 @@ DEFAULTS = dict(
     n_layer=None, d_model=None, n_head=None, n_kv_head=None, seq_len=None,
     batch_size=16, grad_accum=1, lr=1e-3, min_lr=1e-4, warmup=10, weight_decay=0.1, clip=1.0,
     eval_every=0, eval_batches=8, save_every=0, keep_last=2,
-    corpus=None, val_corpus=None, tokenizer=None, raw_i32=False, vocab_size=None,
+    fsdp=False, corpus=None, val_corpus=None, tokenizer=None, raw_i32=False, vocab_size=None,
 )
 
 
@@ -44,6 +46,12 @@ def add_parser(sub) -> None:
     g.add_argument("--json", action="store_true", help="print one JSON object (format toy/train-v1) "
                    "instead of step lines")
     g.add_argument("--device", choices=DEVICES, help="cpu (default), cuda (bf16 autocast) or metal (macOS)")
+    g.add_argument("--nproc", type=positive_int("--nproc"), metavar="N",
+                   help="launch N local processes through torch.distributed.run (DDP; gloo on cpu, nccl on "
+                        "cuda); --batch-size is per process. For multi-node use torchrun, see README")
+    g.add_argument("--fsdp", action="store_true", default=None,
+                   help="with several processes: shard parameters, gradients and AdamW state (FSDP2) "
+                        "instead of replicating them (DDP)")
     g.add_argument("--resume", metavar="RUN_DIR", help="continue RUN_DIR from its latest checkpoint, in place "
                    "(same config; --steps may be raised)")
     d = p.add_argument_group("data")
@@ -124,7 +132,37 @@ def validate(o: dict) -> None:
 RESUME_MAY_CHANGE = ("steps", "device")
 
 
+def _launch(args) -> int:
+    """`toy train --nproc N ...` = `python -m torch.distributed.run --standalone
+    --nproc-per-node N -m toy train ...` (the same flags minus --nproc)."""
+    import subprocess
+
+    argv, skip = [], False
+    for a in args.argv:
+        if skip:
+            skip = False
+            continue
+        if a == "--nproc":
+            skip = True
+            continue
+        if a.startswith("--nproc="):
+            continue
+        argv.append(a)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.nproc),
+           "-m", "toy", *argv]
+    return subprocess.call(cmd)
+
+
 def run(args) -> int:
+    if args.nproc and args.nproc > 1 and "WORLD_SIZE" not in os.environ:
+        return _launch(args)
+    try:
+        return _run(args)
+    finally:
+        dist.shutdown()
+
+
+def _run(args) -> int:
     project = find_project()
     cli = {k: getattr(args, k, None) for k in flag_keys()}
     cli["raw_i32"] = args.raw_i32 or None
@@ -141,8 +179,9 @@ def run(args) -> int:
     opts = resolve(cli, toml, builtin, None)
     validate(opts)
     device = resolve_device(opts["device"])  # before any work: metal off macOS exits 2 here
+    d = dist.init(device.type)
     runs_dir = Path(args.out) if args.out else project.runs_dir
-    if args.run_id:
+    if args.run_id and d.is_main:
         check_run_id(args.run_id)
         if (runs_dir / args.run_id).exists():
             raise UsageError(f"--run-id {args.run_id}: {runs_dir / args.run_id} already exists; pick another id")
@@ -150,9 +189,16 @@ def run(args) -> int:
     if cli.get("epochs") is not None and cli.get("steps") is not None:
         raise UsageError("--epochs and --steps conflict: give one (--epochs sets the step count)")
     built = recipe.build(opts, project)  # all input checks happen here, before the run dir exists
-    run_id = args.run_id or make_run_id(project.run_id_template, runs_dir, recipe=opts["recipe"], arch=built.arch)
-    run_dir = create_run_dir(runs_dir, run_id)
+    run_dir = None
+    if d.is_main:  # rank 0 alone names and makes the run directory, then tells the others
+        run_id = args.run_id or make_run_id(project.run_id_template, runs_dir, recipe=opts["recipe"],
+                                            arch=built.arch)
+        run_dir = create_run_dir(runs_dir, run_id)
+    run_dir = Path(dist.broadcast_object(str(run_dir)))
+    run_id = run_dir.name
     cfg = train_config(opts)
+    distributed = {"world_size": d.world, "backend": d.backend if d.enabled else "none",
+                   "global_batch": cfg.batch_size * cfg.grad_accum * d.world, "fsdp": bool(cfg.fsdp and d.enabled)}
     run_info = {
         "run_id": run_id, "recipe": opts["recipe"], "arch": built.arch, "seed": opts["seed"],
         "params": built.params, "train": cfg.to_dict(), "job": built.job.config,
@@ -160,19 +206,21 @@ def run(args) -> int:
         "device": device_info(device),
         "versions": {"toy": __version__, "torch": torch.__version__, "python": platform.python_version()},
         "machine": {"platform": platform.platform(), "cpu_count": _cpu_count()},
-        "command": sys.argv, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "command": sys.argv, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "distributed": distributed,
     }
-    write_json_atomic(run_dir / "run.json", run_info)
-    events = EventLog(run_dir / "events.jsonl")
+    if d.is_main:
+        write_json_atomic(run_dir / "run.json", run_info)
+    events = EventLog(run_dir / "events.jsonl", enabled=d.is_main)
     events.emit("run_started", run_id=run_id, recipe=opts["recipe"], arch=built.arch, params=built.params,
-                steps=cfg.steps, seed=cfg.seed, device=device.type)
+                steps=cfg.steps, seed=cfg.seed, device=device.type, world_size=d.world,
+                global_batch=distributed["global_batch"])
     return _execute(args, opts, built, cfg, run_dir, run_id, device, events, None)
 
 
 def train_config(opts: dict) -> TrainConfig:
     return TrainConfig(**{k: opts[k] for k in ("steps", "batch_size", "grad_accum", "lr", "min_lr", "warmup",
                                                "weight_decay", "clip", "eval_every", "eval_batches",
-                                               "save_every", "keep_last", "seed")})
+                                               "save_every", "keep_last", "seed", "fsdp")})
 
 
 def _resume(args, cli: dict, project) -> int:
@@ -208,6 +256,16 @@ def _resume(args, cli: dict, project) -> int:
         raise UsageError(f"--resume {run_dir}: its checkpoint is at step {done} of {opts['steps']}; "
                          "raise --steps to train further")
     device = resolve_device(opts["device"])
+    d = dist.init(device.type)
+    # Resuming on another number of processes keeps the global batch: the per-process
+    # batch is rescaled (the data draw is per global step, so the batches are the same).
+    saved_world = int(info.get("distributed", {}).get("world_size", 1))
+    if d.world != saved_world:
+        rows = int(saved["batch_size"]) * saved_world
+        if rows % d.world:
+            raise UsageError(f"--resume: the run's global batch of {rows} rows does not split over {d.world} "
+                             f"processes; resume with a world size that divides {rows}")
+        opts["batch_size"] = rows // d.world
     recipe = load_recipe(opts["recipe"])
     built = recipe.build(opts, project)
     for k in sorted(set(built.job.config) | set(info["job"])):
@@ -216,13 +274,14 @@ def _resume(args, cli: dict, project) -> int:
             raise UsageError(f"--resume {run_dir}: {k} changed since the run started ({a!r} -> {b!r}); "
                              "restore the original input or start a new run")
     cfg = train_config(opts)
-    events = EventLog(run_dir / "events.jsonl")
+    events = EventLog(run_dir / "events.jsonl", enabled=dist.info().is_main)
     events.emit("run_resumed", from_step=done, steps=cfg.steps, checkpoint=str(last.relative_to(run_dir)))
     return _execute(args, opts, built, cfg, run_dir, run_dir.name, device, events, last)
 
 
 def _execute(args, opts, built, cfg, run_dir, run_id, device, events, resume) -> int:
-    reporter = Reporter() if args.json else TextReporter(items_name=built.job.items_name)
+    main_rank = dist.info().is_main
+    reporter = Reporter() if args.json or not main_rank else TextReporter(items_name=built.job.items_name)
     if not args.json:
         what = f"resuming {run_id} from {resume.name}" if resume else f"run {run_id}"
         reporter.message(f"{what}: {opts['recipe']} {built.arch}, {built.params:,} parameters, "
@@ -231,7 +290,9 @@ def _execute(args, opts, built, cfg, run_dir, run_id, device, events, resume) ->
             reporter.message(f"  {note}")
     try:
         res = train(built.job, cfg, run_dir, device, events, reporter, resume=resume)
-        built.job.save_final(run_dir / "final")
+        if main_rank:
+            built.job.save_final(run_dir / "final")
+        dist.barrier()
     except Interrupted:
         reporter.close()
         events.close()
@@ -243,10 +304,11 @@ def _execute(args, opts, built, cfg, run_dir, run_id, device, events, resume) ->
         raise e if isinstance(e, RunFailed) else RunFailed(e.message)
     except Exception as e:
         reporter.close()
-        (run_dir / "error.log").write_text(traceback.format_exc())
+        log = run_dir / ("error.log" if main_rank else f"error-rank{dist.info().rank}.log")
+        log.write_text(traceback.format_exc())
         events.emit("run_failed", error=f"{type(e).__name__}: {e}")
         events.close()
-        raise RunFailed(f"{type(e).__name__}: {e} (traceback in {run_dir / 'error.log'})")
+        raise RunFailed(f"{type(e).__name__}: {e} (traceback in {log})")
     last_loss = res.losses[-1]["loss"] if res.losses else None
     last_val = res.val_losses[-1]["loss"] if res.val_losses else None
     ips_key = f"{built.job.items_name}_per_s"
@@ -254,6 +316,8 @@ def _execute(args, opts, built, cfg, run_dir, run_id, device, events, resume) ->
     events.emit("run_finished", step=res.final_step, loss=last_loss, val_loss=last_val,
                 wall_s=round(res.wall_s, 3), **{ips_key: res.items_per_s})
     events.close()
+    if not main_rank:
+        return 0
     if args.json:
         out = {"format": "toy/train-v1", "run_id": run_id, "run_dir": str(run_dir), "recipe": opts["recipe"],
                "arch": built.arch, "device": device.type, "seed": cfg.seed, "steps": cfg.steps,

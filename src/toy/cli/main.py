@@ -12,14 +12,15 @@ from toy.errors import ToyError
 
 
 def build_parser() -> Parser:
-    from toy.cli import cmd_describe, cmd_infer, cmd_new, cmd_prep, cmd_train
+    from toy.cli import cmd_describe, cmd_infer, cmd_new, cmd_plot, cmd_prep, cmd_runs, cmd_train
+    from toy.cli import cmd_export, cmd_list
 
     p = Parser(prog="toy", description="Train small neural networks: decoder LMs from scratch, "
                "LoRA on GGUF bases, ViT-Tiny. Run `toy COMMAND --help` for a command's flags.")
     from toy import __version__
     p.add_argument("--version", action="version", version=f"toy {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
-    for mod in (cmd_new, cmd_prep, cmd_train, cmd_infer, cmd_describe):
+    for mod in (cmd_new, cmd_prep, cmd_train, cmd_infer, cmd_describe, cmd_runs, cmd_plot, cmd_list, cmd_export):
         mod.add_parser(sub)
     return p
 
@@ -27,6 +28,7 @@ def build_parser() -> Parser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     if not getattr(args, "command", None):
         parser.print_help()
         return 2

@@ -123,18 +123,28 @@ def val_path_for(path: Path) -> Path:
 class Windows:
     """Random (input, target) windows of length T from a token stream, reproducible
     and resumable: batch k of a run is drawn from a generator seeded by (seed, k), so
-    the data position is just the batch counter — no iterator state to save."""
+    the data position is just the batch counter — no iterator state to save.
 
-    def __init__(self, tf: TokenFile, seq_len: int, batch_size: int, seed: int, rank: int = 0):
+    Optimizer step s draws its whole global batch at once (accum * world * batch_size
+    windows) and micro-batch m of rank r takes its own slice: so 2 processes of batch 2,
+    or 1 process of batch 2 with 2 accumulation steps, see exactly the windows 1 process
+    of batch 4 sees, and the objective does not depend on how the batch is split."""
+
+    def __init__(self, tf: TokenFile, seq_len: int, batch_size: int, seed: int, world: int = 1, rank: int = 0,
+                 accum: int = 1):
         if len(tf) < seq_len + 1:
             raise InputError(f"{tf.path}: {len(tf)} tokens, fewer than --seq-len {seq_len} + 1; "
                              "lower --seq-len or prep more text")
-        self.tf, self.T, self.B, self.seed, self.rank = tf, seq_len, batch_size, seed, rank
+        self.tf, self.T, self.B, self.seed = tf, seq_len, batch_size, seed
+        self.world, self.rank, self.accum = world, rank, accum
 
     def batch(self, k: int) -> dict[str, torch.Tensor]:
-        rng = np.random.default_rng([self.seed, self.rank, k])
-        starts = rng.integers(0, len(self.tf) - self.T - 1, size=self.B, endpoint=True)
-        return self._gather(starts)
+        """Micro-batch k = step * accum + m (the loop's numbering)."""
+        step, m = divmod(k, self.accum)
+        rng = np.random.default_rng([self.seed, 0, step])
+        starts = rng.integers(0, len(self.tf) - self.T - 1, size=self.B * self.world * self.accum, endpoint=True)
+        first = (m * self.world + self.rank) * self.B
+        return self._gather(starts[first : first + self.B])
 
     def _gather(self, starts: np.ndarray) -> dict[str, torch.Tensor]:
         rows = np.stack([np.asarray(self.tf.tokens[s : s + self.T + 1], dtype=np.int64) for s in starts])

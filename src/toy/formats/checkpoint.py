@@ -112,23 +112,35 @@ class _AtomicDir:
 
 # ------------------------------------------------------------------ optimizer
 
-def optimizer_tensors(opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict]:
-    """Split an optimizer state dict into tensors (safetensors) and JSON."""
-    sd = opt.state_dict()
+def optimizer_tensors(opt: torch.optim.Optimizer, names: dict[int, str],
+                      full=lambda t: t) -> tuple[dict[str, torch.Tensor], dict]:
+    """AdamW state keyed by parameter NAME (`state.<name>.<key>`), not by index: a
+    checkpoint then loads whatever the process count or sharding was. `full` turns a
+    sharded tensor (FSDP's DTensor) into the whole tensor; it is a collective, so every
+    rank calls this in the same order."""
     tensors: dict[str, torch.Tensor] = {}
-    for idx, st in sd["state"].items():
-        for name, val in st.items():
-            t = val if torch.is_tensor(val) else torch.tensor(val)
-            tensors[f"state.{idx}.{name}"] = t
-    return tensors, {"param_groups": sd["param_groups"]}
+    for g in opt.param_groups:
+        for p in g["params"]:
+            for key, val in opt.state.get(p, {}).items():
+                t = val if torch.is_tensor(val) else torch.tensor(val)
+                tensors[f"state.{names[id(p)]}.{key}"] = full(t)
+    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(p)] for p in g["params"]]}
+              for g in opt.param_groups]
+    return tensors, {"param_groups": groups}
 
 
-def load_optimizer(opt: torch.optim.Optimizer, tensors: dict[str, torch.Tensor], meta: dict) -> None:
-    state: dict[int, dict[str, torch.Tensor]] = {}
+def load_optimizer(opt: torch.optim.Optimizer, tensors: dict[str, torch.Tensor], meta: dict,
+                   names: dict[int, str], shard=lambda t, p: t) -> None:
+    """Inverse of optimizer_tensors; `shard(full_tensor, param)` re-shards for FSDP."""
+    by_name = {names[id(p)]: p for g in opt.param_groups for p in g["params"]}
     for key, t in tensors.items():
-        _, idx, name = key.split(".", 2)
-        state.setdefault(int(idx), {})[name] = t
-    opt.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
+        name, k = key[len("state."):].rsplit(".", 1)
+        p = by_name.get(name)
+        if p is None:
+            raise InputError(f"checkpoint optimizer state names {name!r}, which this model does not train")
+        opt.state[p][k] = t if t.dim() == 0 else shard(t.to(p.dtype), p)
+    for g, saved in zip(opt.param_groups, meta["param_groups"]):
+        g.update({k: v for k, v in saved.items() if k != "params"})
 
 
 # ------------------------------------------------------------------ RNG
@@ -147,8 +159,8 @@ def rng_state() -> tuple[dict[str, torch.Tensor], dict]:
     return tensors, meta
 
 
-def set_rng_state(tensors: dict[str, torch.Tensor], meta: dict) -> None:
-    torch.set_rng_state(tensors["torch_cpu"])
+def set_rng_state(tensors: dict[str, torch.Tensor], meta: dict, rank: int = 0) -> None:
+    torch.set_rng_state(tensors.get(f"torch_cpu_rank{rank}", tensors["torch_cpu"]))
     cuda = [tensors[k] for k in sorted(tensors) if k.startswith("torch_cuda_")]
     if cuda and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(cuda)
@@ -161,13 +173,18 @@ def set_rng_state(tensors: dict[str, torch.Tensor], meta: dict) -> None:
 # ------------------------------------------------------------------ checkpoints
 
 def save_checkpoint(ckpt_root: Path, step: int, model_state: dict[str, torch.Tensor],
-                    opt: torch.optim.Optimizer, state: dict) -> Path:
+                    opt_state: tuple[dict[str, torch.Tensor], dict], state: dict,
+                    rank_rng: list[torch.Tensor] | None = None) -> Path:
+    """opt_state: from optimizer_tensors; rank_rng: each process's torch generator
+    state in a distributed run."""
     final = ckpt_root / STEP_FMT.format(step)
     with atomic_dir(final) as d:
         save_tensors(d / "model.safetensors", model_state)
-        opt_t, opt_meta = optimizer_tensors(opt)
+        opt_t, opt_meta = opt_state
         save_tensors(d / "optimizer.safetensors", opt_t)
         rng_t, rng_meta = rng_state()
+        for r, t in enumerate(rank_rng or []):
+            rng_t[f"torch_cpu_rank{r}"] = t
         save_tensors(d / "rng.safetensors", rng_t)
         write_json(d / "state.json", {**state, "step": step, "optimizer": opt_meta, "rng": rng_meta})
     return final

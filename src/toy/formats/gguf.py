@@ -644,3 +644,30 @@ def read_gguf_tokenizer(path: str | os.PathLike) -> Tokenizer:
     """The tokenizer a GGUF describes (header only, no tensor is read)."""
     h = read_gguf_header(path)
     return from_gguf_metadata(h.metadata, source=str(h.path))
+
+
+def read_gguf_tensor(source: str | os.PathLike | GGUFHeader, name: str) -> torch.Tensor:
+    """One tensor of a GGUF as float32, in torch order (ne reversed) and in the file's own
+    layout (no Q/K un-permutation). Only that tensor's bytes are read and dequantized, so
+    memory stays bounded by its size: `read_gguf_tensor(header, "token_embd.weight")`
+    takes SmolLM2's 49152 x 576 table without touching its 30 layers. Pass a header from
+    `read_gguf_header` to avoid parsing the file twice."""
+    h = source if isinstance(source, GGUFHeader) else read_gguf_header(source)
+    ti = h.tensors.get(name)
+    if ti is None:
+        raise InputError(f"{h.path}: has no tensor {_show(name)} ({len(h.tensors)} tensors in the file); "
+                         "pass a GGUF model that has it")
+    _check_dequantizable(h, [ti])
+    try:
+        buf = np.memmap(h.path, dtype=np.uint8, mode="r")
+    except OSError as e:
+        raise InputError(f"{h.path}: cannot read GGUF file ({e.strerror or e}); check the path and its permissions")
+    if buf.shape[0] != h.file_size:
+        raise InputError(f"{h.path}: the file changed size since its header was read; read it again once it is complete")
+    try:
+        t = _load_tensor(buf, ti)
+    except (ValueError, TypeError, NotImplementedError) as e:
+        raise InputError(f"{h.path}: tensor {_show(name)} ({ti.qtype.name}) could not be dequantized "
+                         f"({str(e).splitlines()[0] if str(e) else type(e).__name__}); the file is damaged")
+    del buf
+    return t

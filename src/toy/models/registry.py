@@ -6,9 +6,11 @@ from typing import Any
 
 import torch.nn as nn
 
+from toy.models.gpt2 import GPT2, GPT2Config
 from toy.models.llama import Llama, LlamaConfig
+from toy.models.vit import ViT, VitConfig
 
-ARCHS = {"llama": (LlamaConfig, Llama)}
+ARCHS = {"llama": (LlamaConfig, Llama), "gpt2": (GPT2Config, GPT2), "vit": (VitConfig, ViT)}
 
 # Presets give model shape only; vocab_size comes from the data's tokenizer.
 PRESETS: dict[str, dict[str, dict[str, Any]]] = {
@@ -22,8 +24,21 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
         "smollm2-135m": dict(n_layer=30, d_model=576, n_head=9, n_kv_head=3, d_ff=1536,
                              max_seq_len=2048, rope_theta=100000.0),
     },
+    "gpt2": {
+        "tiny": dict(n_layer=2, d_model=64, n_head=4, max_seq_len=64),
+        "small": dict(n_layer=4, d_model=256, n_head=8, max_seq_len=256),
+        # GPT-2 small's shape (HF `gpt2`).
+        "gpt2-124m": dict(n_layer=12, d_model=768, n_head=12, max_seq_len=1024),
+    },
+    # ViT presets give shape only; n_classes comes from the image folder (the vit-tiny recipe builds them).
+    "vit": {
+        # ViT-Tiny/16 at 224 px: 196 patches, 12 layers, width 192, 3 heads.
+        "vit-tiny": dict(image_size=224, patch_size=16, n_layer=12, d_model=192, n_head=3, d_ff=768),
+        # 28 px, 7 px patches (16 of them), 2 layers: for tests.
+        "tiny": dict(image_size=28, patch_size=7, n_layer=2, d_model=64, n_head=4, d_ff=256),
+    },
 }
-DEFAULT_PRESET = {"llama": "small"}
+DEFAULT_PRESET = {"llama": "small", "gpt2": "small", "vit": "vit-tiny"}
 
 
 def arch_names() -> list[str]:

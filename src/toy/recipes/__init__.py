@@ -10,6 +10,7 @@ RECIPES = {
     "from-scratch": "from_scratch",
     "vit-tiny": "vit_tiny",
     "lora": "lora",
+    "warm-start": "warm_start",
 }
 
 

@@ -2,96 +2,20 @@
 
 from __future__ import annotations
 
-import hashlib
-from pathlib import Path
-from typing import Any
-
 import torch
 
-from toy import tokenizer as toktools
-from toy.data.prep import bundled_corpus
-from toy.data.tokens import TokenFile, Windows, read_tokens, val_path_for
-from toy.errors import InputError, UsageError
-from toy.formats.model_dir import save_model_dir
 from toy.models import registry
 from toy.runs import Project
-from toy.train.job import Built, Job
-
-
-def resolve_corpus(opts: dict, project: Project) -> tuple[Path, bool]:
-    """--corpus, else the project's data/corpus.bin, else the bundled plays."""
-    if opts.get("corpus"):
-        return Path(opts["corpus"]), False
-    if project.data_dir is not None and (project.data_dir / "corpus.bin").is_file():
-        return project.data_dir / "corpus.bin", False
-    return bundled_corpus(), True
-
-
-def open_corpus(opts: dict, project: Project) -> tuple[TokenFile, TokenFile | None, Path | None]:
-    path, _ = resolve_corpus(opts, project)
-    tok_path = Path(opts["tokenizer"]) if opts.get("tokenizer") else path.parent / "tokenizer.json"
-    tok = toktools.load(tok_path) if tok_path.is_file() else None
-    if opts.get("tokenizer") and tok is None:
-        raise InputError(f"--tokenizer {tok_path} not found")
-    vocab = tok.get_vocab_size(with_added_tokens=True) if tok is not None else opts.get("vocab_size")
-    train = read_tokens(path, raw_i32=bool(opts.get("raw_i32")), vocab_size=vocab)
-    if tok is not None and train.tokenizer_hash != b"\0" * 32 and train.tokenizer_hash != toktools.tokenizer_hash(tok):
-        raise InputError(f"{path} was tokenized with a different tokenizer than {tok_path}; "
-                         "re-run `toy prep` or pass the matching --tokenizer")
-    val_path = Path(opts["val_corpus"]) if opts.get("val_corpus") else val_path_for(path)
-    val = None
-    if opts.get("val_corpus") or val_path.is_file():
-        val = read_tokens(val_path, raw_i32=bool(opts.get("raw_i32")), vocab_size=train.vocab_size)
-        if val.vocab_size != train.vocab_size or val.tokenizer_hash != train.tokenizer_hash:
-            raise InputError(f"{val_path} and {path} were made with different tokenizers; prep them together")
-    return train, val, tok_path if tok is not None else None
-
-
-def fingerprint(path: Path, limit: int = 1 << 22) -> str:
-    """sha256 of the file's size and first 4 MiB: cheap, and catches a swapped corpus on resume."""
-    h = hashlib.sha256(str(path.stat().st_size).encode())
-    with open(path, "rb") as fh:
-        h.update(fh.read(limit))
-    return h.hexdigest()[:16]
-
-
-def lm_job(recipe: str, model: torch.nn.Module, train: TokenFile, val: TokenFile | None, opts: dict,
-           tok_path: Path | None, config: dict[str, Any]) -> Job:
-    seq_len = opts["seq_len"]
-    win = Windows(train, seq_len, opts["batch_size"], opts["seed"])
-    if val is not None and len(val) < seq_len + 1:
-        raise InputError(f"{val.path}: {len(val)} validation tokens, fewer than --seq-len {seq_len} + 1; "
-                         "raise --val-fraction in `toy prep` or lower --seq-len")
-    val_win = Windows(val, seq_len, opts["batch_size"], opts["seed"]) if val is not None else None
-
-    def save_final(d: Path) -> None:
-        save_model_dir(d, model, extra={"recipe": recipe, "train": config}, tokenizer=tok_path)
-
-    return Job(recipe=recipe, model=model, micro_batch=win.batch,
-               eval_batches=(lambda: val_win.eval_batches(opts["eval_batches"])) if val_win else (lambda: []),
-               save_final=save_final, config=config)
+from toy.train.job import Built
+# Shared with warm_start.py, so they live one layer down (a recipe never imports another).
+from toy.train.lm import fingerprint, lm_config, lm_job, open_corpus, resolve_corpus  # noqa: F401
 
 
 def build(opts: dict, project: Project) -> Built:
     train, val, tok_path = open_corpus(opts, project)
     arch = opts["arch"]
-    try:
-        cfg = registry.build_config(arch, opts.get("preset"), train.vocab_size, n_layer=opts.get("n_layer"),
-                                    d_model=opts.get("d_model"), n_head=opts.get("n_head"),
-                                    n_kv_head=opts.get("n_kv_head"))
-    except KeyError as e:
-        raise UsageError(str(e.args[0]))
-    except TypeError as e:
-        raise UsageError(f"--arch {arch}: {e}")
-    seq_len = opts.get("seq_len") or cfg.max_seq_len
-    opts["seq_len"] = seq_len
-    cfg.max_seq_len = max(cfg.max_seq_len, seq_len)
-    problems = registry.check_config(cfg)
-    if len(train) < seq_len + 1:
-        problems.append(f"--seq-len {seq_len} is longer than the corpus {train.path} ({len(train)} tokens); "
-                        "lower it or prep more text")
-    if problems:
-        raise UsageError("; ".join(problems))
+    cfg = lm_config(opts, arch, train)
+    seq_len = opts["seq_len"]
     torch.manual_seed(opts["seed"])
     model = registry.build_model(cfg)
     config = {"recipe": "from-scratch", "arch": arch, "model": cfg.to_dict(), "corpus": str(train.path),

@@ -21,6 +21,7 @@ from toy.formats.peft import save_peft_adapter
 from toy.lora import VALID_TARGETS, apply_lora, lora_state_dict
 from toy.models.layers import causal_doc_mask
 from toy.runs import Project
+from toy.train import dist
 from toy.train.job import IGNORE, Built, Job
 
 DEFAULT_MODEL = "data/smollm2-135m.gguf"
@@ -112,7 +113,7 @@ def build(opts: dict, project: Project) -> Built:
         micro, evals, n_rows, info = token_stream(opts, tok, seq_len, vocab)
         config.update(info)
     if opts.get("epochs"):
-        per_step = int(opts["batch_size"]) * int(opts["grad_accum"])
+        per_step = int(opts["batch_size"]) * int(opts["grad_accum"]) * dist.info().world
         opts["steps"] = int(opts["epochs"]) * math.ceil(n_rows / per_step)
         notes.append(f"{opts['epochs']} epoch(s) of {n_rows} rows = {opts['steps']} steps")
 
@@ -199,11 +200,15 @@ def chat_stream(opts, tok, base, seq_len, notes):
     seed = int(opts["seed"])
     n = len(rows)
     perms: dict[int, np.ndarray] = {}
+    d = dist.info()
 
     def micro(k: int) -> dict[str, torch.Tensor]:
         # Row order: a fresh seeded permutation per epoch; batch k is a pure function of k.
+        # With several processes, batch k is the global batch of world * B rows and this
+        # rank takes its slice, so the run sees what one process of batch world * B sees.
         picks = []
-        for j in range(k * B, k * B + B):
+        first = k * B * d.world + d.rank * B
+        for j in range(first, first + B):
             epoch, i = divmod(j, n)
             if epoch not in perms:
                 perms.clear()
@@ -231,13 +236,14 @@ def token_stream(opts, tok, seq_len, vocab):
                          f"(vocab {vocab}); re-run `toy prep TEXT --tokenizer {opts.get('model') or DEFAULT_MODEL}`")
     if len(tf) < seq_len + 1:
         raise InputError(f"{path}: {len(tf)} tokens, fewer than --seq-len {seq_len} + 1; lower --seq-len")
-    win = Windows(tf, seq_len, int(opts["batch_size"]), int(opts["seed"]))
+    win = Windows(tf, seq_len, int(opts["batch_size"]), int(opts["seed"]), world=dist.info().world,
+                  rank=dist.info().rank, accum=int(opts.get("grad_accum") or 1))
     val_path = Path(opts["val_corpus"]) if opts.get("val_corpus") else val_path_for(path)
     evals: list = []
     if opts.get("val_corpus") or val_path.is_file():
         vf = read_tokens(val_path, raw_i32=bool(opts.get("raw_i32")), vocab_size=vocab)
         if len(vf) >= seq_len + 1:
-            evals = Windows(vf, seq_len, int(opts["batch_size"]), int(opts["seed"])).eval_batches(
+            evals = Windows(vf, seq_len, int(opts["batch_size"]) * dist.info().world, int(opts["seed"])).eval_batches(
                 int(opts["eval_batches"]))
     n_rows = max(1, len(tf) // seq_len)
     info = {"corpus": str(path), "corpus_tokens": len(tf)}

@@ -37,6 +37,10 @@ class Job:
     eval_metrics: Callable[[nn.Module, list[dict[str, torch.Tensor]]], dict[str, float]] | None = None
     # Modules whose weights decay; default: every trainable tensor with 2+ dims.
     params_decay: Callable[[str, torch.Tensor], bool] | None = None
+    # Called by the loop at the start of every optimizer step with the step number (1-based),
+    # before any forward pass: e.g. a schedule that freezes some weights for the first N
+    # steps. It must be a pure function of the step, so a resumed run does the same.
+    on_step_start: Callable[[int], None] | None = None
 
     def __post_init__(self) -> None:
         self.loss = self.loss or lm_loss

@@ -5,6 +5,7 @@ checkpoints, resume, events, signals and throughput figures.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import signal
@@ -17,6 +18,7 @@ import torch
 from toy.errors import Interrupted, RunFailed
 from toy.formats import checkpoint as ckpt
 from toy.runs import EventLog
+from toy.train import dist
 from toy.train.device import autocast
 from toy.train.job import Job
 from toy.train.progress import Reporter
@@ -39,6 +41,7 @@ class TrainConfig:
     keep_last: int = 2
     seed: int = 0
     fused_adamw: bool = False
+    fsdp: bool = False  # shard parameters, grads and AdamW state (FSDP2) instead of DDP
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -52,6 +55,29 @@ class TrainResult:
     items_per_s: float | None = None
     wall_s: float = 0.0
     final_step: int = 0
+
+
+class _LossModule(torch.nn.Module):
+    """The job's loss as a module, so DistributedDataParallel wraps one forward() that
+    covers whatever the recipe's loss calls (model.hidden, the head, ...)."""
+
+    def __init__(self, job: Job):
+        super().__init__()
+        self.job = job
+        self.model = job.model
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.job.loss(self.model, batch)
+
+
+def _no_buffer_sync() -> dict:
+    """DDP kwargs that skip syncing buffers each forward (newer torch renamed the flag)."""
+    import inspect
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    params = inspect.signature(DistributedDataParallel.__init__).parameters
+    return {"forward_sync_buffers": False} if "forward_sync_buffers" in params else {"broadcast_buffers": False}
 
 
 class _Signals:
@@ -82,20 +108,39 @@ class _Signals:
 def train(job: Job, cfg: TrainConfig, run_dir: Path | None, device: torch.device, events: EventLog,
           reporter: Reporter | None = None, resume: Path | None = None) -> TrainResult:
     reporter = reporter or Reporter()
+    d = dist.info()
     model = job.model.to(device)
-    named = job.trainable()
+    ddp = fsdp = None
+    if d.enabled and cfg.fsdp:
+        from torch.distributed.fsdp import fully_shard
+
+        # One FSDP unit per block (its weights are gathered just for its forward and
+        # backward), and the root for the rest (embedding, final norm, tied head).
+        fsdp = _LossModule(job)
+        for block in getattr(model, "layers", None) or getattr(model, "blocks", None) or []:
+            fully_shard(block)
+        fully_shard(fsdp)
+    elif d.enabled:
+        from torch.nn.parallel import DistributedDataParallel
+
+        # Buffers (rotary tables) are a function of the config: no need to broadcast them.
+        ddp = DistributedDataParallel(_LossModule(job), device_ids=[d.local_rank] if device.type == "cuda" else None,
+                                      **_no_buffer_sync())
+    forward = ddp or fsdp  # None: call the job's loss directly
+    named = job.trainable()  # after sharding: FSDP replaces parameters with DTensors
+    names = {id(p): n for n, p in named}
     opt = make_adamw(named, cfg.lr, cfg.weight_decay, job.params_decay, fused=cfg.fused_adamw)
     res = TrainResult()
     start_step = 0
     ckpt_root = run_dir / "checkpoints" if run_dir is not None else None
     if resume is not None:
-        start_step = _restore(job, opt, resume, res)
+        start_step = _restore(job, opt, resume, res, names)
     evals = job.eval_batches()
 
     def run_eval(step: int) -> None:
         if not evals:
             return
-        metrics = evaluate(job, evals, device)
+        metrics = evaluate(job, evals, device, fsdp)
         res.val_losses.append({"step": step, "loss": metrics["val_loss"]})
         extra = {k: v for k, v in metrics.items() if k != "val_loss"}
         if extra:
@@ -107,9 +152,17 @@ def train(job: Job, cfg: TrainConfig, run_dir: Path | None, device: torch.device
         if ckpt_root is None:
             return
         state = {"losses": res.losses, "val_losses": res.val_losses, "metrics": res.metrics,
-                 "data_position": step * cfg.grad_accum, "config": job.config}
+                 "data_position": step * cfg.grad_accum, "config": job.config, "world_size": d.world}
+        # Every rank's torch generator (dropout) goes into rank 0's checkpoint; sharded
+        # tensors are gathered whole (collectives: every rank takes part).
+        rank_rng = dist.gather_rng_states()
+        model_state = {n: _full(t) for n, t in job.trainable_state().items()}
+        opt_state = ckpt.optimizer_tensors(opt, names, _full)
+        if not d.is_main:
+            dist.barrier()
+            return
         try:
-            path = ckpt.save_checkpoint(ckpt_root, step, job.trainable_state(), opt, state)
+            path = ckpt.save_checkpoint(ckpt_root, step, model_state, opt_state, state, rank_rng)
         except OSError as e:
             # The temp directory is gone (atomic_dir removed it): no partial checkpoint
             # can pass for a valid one, and the previous checkpoint is untouched.
@@ -117,6 +170,7 @@ def train(job: Job, cfg: TrainConfig, run_dir: Path | None, device: torch.device
                             "free disk space or train with another --out", step=step)
         ckpt.prune_checkpoints(ckpt_root, cfg.keep_last)
         events.emit("checkpoint", step=step, path=str(path.relative_to(run_dir)))
+        dist.barrier()
 
     t_start = time.perf_counter()
     # Throughput skips the first 3 steps (allocator warm-up, lazy init) when the run is
@@ -131,6 +185,8 @@ def train(job: Job, cfg: TrainConfig, run_dir: Path | None, device: torch.device
             run_eval(0)
             eval_time += time.perf_counter() - t0
         for step in range(start_step + 1, cfg.steps + 1):
+            if job.on_step_start is not None:
+                job.on_step_start(step)
             lr = lr_at(step - 1, cfg.steps, cfg.lr, cfg.min_lr, cfg.warmup)
             for g in opt.param_groups:
                 g["lr"] = lr
@@ -141,22 +197,32 @@ def train(job: Job, cfg: TrainConfig, run_dir: Path | None, device: torch.device
             # normalises every micro-batch, so accumulation never changes the objective.
             micro = [job.micro_batch((step - 1) * cfg.grad_accum + m) for m in range(cfg.grad_accum)]
             n_sup = sum(job.count(b) for b in micro)
+            if d.enabled:  # normalise by the supervised tokens of the whole global step
+                n_sup = int(dist.all_sum(torch.tensor(float(n_sup), device=device)).item())
             if n_sup == 0:
                 raise RunFailed(f"step {step}: the batch has no supervised tokens; check the data's loss mask", step=step)
             loss_sum = torch.zeros((), device=device)
             n_items = 0
-            for b in micro:
+            for i, b in enumerate(micro):
                 b = {k: v.to(device, non_blocking=True) for k, v in b.items()}
-                with autocast(device):
-                    ls, _ = job.loss(model, b)
-                (ls / n_sup).backward()
+                # Gradients are all-reduced once per step, on the last micro-batch.
+                last = i == len(micro) - 1
+                sync = ddp.no_sync() if ddp is not None and not last else contextlib.nullcontext()
+                if fsdp is not None:
+                    fsdp.set_requires_gradient_sync(last)
+                with sync:
+                    with autocast(device):
+                        ls, _ = forward(b) if forward is not None else job.loss(model, b)
+                    # DDP averages gradients over ranks; the objective is the sum over the
+                    # global batch divided by its supervised tokens, hence * world.
+                    (ls * (d.world / n_sup)).backward()
                 loss_sum += ls.detach().float()
-                n_items += job.n_items(b)
+                n_items += job.n_items(b) * d.world
             if cfg.clip > 0:
                 torch.nn.utils.clip_grad_norm_([p for _, p in named], cfg.clip)
             opt.step()
             opt.zero_grad(set_to_none=True)
-            loss = loss_sum.item() / n_sup  # one host sync per step
+            loss = dist.all_sum(loss_sum).item() / n_sup  # one host sync per step
             if not math.isfinite(loss):
                 raise RunFailed(f"loss became {loss} at step {step}; lower --lr or check the data "
                                 f"(the last good checkpoint, if any, stays under {ckpt_root})", step=step)
@@ -179,22 +245,67 @@ def train(job: Job, cfg: TrainConfig, run_dir: Path | None, device: torch.device
                 eval_time += time.perf_counter() - t0
             if cfg.save_every and step % cfg.save_every == 0:
                 save(step)
-            if sig.signum is not None:
+            if dist.any_flag(sig.signum is not None, device):  # a signal on one rank stops all
+                signum = sig.signum or signal.SIGTERM
                 if not (cfg.save_every and step % cfg.save_every == 0):
                     save(step)
-                events.emit("interrupted", step=step, signal=signal.Signals(sig.signum).name)
+                events.emit("interrupted", step=step, signal=signal.Signals(signum).name)
                 reporter.close()
-                raise Interrupted(f"interrupted by {signal.Signals(sig.signum).name} after step {step}; "
-                                  f"resume with `toy train --resume {run_dir}`", sig.signum)
+                raise Interrupted(f"interrupted by {signal.Signals(signum).name} after step {step}; "
+                                  f"resume with `toy train --resume {run_dir}`", signum)
         run_eval(cfg.steps)
+    if fsdp is not None:
+        fsdp.reshard()  # the root keeps its gathered weights after backward: shard them back first
+        materialize(model)  # whole tensors on every rank, so rank 0 saves a plain model
     reporter.close()
     res.wall_s = time.perf_counter() - t_start
     res.final_step = cfg.steps
     return res
 
 
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor behind an FSDP shard (a collective); plain tensors as they are."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _shard_like(t: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """A whole tensor laid out like parameter p (sharded when p is a DTensor)."""
+    if hasattr(p, "device_mesh"):
+        from torch.distributed.tensor import distribute_tensor
+
+        return distribute_tensor(t.to(p.device), p.device_mesh, p.placements)
+    return t.to(p.device)
+
+
+def materialize(model: torch.nn.Module) -> None:
+    """After FSDP training: replace every sharded parameter by the whole tensor, so the
+    model saves (and runs) as a plain module. A collective: every rank calls it."""
+    from torch.distributed.fsdp import FSDPModule
+
+    whole = {}
+    for mod in model.modules():
+        for name, p in list(mod.named_parameters(recurse=False)):
+            if hasattr(p, "full_tensor") and id(p) not in whole:
+                whole[id(p)] = torch.nn.Parameter(p.full_tensor().detach().clone(), requires_grad=p.requires_grad)
+    for mod in model.modules():
+        if isinstance(mod, FSDPModule):
+            # Drop FSDP's class and hooks: they would swap the sharded parameters back in.
+            mod.__class__ = next(c for c in mod.__class__.__mro__[1:]
+                                 if issubclass(c, torch.nn.Module) and not issubclass(c, FSDPModule))
+            for hooks in (mod._forward_pre_hooks, mod._forward_hooks, mod._state_dict_pre_hooks,
+                          mod._state_dict_hooks, mod._load_state_dict_pre_hooks, mod._backward_pre_hooks):
+                hooks.clear()
+        for name, p in list(mod.named_parameters(recurse=False)):
+            if id(p) in whole:
+                setattr(mod, name, whole[id(p)])
+    cfg = getattr(model, "cfg", None)
+    if cfg is not None and getattr(cfg, "tie_embeddings", False) and hasattr(model, "lm_head"):
+        model.lm_head.weight = model.embed_tokens.weight
+
+
 @torch.no_grad()
-def evaluate(job: Job, batches: list[dict[str, torch.Tensor]], device: torch.device) -> dict[str, float]:
+def evaluate(job: Job, batches: list[dict[str, torch.Tensor]], device: torch.device,
+             forward: torch.nn.Module | None = None) -> dict[str, float]:
     model = job.model
     was_training = model.training
     model.eval()
@@ -202,7 +313,7 @@ def evaluate(job: Job, batches: list[dict[str, torch.Tensor]], device: torch.dev
     for b in batches:
         b = {k: v.to(device) for k, v in b.items()}
         with autocast(device):
-            ls, n = job.loss(model, b)
+            ls, n = forward(b) if forward is not None else job.loss(model, b)
         total += float(ls)
         count += int(n)
     out = {"val_loss": total / max(1, count)}
@@ -212,7 +323,7 @@ def evaluate(job: Job, batches: list[dict[str, torch.Tensor]], device: torch.dev
     return out
 
 
-def _restore(job: Job, opt: torch.optim.Optimizer, ckpt_dir: Path, res: TrainResult) -> int:
+def _restore(job: Job, opt: torch.optim.Optimizer, ckpt_dir: Path, res: TrainResult, names: dict[int, str]) -> int:
     model_sd, opt_t, rng_t, state = ckpt.load_checkpoint(ckpt_dir)
     params = dict(job.trainable())
     missing = set(params) - set(model_sd)
@@ -220,9 +331,9 @@ def _restore(job: Job, opt: torch.optim.Optimizer, ckpt_dir: Path, res: TrainRes
         raise RunFailed(f"{ckpt_dir}: checkpoint lacks {sorted(missing)[0]}; it belongs to another run")
     with torch.no_grad():
         for n, p in params.items():
-            p.copy_(model_sd[n].to(p.device, p.dtype))
-    ckpt.load_optimizer(opt, opt_t, state["optimizer"])
-    ckpt.set_rng_state(rng_t, state["rng"])
+            p.copy_(_shard_like(model_sd[n].to(p.dtype), p))
+    ckpt.load_optimizer(opt, opt_t, state["optimizer"], names, _shard_like)
+    ckpt.set_rng_state(rng_t, state["rng"], rank=dist.info().rank)
     res.losses = state.get("losses", [])
     res.val_losses = state.get("val_losses", [])
     res.metrics = state.get("metrics", [])

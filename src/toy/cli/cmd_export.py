@@ -1,0 +1,280 @@
+"""`toy export RUN_DIR --format gguf|gguf-lora|peft`: a trained run in the formats other
+tools load -- a GGUF model for llama.cpp/Ollama, a LoRA adapter GGUF for llama.cpp
+(`--lora`), the LoRA merged into its base as a full GGUF (`--merge`), or a PEFT adapter."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from toy.errors import InputError, UsageError
+
+FORMATS = ("gguf", "gguf-lora", "peft")
+
+
+def add_parser(sub) -> None:
+    from toy.formats.gguf_write import DTYPES
+
+    p = sub.add_parser("export", help="export a run as GGUF (model or LoRA adapter), merged GGUF, or PEFT",
+                       description=__doc__)
+    p.add_argument("run", metavar="RUN_DIR", help="a run directory (or its final/)")
+    p.add_argument("--format", required=True, choices=FORMATS,
+                   help="gguf: a full model (from-scratch runs; LoRA runs with --merge); gguf-lora: a LoRA run's "
+                        "adapter for llama.cpp (--lora); peft: a LoRA run's adapter for HF PEFT")
+    p.add_argument("--out", help="output file (a directory for peft); default RUN_DIR/export/<name>")
+    p.add_argument("--dtype", choices=DTYPES, help="tensor type for GGUF (default f32: lossless); norms and "
+                   "other 1-D tensors stay f32; q8_0 falls back to f16 for rows not a multiple of 32")
+    p.add_argument("--merge", action="store_true", help="with --format gguf on a LoRA run: fold the adapter into "
+                   "its base and write the full model")
+    p.add_argument("--model", metavar="BASE.gguf", help="a LoRA run's base model (default: the path in its "
+                   "adapter_config.json)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=run)
+
+
+# ------------------------------------------------------------------ the run
+
+class _Run:
+    """What kind of run a directory is, read from its final/ without loading weights."""
+
+    def __init__(self, arg: str):
+        d = Path(arg)
+        if not d.exists():
+            raise InputError(f"{d}: no such run directory; pass a run made by `toy train` (`toy list` shows them)")
+        if not d.is_dir():
+            raise InputError(f"{d}: not a directory; pass a run directory (or its final/)")
+        if (d / "final").is_dir():
+            self.dir, self.final = d, d / "final"
+        elif (d / "adapter_config.json").is_file() or (d / "config.json").is_file():
+            self.dir, self.final = d.parent, d  # final/ itself was given
+        else:
+            hint = (f"resume it with `toy train --resume {d}`" if (d / "checkpoints").is_dir()
+                    else "pass a finished run directory (`toy list` shows their status)")
+            raise InputError(f"{d}: has no final/ (the run did not finish, so there is nothing to export); {hint}")
+        self.name = self.dir.resolve().name or "model"
+        if (self.final / "adapter_config.json").is_file():
+            self.kind, self.arch = "lora", "llama"
+            return
+        cfg_path = self.final / "config.json"
+        if not cfg_path.is_file() or not (self.final / "model.safetensors").is_file():
+            raise InputError(f"{self.final}: neither a model (config.json + model.safetensors) nor a LoRA adapter "
+                             "(adapter_config.json); the run's final/ is incomplete")
+        from toy.formats.checkpoint import read_json
+
+        self.meta = read_json(cfg_path)
+        model = self.meta.get("model") if isinstance(self.meta, dict) else None
+        if not isinstance(model, dict):
+            raise InputError(f"{cfg_path}: not a toy model config (no \"model\" object)")
+        self.kind, self.arch = "model", str(model.get("arch", "llama"))
+
+
+def _check_request(r: _Run, args) -> str:
+    """Every bad combination, refused before any work. Returns the dtype."""
+    fmt, where = args.format, str(r.dir)
+    if r.arch == "vit":
+        raise UsageError(f"{where}: a vit image classifier cannot be exported as --format {fmt}: GGUF (llama.cpp) "
+                         "holds language models and PEFT holds LoRA adapters; its final/model.safetensors is "
+                         "already the portable form")
+    if r.kind == "model":
+        if fmt == "gguf-lora":
+            raise UsageError(f"{where}: --format gguf-lora needs a LoRA run; this is a full {r.arch} model: "
+                             "use --format gguf")
+        if fmt == "peft":
+            raise UsageError(f"{where}: --format peft writes LoRA adapters; this is a full {r.arch} model: "
+                             "use --format gguf")
+        if args.merge:
+            raise UsageError(f"{where}: --merge folds a LoRA adapter into its base; this is a full {r.arch} model "
+                             "run: drop --merge")
+        if args.model:
+            raise UsageError("--model names a LoRA run's base; a full model run needs none: drop --model")
+        if r.arch not in ("llama", "gpt2"):
+            raise UsageError(f"{where}: arch {r.arch!r} cannot be exported to GGUF; supported: llama, gpt2")
+    else:
+        if fmt == "gguf" and not args.merge:
+            raise UsageError(f"{where}: a LoRA run's final/ is an adapter, not a model: use --format gguf-lora "
+                             "(llama.cpp --lora), or --merge --format gguf for the full merged model")
+        if args.merge and fmt != "gguf":
+            raise UsageError(f"--merge writes a full model: use it with --format gguf, not --format {fmt}")
+    if fmt == "peft":
+        if args.dtype:
+            raise UsageError("--dtype applies to GGUF exports; a PEFT adapter is copied as trained: drop --dtype")
+        return ""
+    dtype = args.dtype or "f32"
+    if fmt == "gguf-lora" and dtype == "q8_0":
+        raise UsageError("--dtype q8_0 is not offered for --format gguf-lora: an adapter is small and its B "
+                         "matrices (r columns) rarely fill q8_0's 32-wide blocks; use f16 or f32")
+    return dtype
+
+
+def _out_path(r: _Run, args, default_name: str) -> Path:
+    if args.out:
+        out = Path(args.out)
+        return out / default_name if out.is_dir() and args.format != "peft" else out
+    return r.dir / "export" / default_name
+
+
+# ------------------------------------------------------------------ LoRA base
+
+def _resolve_base(r: _Run, args, config: dict) -> tuple[Path, list[str]]:
+    """The base GGUF a LoRA run adapts: --model, else adapter_config.json's path (as
+    given, then against the project root). A base that differs from the one trained on
+    (run.json's fingerprint) is refused unless --model names it explicitly."""
+    from toy.formats.checkpoint import read_json
+    from toy.recipes.lora import file_fingerprint
+    from toy.runs import find_project
+
+    notes: list[str] = []
+    if args.model:
+        base = Path(args.model)
+        if not base.is_file():
+            raise InputError(f"--model {base} not found; pass the base GGUF the adapter was trained on")
+    else:
+        recorded = config.get("base_model_name_or_path")
+        if not isinstance(recorded, str) or not recorded:
+            raise InputError(f"{r.final / 'adapter_config.json'}: no base_model_name_or_path; pass --model BASE.gguf")
+        cands = [Path(recorded)]
+        root = find_project(r.dir.resolve()).root
+        if root is not None and not Path(recorded).is_absolute():
+            cands.append(root / recorded)
+        base = next((c for c in cands if c.is_file()), None)
+        if base is None:
+            raise InputError(f"base model {recorded} (from {r.final / 'adapter_config.json'}) not found; "
+                             "pass --model BASE.gguf")
+    run_json = r.dir / "run.json"
+    want = None
+    if run_json.is_file():
+        info = read_json(run_json)
+        want = (info.get("job") or {}).get("model_sha256") if isinstance(info, dict) else None
+    if want and file_fingerprint(base) != want:
+        if not args.model:
+            raise InputError(f"{base}: this base changed since the run trained on it (fingerprint differs from "
+                             f"{run_json}); restore it, or pass --model BASE.gguf to export against it anyway")
+        notes.append(f"--model {base} is not the file the adapter was trained on (fingerprint differs); "
+                     "it must be the same weights (e.g. another quantization) for the export to be right")
+    return base, notes
+
+
+# ------------------------------------------------------------------ export
+
+def run(args) -> int:
+    from toy.formats.gguf_write import WriteReport
+
+    r = _Run(args.run)
+    dtype = _check_request(r, args)
+    if args.format == "peft":
+        return _report(args, r, _export_peft(r, args), "")
+    if r.kind == "model":
+        report = _export_model(r, args, dtype)
+    elif args.format == "gguf-lora":
+        report = _export_lora(r, args, dtype)
+    else:
+        report = _export_merged(r, args, dtype)
+    assert isinstance(report, WriteReport)
+    return _report(args, r, report, dtype)
+
+
+def _export_model(r: _Run, args, dtype: str):
+    from toy.formats.gguf_write import write_model_gguf
+    from toy.formats.model_dir import load_model_dir
+
+    model, meta, tok = load_model_dir(r.final)
+    if tok is None:
+        raise InputError(f"{r.final}: no tokenizer.json; llama.cpp needs the tokenizer inside the GGUF "
+                         "(the run's corpus had none beside it)")
+    template = meta.get("chat_template") if isinstance(meta.get("chat_template"), str) else None
+    if template is None and (r.final / "chat_template.jinja").is_file():
+        template = (r.final / "chat_template.jinja").read_text()
+    out = _out_path(r, args, f"{r.name}-{dtype}.gguf")
+    try:
+        return write_model_gguf(out, model, tok, dtype=dtype, chat_template=template, name=r.name)
+    except UsageError as e:
+        raise UsageError(f"{r.final}: {e.message}")
+
+
+def _load_adapter(r: _Run):
+    from toy.formats.peft import load_peft_adapter
+
+    sd, config = load_peft_adapter(r.final)
+    return sd, config
+
+
+def _export_lora(r: _Run, args, dtype: str):
+    from toy.formats.gguf_write import base_config, write_lora_gguf
+
+    sd, config = _load_adapter(r)
+    base, notes = _resolve_base(r, args, config)
+    cfg, arch, _ = base_config(base)
+    out = _out_path(r, args, f"{r.name}-lora-{dtype}.gguf")
+    rep = write_lora_gguf(out, sd, alpha=float(config["lora_alpha"]), base=cfg, arch=arch, dtype=dtype,
+                          name=f"{r.name} (LoRA)")
+    rep.notes = notes + rep.notes + [f"load it on {base} (llama.cpp: --lora; llama-cpp-python: lora_path=)"]
+    return rep
+
+
+def _export_merged(r: _Run, args, dtype: str):
+    from toy.formats.gguf import read_gguf
+    from toy.formats.gguf_write import write_merged_gguf
+
+    sd, config = _load_adapter(r)
+    base_path, notes = _resolve_base(r, args, config)
+    base = read_gguf(base_path)
+    out = _out_path(r, args, f"{r.name}-merged-{dtype}.gguf")
+    try:
+        rep = write_merged_gguf(out, base, sd, rank=int(config["r"]), alpha=float(config["lora_alpha"]),
+                                dtype=dtype, name=f"{r.name} (merged)")
+    except InputError as e:  # the adapter does not fit this base
+        raise InputError(f"{r.final}: does not fit the base {base_path}: {e.message}")
+    base_types = ", ".join(f"{k} x{v}" for k, v in base.tensor_types.most_common())
+    rep.notes = notes + [f"base {base_path} ({base_types}) dequantized, adapter merged"] + rep.notes
+    return rep
+
+
+def _export_peft(r: _Run, args) -> Path:
+    from toy.formats.checkpoint import atomic_dir
+
+    _load_adapter(r)  # validates the adapter: config, keys, shapes
+    out = Path(args.out) if args.out else r.dir / "export" / f"{r.name}-peft"
+    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / "adapter_config.json").is_file())):
+        raise UsageError(f"--out {out} exists and is not a PEFT adapter directory; choose a new path")
+    if out.resolve() == r.final.resolve():
+        raise UsageError(f"--out {out} is the run's own final/; choose another path")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # final/ of a LoRA run already is a PEFT directory (save_peft_adapter wrote it): copy it.
+    with atomic_dir(out) as d:
+        for name in ("adapter_config.json", "adapter_model.safetensors", "tokenizer.json", "README.md"):
+            if (r.final / name).is_file():
+                shutil.copyfile(r.final / name, d / name)
+    return out
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return str(n)
+
+
+def _report(args, r: _Run, rep, dtype: str) -> int:
+    if isinstance(rep, Path):  # peft
+        files = sorted(p.name for p in rep.iterdir())
+        if args.json:
+            print(json.dumps({"format": "toy/export-v1", "run_dir": str(r.dir), "kind": r.kind,
+                              "export_format": "peft", "path": str(rep), "files": files}))
+        else:
+            print(f"wrote {rep}/ (PEFT adapter: {', '.join(files)})")
+        return 0
+    size = rep.path.stat().st_size
+    if args.json:
+        print(json.dumps({"format": "toy/export-v1", "run_dir": str(r.dir), "kind": r.kind,
+                          "export_format": args.format, "merged": bool(args.merge), "path": str(rep.path),
+                          "arch": rep.arch, "dtype": dtype, "file_size": size, "n_params": rep.n_params,
+                          "tensor_types": dict(rep.tensor_types.most_common()), "notes": rep.notes}))
+        return 0
+    what = {"gguf": "merged model" if args.merge else "model", "gguf-lora": "LoRA adapter"}[args.format]
+    types = ", ".join(f"{k} x{v}" for k, v in rep.tensor_types.most_common())
+    print(f"wrote {rep.path} ({_size(size)}, {rep.arch} {what}, {rep.n_params:,} parameters; {types})")
+    for note in rep.notes:
+        print(f"  {note}")
+    return 0

@@ -1,0 +1,171 @@
+"""`toy list [DIR...]`: the GGUF models under the project's data/ (and any DIR given),
+with architecture, parameter count and size, and the runs under runs/ with their
+recipe and status. Headers only: nothing is dequantized, no weight is loaded."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from toy.errors import ToyError, UsageError
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("list", help="list GGUF models (data/, DIRs) and runs (runs/)", description=__doc__)
+    p.add_argument("dirs", nargs="*", metavar="DIR", help="more directories (or .gguf files) to list models from")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=run)
+
+
+def _gguf_files(paths: list[Path]) -> list[Path]:
+    seen, out = set(), []
+    for p in paths:
+        found = [p] if p.is_file() else sorted(p.rglob("*.gguf"))
+        for f in found:
+            # Skip the temp files of an export in progress (.name.xxxx.tmp never ends in .gguf,
+            # but a hidden .gguf may be a partial download).
+            if f.name.startswith(".") or not f.is_file():
+                continue
+            key = f.resolve()
+            if key not in seen:
+                seen.add(key)
+                out.append(f)
+    return out
+
+
+def describe_model(path: Path) -> dict[str, Any]:
+    """One GGUF as a row: kind, arch, parameters, size -- or the error that stops toy
+    reading it (a broken file is listed, never a crash)."""
+    from toy.formats.gguf import describe_gguf, read_gguf_header
+
+    row: dict[str, Any] = {"path": str(path)}
+    try:
+        row["file_size"] = path.stat().st_size
+    except OSError as e:
+        return {**row, "error": f"cannot read ({e.strerror})"}
+    try:
+        d = describe_gguf(path)
+        hp = d["hyperparameters"]
+        return {**row, "kind": "model", "arch": d["arch"], "name": d.get("name"), "n_params": d["n_params"],
+                "n_layer": hp["n_layer"], "d_model": hp["d_model"], "tensor_types": d["tensor_types"]}
+    except ToyError as e:
+        why = e.message
+    # toy cannot run it (an adapter, another architecture), but the header may still say what it is.
+    try:
+        h = read_gguf_header(path)
+    except ToyError as e:
+        return {**row, "error": e.message}
+    meta = h.metadata
+    n_params = sum(ti.n_elements for ti in h.tensors.values())
+    types: dict[str, int] = {}
+    for ti in h.tensors.values():
+        types[ti.qtype.name] = types.get(ti.qtype.name, 0) + 1
+    base = {"arch": meta.get("general.architecture"), "name": meta.get("general.name"), "n_params": n_params,
+            "tensor_types": types}
+    if meta.get("general.type") == "adapter":
+        return {**row, "kind": f"{meta.get('adapter.type', '?')} adapter", **base,
+                "alpha": meta.get("adapter.lora.alpha")}
+    return {**row, "kind": "model", **base, "note": why.removeprefix(f"{path}: ")}
+
+
+def describe_run(d: Path) -> dict[str, Any]:
+    """A run directory as a row: recipe, arch, steps, status (from the last event)."""
+    from toy.runs import read_events
+
+    row: dict[str, Any] = {"run_id": d.name, "path": str(d), "has_final": (d / "final").is_dir()}
+    try:
+        info = json.loads((d / "run.json").read_text())
+        if not isinstance(info, dict):
+            raise ValueError("not an object")
+        row.update(recipe=info.get("recipe"), arch=info.get("arch"), params=info.get("params"),
+                   steps=(info.get("train") or {}).get("steps"), started=info.get("started"))
+    except FileNotFoundError:
+        row["error"] = "no run.json"
+    except (OSError, ValueError, UnicodeDecodeError) as e:
+        row["error"] = f"unreadable run.json ({str(e).splitlines()[0] if str(e) else type(e).__name__})"
+    try:
+        events = read_events(d)
+    except ToyError:
+        events = []
+    last = events[-1] if events else None
+    if last is None:
+        status = "no events"
+    else:
+        ev = last.get("event")
+        status = {"run_finished": "finished", "run_failed": "failed", "interrupted": "interrupted"}.get(ev)
+        if status is None:
+            step = next((e.get("step") for e in reversed(events) if e.get("event") == "step"), None)
+            status = f"incomplete (last event {ev}" + (f", step {step})" if step is not None else ")")
+        if ev == "run_failed" and last.get("error"):
+            row["error"] = str(last["error"]).splitlines()[0][:200]
+        if ev == "run_finished":
+            row.update(final_step=last.get("step"), loss=last.get("loss"), val_loss=last.get("val_loss"))
+    row["status"] = status
+    return row
+
+
+def _runs(runs_dir: Path) -> list[dict[str, Any]]:
+    if not runs_dir.is_dir():
+        return []
+    dirs = [d for d in sorted(runs_dir.iterdir()) if d.is_dir() and not d.name.startswith(".")
+            and ((d / "run.json").exists() or (d / "events.jsonl").exists())]
+    return [describe_run(d) for d in dirs]
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return str(n)
+
+
+def _params(n: int | None) -> str:
+    if not isinstance(n, int):
+        return "?"
+    for unit, div in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= div:
+            return f"{n / div:.1f}{unit}"
+    return str(n)
+
+
+def run(args) -> int:
+    from toy.runs import find_project
+
+    project = find_project()
+    model_dirs: list[Path] = []
+    if project.data_dir is not None and project.data_dir.is_dir():
+        model_dirs.append(project.data_dir)
+    for a in args.dirs:
+        p = Path(a)
+        if not p.exists():
+            raise UsageError(f"{p}: no such directory or file; pass directories holding .gguf files")
+        model_dirs.append(p)
+    models = [describe_model(f) for f in _gguf_files(model_dirs)]
+    runs = _runs(project.runs_dir)
+    if args.json:
+        print(json.dumps({"format": "toy/list-v1", "project": str(project.root) if project.root else None,
+                          "model_dirs": [str(d) for d in model_dirs], "runs_dir": str(project.runs_dir),
+                          "models": models, "runs": runs}))
+        return 0
+    where = ", ".join(str(d) for d in model_dirs) or "no data/ (not in a toy project) and no DIR given"
+    print(f"models ({where}):")
+    if not models:
+        print("  none")
+    for m in models:
+        if "error" in m:
+            print(f"  {m['path']}  ERROR: {m['error']}")
+            continue
+        kind = "" if m["kind"] == "model" else f" {m['kind']}"
+        note = f"  ({m['note']})" if m.get("note") else ""
+        print(f"  {m['path']}  {m['arch']}{kind}, {_params(m['n_params'])} params, {_size(m['file_size'])}{note}")
+    print(f"runs ({project.runs_dir}):")
+    if not runs:
+        print("  none")
+    for r in runs:
+        what = " ".join(str(x) for x in (r.get("recipe"), r.get("arch")) if x) or "?"
+        extra = f", {_params(r['params'])} params" if r.get("params") else ""
+        err = f"  ({r['error']})" if r.get("error") else ""
+        print(f"  {r['run_id']}  {what}{extra}  {r['status']}{err}")
+    return 0

@@ -1,0 +1,119 @@
+"""`toy plot RUN... --out loss.png`: train and validation loss curves of one or more
+runs on one chart, from their events.jsonl. Needs matplotlib (pip install 'toy[plot]')."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from toy.errors import InputError, UsageError
+from toy.runs import read_events
+
+INSTALL = "pip install 'toy[plot]'"
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("plot", help="plot runs' train and validation loss curves to an image", description=__doc__)
+    p.add_argument("runs", nargs="+", metavar="RUN", help="run directories (made by `toy train`)")
+    p.add_argument("--out", default="loss.png", help="image to write; the suffix picks the format: .png, .svg, "
+                   ".pdf (default loss.png)")
+    p.add_argument("--title", help="chart title (default: none)")
+    p.add_argument("--smooth", type=int, default=0, metavar="N",
+                   help="draw train loss as a running mean over N steps (default 0: raw)")
+    p.set_defaults(func=run)
+
+
+def curves(run_dir: Path) -> tuple[list[tuple[int, float]], list[tuple[int, float]]]:
+    """(step, train loss) and (step, val loss) pairs. A resumed run logs the steps after
+    its checkpoint again: the latest value of a step wins."""
+    train: dict[int, float] = {}
+    val: dict[int, float] = {}
+    for e in read_events(run_dir):
+        step, kind = e.get("step"), e.get("event")
+        if not isinstance(step, int):
+            continue
+        if kind == "step" and isinstance(e.get("loss"), (int, float)):
+            train[step] = float(e["loss"])
+        elif kind == "eval" and isinstance(e.get("val_loss"), (int, float)):
+            val[step] = float(e["val_loss"])
+    return sorted(train.items()), sorted(val.items())
+
+
+def label(run_dir: Path) -> str:
+    from toy.formats.checkpoint import read_json
+
+    init = None
+    if (run_dir / "run.json").is_file():
+        try:
+            job = read_json(run_dir / "run.json").get("job") or {}
+            init = job.get("init") if isinstance(job, dict) else None
+        except InputError:
+            pass
+    return f"{run_dir.name} (init {init})" if init else run_dir.name
+
+
+def running_mean(ys: list[float], n: int) -> list[float]:
+    out, acc = [], 0.0
+    for i, y in enumerate(ys):
+        acc += y
+        if i >= n:
+            acc -= ys[i - n]
+        out.append(acc / min(i + 1, n))
+    return out
+
+
+def run(args) -> int:
+    out = Path(args.out)
+    if args.smooth < 0:
+        raise UsageError(f"--smooth must be >= 0, got {args.smooth}")
+    if not out.parent.is_dir():
+        raise UsageError(f"--out {out}: directory {out.parent} does not exist")
+    dirs = [Path(r) for r in args.runs]
+    for d in dirs:
+        if not (d / "events.jsonl").is_file():
+            raise InputError(f"{d}: no events.jsonl there; pass run directories made by `toy train`")
+    data = [(d, *curves(d)) for d in dirs]
+    if not any(tr or va for _, tr, va in data):
+        raise InputError(f"{', '.join(map(str, dirs))}: no step or eval events yet; nothing to plot")
+    try:
+        # The object API with its own Agg canvas: no pyplot, no global backend switch,
+        # no display needed.
+        import matplotlib
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise UsageError(f"toy plot needs matplotlib, which is not installed; {INSTALL}")
+
+    fig = Figure(figsize=(8, 5), dpi=120)
+    canvas = FigureCanvasAgg(fig)
+    suffix = out.suffix.lower().lstrip(".")
+    if suffix not in canvas.get_supported_filetypes():
+        raise UsageError(f"--out {out}: unknown image type {out.suffix!r}; use .png, .svg or .pdf")
+    ax = fig.add_subplot()
+    colors = [c["color"] for c in matplotlib.rcParams["axes.prop_cycle"]]
+    for i, (d, tr, va) in enumerate(data):
+        color, name = colors[i % len(colors)], label(d)
+        if tr:
+            xs, ys = zip(*tr)
+            ys = running_mean(list(ys), args.smooth) if args.smooth > 1 else list(ys)
+            ax.plot(xs, ys, color=color, alpha=0.55, linewidth=1.0, label=f"{name} train")
+        if va:
+            xs, ys = zip(*va)
+            ax.plot(xs, ys, color=color, linestyle="--", marker="o", markersize=3.5, linewidth=1.6,
+                    label=f"{name} val")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    if args.title:
+        ax.set_title(args.title)
+    fig.tight_layout()
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}{out.suffix}")
+    try:
+        fig.savefig(tmp, format=suffix)
+        os.replace(tmp, out)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    print(f"wrote {out} ({len(dirs)} run{'s' if len(dirs) != 1 else ''})")
+    return 0

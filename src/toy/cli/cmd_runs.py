@@ -1,0 +1,157 @@
+"""`toy runs [DIR]`: a table of the runs under DIR (default: the project's runs/), read
+from each run's run.json and events.jsonl: id, recipe, arch, init, steps, final train
+and validation loss, throughput, wall time and status."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from toy.errors import InputError
+from toy.runs import find_project, read_events
+
+FORMAT = "toy/runs-v1"
+COLUMNS = ("id", "recipe", "arch", "init", "steps", "loss", "val_loss", "speed", "wall", "status")
+HEADERS = ("id", "recipe", "arch", "init", "steps", "train loss", "val loss", "tokens/s", "wall", "status")
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("runs", help="list runs with their losses, speed and status", description=__doc__)
+    p.add_argument("dir", nargs="?", metavar="DIR", help="directory holding run directories, or one run "
+                   "directory (default: the project's runs/)")
+    p.add_argument("--json", action="store_true", help=f"print one JSON object (format {FORMAT})")
+    p.set_defaults(func=run)
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        with open(path) as fh:
+            obj = json.load(fh)
+        return obj if isinstance(obj, dict) else None
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        return None
+
+
+def _num(v: Any) -> float | None:
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+
+def summarize(run_dir: Path) -> dict[str, Any]:
+    """One run's row. Status comes from the last lifecycle event: run_finished ->
+    finished, run_failed -> failed, interrupted -> interrupted, run_started/run_resumed
+    with nothing after -> running (also what a run killed with SIGKILL looks like)."""
+    info = _read_json(run_dir / "run.json") or {}
+    try:
+        events = read_events(run_dir)
+    except InputError:
+        events = []
+    job = info.get("job") if isinstance(info.get("job"), dict) else {}
+    row: dict[str, Any] = {
+        "id": run_dir.name, "run_dir": str(run_dir), "recipe": info.get("recipe"), "arch": info.get("arch"),
+        "init": job.get("init"), "params": info.get("params"), "seed": info.get("seed"),
+        "started": info.get("started"), "steps": None, "target_steps": None, "loss": None, "val_loss": None,
+        "items_per_s": None, "items": None, "tokens_per_s": None, "wall_s": None, "status": "unknown",
+    }
+    if isinstance(info.get("train"), dict):
+        row["target_steps"] = info["train"].get("steps")
+    times = [t for e in events if (t := _num(e.get("time"))) is not None]
+    for e in events:
+        kind = e.get("event")
+        if kind in ("run_started", "run_resumed"):
+            row["status"] = "running"
+            row["target_steps"] = e.get("steps", row["target_steps"])
+        elif kind == "step":
+            row["steps"], row["loss"] = e.get("step"), _num(e.get("loss"))
+            for k, v in e.items():
+                if k.endswith("_per_s") and _num(v) is not None:
+                    row["items"], row["items_per_s"] = k[: -len("_per_s")], _num(v)
+        elif kind == "eval":
+            row["val_loss"] = _num(e.get("val_loss"))
+        elif kind == "run_finished":
+            row["status"] = "finished"
+            row["wall_s"] = _num(e.get("wall_s"))
+            for k, v in e.items():
+                if k.endswith("_per_s") and _num(v) is not None:  # the whole run's figure beats the last step's
+                    row["items"], row["items_per_s"] = k[: -len("_per_s")], _num(v)
+        elif kind == "run_failed":
+            row["status"] = "failed"
+        elif kind == "interrupted":
+            row["status"] = "interrupted"
+    if row["wall_s"] is None and len(times) >= 2:
+        row["wall_s"] = round(times[-1] - times[0], 3)  # eval and start-up included: an upper bound
+    if row["items"] == "tokens":
+        row["tokens_per_s"] = row["items_per_s"]
+    if not info and not events:
+        row["status"] = "unknown"
+    return row
+
+
+def find_runs(d: Path) -> list[Path]:
+    if (d / "run.json").is_file() or (d / "events.jsonl").is_file():
+        return [d]  # DIR is itself a run
+    return [p for p in d.iterdir() if p.is_dir() and ((p / "run.json").is_file() or (p / "events.jsonl").is_file())]
+
+
+def _fmt(v: Any, kind: str) -> str:
+    if v is None:
+        return "-"
+    if kind == "loss":
+        return f"{v:.4f}"
+    if kind == "wall":
+        return f"{v:.1f}s" if v < 120 else f"{v / 60:.1f}m"
+    return str(v)
+
+
+def cells(r: dict[str, Any]) -> list[str]:
+    steps = "-" if r["steps"] is None else str(r["steps"])
+    if r["target_steps"] is not None and r["steps"] != r["target_steps"]:
+        steps += f"/{r['target_steps']}"
+    speed = "-"
+    if r["items_per_s"] is not None:
+        speed = f"{r['items_per_s']:,.0f}" + ("" if r["items"] == "tokens" else f" {r['items']}/s")
+    return [r["id"], r["recipe"] or "-", r["arch"] or "-", r["init"] or "-", steps, _fmt(r["loss"], "loss"),
+            _fmt(r["val_loss"], "loss"), speed, _fmt(r["wall_s"], "wall"), r["status"]]
+
+
+def plain_table(rows: list[list[str]]) -> str:
+    """Columns padded to their widest cell; numbers right-aligned."""
+    table = [list(HEADERS), *rows]
+    widths = [max(len(r[i]) for r in table) for i in range(len(HEADERS))]
+    right = {4, 5, 6, 7, 8}
+    lines = []
+    for r in table:
+        lines.append("  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))
+                     .rstrip())
+    return "\n".join(lines)
+
+
+def run(args) -> int:
+    d = Path(args.dir) if args.dir else find_project().runs_dir
+    if not d.is_dir():
+        hint = "train one with `toy train`" if not args.dir else "pass a directory of runs (e.g. runs/)"
+        raise InputError(f"{d}: no such directory; {hint}")
+    rows = [summarize(p) for p in find_runs(d)]
+    rows.sort(key=lambda r: (r["started"] or "", r["id"]))
+    if args.json:
+        print(json.dumps({"format": FORMAT, "dir": str(d), "runs": rows}))
+        return 0
+    if not rows:
+        print(f"no runs under {d}")
+        return 0
+    if sys.stdout.isatty():
+        from rich.console import Console
+        from rich.table import Table
+
+        t = Table(title=str(d), title_justify="left")
+        for i, h in enumerate(HEADERS):
+            t.add_column(h, justify="right" if 4 <= i <= 8 else "left", no_wrap=i == 0)
+        for r in rows:
+            c = cells(r)
+            style = {"failed": "red", "interrupted": "yellow", "running": "cyan"}.get(r["status"])
+            t.add_row(*c[:-1], f"[{style}]{c[-1]}[/]" if style else c[-1])
+        Console().print(t)
+    else:
+        print(plain_table([cells(r) for r in rows]))
+    return 0

@@ -1,0 +1,148 @@
+"""Vision Transformer (ViT, Dosovitskiy et al. 2020): non-overlapping patches embedded
+by a strided Conv2d, a class token, learned positions, pre-norm blocks (LayerNorm,
+non-causal multi-head attention through SDPA, GELU MLP), and a linear head read off
+the class token.
+
+Defaults are ViT-Tiny/16 at 224 px: 14 x 14 = 196 patches, 12 layers, width 192, 3 heads.
+
+Shapes in comments: B batch, N patches (+1 with the class token), C channels (d_model),
+H heads, D head dim, P patch size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from toy.models.layers import GeluMLP
+
+
+@dataclass
+class VitConfig:
+    image_size: int = 224
+    patch_size: int = 16
+    channels: int = 3
+    n_layer: int = 12
+    d_model: int = 192
+    n_head: int = 3
+    d_ff: int = 768
+    n_classes: int = 1000
+    dropout: float = 0.0
+    norm_eps: float = 1e-6  # timm's ViT LayerNorm eps
+    arch: str = field(default="vit")
+
+    @property
+    def n_patches(self) -> int:
+        return (self.image_size // self.patch_size) ** 2
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def check_vit_config(cfg: VitConfig) -> list[str]:
+    """Every shape problem at once, named by the flag that sets it."""
+    p = []
+    for name, flag in (("image_size", "--image-size"), ("patch_size", "--patch-size"), ("n_layer", "--n-layer"),
+                       ("d_model", "--d-model"), ("n_head", "--n-head"), ("n_classes", "the image folder's classes")):
+        v = getattr(cfg, name)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            p.append(f"{flag} must be an integer >= 1, got {v!r}")
+    if p:
+        return p
+    if cfg.image_size % cfg.patch_size:
+        p.append(f"--image-size {cfg.image_size} must be a multiple of --patch-size {cfg.patch_size}")
+    if cfg.d_model % cfg.n_head:
+        p.append(f"--d-model {cfg.d_model} must be divisible by --n-head {cfg.n_head}")
+    return p
+
+
+class SelfAttention(nn.Module):
+    """Every token sees every token (no causal mask): an image has no order."""
+
+    def __init__(self, cfg: VitConfig):
+        super().__init__()
+        self.n_head = cfg.n_head
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model)
+        self.dropout = cfg.dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, N, C = x.shape
+        qkv = self.qkv(x).view(B, N, 3, self.n_head, C // self.n_head)  # (B, N, 3, H, D)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # 3 x (B, H, N, D)
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0)
+        y = y.transpose(1, 2).reshape(B, N, C)  # (B, N, C)
+        return self.proj(y)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: VitConfig):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.attn = SelfAttention(cfg)
+        self.norm2 = nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.mlp = GeluMLP(cfg.d_model, cfg.d_ff)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.drop(self.attn(self.norm1(x)))
+        x = x + self.drop(self.mlp(self.norm2(x)))
+        return x
+
+
+class ViT(nn.Module):
+    def __init__(self, cfg: VitConfig):
+        super().__init__()
+        if cfg.image_size % cfg.patch_size:
+            raise ValueError(f"image_size {cfg.image_size} is not a multiple of patch_size {cfg.patch_size}")
+        self.cfg = cfg
+        # A Conv2d with kernel = stride = P is exactly "cut into P x P patches, flatten,
+        # apply one Linear", in one fused op.
+        self.patch_embed = nn.Conv2d(cfg.channels, cfg.d_model, kernel_size=cfg.patch_size, stride=cfg.patch_size)
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, cfg.d_model))
+        self.pos_embed = nn.Parameter(torch.zeros(1, cfg.n_patches + 1, cfg.d_model))
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.norm = nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.head = nn.Linear(cfg.d_model, cfg.n_classes)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        # timm's ViT init: truncated normal 0.02 for positions, class token and Linear
+        # weights (the head included: a zero head would leave every other parameter
+        # without a gradient on step 1); zero biases; LayerNorm at identity.
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.trunc_normal_(m.weight, std=0.02)
+                nn.init.zeros_(m.bias)
+            elif isinstance(m, nn.LayerNorm):
+                nn.init.ones_(m.weight)
+                nn.init.zeros_(m.bias)
+        # The patch embedding is a Linear in disguise: init it like one, fan-in scaled
+        # (lecun normal), as the conv's fan-in is channels * P * P.
+        fan_in = self.cfg.channels * self.cfg.patch_size ** 2
+        nn.init.trunc_normal_(self.patch_embed.weight, std=fan_in ** -0.5)
+        nn.init.zeros_(self.patch_embed.bias)
+        nn.init.trunc_normal_(self.pos_embed, std=0.02)
+        nn.init.trunc_normal_(self.cls_token, std=0.02)
+
+    def features(self, images: torch.Tensor) -> torch.Tensor:
+        """Normalised class-token features (B, C) for float images (B, channels, S, S)."""
+        B = images.shape[0]
+        x = self.patch_embed(images)  # (B, C, S/P, S/P)
+        x = x.flatten(2).transpose(1, 2)  # (B, N, C), patches in row-major order
+        cls = self.cls_token.expand(B, -1, -1)  # (B, 1, C)
+        x = torch.cat([cls, x], dim=1) + self.pos_embed  # (B, N+1, C)
+        x = self.drop(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.norm(x[:, 0])  # (B, C): the class token summarises the image
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(images))  # (B, n_classes)
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())

@@ -1,0 +1,198 @@
+"""ViT-Tiny image classifier on an image folder (one subfolder per class): random
+init, cross-entropy on labels, accuracy on a held-out set.
+
+Model defaults are ViT-Tiny/16 at 224 px (preset `vit-tiny`); `--preset tiny` is a
+28 px / 7 px-patch test shape, and `--image-size`, `--patch-size`, `--n-layer`,
+`--d-model`, `--n-head` override either. Without `--images` the bundled Fashion-MNIST
+smoke set (300 images, 10 classes) is used.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from toy.data.images import ImageBatches, ImageSet, bundled_images, fingerprint, load_image_folders, to_float
+from toy.errors import UsageError
+from toy.formats.model_dir import save_model_dir
+from toy.models import registry
+from toy.models.vit import VitConfig, check_vit_config
+from toy.runs import Project
+from toy.train.job import Built, Job
+
+NAME = "vit-tiny"
+
+# This recipe's flags and its defaults for toy's general ones (flag > toy.toml > these).
+FLAGS: dict[str, Any] = dict(
+    arch="vit", images=None, val_images=None, image_size=None, patch_size=None, augment="crop-flip",
+    # From-scratch ViTs want a gentler decay than a decoder LM's 0.1, and a batch of
+    # images is cheap next to a batch of 256-token sequences.
+    lr=1e-3, min_lr=1e-5, warmup=20, batch_size=64, weight_decay=0.05, eval_batches=16,
+)
+
+AUGMENT = ("crop-flip", "none")
+# Flags of the language-model recipes that mean nothing here: naming one is a mistake
+# worth reporting rather than silently ignoring.
+LM_ONLY = ("corpus", "val_corpus", "tokenizer", "vocab_size", "seq_len", "n_kv_head")
+
+
+def add_arguments(group) -> None:
+    group.add_argument("--images", metavar="DIR", help="image folder, one subfolder of PNG/JPEG files per class "
+                       "(default: the bundled Fashion-MNIST smoke set)")
+    group.add_argument("--val-images", metavar="DIR", help="validation folder with the same class subfolders "
+                       "(default: hold out 10%% of each class of --images)")
+    group.add_argument("--image-size", type=int, help="side in pixels images are resized to (default: the preset's, "
+                       "224 for vit-tiny)")
+    group.add_argument("--patch-size", type=int, help="side of the square patches, must divide --image-size "
+                       "(default: the preset's, 16 for vit-tiny)")
+    group.add_argument("--augment", metavar="MODE", help="training augmentation: crop-flip (random crop of the "
+                       "image padded by 1/8 of its side, and left-right flips) or none (default crop-flip; none "
+                       "fits faster on a large set and a short budget)")
+
+
+def _int_flag(opts: dict, key: str, problems: list[str]) -> int | None:
+    v = opts.get(key)
+    if v is None:
+        return None
+    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+        problems.append(f"--{key.replace('_', '-')} must be an integer >= 1, got {v!r}")
+        return None
+    return v
+
+
+def model_config(opts: dict, n_classes: int, channels: int, problems: list[str]) -> VitConfig | None:
+    """Preset, then flag overrides; shape problems are appended to `problems`."""
+    preset = opts.get("preset") or registry.DEFAULT_PRESET["vit"]
+    presets = registry.PRESETS["vit"]
+    if preset not in presets:
+        problems.append(f"--preset {preset!r} is unknown for vit; valid: {', '.join(sorted(presets))}")
+        return None
+    fields = dict(presets[preset])
+    for key in ("image_size", "patch_size", "n_layer", "d_model", "n_head"):
+        v = _int_flag(opts, key, problems)
+        if v is not None:
+            fields[key] = v
+    if opts.get("d_model") is not None:
+        fields["d_ff"] = 4 * fields["d_model"]  # ViT's MLP ratio follows the width
+    cfg = VitConfig(**fields, n_classes=n_classes, channels=channels)
+    problems += check_vit_config(cfg)
+    return cfg
+
+
+def build(opts: dict, project: Project) -> Built:
+    problems: list[str] = []
+    if opts.get("arch") not in (None, "vit"):
+        problems.append(f"--arch {opts['arch']}: the {NAME} recipe trains arch vit; leave --arch out")
+    for key in LM_ONLY:
+        if opts.get(key) is not None:
+            flag = "--" + key.replace("_", "-")
+            fix = "give --images DIR instead" if key in ("corpus", "val_corpus", "tokenizer") else "leave it out"
+            problems.append(f"{flag} does not apply to {NAME} (it is a language-model flag); {fix}")
+    if opts.get("augment") not in AUGMENT:
+        problems.append(f"--augment {opts.get('augment')!r} is unknown; valid: {', '.join(AUGMENT)}")
+    # Validate the shape flags before decoding any image: a typo should cost nothing.
+    shape = model_config(opts, n_classes=2, channels=3, problems=problems)
+    if problems:
+        raise UsageError("; ".join(problems))
+    images = Path(opts["images"]) if opts.get("images") else bundled_images()
+    val_images = Path(opts["val_images"]) if opts.get("val_images") else None
+    train, val = load_image_folders(images, shape.image_size, val_images)
+    return make_job(train, val, opts, str(images), str(val_images) if val_images else None)
+
+
+def make_job(train: ImageSet, val: ImageSet | None, opts: dict, source: str, val_source: str | None) -> Built:
+    """The job for decoded image sets (what `build` reads from folders; scripts may
+    decode other formats, e.g. Fashion-MNIST's IDX files, and call this directly)."""
+    problems: list[str] = []
+    channels = int(train.images.shape[1])
+    cfg = model_config(opts, len(train.classes), channels, problems)
+    if problems:
+        raise UsageError("; ".join(problems))
+    torch.manual_seed(opts["seed"])
+    model = registry.build_model(cfg)
+
+    augment = opts.get("augment", "crop-flip")
+    if augment not in AUGMENT:
+        raise UsageError(f"--augment {augment!r} is unknown; valid: {', '.join(AUGMENT)}")
+    batches = ImageBatches(train, opts["batch_size"], opts["seed"], augment=augment == "crop-flip")
+    val_batches = ImageBatches(val, opts["batch_size"], opts["seed"], augment=False) if val is not None else None
+    skipped = train.skipped.counts()
+    config = {"recipe": NAME, "arch": "vit", "model": cfg.to_dict(), "images": source, "val_images": val_source,
+              "classes": train.classes, "n_train": len(train), "n_val": len(val) if val is not None else 0,
+              "images_sha256": fingerprint(train), "skipped": skipped, "augment": augment}
+    if val_source is not None and val is not None:
+        config["val_skipped"] = val.skipped.counts()
+
+    def save_final(d: Path) -> None:
+        save_model_dir(d, model, extra={"recipe": NAME, "classes": train.classes, "image_size": cfg.image_size,
+                                        "channels": channels, "normalize": "x / 127.5 - 1", "train": config})
+
+    notes = [f"{len(train)} training images in {len(train.classes)} classes from {source}"
+             + (f", {len(val)} validation images" if val is not None else ", no validation images")]
+    if any(skipped.values()):
+        notes.append(f"skipped files in {source}: {train.skipped.describe()} "
+                     f"(e.g. {next(iter(train.skipped.examples.values()))})")
+    tally = _Tally()
+    job = Job(recipe=NAME, model=model, micro_batch=batches.batch,
+              eval_batches=(lambda: val_batches.eval_batches(opts["eval_batches"])) if val_batches else (lambda: []),
+              save_final=save_final, config=config, loss=tally.loss, count=count, n_items=count,
+              items_name="images", eval_metrics=tally.accuracy, params_decay=decays)
+    return Built(job=job, arch="vit", params=model.num_params(), notes=notes)
+
+
+def decays(name: str, p: torch.Tensor) -> bool:
+    """Weight decay on matrices only: positions and the class token are 3-D tensors but
+    are embeddings, and shrinking them toward zero only blurs where a patch is (timm
+    exempts them too)."""
+    return p.dim() >= 2 and name not in ("pos_embed", "cls_token")
+
+
+def count(batch: dict[str, torch.Tensor]) -> int:
+    return int(batch["labels"].numel())
+
+
+class _Tally:
+    """The loss, and accuracy from the same forward pass.
+
+    The loop's eval calls `loss` on every held-out batch (model in eval mode) and then
+    `accuracy` on the same batches: counting correct predictions during the loss saves
+    a second pass over the validation set. If the tallied image count does not match
+    the batches (anyone else called the loss in eval mode), accuracy is recomputed."""
+
+    def __init__(self) -> None:
+        self.correct = 0
+        self.total = 0
+
+    def loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Cross-entropy summed over the batch's images, and the image count (the loop
+        divides by the count over the whole accumulation step)."""
+        logits = model(to_float(batch["images"]))  # (B, n_classes)
+        labels = batch["labels"]
+        if not model.training:
+            self.correct += int((logits.argmax(-1) == labels).sum())
+            self.total += int(labels.numel())
+        return F.cross_entropy(logits.float(), labels, reduction="sum"), torch.tensor(labels.numel())
+
+    def accuracy(self, model: nn.Module, batches: list[dict[str, torch.Tensor]]) -> dict[str, float]:
+        n = sum(int(b["labels"].numel()) for b in batches)
+        correct, total = self.correct, self.total
+        self.correct = self.total = 0
+        if total != n:
+            correct, total = accuracy_pass(model, batches)
+        return {"accuracy": correct / max(1, total)}
+
+
+@torch.no_grad()
+def accuracy_pass(model: nn.Module, batches: list[dict[str, torch.Tensor]]) -> tuple[int, int]:
+    """(correct, total) over `batches` with a forward pass of its own."""
+    device = next(model.parameters()).device
+    correct, total = 0, 0
+    for b in batches:
+        logits = model(to_float(b["images"].to(device)))  # (B, n_classes)
+        correct += int((logits.argmax(-1).cpu() == b["labels"]).sum())
+        total += int(b["labels"].numel())
+    return correct, total

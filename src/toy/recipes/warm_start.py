@@ -1,0 +1,367 @@
+"""Warm start: a fresh, randomly initialised llama whose token embedding comes from a
+donor GGUF's `token_embd.weight`. Everything else (blocks, norms, data order) is the
+from-scratch recipe's, with the same seed, so `--init scratch|donor|pca` compare fairly.
+
+    toy prep TEXT --tokenizer donor.gguf --out corpus.bin
+    toy train --recipe warm-start --donor donor.gguf --corpus corpus.bin --init donor
+
+Init modes (the donor's width W is `<arch>.embedding_length`, the model's is d_model):
+
+- `scratch`: the plain N(0, 0.02) init, through this same path (same model class, same
+  seed, same batches): the baseline.
+- `donor`: the donor's rows. At W == d_model they are copied exactly as they are.
+  Otherwise a trainable lens (W -> d_model, no bias) sits between the donor table, which
+  stays frozen, and the model: embedding = table @ lens^T. The lens starts as a random
+  semi-orthogonal map (the donor's inner products kept up to one factor) scaled so the
+  product starts at the init's RMS, 0.02; then the model learns which directions of the
+  donor's space to use. The table is frozen because the donor's 49152 x 576 table would be
+  the largest tensor of a small model, and because a lens moves every token coherently,
+  including tokens the corpus never shows (they keep their place relative to the rest,
+  which is the point of borrowing a table).
+- `pca`: the donor rows, centred, projected on their top d_model principal axes (largest
+  variance first), scaled by one factor to RMS 0.02, then trained like any embedding.
+  Needs d_model <= W. At d_model == W the map is an orthogonal rotation of the centred
+  table (pairwise distances kept up to the one factor). Centring drops the mean row, a
+  direction every token shares (about half of SmolLM2's row energy), which only shifts
+  every logit of the tied head by the same amount.
+
+Scale. The lens and PCA start at the random init's RMS (0.02), not the donor's (SmolLM2:
+0.136): with a tied head and fresh (near-identity) blocks, the final hidden state of a
+token is nearly its own embedding, so its logit for itself grows with the embedding's
+squared norm. Measured on SmolLM2 at d_model 256: kept at the donor's scale, the step-0
+validation loss was 27.5 nats against ln(49152) = 10.8 for a uniform guess, and the first
+steps were spent shrinking the table. One global factor keeps the geometry (directions,
+relative distances, PCA's variance order), which is what the donor is for, and makes the
+comparison with `scratch` one of geometry alone. The equal-width copy stays exact, as
+asked of `donor`; expect a high initial loss there for the same reason.
+
+Vocabulary: the model's vocabulary is the corpus's (= the donor tokenizer's token count,
+enforced by the tokenizer hash). It may be smaller than the donor table (llama.cpp pads
+some tables with unused rows): the first `vocab` rows are taken; larger is an error.
+
+Tied output head: llama ties lm_head to the embedding. With a lens the head computes
+logits = h @ (table @ lens^T)^T from the same product, so input and output embedding stay
+one tensor. `final/` is a plain Llama: the product is folded into `embed_tokens.weight`,
+so `toy infer --run` and `toy export` read it like any from-scratch run.
+
+`--freeze-embed-steps N` keeps the embedding (or the lens) still for steps 1..N: its
+gradient is dropped (set to None) right after backward, so AdamW skips it entirely (no
+moment update, no decoupled weight decay). It is a pure function of the step number,
+so a resumed run freezes exactly the same steps.
+
+The donor is read once, with bounded memory: its header, then just `token_embd.weight`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from tokenizers import Tokenizer
+
+from toy import tokenizer as toktools
+from toy.data.tokens import TokenFile, read_tokens
+from toy.errors import InputError, UsageError
+from toy.formats.gguf import SUPPORTED_ARCHS, GGUFHeader, read_gguf_header, read_gguf_tensor
+from toy.models import registry
+from toy.runs import Project
+from toy.train.job import Built
+from toy.train.lm import fingerprint, lm_config, lm_job, open_val_corpus
+
+NAME = "warm-start"
+INITS = ("scratch", "donor", "pca")
+EMBED = "token_embd.weight"
+GET_DONOR = "scripts/get-smollm2.sh DIR fetches SmolLM2-135M"
+INIT_STD = 0.02  # Llama.reset_parameters' std: warmed tables start at this RMS (see Scale above)
+
+# This recipe's flags; the model and optimiser flags are the general ones (as from-scratch).
+FLAGS: dict[str, Any] = dict(donor=None, init="donor", freeze_embed_steps=0)
+
+
+def add_arguments(g) -> None:
+    g.add_argument("--donor", metavar="DONOR.gguf", help="llama-family GGUF whose token_embd.weight warms the "
+                   "embedding and whose tokenizer the corpus must use (`toy prep TEXT --tokenizer DONOR.gguf`)")
+    g.add_argument("--init", metavar="{scratch,donor,pca}", help="embedding init: scratch (random, the baseline), "
+                   "donor (the donor's rows; a trainable lens when widths differ) or pca (the donor's top "
+                   "--d-model principal components) (default donor)")
+    g.add_argument("--freeze-embed-steps", type=int, metavar="N",
+                   help="keep the warmed embedding (and lens) frozen for the first N steps (default 0)")
+
+
+def check_opts(opts: dict) -> list[str]:
+    """Every problem with this recipe's flags, named by flag (nothing is read yet)."""
+    p: list[str] = []
+    init = opts.get("init")
+    if init not in INITS:
+        p.append(f"--init {init!r} is unknown; valid: {', '.join(INITS)}")
+    n = opts.get("freeze_embed_steps")
+    if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+        p.append(f"--freeze-embed-steps must be an integer >= 0, got {n!r}")
+    donor = opts.get("donor")
+    if not donor:
+        p.append(f"--donor DONOR.gguf is required: it gives the embedding and the tokenizer ({GET_DONOR})")
+    elif not Path(donor).is_file():
+        p.append(f"--donor {donor} not found; pass a llama-family GGUF ({GET_DONOR})")
+    if opts.get("arch") != "llama":
+        p.append(f"--arch {opts.get('arch')}: warm-start builds a llama (its tied embedding is what the donor "
+                 "fills); drop --arch")
+    if opts.get("tokenizer"):
+        p.append("--tokenizer conflicts with --donor: warm-start uses the donor's tokenizer; drop --tokenizer")
+    if opts.get("raw_i32"):
+        p.append("--raw-i32: a headerless corpus cannot prove it uses the donor's tokenizer; convert it with "
+                 "`toy prep FILE --raw-i32 --tokenizer DONOR.gguf --out FILE.bin`")
+    return p
+
+
+# ------------------------------------------------------------------ the donor
+
+@dataclass
+class Donor:
+    path: Path
+    header: GGUFHeader
+    arch: str
+    width: int  # <arch>.embedding_length
+    rows: int  # rows of token_embd.weight (>= the tokenizer's size)
+    tokenizer: Tokenizer
+    tokenizer_hash: bytes
+
+    def table(self, vocab: int) -> torch.Tensor:
+        """The first `vocab` rows of token_embd.weight, float32 (vocab, width)."""
+        t = read_gguf_tensor(self.header, EMBED)
+        return t if vocab == t.shape[0] else t[:vocab].clone()
+
+
+def open_donor(path: Path) -> Donor:
+    """Header, llama-family check, embedding shape and tokenizer; no tensor is read yet."""
+    if not path.is_file():
+        raise InputError(f"--donor {path} not found; pass a llama-family GGUF ({GET_DONOR})")
+    h = read_gguf_header(path)
+    arch = h.metadata.get("general.architecture")
+    if arch not in SUPPORTED_ARCHS:
+        raise InputError(f"--donor {path}: architecture {arch!r} is not llama-family (supported: "
+                         f"{', '.join(SUPPORTED_ARCHS)}); pass a llama-family GGUF")
+    if h.metadata.get("general.type") == "adapter":
+        raise InputError(f"--donor {path}: is a LoRA adapter GGUF, not a model; pass a model GGUF")
+    width = h.metadata.get(f"{arch}.embedding_length")
+    if isinstance(width, bool) or not isinstance(width, int) or width < 1:
+        raise InputError(f"--donor {path}: GGUF key '{arch}.embedding_length' is {width!r}; expected the "
+                         "embedding width (a positive integer)")
+    ti = h.tensors.get(EMBED)
+    if ti is None:
+        raise InputError(f"--donor {path}: has no tensor '{EMBED}' (the token embedding warm-start copies); "
+                         "pass a complete model GGUF")
+    if len(ti.shape) != 2 or ti.shape[1] != width:
+        raise InputError(f"--donor {path}: '{EMBED}' has shape {list(ti.shape)}, expected [rows, {width}] "
+                         f"({arch}.embedding_length); the file is damaged")
+    tok = toktools.from_gguf_metadata(h.metadata, source=str(path))
+    return Donor(path, h, arch, width, ti.shape[0], tok, toktools.tokenizer_hash(tok))
+
+
+def open_warm_corpus(opts: dict, project: Project, donor: Donor) -> tuple[TokenFile, TokenFile | None]:
+    """--corpus (else the project's data/corpus.bin), which must carry the donor's tokenizer hash."""
+    if opts.get("corpus"):
+        path = Path(opts["corpus"])
+    elif project.data_dir is not None and (project.data_dir / "corpus.bin").is_file():
+        path = project.data_dir / "corpus.bin"
+    else:  # the bundled corpus uses toy's own 4096-token BPE, never a donor's
+        raise UsageError(f"warm-start needs --corpus FILE.bin tokenized with the donor's tokenizer; make it with "
+                         f"`toy prep TEXT --tokenizer {donor.path} --out FILE.bin`")
+    train = read_tokens(path)
+    if train.tokenizer_hash != donor.tokenizer_hash:
+        what = "has no tokenizer hash" if train.tokenizer_hash == b"\0" * 32 else \
+            f"was tokenized with another tokenizer (hash {train.tokenizer_hash.hex()[:12]})"
+        raise InputError(f"--corpus {path} {what} than --donor {donor.path} (hash {donor.tokenizer_hash.hex()[:12]}); "
+                         f"re-run `toy prep TEXT --tokenizer {donor.path} --out {path}`")
+    if train.vocab_size > donor.rows:
+        raise InputError(f"--corpus {path}: vocabulary {train.vocab_size} is larger than --donor {donor.path}'s "
+                         f"{EMBED} ({donor.rows} rows); the file is damaged")
+    return train, open_val_corpus(opts, train)
+
+
+# ------------------------------------------------------------------ projections
+
+def pca_project(table: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Coordinates of the centred rows of `table` (n, W) on its top-k principal axes,
+    largest variance first, and the variance along each axis: ((n, k), (k,)), float32.
+    Computed in float64 (a 576 x 576 covariance); each axis's sign is fixed (its largest
+    entry positive) so the result does not depend on the LAPACK build."""
+    n, w = table.shape
+    if not 1 <= k <= w:
+        raise UsageError(f"--d-model {k}: PCA of a width-{w} table gives 1..{w} components")
+    x = table.double()
+    x = x - x.mean(0)
+    cov = x.T @ x / n  # (W, W)
+    evals, evecs = torch.linalg.eigh(cov)  # ascending
+    order = torch.argsort(evals, descending=True)[:k]
+    axes = evecs[:, order]  # (W, k)
+    lead = axes.abs().argmax(0)
+    axes = axes * torch.sign(axes[lead, torch.arange(k)])
+    return (x @ axes).float(), evals[order].clamp_min(0).float()
+
+
+def lens_init(table: torch.Tensor, d_model: int, seed: int, std: float = INIT_STD) -> torch.Tensor:
+    """The lens's starting weight (d_model, W) for a donor table (vocab, W): a random
+    semi-orthogonal map (orthogonal rows when W >= d_model, orthogonal columns otherwise),
+    times the one factor that gives table @ lens^T an RMS of `std`. It draws from its own
+    generator, so the rest of the model's init is the same as with --init scratch."""
+    width = table.shape[1]
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randn(max(width, d_model), min(width, d_model), generator=g, dtype=torch.float64)
+    q, r = torch.linalg.qr(a)  # orthonormal columns
+    q = q * torch.sign(torch.diagonal(r))  # QR's signs are arbitrary: fix them
+    w = q.T if width >= d_model else q  # (d_model, W)
+    rms = float((table.double() @ w.T).pow(2).mean().sqrt())
+    return (w * (std / max(rms, 1e-12))).float()
+
+
+def rescale(t: torch.Tensor, std: float = INIT_STD) -> torch.Tensor:
+    """`t` times the one factor that makes its RMS `std`."""
+    rms = float(t.double().pow(2).mean().sqrt())
+    return t * (std / max(rms, 1e-12))
+
+
+class LensEmbedding(nn.Module):
+    """Token embedding = table (vocab, W) @ lens^T, with the donor table frozen.
+
+    A lookup costs (B, T, W) x (W, C); `weight` (the whole (vocab, C) product) is built
+    only where the full table is needed: the tied output head."""
+
+    def __init__(self, table: torch.Tensor, lens: torch.Tensor):
+        super().__init__()
+        # Not persistent: checkpoints hold only the lens; the table is re-read from the
+        # donor (whose fingerprint a resumed run checks).
+        self.register_buffer("table", table, persistent=False)
+        # Built on meta then given its weight: no draw from the global RNG, so every init
+        # mode leaves the generator where --init scratch leaves it.
+        self.lens = nn.Linear(table.shape[1], lens.shape[0], bias=False, device="meta")
+        self.lens.weight = nn.Parameter(lens.to(table.dtype))
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.lens(self.table)  # (vocab, C)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.lens(F.embedding(idx, self.table))  # (B, T, W) -> (B, T, C)
+
+
+class TiedLensHead(nn.Module):
+    """The output head tied to a LensEmbedding: logits = h @ (table @ lens^T)^T."""
+
+    def __init__(self, emb: LensEmbedding):
+        super().__init__()
+        self._emb = [emb]  # a plain list: the embedding stays the one owner of the lens
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self._emb[0].weight
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return F.linear(h, self._emb[0].weight)  # (B, T, C) -> (B, T, vocab)
+
+
+def install_lens(model: nn.Module, table: torch.Tensor, lens: torch.Tensor) -> LensEmbedding:
+    emb = LensEmbedding(table, lens)
+    model.embed_tokens = emb
+    model.lm_head = TiedLensHead(emb)
+    return emb
+
+
+def fold(model: nn.Module) -> nn.Module:
+    """A plain Llama equal to `model`, with table @ lens^T as its (tied) embedding."""
+    if not isinstance(model.embed_tokens, LensEmbedding):
+        return model
+    sd = {k: v for k, v in model.state_dict().items() if not k.startswith(("embed_tokens.", "lm_head."))}
+    sd["embed_tokens.weight"] = model.embed_tokens.weight.detach()
+    with torch.random.fork_rng(devices=[]):  # the throwaway random init must not move the run's RNG
+        plain = registry.build_model(model.cfg)
+    res = plain.load_state_dict(sd, strict=False)
+    assert not res.unexpected_keys and set(res.missing_keys) <= {"lm_head.weight"}, res
+    return plain.to(sd["embed_tokens.weight"].device)
+
+
+class EmbedFreeze:
+    """Keeps `params` still during steps 1..n. Their gradient is set to None as soon as
+    backward has accumulated it, so clipping ignores it and AdamW skips the tensor
+    outright: a zero gradient would still let decoupled weight decay shrink it."""
+
+    def __init__(self, params: list[nn.Parameter], n: int):
+        self.n = n
+        self.frozen = False
+        for p in params:
+            p.register_post_accumulate_grad_hook(self._drop)
+
+    def __call__(self, step: int) -> None:
+        self.frozen = step <= self.n  # a pure function of the step: resume-safe
+
+    def _drop(self, p: torch.Tensor) -> None:
+        if self.frozen:
+            p.grad = None
+
+
+# ------------------------------------------------------------------ build
+
+def build(opts: dict, project: Project) -> Built:
+    init = opts["init"]
+    donor = open_donor(Path(opts["donor"]))
+    train, val = open_warm_corpus(opts, project, donor)
+    vocab = train.vocab_size
+    cfg = lm_config(opts, "llama", train)
+    if init == "pca" and cfg.d_model > donor.width:
+        raise UsageError(f"--init pca: --d-model {cfg.d_model} exceeds --donor {donor.path}'s width {donor.width}; "
+                         f"PCA gives at most {donor.width} components: lower --d-model or use --init donor "
+                         "(a trainable lens)")
+    # The same seed and the same model class as --init scratch: only the embedding differs.
+    torch.manual_seed(opts["seed"])
+    model = registry.build_model(cfg)
+    notes: list[str] = []
+    lens = init == "donor" and donor.width != cfg.d_model
+    frozen_params: list[nn.Parameter] = [model.embed_tokens.weight]
+    qtype = donor.header.tensors[EMBED].qtype.name
+    src = f"{donor.path.name}'s {EMBED} ({donor.rows} x {donor.width}, {qtype})"
+    if init != "scratch":
+        table = donor.table(vocab)
+        if not torch.isfinite(table).all():
+            raise InputError(f"--donor {donor.path}: '{EMBED}' holds NaN or inf values; the file is damaged")
+        if init == "donor" and not lens:
+            with torch.no_grad():
+                model.embed_tokens.weight.copy_(table)
+            notes.append(f"embedding: {src}, first {vocab} rows copied as they are")
+        elif lens:
+            emb = install_lens(model, table, lens_init(table, cfg.d_model, opts["seed"]))
+            frozen_params = [emb.lens.weight]
+            notes.append(f"embedding: {src} (frozen) @ a trainable lens {donor.width} -> {cfg.d_model} "
+                         f"(product starts at RMS {INIT_STD}); the tied head uses the same product")
+        else:
+            proj, var = pca_project(table, cfg.d_model)
+            with torch.no_grad():
+                model.embed_tokens.weight.copy_(rescale(proj))
+            total = float(table.double().var(0, unbiased=False).sum())
+            notes.append(f"embedding: {src}, centred, top {cfg.d_model} principal components "
+                         f"({float(var.sum()) / total:.1%} of its variance), scaled to RMS {INIT_STD}")
+        del table
+    else:
+        notes.append(f"embedding: random N(0, 0.02) (the baseline); tokenizer from {donor.path.name}")
+    if donor.rows > vocab and init != "scratch":
+        notes.append(f"{donor.rows - vocab} padding rows of the donor table beyond the vocabulary are unused")
+    n_embed = vocab * cfg.d_model
+    n_params = sum(p.numel() for p in model.parameters())
+    n_folded = n_params - (donor.width * cfg.d_model if lens else 0) + (n_embed if lens else 0)
+    notes.append(f"vocabulary {vocab}: the embedding is {n_embed:,} of the final model's {n_folded:,} parameters "
+                 f"({n_embed / n_folded:.0%})")
+    freeze = None
+    n_freeze = int(opts["freeze_embed_steps"])
+    if n_freeze > 0:
+        freeze = EmbedFreeze(frozen_params, n_freeze)
+        notes.append(f"{'lens' if lens else 'embedding'} frozen for steps 1..{n_freeze}")
+    config = {"recipe": NAME, "arch": "llama", "model": cfg.to_dict(), "corpus": str(train.path),
+              "corpus_tokens": len(train), "corpus_sha256": fingerprint(train.path), "seq_len": opts["seq_len"],
+              "init": init, "donor": str(donor.path), "donor_sha256": fingerprint(donor.path),
+              "donor_arch": donor.arch, "donor_width": donor.width, "donor_rows": donor.rows, "lens": lens,
+              "freeze_embed_steps": n_freeze}
+    job = lm_job(NAME, model, train, val, opts, donor.tokenizer, config, export=lambda: fold(model),
+                 on_step_start=freeze)
+    return Built(job=job, arch="llama", params=n_params, notes=notes)

@@ -1,0 +1,362 @@
+"""The ViT model, image folders (every skip reason counted, every error one line with
+exit 2), deterministic augmented batches, and `toy train --recipe vit-tiny` ->
+`toy infer --image` end to end on the bundled Fashion-MNIST smoke set."""
+
+import json
+import struct
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from toy.data.images import (ImageBatches, MAX_PIXELS, bundled_images, load_image_folders, read_idx,
+                             split_holdout, scan_folder)
+from toy.errors import InputError
+from toy.models.vit import ViT, VitConfig
+
+TINY = ["--recipe", "vit-tiny", "--preset", "tiny", "--batch-size", "16", "--json"]
+
+
+def tiny_vit(**kw) -> ViT:
+    cfg = dict(image_size=28, patch_size=7, channels=1, n_layer=2, d_model=64, n_head=4, d_ff=256, n_classes=10)
+    cfg.update(kw)
+    torch.manual_seed(0)
+    return ViT(VitConfig(**cfg))
+
+
+# ---------------------------------------------------------------- the model
+
+
+def test_vit_tiny_defaults_and_shapes():
+    cfg = VitConfig(n_classes=10)
+    shape = (cfg.image_size, cfg.patch_size, cfg.n_layer, cfg.d_model, cfg.n_head, cfg.d_ff)
+    assert shape == (224, 16, 12, 192, 3, 768)
+    assert cfg.n_patches == 196 and cfg.to_dict()["arch"] == "vit"
+    m = ViT(cfg)
+    assert m.pos_embed.shape == (1, 197, 192)  # 196 patches + the class token
+    assert 5.4e6 < m.num_params() < 5.8e6  # ViT-Tiny/16 is 5.7M with a 1000-class head
+    with torch.no_grad():
+        assert m(torch.randn(2, 3, 224, 224)).shape == (2, 10)
+
+
+def test_small_shape_patch_count_and_logits():
+    m = tiny_vit()
+    assert m.cfg.n_patches == 16 and m.pos_embed.shape == (1, 17, 64)
+    x = torch.randn(5, 1, 28, 28)
+    assert m(x).shape == (5, 10) and m.features(x).shape == (5, 64)
+
+
+def test_every_parameter_gets_a_finite_gradient():
+    m = tiny_vit()
+    x, y = torch.randn(4, 1, 28, 28), torch.randint(0, 10, (4,))
+    torch.nn.functional.cross_entropy(m(x), y).backward()
+    for name, p in m.named_parameters():
+        assert p.grad is not None, name
+        assert torch.isfinite(p.grad).all(), name
+        assert p.grad.abs().sum() > 0, name
+
+
+def test_non_causal_every_patch_reaches_the_class_token():
+    m = tiny_vit().eval()
+    x = torch.randn(1, 1, 28, 28)
+    y = x.clone()
+    y[..., 21:, 21:] += 1.0  # only the last patch changes
+    with torch.no_grad():
+        assert not torch.allclose(m(x), m(y))
+
+
+def test_registry_rebuilds_vit():
+    from toy.models import registry
+
+    m = tiny_vit()
+    cfg = registry.config_from_dict(json.loads(json.dumps(m.cfg.to_dict())))
+    assert isinstance(registry.build_model(cfg), ViT) and cfg == m.cfg
+    assert {"vit-tiny", "tiny"} <= set(registry.preset_names("vit"))
+
+
+# ---------------------------------------------------------------- image folders
+
+
+def write_png(path: Path, seed: int, size=(28, 28), mode="L") -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    shape = size[::-1] if mode == "L" else (*size[::-1], 3)
+    Image.fromarray(rng.integers(0, 256, shape, dtype=np.uint8), mode).save(path)
+    return path
+
+
+def make_folder(root: Path, classes=("a", "b"), per_class=5) -> Path:
+    for ci, c in enumerate(classes):
+        for i in range(per_class):
+            write_png(root / c / f"{i:03d}.png", 100 * ci + i)
+    return root
+
+
+def huge_png_header(path: Path, width: int, height: int) -> Path:
+    """A valid PNG signature and IHDR claiming width x height, with a token IDAT: tiny
+    on disk, enormous if anything tried to decode it."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)
+    path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0" * 64))
+                     + chunk(b"IEND", b""))
+    return path
+
+
+def test_folder_classes_sorted_and_holdout_split_stable(tmp_path):
+    root = make_folder(tmp_path / "imgs", classes=("zebra", "ant"), per_class=20)
+    classes, files, skipped = scan_folder(root)
+    assert classes == ["ant", "zebra"] and sum(skipped.counts().values()) == 0
+    tr, va = split_holdout(files, root)
+    assert [len(va[c]) for c in classes] == [2, 2] and [len(tr[c]) for c in classes] == [18, 18]
+    assert split_holdout(files, root) == (tr, va)  # the same split every time
+    train, val = load_image_folders(root, 28)
+    assert train.images.shape == (36, 1, 28, 28) and train.images.dtype == torch.uint8
+    assert val.images.shape == (4, 1, 28, 28) and sorted(set(val.labels.tolist())) == [0, 1]
+
+
+def test_colour_anywhere_makes_every_image_rgb_and_sizes_are_fitted(tmp_path):
+    root = make_folder(tmp_path / "imgs", per_class=3)
+    write_png(root / "a" / "colour.png", 7, size=(40, 30), mode="RGB")  # colour and not square
+    train, val = load_image_folders(root, 16)
+    assert train.images.shape[1:] == (3, 16, 16) and val.images.shape[1:] == (3, 16, 16)
+    gray = train.images[train.labels == 1][0]
+    assert torch.equal(gray[0], gray[1]) and torch.equal(gray[1], gray[2])  # grayscale replicated
+
+
+def test_skips_are_counted(tmp_path):
+    root = make_folder(tmp_path / "imgs", per_class=4)
+    (root / "a" / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n this is not really a png")
+    (root / "a" / "truncated.png").write_bytes(write_png(tmp_path / "t.png", 9, size=(64, 64)).read_bytes()[:120])
+    (root / "b" / "empty.jpg").write_bytes(b"")
+    (root / "b" / "notes.txt").write_text("not an image")
+    (root / "b" / "thumbs.db").write_bytes(b"\0" * 10)
+    (root / "README.md").write_text("documentation beside the class folders is passed over")
+    huge_png_header(root / "a" / "bomb.png", 20000, 20000)  # 400 MP: Pillow's own bomb guard
+    huge_png_header(root / "b" / "big.png", 8000, 7000)  # 56 MP: over toy's 50 MP, under Pillow's limit
+    train, val = load_image_folders(root, 28)
+    assert train.skipped.counts() == {"ignored": 2, "empty": 1, "corrupt": 2, "too_large": 2}
+    assert len(train) + len(val) == 8
+
+
+def test_too_large_is_refused_from_the_header(tmp_path):
+    root = make_folder(tmp_path / "imgs", per_class=2)
+    classes, files, skipped = scan_folder(root)
+    from toy.data.images import load_images
+
+    with pytest.raises(InputError, match="too large"):
+        load_images(files, classes, root, 28, skipped, max_pixels=28 * 28 - 1)
+    assert MAX_PIXELS == 50_000_000
+
+
+@pytest.mark.parametrize("setup,needle", [
+    ("missing", "no such directory"),
+    ("empty", "no class folders"),
+    ("one_class", "only one class folder"),
+    ("none_usable", "none of its 4 image files could be used"),
+    ("one_usable_class", "only one class"),
+], ids=lambda v: v if isinstance(v, str) and " " not in v else "")
+def test_folder_errors_exit_2_with_one_line(setup, needle, tmp_path, toy_cli):
+    root = tmp_path / "imgs"
+    if setup != "missing":
+        root.mkdir()
+    if setup == "empty":
+        (root / "a").mkdir()
+        (root / "a" / "notes.txt").write_text("x")
+    elif setup == "one_class":
+        make_folder(root, classes=("only",))
+    elif setup == "none_usable":
+        for c in ("a", "b"):
+            (root / c).mkdir()
+            (root / c / "0.png").write_bytes(b"")
+            (root / c / "1.png").write_bytes(b"garbage")
+    elif setup == "one_usable_class":
+        make_folder(root, classes=("a",))
+        (root / "b").mkdir()
+        (root / "b" / "0.png").write_bytes(b"garbage")
+    out = tmp_path / "runs"
+    code, _, err = toy_cli("train", *TINY, "--images", root, "--out", out, "--steps", "1")
+    assert code == 2, err
+    assert needle in err and str(root) in err, err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert not out.exists()  # nothing half-made
+
+
+@pytest.mark.parametrize("argv,needles", [
+    (["--image-size", "28", "--patch-size", "5"], ["--image-size 28 must be a multiple of --patch-size 5"]),
+    (["--d-model", "30", "--n-head", "4", "--patch-size", "0"],
+     ["--patch-size must be an integer >= 1", "--d-model 30 must be divisible"]),
+    (["--seq-len", "8", "--n-kv-head", "2"], ["--seq-len does not apply to vit-tiny", "--n-kv-head does not"]),
+    (["--arch", "llama", "--augment", "mixup"], ["trains arch vit", "--augment 'mixup' is unknown"]),
+    (["--preset", "gpt2-124m"], ["valid: tiny, vit-tiny"]),
+])
+def test_flag_problems_reported_together(argv, needles, tmp_path, toy_cli, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    code, _, err = toy_cli("train", "--recipe", "vit-tiny", *argv, "--steps", "1")
+    assert code == 2, err
+    for n in needles:
+        assert n in err, err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_val_images_folder_and_unknown_class(tmp_path, toy_cli):
+    root = make_folder(tmp_path / "imgs", per_class=6)
+    val = make_folder(tmp_path / "val", classes=("b",), per_class=3)  # one class in a val set is fine
+    train, v = load_image_folders(root, 28, val)
+    assert len(train) == 12 and len(v) == 3 and set(v.labels.tolist()) == {1}
+    write_png(val / "c" / "0.png", 1)
+    code, _, err = toy_cli("train", *TINY, "--images", root, "--val-images", val, "--out", tmp_path / "r")
+    assert code == 2 and "'c' is not a class of --images" in err, err
+
+
+# ---------------------------------------------------------------- batches
+
+
+def test_batch_k_is_a_pure_function_of_seed_and_k():
+    train, _ = load_image_folders(bundled_images(), 28)
+    a = ImageBatches(train, 32, seed=3)
+    later = a.batch(17)
+    for k in range(5):
+        a.batch(k)
+    b = ImageBatches(train, 32, seed=3)
+    again = b.batch(17)
+    assert torch.equal(later["images"], again["images"]) and torch.equal(later["labels"], again["labels"])
+    c = ImageBatches(train, 32, seed=4).batch(17)
+    assert not torch.equal(later["images"], c["images"])
+    # One epoch (270 images / 32 per batch, whole batches) sees every image once.
+    plain = ImageBatches(train, 27, seed=3, augment=False)
+    seen = np.concatenate([plain.indices(k) for k in range(10)])
+    assert sorted(seen.tolist()) == list(range(len(train)))
+
+
+def test_augment_none_trains_on_the_images_as_they_are(tmp_path, toy_cli):
+    r = train_json(toy_cli, tmp_path, "--steps", "1", "--augment", "none", "--run-id", "n")
+    assert json.loads((tmp_path / "n" / "run.json").read_text())["job"]["augment"] == "none"
+    assert len(r["losses"]) == 1
+
+
+def test_augmentation_is_crop_and_flip_of_the_original():
+    train, _ = load_image_folders(bundled_images(), 28)
+    aug = ImageBatches(train, 8, seed=0).batch(0)
+    plain = ImageBatches(train, 8, seed=0, augment=False).batch(0)
+    assert torch.equal(aug["labels"], plain["labels"])
+    assert aug["images"].shape == plain["images"].shape and aug["images"].dtype == torch.uint8
+    assert not torch.equal(aug["images"], plain["images"])
+    # Every pixel of an augmented image is black padding or a pixel of the original.
+    for x, y in zip(aug["images"], plain["images"]):
+        assert set(x.unique().tolist()) <= set(y.unique().tolist()) | {0}
+
+
+def test_bundled_smoke_set():
+    root = bundled_images()
+    classes, files, skipped = scan_folder(root)
+    assert len(classes) == 10 and all(len(files[c]) == 30 for c in classes)
+    assert (root / "ATTRIBUTION.md").is_file() and sum(skipped.counts().values()) == 0
+    assert sum(p.stat().st_size for c in classes for p in files[c]) < 1_000_000
+
+
+def test_read_idx(tmp_path):
+    import gzip
+
+    arr = np.arange(24, dtype=np.uint8).reshape(2, 3, 4)
+    raw = bytes([0, 0, 8, 3]) + b"".join(struct.pack(">I", n) for n in arr.shape) + arr.tobytes()
+    (tmp_path / "x.gz").write_bytes(gzip.compress(raw))
+    assert np.array_equal(read_idx(tmp_path / "x.gz"), arr)
+    (tmp_path / "bad").write_bytes(raw[:-1])
+    with pytest.raises(InputError, match="truncated"):
+        read_idx(tmp_path / "bad")
+
+
+# ---------------------------------------------------------------- end to end
+
+
+def train_json(toy_cli, tmp_path, *extra):
+    code, out, err = toy_cli("train", *TINY, "--out", tmp_path, *extra)
+    assert code == 0, err
+    return json.loads(out)
+
+
+def test_train_then_infer_image(tmp_path, toy_cli):
+    r = train_json(toy_cli, tmp_path, "--steps", "6", "--eval-every", "3", "--run-id", "v")
+    assert (r["recipe"], r["arch"]) == ("vit-tiny", "vit") and len(r["losses"]) == 6
+    assert [a["step"] for a in r["val_accuracy"]] == [0, 3, 6]
+    assert all(set(a) == {"step", "accuracy"} and 0 <= a["accuracy"] <= 1 for a in r["val_accuracy"])
+    assert r["images_per_s"] > 0
+    final = tmp_path / "v" / "final"
+    meta = json.loads((final / "config.json").read_text())
+    assert meta["recipe"] == "vit-tiny" and len(meta["classes"]) == 10 and meta["model"]["image_size"] == 28
+    info = json.loads((tmp_path / "v" / "run.json").read_text())
+    assert info["job"]["n_train"] == 270 and info["job"]["n_val"] == 30
+    png = bundled_images() / "sneaker" / "000.png"
+    code, out, err = toy_cli("infer", "--run", tmp_path / "v", "--image", png)
+    assert code == 0, err
+    lines = out.strip().splitlines()
+    assert len(lines) == 5
+    names = [line.rsplit(None, 1)[0] for line in lines]
+    probs = [float(line.rsplit(None, 1)[1]) for line in lines]
+    assert set(names) <= set(meta["classes"]) and len(set(names)) == 5
+    assert probs == sorted(probs, reverse=True) and sum(probs) <= 1.0 + 1e-3
+    # A colour JPEG of another size is converted to the model's shape.
+    jpg = tmp_path / "photo.jpg"
+    Image.fromarray(np.random.default_rng(0).integers(0, 256, (50, 70, 3), dtype=np.uint8)).save(jpg)
+    code, out, err = toy_cli("infer", "--run", tmp_path / "v", "--image", jpg)
+    assert code == 0 and len(out.strip().splitlines()) == 5, err
+    for bad, needle in ((tmp_path / "none.png", "no such file"), (tmp_path / "t.txt", "not a PNG/JPEG")):
+        if bad.suffix == ".txt":
+            bad.write_text("x")
+        code, _, err = toy_cli("infer", "--run", tmp_path / "v", "--image", bad)
+        assert code == 2 and needle in err and len(err.strip().splitlines()) == 1, err
+    (tmp_path / "empty.png").write_bytes(b"")
+    code, _, err = toy_cli("infer", "--run", tmp_path / "v", "--image", tmp_path / "empty.png")
+    assert code == 2 and "empty" in err
+
+
+def test_corrupt_files_train_and_are_recorded(tmp_path, toy_cli):
+    root = make_folder(tmp_path / "imgs", per_class=5)
+    (root / "a" / "bad.png").write_bytes(b"garbage")
+    (root / "b" / "zero.png").write_bytes(b"")
+    (root / "b" / "x.txt").write_text("x")
+    r = train_json(toy_cli, tmp_path, "--images", root, "--steps", "2", "--run-id", "c")
+    info = json.loads((tmp_path / "c" / "run.json").read_text())
+    assert info["job"]["skipped"] == {"ignored": 1, "empty": 1, "corrupt": 1, "too_large": 0}
+    assert info["job"]["classes"] == ["a", "b"] and r["val_accuracy"]
+
+
+def test_accuracy_from_the_eval_loss_equals_a_separate_pass():
+    from toy.recipes import vit_tiny
+
+    train, val = load_image_folders(bundled_images(), 28)
+    opts = dict(preset="tiny", seed=0, batch_size=8, eval_batches=100)
+    built = vit_tiny.make_job(train, val, opts, "bundled", None)
+    job, model = built.job, built.job.model
+    from toy.train.loop import evaluate
+
+    batches = job.eval_batches()
+    assert sum(len(b["labels"]) for b in batches) == len(val) == 30
+    got = evaluate(job, batches, torch.device("cpu"))["accuracy"]
+    correct, total = vit_tiny.accuracy_pass(model.eval(), batches)
+    assert got == correct / total
+    assert job.eval_metrics(model, batches)["accuracy"] == got  # no tally: the fallback pass
+
+
+def test_same_seed_same_losses_other_seed_differs(tmp_path, toy_cli):
+    def losses(seed, rid):
+        return [x["loss"] for x in train_json(toy_cli, tmp_path, "--steps", "3", "--seed", seed,
+                                               "--run-id", rid)["losses"]]
+
+    a, b, c = losses(1, "a"), losses(1, "b"), losses(2, "c")
+    assert a == b and a != c
+
+
+def test_resume_is_exact(tmp_path, toy_cli):
+    straight = train_json(toy_cli, tmp_path, "--steps", "4", "--run-id", "s")
+    part = train_json(toy_cli, tmp_path, "--steps", "2", "--save-every", "2", "--run-id", "p")
+    code, out, err = toy_cli("train", "--resume", tmp_path / "p", "--steps", "4", "--json")
+    assert code == 0, err
+    resumed = json.loads(out)
+    assert [x["loss"] for x in resumed["losses"]] == [x["loss"] for x in straight["losses"]]
+    assert part["losses"] == straight["losses"][:2]
