@@ -63,7 +63,8 @@ def add_parser(sub) -> None:
     d.add_argument("--vocab-size", type=positive_int("--vocab-size"),
                    help="vocabulary size of a --raw-i32 corpus without --tokenizer")
     m = p.add_argument_group("model")
-    m.add_argument("--preset", help="named model shape; llama: " + ", ".join(registry.preset_names("llama")))
+    m.add_argument("--preset", help="named model shape; " + "; ".join(f"{a}: {', '.join(registry.preset_names(a))}"
+                                                                for a in registry.arch_names()))
     m.add_argument("--n-layer", type=positive_int("--n-layer"), help="transformer blocks")
     m.add_argument("--d-model", type=positive_int("--d-model"), help="model width")
     m.add_argument("--n-head", type=positive_int("--n-head"), help="attention (query) heads")
@@ -103,7 +104,8 @@ def validate(o: dict) -> None:
     if o["recipe"] not in recipe_names():
         problems.append(f"--recipe {o['recipe']!r} is unknown; valid: {', '.join(recipe_names())}")
     if o["arch"] not in registry.arch_names():
-        problems.append(f"--arch {o['arch']!r} is unknown; valid: {', '.join(registry.arch_names())}")
+        problems.append(f"--arch {o['arch']!r} is unknown; valid: {', '.join(registry.LM_ARCHS)} "
+                        "(vit via --recipe vit-tiny)")
     elif o["preset"] is not None and o["preset"] not in registry.preset_names(o["arch"]):
         problems.append(f"--preset {o['preset']!r} is unknown for {o['arch']}; "
                         f"valid: {', '.join(registry.preset_names(o['arch']))}")

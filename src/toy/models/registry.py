@@ -41,6 +41,10 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
 DEFAULT_PRESET = {"llama": "small", "gpt2": "small", "vit": "vit-tiny"}
 
 
+# Decoder language models (what from-scratch and warm-start train); vit is an image model.
+LM_ARCHS = ("gpt2", "llama")
+
+
 def arch_names() -> list[str]:
     return sorted(ARCHS)
 

@@ -77,10 +77,15 @@ def lm_config(opts: dict, arch: str, train: TokenFile):
     """The model config from --preset and the shape flags, with vocab_size from the corpus.
     Sets opts["seq_len"] (default: the preset's context). Every shape problem is reported
     at once as a UsageError naming its flag."""
+    if arch not in registry.LM_ARCHS:
+        hint = "; train images with --recipe vit-tiny" if arch == "vit" else ""
+        raise UsageError(f"--arch {arch!r} is not a language model; valid: {', '.join(registry.LM_ARCHS)}{hint}")
+    if arch == "gpt2" and opts.get("n_kv_head"):
+        raise UsageError("--n-kv-head applies to llama (grouped-query attention); gpt2 has one kv head per head")
     try:
         cfg = registry.build_config(arch, opts.get("preset"), train.vocab_size, n_layer=opts.get("n_layer"),
                                     d_model=opts.get("d_model"), n_head=opts.get("n_head"),
-                                    n_kv_head=opts.get("n_kv_head"))
+                                    **({"n_kv_head": opts.get("n_kv_head")} if arch == "llama" else {}))
     except KeyError as e:
         raise UsageError(str(e.args[0]))
     except TypeError as e:
