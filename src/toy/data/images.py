@@ -315,8 +315,12 @@ class ImageBatches:
     (itself seeded by (seed, epoch)) at p % N, and the crop offsets and flips come
     from a generator seeded by (seed, k)."""
 
-    def __init__(self, data: ImageSet, batch_size: int, seed: int, augment: bool = True, rank: int = 0):
-        self.data, self.B, self.seed, self.augment, self.rank = data, batch_size, seed, augment, rank
+    def __init__(self, data: ImageSet, batch_size: int, seed: int, augment: bool = True, rank: int = 0,
+                 world: int = 1):
+        # With `world` processes, batch k is the global batch of world * B images and
+        # this rank takes its slice (augmentation drawn for the whole global batch too),
+        # so N processes train as one process of batch N * B.
+        self.data, self.B, self.seed, self.augment, self.rank, self.world = data, batch_size, seed, augment, rank, world
         S = data.images.shape[-1]
         # Pad by 1/8 of the side (4 px at 32, 3 at 28), the usual CIFAR-style crop jitter.
         self.pad = max(1, S // 8)
@@ -326,19 +330,20 @@ class ImageBatches:
         if epoch not in self._perms:
             if len(self._perms) >= 2:  # a batch smaller than the set spans at most two epochs
                 self._perms.pop(min(self._perms))
-            self._perms[epoch] = np.random.default_rng([self.seed, self.rank, 1, epoch]).permutation(len(self.data))
+            self._perms[epoch] = np.random.default_rng([self.seed, 0, 1, epoch]).permutation(len(self.data))
         return self._perms[epoch]
 
     def indices(self, k: int) -> np.ndarray:
         n = len(self.data)
-        pos = np.arange(k * self.B, (k + 1) * self.B)
+        first = (k * self.world + self.rank) * self.B
+        pos = np.arange(first, first + self.B)
         return np.array([self._perm(int(p // n))[p % n] for p in pos], dtype=np.int64)
 
     def batch(self, k: int) -> dict[str, torch.Tensor]:
         idx = torch.from_numpy(self.indices(k))
         x = self.data.images[idx]  # (B, C, S, S) uint8, a copy
         if self.augment:
-            x = self._augment(x, np.random.default_rng([self.seed, self.rank, 2, k]))
+            x = self._augment(x, np.random.default_rng([self.seed, 0, 2, k]))
         return {"images": x, "labels": self.data.labels[idx]}
 
     def _augment(self, x: torch.Tensor, rng: np.random.Generator) -> torch.Tensor:
@@ -346,9 +351,10 @@ class ImageBatches:
         p = self.pad
         # Zero padding = black border: the background of Fashion-MNIST, and a plain one elsewhere.
         padded = torch.nn.functional.pad(x, (p, p, p, p))  # (B, C, S+2p, S+2p)
-        dy = rng.integers(0, 2 * p, size=B, endpoint=True)
-        dx = rng.integers(0, 2 * p, size=B, endpoint=True)
-        flip = rng.random(B) < 0.5  # left-right flips keep a garment (or most photos) what it is
+        G, mine = B * self.world, slice(self.rank * B, (self.rank + 1) * B)
+        dy = rng.integers(0, 2 * p, size=G, endpoint=True)[mine]
+        dx = rng.integers(0, 2 * p, size=G, endpoint=True)[mine]
+        flip = (rng.random(G) < 0.5)[mine]  # left-right flips keep a garment (or most photos) what it is
         out = torch.empty_like(x)
         for i in range(B):
             crop = padded[i, :, dy[i] : dy[i] + S, dx[i] : dx[i] + S]

@@ -22,6 +22,7 @@ from toy.formats.model_dir import save_model_dir
 from toy.models import registry
 from toy.models.vit import VitConfig, check_vit_config
 from toy.runs import Project
+from toy.train import dist
 from toy.train.job import Built, Job
 
 NAME = "vit-tiny"
@@ -118,7 +119,8 @@ def make_job(train: ImageSet, val: ImageSet | None, opts: dict, source: str, val
     augment = opts.get("augment", "crop-flip")
     if augment not in AUGMENT:
         raise UsageError(f"--augment {augment!r} is unknown; valid: {', '.join(AUGMENT)}")
-    batches = ImageBatches(train, opts["batch_size"], opts["seed"], augment=augment == "crop-flip")
+    batches = ImageBatches(train, opts["batch_size"], opts["seed"], augment=augment == "crop-flip",
+                           rank=dist.info().rank, world=dist.info().world)
     val_batches = ImageBatches(val, opts["batch_size"], opts["seed"], augment=False) if val is not None else None
     skipped = train.skipped.counts()
     config = {"recipe": NAME, "arch": "vit", "model": cfg.to_dict(), "images": source, "val_images": val_source,
