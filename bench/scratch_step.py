@@ -44,7 +44,7 @@ def run_toy(a, path: Path) -> dict:
     from toy.train.loop import TrainConfig, train
 
     opts = dict(corpus=str(path), val_corpus=None, tokenizer=None, raw_i32=False, vocab_size=None, arch=a.arch,
-                preset="small", n_layer=L, d_model=D, n_head=H, n_kv_head=H, seq_len=T, batch_size=B,
+                preset="small", n_layer=L, d_model=D, n_head=H, n_kv_head=H if a.arch == "llama" else None, seq_len=T, batch_size=B,
                 grad_accum=1, seed=0, eval_batches=1)
     built = from_scratch.build(opts, Project(root=None))
     built.job.eval_batches = lambda: []

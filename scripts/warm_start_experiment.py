@@ -3,7 +3,7 @@
 SmolLM2-135M's tokenizer, identical but for the embedding init (--init scratch | donor |
 pca), then the figures into docs/results.md ("Warm start" section) and a loss plot.
 
-    nice -n 10 .venv/bin/python scripts/warm_start_experiment.py            # ~minutes per run
+    nice -n 10 .venv/bin/python scripts/warm_start_experiment.py            # ~20 min a run on 2 busy cores
     .venv/bin/python scripts/warm_start_experiment.py --steps 20 --no-write  # a quick look
 
 Everything goes through the `toy` command line (prep, train --json, plot), so the

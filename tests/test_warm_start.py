@@ -200,6 +200,23 @@ def test_freeze_embed_steps_holds_then_releases(donor, toy_cli, tmp_path, width)
     assert not torch.equal(ck[1][other], ck[2][other])  # the rest trained all along
 
 
+def test_freeze_holds_under_ddp(donor, tmp_path):
+    # DDP hands back an all-reduced zero gradient for a parameter whose grad was dropped
+    # during backward; the loop drops frozen grads after the reduction, so decay cannot
+    # move them. Two gloo processes on CPU.
+    from conftest import run_toy
+
+    r = run_toy("train", "--nproc", "2", "--recipe", "warm-start", "--donor", donor["gguf"], "--corpus",
+                donor["corpus"], "--out", tmp_path, *TINY, "--batch-size", "2", "--steps", "3",
+                "--freeze-embed-steps", "2", "--save-every", "1", "--keep-last", "0", "--lr", "1e-2", "--warmup", "0",
+                "--run-id", "ddp", "--json", env={"OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    start = donor["table"][: donor["vocab"]]
+    ck = {s: load_file(tmp_path / "ddp" / "checkpoints" / f"step-{s:06d}" / "model.safetensors") for s in (1, 2, 3)}
+    assert torch.equal(ck[1]["embed_tokens.weight"], start) and torch.equal(ck[2]["embed_tokens.weight"], start)
+    assert not torch.equal(ck[3]["embed_tokens.weight"], start)
+
+
 def test_freeze_is_resume_safe(donor, toy_cli, tmp_path):
     args = ("--steps", "4", "--freeze-embed-steps", "2", "--save-every", "1", "--keep-last", "0", "--json")
     code, out, err = train(toy_cli, donor, tmp_path, *args, "--run-id", "full")

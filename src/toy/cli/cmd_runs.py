@@ -140,18 +140,26 @@ def run(args) -> int:
     if not rows:
         print(f"no runs under {d}")
         return 0
+    text = plain_table([cells(r) for r in rows])
+    console = None
     if sys.stdout.isatty():
         from rich.console import Console
+
+        console = Console()
+        # A table squeezed below its width truncates every cell ("wa…"): print plain text then.
+        if max(map(len, text.splitlines())) + 3 * len(HEADERS) + 1 > console.width:
+            console = None
+    if console is not None:
         from rich.table import Table
 
         t = Table(title=str(d), title_justify="left")
         for i, h in enumerate(HEADERS):
-            t.add_column(h, justify="right" if 4 <= i <= 8 else "left", no_wrap=i == 0)
+            t.add_column(h, justify="right" if 4 <= i <= 8 else "left", no_wrap=True)
         for r in rows:
             c = cells(r)
             style = {"failed": "red", "interrupted": "yellow", "running": "cyan"}.get(r["status"])
             t.add_row(*c[:-1], f"[{style}]{c[-1]}[/]" if style else c[-1])
-        Console().print(t)
+        console.print(t)
     else:
-        print(plain_table([cells(r) for r in rows]))
+        print(text)
     return 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Collection
 
 import torch
 import torch.nn as nn
@@ -37,10 +37,12 @@ class Job:
     eval_metrics: Callable[[nn.Module, list[dict[str, torch.Tensor]]], dict[str, float]] | None = None
     # Modules whose weights decay; default: every trainable tensor with 2+ dims.
     params_decay: Callable[[str, torch.Tensor], bool] | None = None
-    # Called by the loop at the start of every optimizer step with the step number (1-based),
-    # before any forward pass: e.g. a schedule that freezes some weights for the first N
-    # steps. It must be a pure function of the step, so a resumed run does the same.
-    on_step_start: Callable[[int], None] | None = None
+    # Names (as in trainable()) of parameters to hold still during step s (1-based). The
+    # loop drops their gradients (sets them to None) after backward and after the DDP/FSDP
+    # reduction, so clipping ignores them and AdamW skips them: no moment update and no
+    # decoupled weight decay (a zero gradient would still decay them). It must be a pure
+    # function of the step, so a resumed run freezes the same steps.
+    frozen: Callable[[int], Collection[str]] | None = None
 
     def __post_init__(self) -> None:
         self.loss = self.loss or lm_loss

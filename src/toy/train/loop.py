@@ -129,6 +129,7 @@ def train(job: Job, cfg: TrainConfig, run_dir: Path | None, device: torch.device
     forward = ddp or fsdp  # None: call the job's loss directly
     named = job.trainable()  # after sharding: FSDP replaces parameters with DTensors
     names = {id(p): n for n, p in named}
+    by_name = dict(named)
     opt = make_adamw(named, cfg.lr, cfg.weight_decay, job.params_decay, fused=cfg.fused_adamw)
     res = TrainResult()
     start_step = 0
@@ -185,8 +186,6 @@ def train(job: Job, cfg: TrainConfig, run_dir: Path | None, device: torch.device
             run_eval(0)
             eval_time += time.perf_counter() - t0
         for step in range(start_step + 1, cfg.steps + 1):
-            if job.on_step_start is not None:
-                job.on_step_start(step)
             lr = lr_at(step - 1, cfg.steps, cfg.lr, cfg.min_lr, cfg.warmup)
             for g in opt.param_groups:
                 g["lr"] = lr
@@ -218,6 +217,9 @@ def train(job: Job, cfg: TrainConfig, run_dir: Path | None, device: torch.device
                     (ls * (d.world / n_sup)).backward()
                 loss_sum += ls.detach().float()
                 n_items += job.n_items(b) * d.world
+            if job.frozen is not None:  # after backward and the gradient all-reduce: AdamW skips None grads
+                for n in job.frozen(step):
+                    by_name[n].grad = None
             if cfg.clip > 0:
                 torch.nn.utils.clip_grad_norm_([p for _, p in named], cfg.clip)
             opt.step()
