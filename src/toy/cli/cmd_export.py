@@ -121,7 +121,7 @@ def _resolve_base(r: _Run, args, config: dict) -> tuple[Path, list[str]]:
     given, then against the project root). A base that differs from the one trained on
     (run.json's fingerprint) is refused unless --model names it explicitly."""
     from toy.formats.checkpoint import read_json
-    from toy.recipes.lora import file_fingerprint
+    from toy.train.lm import fingerprint
     from toy.runs import find_project
 
     notes: list[str] = []
@@ -146,7 +146,7 @@ def _resolve_base(r: _Run, args, config: dict) -> tuple[Path, list[str]]:
     if run_json.is_file():
         info = read_json(run_json)
         want = (info.get("job") or {}).get("model_sha256") if isinstance(info, dict) else None
-    if want and file_fingerprint(base) != want:
+    if want and fingerprint(base) != want:
         if not args.model:
             raise InputError(f"{base}: this base changed since the run trained on it (fingerprint differs from "
                              f"{run_json}); restore it, or pass --model BASE.gguf to export against it anyway")

@@ -3,7 +3,6 @@ token stream. Only the adapters train; the output is a PEFT adapter directory.""
 
 from __future__ import annotations
 
-import hashlib
 import math
 import shutil
 import sys
@@ -23,6 +22,7 @@ from toy.models.layers import causal_doc_mask
 from toy.runs import Project
 from toy.train import dist
 from toy.train.job import IGNORE, Built, Job
+from toy.train.lm import fingerprint
 
 DEFAULT_MODEL = "data/smollm2-135m.gguf"
 GET_MODEL = "get it with `make smollm2` (or scripts/get-smollm2.sh DIR), or pass --model FILE.gguf"
@@ -61,13 +61,6 @@ def resolve_model(opts: dict, project: Project) -> Path:
     return p
 
 
-def file_fingerprint(path: Path, limit: int = 1 << 22) -> str:
-    h = hashlib.sha256(str(path.stat().st_size).encode())
-    with open(path, "rb") as fh:
-        h.update(fh.read(limit))
-    return h.hexdigest()[:16]
-
-
 def check_opts(opts: dict) -> list[str]:
     p = []
     if opts.get("data") and opts.get("corpus"):
@@ -104,7 +97,7 @@ def build(opts: dict, project: Project) -> Built:
         notes.append(f"--seq-len {seq_len} lowered to the model's context {base.config.max_seq_len}")
         seq_len = opts["seq_len"] = base.config.max_seq_len
     vocab = tok.get_vocab_size(with_added_tokens=True)
-    config = {"recipe": "lora", "arch": "llama", "model": str(model_path), "model_sha256": file_fingerprint(model_path),
+    config = {"recipe": "lora", "arch": "llama", "model": str(model_path), "model_sha256": fingerprint(model_path),
               "rank": int(opts["rank"]), "alpha": float(opts["alpha"]), "targets": targets, "seq_len": seq_len}
     if opts.get("data"):
         micro, evals, n_rows, info = chat_stream(opts, tok, base, seq_len, notes)
@@ -218,7 +211,7 @@ def chat_stream(opts, tok, base, seq_len, notes):
 
     evals = [_rows_to_batch(val_rows[i : i + B]) for i in range(0, len(val_rows), B)]
     sup = sum(int(s[1].count(1)) if isinstance(s[1], list) else int(sum(s[1])) for s in samples)
-    info = {"data": str(opts["data"]), "data_sha256": file_fingerprint(Path(opts["data"])),
+    info = {"data": str(opts["data"]), "data_sha256": fingerprint(Path(opts["data"])),
             "conversations": len(samples), "rows": n, "supervised_tokens": sup}
     notes.append(f"{len(samples)} conversations packed into {n} rows of {seq_len} tokens; "
                  f"{sup:,} supervised tokens")
