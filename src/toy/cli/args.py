@@ -61,3 +61,12 @@ def resolve(cli: dict, toml: dict, builtin: dict, flag_of) -> dict:
         if v is not None:
             out[k] = v
     return out
+
+
+def human_size(n: float) -> str:
+    """Bytes in decimal units: 98.4 MB."""
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return str(n)

@@ -5,20 +5,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from toy.cli.args import human_size
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser("describe", help="show a GGUF model's architecture, size, tokenizer", description=__doc__)
     p.add_argument("model", metavar="MODEL.gguf")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
-
-
-def _size(n: int) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1000 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return str(n)
 
 
 def run(args) -> int:
@@ -30,7 +24,7 @@ def run(args) -> int:
         return 0
     hp = d["hyperparameters"]
     tok = d["tokenizer"]
-    print(f"{d['path']}  ({_size(d['file_size'])}, GGUF v{d['gguf_version']})")
+    print(f"{d['path']}  ({human_size(d['file_size'])}, GGUF v{d['gguf_version']})")
     if d.get("name"):
         print(f"name          {d['name']}")
     print(f"architecture  {d['arch']}: {hp['n_layer']} layers, width {hp['d_model']}, "

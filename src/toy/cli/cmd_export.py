@@ -8,6 +8,7 @@ import json
 import shutil
 from pathlib import Path
 
+from toy.cli.args import human_size
 from toy.errors import InputError, UsageError
 
 FORMATS = ("gguf", "gguf-lora", "peft")
@@ -248,14 +249,6 @@ def _export_peft(r: _Run, args) -> Path:
     return out
 
 
-def _size(n: int) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1000 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return str(n)
-
-
 def _report(args, r: _Run, rep, dtype: str) -> int:
     if isinstance(rep, Path):  # peft
         files = sorted(p.name for p in rep.iterdir())
@@ -274,7 +267,7 @@ def _report(args, r: _Run, rep, dtype: str) -> int:
         return 0
     what = {"gguf": "merged model" if args.merge else "model", "gguf-lora": "LoRA adapter"}[args.format]
     types = ", ".join(f"{k} x{v}" for k, v in rep.tensor_types.most_common())
-    print(f"wrote {rep.path} ({_size(size)}, {rep.arch} {what}, {rep.n_params:,} parameters; {types})")
+    print(f"wrote {rep.path} ({human_size(size)}, {rep.arch} {what}, {rep.n_params:,} parameters; {types})")
     for note in rep.notes:
         print(f"  {note}")
     return 0

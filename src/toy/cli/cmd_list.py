@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from toy.cli.args import human_size
 from toy.errors import ToyError, UsageError
 
 
@@ -113,14 +114,6 @@ def _runs(runs_dir: Path) -> list[dict[str, Any]]:
     return [describe_run(d) for d in dirs]
 
 
-def _size(n: int) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1000 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return str(n)
-
-
 def _params(n: int | None) -> str:
     if not isinstance(n, int):
         return "?"
@@ -159,7 +152,7 @@ def run(args) -> int:
             continue
         kind = "" if m["kind"] == "model" else f" {m['kind']}"
         note = f"  ({m['note']})" if m.get("note") else ""
-        print(f"  {m['path']}  {m['arch']}{kind}, {_params(m['n_params'])} params, {_size(m['file_size'])}{note}")
+        print(f"  {m['path']}  {m['arch']}{kind}, {_params(m['n_params'])} params, {human_size(m['file_size'])}{note}")
     print(f"runs ({project.runs_dir}):")
     if not runs:
         print("  none")
