@@ -20,8 +20,9 @@ import json
 import os
 import random
 import shutil
+import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -57,6 +58,25 @@ def load_tensors(path: Path) -> dict[str, torch.Tensor]:
         raise InputError(f"{path} not found")
     except (SafetensorError, OSError, ValueError) as e:
         raise InputError(f"{path}: not a readable safetensors file ({str(e).splitlines()[0]})")
+
+
+def write_file_atomic(path: Path, fill: Callable[[Path], None]) -> None:
+    """`fill(tmp)` writes a temp file beside `path`; it is fsynced, then renamed over
+    `path`: a reader sees the old file or the whole new one, never half of one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        fill(Path(tmp))
+        with open(tmp, "rb+") as fh:
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
 
 
 def write_json(path: Path, obj: Any) -> None:

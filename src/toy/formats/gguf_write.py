@@ -38,11 +38,10 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import gguf
 import numpy as np
@@ -51,6 +50,7 @@ from gguf.constants import GGML_QUANT_VERSION, GGMLQuantizationType, GGUFValueTy
 from tokenizers import Tokenizer
 
 from toy.errors import InputError, UsageError
+from toy.formats.checkpoint import write_file_atomic
 from toy.formats.gguf import (GGUFModel, _load_tensor, config_from_header, permute_qk, read_gguf_header,
                               tensor_name_map, unpermute_qk)
 from toy.models.gpt2 import GPT2, GPT2Config
@@ -124,23 +124,6 @@ def _add_kv(w: gguf.GGUFWriter, key: str, value: Any) -> None:
         raise TypeError(f"cannot write GGUF metadata {key!r} of type {type(value).__name__}")
 
 
-def _write_atomic(path: Path, fill: Callable[[Path], None]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        fill(Path(tmp))
-        with open(tmp, "rb+") as fh:
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-
-
 def _write(path: Path, arch: str, kv: dict[str, Any], tensors: list[tuple[str, np.ndarray, GGMLQuantizationType]],
            general_type: str | None = None) -> None:
     def fill(tmp: Path) -> None:
@@ -159,7 +142,7 @@ def _write(path: Path, arch: str, kv: dict[str, Any], tensors: list[tuple[str, n
         w.write_tensors_to_file()
         w.close()
 
-    _write_atomic(Path(path), fill)
+    write_file_atomic(Path(path), fill)
 
 
 # ------------------------------------------------------------------ tokenizer

@@ -18,8 +18,6 @@ copied as they are.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +26,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from toy.errors import InputError, UsageError
+from toy.formats.checkpoint import write_file_atomic
 
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
@@ -51,24 +50,6 @@ def peft_to_toy_key(key: str) -> str | None:
         if rest.endswith(suffix) and len(rest) > len(suffix):
             return rest[: -len(suffix)] + "." + kind
     return None
-
-
-def _write_atomic(path: Path, write) -> None:
-    # Temp file in the same directory, fsync, os.replace: a reader sees the old file or
-    # the whole new one, never half of one.
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        write(tmp)
-        with open(tmp, "rb+") as fh:
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
 
 
 def _check_lora_sd(lora_sd: dict[str, torch.Tensor], rank: int, targets: list[str]) -> None:
@@ -128,8 +109,8 @@ def save_peft_adapter(out_dir: str | Path, lora_sd: dict[str, torch.Tensor], ran
         "use_dora": False,
     }
     # Weights first, config last: a directory with a config is a complete adapter.
-    _write_atomic(out / WEIGHTS_NAME, lambda p: save_file(tensors, p, metadata={"format": "pt"}))
-    _write_atomic(out / CONFIG_NAME, lambda p: Path(p).write_text(json.dumps(config, indent=2) + "\n"))
+    write_file_atomic(out / WEIGHTS_NAME, lambda p: save_file(tensors, p, metadata={"format": "pt"}))
+    write_file_atomic(out / CONFIG_NAME, lambda p: Path(p).write_text(json.dumps(config, indent=2) + "\n"))
     return out
 
 
