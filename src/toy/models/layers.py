@@ -49,18 +49,33 @@ class Rotary(nn.Module):
         self.register_buffer("cos", emb.cos().float(), persistent=False)
         self.register_buffer("sin", emb.sin().float(), persistent=False)
 
-    def forward(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        # x: (B, H, T, D); pos: (T,) or (B, T) integer positions
-        if int(pos.max()) >= self.cos.shape[0]:
-            self._build(int(pos.max()) + 1)
-            self.cos, self.sin = self.cos.to(x.device), self.sin.to(x.device)
-        cos = self.cos[pos].to(x.dtype)
-        sin = self.sin[pos].to(x.dtype)
-        if pos.dim() == 2:  # per-sample positions (packed sequences): (B, 1, T, D)
-            cos, sin = cos[:, None], sin[:, None]
-        x1, x2 = x.chunk(2, dim=-1)
-        rotated = torch.cat([-x2, x1], dim=-1)
-        return x * cos + rotated * sin
+    def tables(self, start: int, T: int, pos: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin for one forward pass, computed once and shared by every layer.
+
+        pos None: positions start..start+T-1, a slice of the table. pos (T,) or (B, T):
+        explicit positions (packed sequences restart them per document), which must lie
+        below start + T: a token's position never exceeds its place in the stream. That
+        bound is what lets the table grow here, without reading pos back from the device
+        (a host sync, and a graph break under torch.compile).
+        """
+        if start + T > self.cos.shape[0]:
+            device = self.cos.device
+            self._build(start + T)
+            self.cos, self.sin = self.cos.to(device), self.sin.to(device)
+        if pos is None:
+            cos, sin = self.cos[start : start + T], self.sin[start : start + T]  # (T, D)
+        else:
+            cos, sin = self.cos[pos], self.sin[pos]  # (T, D) or (B, T, D)
+            if pos.dim() == 2:  # per-sample positions: (B, 1, T, D) to broadcast over heads
+                cos, sin = cos[:, None], sin[:, None]
+        return cos, sin
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x (B, H, T, D) by the tables from `Rotary.tables` (half-split layout)."""
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)  # no-op in float32; bf16 under autocast
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
 class KVCache:
@@ -95,15 +110,15 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(d_model, n_kv_head * head_dim, bias=bias)
         self.o_proj = nn.Linear(n_head * head_dim, d_model, bias=out_bias)
 
-    def forward(self, x: torch.Tensor, rotary: Rotary | None, pos: torch.Tensor,
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
                 mask: torch.Tensor | None = None, cache: KVCache | None = None,
                 layer: int = 0) -> torch.Tensor:
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, H, T, D)
         k = self.k_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, K, T, D)
         v = self.v_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, K, T, D)
-        if rotary is not None:
-            q, k = rotary(q, pos), rotary(k, pos)
+        if rope is not None:  # (cos, sin) from Rotary.tables
+            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         if cache is not None:
             k, v = cache.update(layer, k, v)  # (B, K, past+T, D)
         gqa = self.n_kv_head != self.n_head

@@ -50,8 +50,8 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = SwiGLU(cfg.d_model, cfg.d_ff)
 
-    def forward(self, x, rotary, pos, mask=None, cache=None, layer=0):
-        x = x + self.self_attn(self.input_layernorm(x), rotary, pos, mask, cache, layer)
+    def forward(self, x, rope, mask=None, cache=None, layer=0):
+        x = x + self.self_attn(self.input_layernorm(x), rope, mask, cache, layer)
         x = x + self.mlp(self.post_attention_layernorm(x))
         return x
 
@@ -87,12 +87,11 @@ class Llama(nn.Module):
                cache: KVCache | None = None) -> torch.Tensor:
         """Final normalised hidden states (B, T, C) for token ids idx (B, T)."""
         B, T = idx.shape
-        if pos is None:
-            start = cache.pos if cache is not None else 0
-            pos = torch.arange(start, start + T, device=idx.device)
+        start = cache.pos if cache is not None else 0
         x = self.embed_tokens(idx)  # (B, T, C)
+        rope = self.rotary.tables(start, T, pos)  # once for every layer
         for i, block in enumerate(self.layers):
-            x = block(x, self.rotary, pos, mask, cache, i)
+            x = block(x, rope, mask, cache, i)
         if cache is not None:
             cache.pos += T
         return self.norm(x)
