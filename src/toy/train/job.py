@@ -11,6 +11,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from toy.models.losses import linear_cross_entropy
+
 
 @dataclass
 class Job:
@@ -65,23 +67,25 @@ IGNORE = -100
 def lm_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """Next-token cross-entropy summed over supervised targets (targets == -100 are not).
 
-    The vocabulary projection runs only on supervised positions: with chat data most
-    positions are prompt, and the (T, vocab) logits are the biggest tensor of the step.
+    The (tokens, vocab) logits are the biggest tensors of a step, so a model with
+    `hidden` and a bias-free `lm_head` never makes them whole: the head runs only on
+    supervised positions (with chat data most positions are prompt), chunk by chunk
+    inside `linear_cross_entropy`.
     """
     targets = batch["targets"]
     hidden = getattr(model, "hidden", None)
-    if hidden is None:
+    head = getattr(model, "lm_head", None)
+    if hidden is None or head is None or getattr(head, "bias", None) is not None:
         logits = model(batch["ids"], pos=batch.get("pos"), mask=batch.get("attn_mask"))  # (B, T, V)
-        flat, tgt = logits.flatten(0, 1), targets.flatten()
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE, reduction="sum")
+        return loss, (targets != IGNORE).sum()
+    h = hidden(batch["ids"], pos=batch.get("pos"), mask=batch.get("attn_mask"))  # (B, T, C)
+    sup = targets != IGNORE
+    if bool(sup.all()):
+        h, tgt = h.flatten(0, 1), targets.flatten()
     else:
-        h = hidden(batch["ids"], pos=batch.get("pos"), mask=batch.get("attn_mask"))  # (B, T, C)
-        sup = targets != IGNORE
-        if bool(sup.all()):
-            flat, tgt = model.lm_head(h).flatten(0, 1), targets.flatten()
-        else:
-            flat, tgt = model.lm_head(h[sup]), targets[sup]  # (N, V) for N supervised tokens
-    loss = F.cross_entropy(flat.float(), tgt, ignore_index=IGNORE, reduction="sum")
-    return loss, (targets != IGNORE).sum()
+        h, tgt = h[sup], targets[sup]  # (N, C) for the N supervised tokens
+    return linear_cross_entropy(h, head.weight, tgt), sup.sum()
 
 
 def lm_count(batch: dict[str, torch.Tensor]) -> int:
