@@ -398,7 +398,8 @@ def test_cli_export_lora_run_all_formats(lora_run, toy_cli, tmp_path, tok):
     assert r["format"] == "toy/export-v1" and r["dtype"] == "f32" and r["merged"]
     assert Path(r["path"]) == run / "export" / "l1-merged-f32.gguf"
     merged = read_gguf(r["path"])
-    torch.testing.assert_close(_logits(merged.build_model(), ids), _logits(ref, ids), rtol=0, atol=1e-5)
+    # Merging rounds W + s*B@A once in float32: agreement to float32 rounding, not bits.
+    torch.testing.assert_close(_logits(merged.build_model(), ids), _logits(ref, ids), rtol=1e-5, atol=1e-5)
 
     code, out, err = toy_cli("export", run, "--format", "gguf-lora", "--out", tmp_path / "a.gguf")
     assert code == 0, err

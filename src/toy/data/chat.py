@@ -339,6 +339,40 @@ def pack_samples(samples: Sequence[tuple[Sequence[int], Sequence[int]]], seq_len
     return out
 
 
+def length_batches(lengths: Sequence[int], budget: int, seed: int, epoch: int,
+                   width: int = 16) -> list[list[int]]:
+    """One epoch's batches (lists of sample indices) of conversations of similar length,
+    each holding at most `budget` tokens once right-padded to its longest member.
+
+    This is what toy feeds a chat fine-tune instead of packed rows: a batch is padded
+    only to its own longest member, so it wastes about as little as packing, and as no
+    row holds two conversations, attention needs no block mask and stays plain causal
+    (the fast kernel, and only each conversation's own length squared of work).
+
+    Samples go to buckets by length rounded up to `width`; walking the buckets from the
+    shortest, a batch takes budget // ceiling samples, and what is left of a bucket joins
+    the next one. The number of batches is therefore the same in every epoch; which
+    samples share a batch, and the order of the batches, are drawn from (seed, epoch).
+    """
+    if budget < 1:
+        raise ValueError(f"token budget must be >= 1, got {budget}")
+    rng = np.random.default_rng([seed, epoch, 11])
+    buckets: dict[int, list[int]] = {}
+    for i in rng.permutation(len(lengths)).tolist():
+        buckets.setdefault(-(-int(lengths[i]) // width) * width, []).append(i)
+    batches: list[list[int]] = []
+    pending: list[int] = []
+    for ceiling in sorted(buckets):
+        pending += buckets[ceiling]  # leftovers from shorter buckets fit this ceiling too
+        cap = max(1, budget // ceiling)
+        while len(pending) >= cap:
+            batches.append(pending[:cap])
+            pending = pending[cap:]
+    if pending:
+        batches.append(pending)
+    return [batches[j] for j in rng.permutation(len(batches)).tolist()]
+
+
 def pad_batch(samples: Sequence[tuple[Sequence[int], Sequence[int]]], pad_id: int,
               seq_len: int | None = None) -> dict[str, torch.Tensor]:
     """Right-pad samples to a common length (the longest, or seq_len: longer samples

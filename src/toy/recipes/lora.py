@@ -12,13 +12,12 @@ import numpy as np
 import torch
 
 from toy import tokenizer as toktools
-from toy.data.chat import encode_chat, pack_samples, read_chat_jsonl
+from toy.data.chat import encode_chat, length_batches, pad_batch, read_chat_jsonl
 from toy.data.tokens import Windows, read_tokens, val_path_for
 from toy.errors import InputError, UsageError
 from toy.formats.gguf import read_gguf
 from toy.formats.peft import save_peft_adapter
 from toy.lora import VALID_TARGETS, apply_lora, lora_state_dict
-from toy.models.layers import causal_doc_mask
 from toy.runs import Project
 from toy.train import dist
 from toy.train.job import IGNORE, Built, Job
@@ -100,15 +99,16 @@ def build(opts: dict, project: Project) -> Built:
     config = {"recipe": "lora", "arch": "llama", "model": str(model_path), "model_sha256": fingerprint(model_path),
               "rank": int(opts["rank"]), "alpha": float(opts["alpha"]), "targets": targets, "seq_len": seq_len}
     if opts.get("data"):
-        micro, evals, n_rows, info = chat_stream(opts, tok, base, seq_len, notes)
+        micro, evals, n_units, info = chat_stream(opts, tok, base, seq_len, notes)
+        unit, per_micro = "batches", dist.info().world
         config.update(info)
     else:
-        micro, evals, n_rows, info = token_stream(opts, tok, seq_len, vocab)
+        micro, evals, n_units, info = token_stream(opts, tok, seq_len, vocab)
+        unit, per_micro = "rows", int(opts["batch_size"]) * dist.info().world
         config.update(info)
     if opts.get("epochs"):
-        per_step = int(opts["batch_size"]) * int(opts["grad_accum"]) * dist.info().world
-        opts["steps"] = int(opts["epochs"]) * math.ceil(n_rows / per_step)
-        notes.append(f"{opts['epochs']} epoch(s) of {n_rows} rows = {opts['steps']} steps")
+        opts["steps"] = int(opts["epochs"]) * math.ceil(n_units / (per_micro * int(opts["grad_accum"])))
+        notes.append(f"{opts['epochs']} epoch(s) of {n_units} {unit} = {opts['steps']} steps")
 
     def save_final(d: Path) -> None:
         save_peft_adapter(d, lora_state_dict(model), rank=int(opts["rank"]), alpha=float(opts["alpha"]),
@@ -141,15 +141,14 @@ def _encode_all(convs, tok, template, seq_len, bos, eos) -> tuple[list, int]:
     return samples, dropped
 
 
-def _rows_to_batch(rows: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    ids = torch.stack([r["ids"] for r in rows])  # (B, T+1)
-    mask = torch.stack([r["mask"] for r in rows])
-    doc = torch.stack([r["doc_ids"] for r in rows])
-    pos = torch.stack([r["pos"] for r in rows])
-    # Shift: position t predicts token t+1, supervised where mask[t+1] says so.
+def _to_batch(samples: list[tuple[list[int], list[int]]], pad: int) -> dict[str, torch.Tensor]:
+    """Right-pad samples to their longest; shift: position t predicts token t+1, a
+    target where mask[t+1] says so. Padding comes after every real token, so plain
+    causal attention keeps each conversation to itself."""
+    b = pad_batch(samples, pad)  # ids, mask: (n, L)
+    ids, mask = b["ids"], b["mask"]
     targets = torch.where(mask[:, 1:] > 0, ids[:, 1:], torch.full_like(ids[:, 1:], IGNORE))
-    return {"ids": ids[:, :-1], "targets": targets, "pos": pos[:, :-1],
-            "attn_mask": causal_doc_mask(doc[:, :-1])}
+    return {"ids": ids[:, :-1], "targets": targets}
 
 
 def chat_stream(opts, tok, base, seq_len, notes):
@@ -186,34 +185,32 @@ def chat_stream(opts, tok, base, seq_len, notes):
         notes.append(f"skipped {dropped} conversation(s) whose prompt fills --seq-len {seq_len}")
     if not samples:
         raise InputError(f"{opts['data']}: no conversation has a supervised token within --seq-len {seq_len}")
-    rows = pack_samples(samples, seq_len + 1, pad)
     val_samples, _ = _encode_all(val_convs, tok, template, seq_len, bos, eos)
-    val_rows = pack_samples(val_samples, seq_len + 1, pad) if val_samples else []
-    B = int(opts["batch_size"])
+    # A step holds about what --batch-size packed rows of --seq-len would: conversations
+    # of similar length, right-padded to the longest of their batch (length_batches).
+    budget = int(opts["batch_size"]) * (seq_len + 1)
     seed = int(opts["seed"])
-    n = len(rows)
-    perms: dict[int, np.ndarray] = {}
+    lengths = [len(ids) for ids, _ in samples]
+    n = len(length_batches(lengths, budget, seed, 0))  # the same count every epoch
+    epochs: dict[int, list[list[int]]] = {}
     d = dist.info()
 
     def micro(k: int) -> dict[str, torch.Tensor]:
-        # Row order: a fresh seeded permutation per epoch; batch k is a pure function of k.
-        # With several processes, batch k is the global batch of world * B rows and this
-        # rank takes its slice, so the run sees what one process of batch world * B sees.
-        picks = []
-        first = k * B * d.world + d.rank * B
-        for j in range(first, first + B):
-            epoch, i = divmod(j, n)
-            if epoch not in perms:
-                perms.clear()
-                perms[epoch] = np.random.default_rng([seed, epoch]).permutation(n)
-            picks.append(rows[int(perms[epoch][i])])
-        return _rows_to_batch(picks)
+        # Global micro-batch k is `world` batches; this rank takes its own. Batch j of the
+        # run is batch j % n of epoch j // n: a pure function of k.
+        epoch, i = divmod(k * d.world + d.rank, n)
+        if epoch not in epochs:
+            epochs.clear()
+            epochs[epoch] = length_batches(lengths, budget, seed, epoch)
+        return _to_batch([samples[j] for j in epochs[epoch][i]], pad)
 
-    evals = [_rows_to_batch(val_rows[i : i + B]) for i in range(0, len(val_rows), B)]
-    sup = sum(int(s[1].count(1)) if isinstance(s[1], list) else int(sum(s[1])) for s in samples)
+    val_lengths = [len(ids) for ids, _ in val_samples]
+    evals = [_to_batch([val_samples[j] for j in batch], pad)
+             for batch in length_batches(val_lengths, budget, seed, 0)] if val_samples else []
+    sup = sum(int(sum(m)) for _, m in samples)
     info = {"data": str(opts["data"]), "data_sha256": fingerprint(Path(opts["data"])),
-            "conversations": len(samples), "rows": n, "supervised_tokens": sup}
-    notes.append(f"{len(samples)} conversations packed into {n} rows of {seq_len} tokens; "
+            "conversations": len(samples), "batches": n, "supervised_tokens": sup}
+    notes.append(f"{len(samples)} conversations in {n} length-grouped batches of up to {budget:,} tokens; "
                  f"{sup:,} supervised tokens")
     return micro, evals, n, info
 
