@@ -513,24 +513,27 @@ class GGUFModel:
         # directly: the meta device's one-time setup (~2 s of imports) costs more.
         big = sum(t.numel() for t in self.state_dict.values()) > 20_000_000
         if big:
+            # assign=True makes the dequantized tensors the parameters themselves: the
+            # float32 base exists once, not twice at the peak (half a GB for 135M).
             with torch.device("meta"):
                 model = Llama(self.config)
-            model = model.to_empty(device=device)
+            res = model.load_state_dict(self.state_dict, strict=False, assign=True)
         else:
-            model = Llama(self.config).to(device)
-        res = model.load_state_dict(self.state_dict, strict=False)
+            model = Llama(self.config)
+            res = model.load_state_dict(self.state_dict, strict=False)
         tied = self.config.tie_embeddings
         missing = [k for k in res.missing_keys if not (tied and k == "lm_head.weight")]
         if missing or res.unexpected_keys:
             raise InputError(f"{self.path}: weights do not fit toy's llama (missing {missing[:3]}, "
                              f"unexpected {res.unexpected_keys[:3]})")
         if big:
-            if tied:  # to_empty gave the two modules separate storage: tie them again
+            if tied:  # the meta head was never assigned: share the embedding again
                 model.lm_head.weight = model.embed_tokens.weight
-            # The rotary tables are buffers computed from the config, not weights; to_empty
-            # left them uninitialised, so build them afresh.
+            # The rotary tables are buffers computed from the config, not weights; on the
+            # meta device they were never computed, so build them here.
             c = self.config
-            model.rotary = Rotary(c.head_dim, c.max_seq_len, c.rope_theta).to(device)
+            model.rotary = Rotary(c.head_dim, c.max_seq_len, c.rope_theta)
+        model = model.to(device)
         return model.eval()
 
 
