@@ -1,7 +1,7 @@
 """One benchmark child: SmolLM2-135M (GGUF) + LoRA r=8 on q,v; time training steps.
 
 Each implementation runs in its own process so load time and peak RSS are its alone:
-    python bench/lora_step.py --impl toy|hf --model SmolLM2.gguf --corpus tokens.bin [--steps 8]
+    python bench/lora_step.py --impl toy|hf --model SmolLM2.gguf --corpus tokens.bin [--steps 8] [--compile]
 toy runs its real recipe and loop (the figure `toy train --json` reports); the peer is
 transformers (GGUF load, SDPA) + peft with torch AdamW, fed the same token windows.
 Prints one JSON line: load_s, tokens_per_s, peak_rss_mb.
@@ -31,7 +31,8 @@ def run_toy(a) -> tuple[float, float]:
     built = lora.build(opts, Project(root=None))
     load_s = time.perf_counter() - t0
     built.job.eval_batches = lambda: []  # time training only
-    cfg = TrainConfig(steps=3 + a.steps, batch_size=a.batch, lr=1e-4, min_lr=1e-5, warmup=0, weight_decay=0.0)
+    cfg = TrainConfig(steps=3 + a.steps, batch_size=a.batch, lr=1e-4, min_lr=1e-5, warmup=0, weight_decay=0.0,
+                      compile=a.compile)
     res = train(built.job, cfg, None, torch.device("cpu"), EventLog(None))
     return load_s, res.items_per_s  # measured after 3 warm-up steps, as `toy train` reports it
 
@@ -72,6 +73,7 @@ def main() -> None:
     ap.add_argument("--model", type=Path, required=True)
     ap.add_argument("--corpus", type=Path, required=True)
     ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--compile", action="store_true", help="toy: --compile (torch.compile each block)")
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=256)
     a = ap.parse_args()

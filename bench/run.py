@@ -2,7 +2,11 @@
 same run, alternating peer and toy, medians of the repeats. Prints a table and writes
 bench/out/results.json with the machine's details.
 
-    python bench/run.py [--only matmul,scratch,lora] [--repeats 3] [--quick]
+    python bench/run.py [--only matmul,scratch,lora,chat] [--repeats 3] [--quick]
+
+toy's rows are its real recipes and training loop, timed after their warm-up steps:
+the same `tokens_per_s` `toy train --json` prints (the scratch section checks that by
+running the CLI on the same shape). "toy --compile" is the same with `--compile`.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -49,13 +54,31 @@ def child(script: str, *args: str) -> dict:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-def alternate(script: str, args: list[str], repeats: int) -> dict[str, list[dict]]:
+VARIANTS = {"hf": ["--impl", "hf"], "toy": ["--impl", "toy"], "toy --compile": ["--impl", "toy", "--compile"]}
+
+
+def alternate(script: str, args: list[str], repeats: int, variants=("hf", "toy")) -> dict[str, list[dict]]:
     """peer, toy, peer, toy, ...: drift in the machine's speed hits both alike."""
-    out: dict[str, list[dict]] = {"hf": [], "toy": []}
+    out: dict[str, list[dict]] = {v: [] for v in variants}
     for _ in range(repeats):
-        for impl in ("hf", "toy"):
-            out[impl].append(child(script, "--impl", impl, *args))
+        for v in variants:
+            out[v].append(child(script, *VARIANTS[v], *args))
     return out
+
+
+def cli_tokens_per_s(arch: str, steps: int) -> float:
+    """`toy train --json` on the scratch bench's shape and synthetic corpus."""
+    corpus = ROOT / "build" / "bench" / "synthetic.bin"
+    if not corpus.is_file():
+        child("scratch_step.py", "--write-corpus", str(corpus))
+    with tempfile.TemporaryDirectory() as d:
+        r = subprocess.run([sys.executable, "-m", "toy", "train", "--corpus", str(corpus), "--arch", arch,
+                            "--n-layer", "6", "--d-model", "384", "--n-head", "6", "--n-kv-head", "6",
+                            "--seq-len", "256", "--batch-size", "8", "--steps", str(3 + steps), "--warmup", "0",
+                            "--eval-batches", "1", "--json", "--out", d], capture_output=True, text=True, cwd=ROOT)
+    if r.returncode != 0:
+        raise SystemExit(f"toy train failed:\n{r.stderr[-3000:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])["tokens_per_s"]
 
 
 def med(rows: list[dict], key: str) -> float:
@@ -70,7 +93,7 @@ def smollm2() -> Path | None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--only", default="matmul,scratch,lora")
+    ap.add_argument("--only", default="matmul,scratch,lora,chat")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="fewer steps (a smoke run, not for the record)")
     a = ap.parse_args()
@@ -90,35 +113,58 @@ def main() -> None:
         rows.append(("1 matmul ceiling (fp32 2048^3)", f"{ceiling / 1e9:.1f} GFLOP/s", "", ""))
     if "scratch" in only:
         for arch in ("gpt2", "llama"):
-            r = alternate("scratch_step.py", ["--arch", arch, "--steps", steps], a.repeats)
-            toy_tps, hf_tps = med(r["toy"], "tokens_per_s"), med(r["hf"], "tokens_per_s")
+            r = alternate("scratch_step.py", ["--arch", arch, "--steps", steps], a.repeats,
+                          ("hf", "toy", "toy --compile"))
+            hf_tps = med(r["hf"], "tokens_per_s")
             fpt = r["toy"][0]["flops_per_token"]
-            frac = toy_tps * fpt / ceiling if ceiling else float("nan")
-            results[f"scratch_{arch}"] = {"toy": r["toy"], "peer": r["hf"], "ratio": toy_tps / hf_tps,
-                                          "toy_flops_fraction": frac}
-            rows.append((f"2 from-scratch {arch} 6x384, T256 B8", f"{toy_tps:,.0f} tok/s ({frac:.0%} of matmul)",
-                         f"{hf_tps:,.0f} tok/s", f"{toy_tps / hf_tps:.2f}x"))
-    if "lora" in only:
-        model = smollm2()
-        if model is None:
-            rows.append(("3 LoRA SmolLM2", "skipped: SmolLM2 not available", "", ""))
-        else:
-            corpus = ROOT / "build" / "bench" / "smol.bin"
-            if not corpus.is_file():
-                texts = sorted((ROOT / "src" / "toy" / "data" / "assets" / "shakespeare").glob("*.txt"))[:3]
-                subprocess.run([sys.executable, "-m", "toy", "prep", *map(str, texts), "--out", str(corpus),
-                                "--tokenizer", str(model)], check=True, capture_output=True)
-            r = alternate("lora_step.py", ["--model", str(model), "--corpus", str(corpus), "--steps", steps],
-                          a.repeats)
-            t, h = r["toy"], r["hf"]
-            results["lora"] = {"toy": t, "peer": h}
-            rows.append(("3 LoRA SmolLM2 r8 q,v B4 T256", f"{med(t, 'tokens_per_s'):,.0f} tok/s",
+            results[f"scratch_{arch}"] = {"peer": r["hf"], "flops_per_token": fpt}
+            for v in ("toy", "toy --compile"):
+                tps = med(r[v], "tokens_per_s")
+                frac = tps * fpt / ceiling if ceiling else float("nan")
+                results[f"scratch_{arch}"][v] = {"runs": r[v], "ratio": tps / hf_tps, "flops_fraction": frac}
+                rows.append((f"2 from-scratch {arch} 6x384 T256 B8, {v}", f"{tps:,.0f} tok/s ({frac:.0%} of matmul)",
+                             f"{hf_tps:,.0f} tok/s", f"{tps / hf_tps:.2f}x"))
+        cli = cli_tokens_per_s("llama", int(steps))
+        bench_tps = med(results["scratch_llama"]["toy"]["runs"], "tokens_per_s")
+        results["scratch_llama"]["cli_tokens_per_s"] = cli
+        rows.append(("  `toy train --json` tokens_per_s, same shape", f"{cli:,.0f} tok/s", "", f"{cli / bench_tps:.2f}x of the toy row"))
+    model = smollm2() if {"lora", "chat"} & only else None
+    if {"lora", "chat"} & only and model is None:
+        rows.append(("3, 4 SmolLM2", "skipped: SmolLM2 not available", "", ""))
+    if "lora" in only and model is not None:
+        corpus = ROOT / "build" / "bench" / "smol.bin"
+        if not corpus.is_file():
+            texts = sorted((ROOT / "src" / "toy" / "data" / "assets" / "shakespeare").glob("*.txt"))[:3]
+            subprocess.run([sys.executable, "-m", "toy", "prep", *map(str, texts), "--out", str(corpus),
+                            "--tokenizer", str(model)], check=True, capture_output=True)
+        r = alternate("lora_step.py", ["--model", str(model), "--corpus", str(corpus), "--steps", steps],
+                      a.repeats, ("hf", "toy", "toy --compile"))
+        h = r["hf"]
+        results["lora"] = {"peer": h, **{v: r[v] for v in ("toy", "toy --compile")}}
+        for v in ("toy", "toy --compile"):
+            t = r[v]
+            rows.append((f"3 LoRA SmolLM2 r8 q,v B4 T256, {v}", f"{med(t, 'tokens_per_s'):,.0f} tok/s",
                          f"{med(h, 'tokens_per_s'):,.0f} tok/s",
                          f"{med(t, 'tokens_per_s') / med(h, 'tokens_per_s'):.2f}x"))
-            rows.append(("  model load", f"{med(t, 'load_s'):.1f} s", f"{med(h, 'load_s'):.1f} s",
-                         f"{med(t, 'load_s') / med(h, 'load_s'):.2f}x"))
-            rows.append(("  peak RSS", f"{med(t, 'peak_rss_mb'):,.0f} MB", f"{med(h, 'peak_rss_mb'):,.0f} MB",
-                         f"{med(t, 'peak_rss_mb') / med(h, 'peak_rss_mb'):.2f}x"))
+        t = r["toy"]
+        rows.append(("  model load", f"{med(t, 'load_s'):.1f} s", f"{med(h, 'load_s'):.1f} s",
+                     f"{med(t, 'load_s') / med(h, 'load_s'):.2f}x"))
+        rows.append(("  peak RSS", f"{med(t, 'peak_rss_mb'):,.0f} MB", f"{med(h, 'peak_rss_mb'):,.0f} MB",
+                     f"{med(t, 'peak_rss_mb') / med(h, 'peak_rss_mb'):.2f}x"))
+    if "chat" in only and model is not None:
+        data = ROOT / "build" / "bench" / "chat.jsonl"
+        if not data.is_file():
+            child("chat_epoch.py", "--make-data", str(data), "--n", "200")
+        extra = ["--limit-steps", "2"] if a.quick else []
+        r = alternate("chat_epoch.py", ["--model", str(model), "--data", str(data), *extra],
+                      max(1, min(a.repeats, 2)))  # an epoch takes minutes: at most 2 repeats
+        t, h = r["toy"], r["hf"]
+        results["chat"] = {"toy": t, "peer": h}
+        rows.append((f"4 chat SFT epoch, {t[0]['conversations']} convs, B4 T512", f"{med(t, 'epoch_s'):,.1f} s",
+                     f"{med(h, 'epoch_s'):,.1f} s", f"{med(h, 'epoch_s') / med(t, 'epoch_s'):.2f}x faster"))
+        rows.append(("  tokens through the model", f"{t[0]['tokens_fed']:,}", f"{h[0]['tokens_fed']:,}", ""))
+        rows.append(("  peak RSS", f"{med(t, 'peak_rss_mb'):,.0f} MB", f"{med(h, 'peak_rss_mb'):,.0f} MB",
+                     f"{med(t, 'peak_rss_mb') / med(h, 'peak_rss_mb'):.2f}x"))
     out = ROOT / "bench" / "out"
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(results, indent=2))

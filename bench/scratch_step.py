@@ -1,6 +1,7 @@
 """One benchmark child: from-scratch training steps at a fixed shape, toy vs transformers.
 
-    python bench/scratch_step.py --impl toy|hf --arch llama|gpt2 [--steps 6]
+    python bench/scratch_step.py --impl toy|hf --arch llama|gpt2 [--steps 6] [--compile]
+    python bench/scratch_step.py --write-corpus PATH   (the synthetic corpus, for `toy train`)
 Shape (issue 8): 6 layers, 384 wide, 6 heads, sequence 256, batch 8, vocab 8192, fp32.
 toy runs its real recipe and loop on a synthetic token file; the peer is transformers'
 LlamaForCausalLM / GPT2LMHeadModel (SDPA) with torch.optim.AdamW on the same windows.
@@ -23,10 +24,10 @@ import torch.nn.functional as F
 L, D, H, T, B, V = 6, 384, 6, 256, 8, 8192
 
 
-def corpus(d: Path) -> Path:
+def corpus(p: Path) -> Path:
     from toy.data.tokens import write_tokens
 
-    p = d / "synthetic.bin"
+    p.parent.mkdir(parents=True, exist_ok=True)
     write_tokens(p, np.random.default_rng(0).integers(0, V, size=400_000), V)
     return p
 
@@ -48,7 +49,7 @@ def run_toy(a, path: Path) -> dict:
                 grad_accum=1, seed=0, eval_batches=1)
     built = from_scratch.build(opts, Project(root=None))
     built.job.eval_batches = lambda: []
-    cfg = TrainConfig(steps=3 + a.steps, batch_size=B, lr=1e-3, warmup=0, fused_adamw=a.fused)
+    cfg = TrainConfig(steps=3 + a.steps, batch_size=B, lr=1e-3, warmup=0, fused_adamw=a.fused, compile=a.compile)
     res = train(built.job, cfg, None, torch.device("cpu"), EventLog(None))
     m = built.job.model
     emb = m.embed_tokens.weight.numel() if hasattr(m, "embed_tokens") else m.wte.weight.numel()
@@ -97,13 +98,20 @@ def run_hf(a, path: Path) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--impl", choices=("toy", "hf"), required=True)
+    ap.add_argument("--impl", choices=("toy", "hf"))
+    ap.add_argument("--write-corpus", type=Path, metavar="PATH")
+    ap.add_argument("--compile", action="store_true", help="toy: --compile (torch.compile each block)")
     ap.add_argument("--arch", choices=("llama", "gpt2"), default="llama")
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--fused", action="store_true", help="toy: fused AdamW")
     a = ap.parse_args()
+    if a.write_corpus:
+        print(json.dumps({"corpus": str(corpus(a.write_corpus))}))
+        return
+    if not a.impl:
+        ap.error("give --impl or --write-corpus")
     with tempfile.TemporaryDirectory() as d:
-        path = corpus(Path(d))
+        path = corpus(Path(d) / "synthetic.bin")
         out = (run_toy if a.impl == "toy" else run_hf)(a, path)
     print(json.dumps({"impl": a.impl, "arch": a.arch, **{k: round(v, 1) for k, v in out.items()}}))
 
