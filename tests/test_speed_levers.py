@@ -93,3 +93,9 @@ def test_compile_without_a_compiler_falls_back_to_eager_with_a_note(toy_cli, tmp
     code, out, err = toy_cli("train", *TINY[:-1], "--out", tmp_path, "--compile")
     assert code == 0, err
     assert "no C++ compiler" in out + err and "training eagerly" in out + err
+
+
+def test_compile_stays_off_on_apple_mps():
+    from toy.train.loop import compile_unavailable
+
+    assert "MPS" in compile_unavailable(torch.device("mps"))

@@ -84,6 +84,8 @@ def compile_unavailable(device: torch.device) -> str | None:
     """Why torch.compile cannot run here, or None."""
     import shutil
 
+    if device.type == "mps":
+        return "torch.compile stays off on Apple MPS (inductor fails there)"
     if not torch._dynamo.is_dynamo_supported():
         return f"torch.compile does not support this Python/torch ({torch.__version__})"
     if device.type == "cpu" and not any(shutil.which(c) for c in (os.environ.get("CXX") or "g++", "c++", "clang++")):

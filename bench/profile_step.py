@@ -1,0 +1,120 @@
+"""Where a training step's time goes: torch.profiler over toy's real job, grouped.
+
+    python bench/profile_step.py scratch-llama|scratch-gpt2|lora|chat [--steps 2] [--compile] [--top 15]
+
+Builds the same jobs as the bench children (scratch 6x384 T256 B8 V8192; SmolLM2 LoRA
+r8 q,v on a token stream B4 T256, or on the bench's chat JSONL), runs warm-up steps,
+then profiles --steps steps and prints: the share of each kind of work (matmul,
+attention, loss, optimizer, the rest), the matmuls' own FLOP/s against the machine's
+fp32 matmul ceiling, and the top ops. docs/performance.md quotes its output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+
+KINDS = [("matmul", ("aten::mm", "aten::addmm", "aten::bmm", "aten::addmm_", "aten::linear")),
+         ("attention", ("scaled_dot_product",)),
+         ("optimizer", ("addcdiv", "addcmul", "lerp", "_foreach", "sqrt", "linalg_vector_norm", "clamp")),
+         ("loss", ("logsumexp", "log_softmax", "exp_", "scatter_add", "gather", "nll_loss"))]
+
+
+def kind(name: str) -> str:
+    for k, keys in KINDS:
+        if any(s in name for s in keys):
+            return k
+    return "elementwise and the rest"
+
+
+def build(what: str, a) -> tuple[torch.nn.Module, object]:
+    from toy.runs import Project
+
+    if what.startswith("scratch"):
+        import scratch_step as S
+        from toy.recipes import from_scratch
+
+        arch = what.split("-")[1]
+        path = S.corpus(Path(tempfile.mkdtemp()) / "synthetic.bin")
+        opts = dict(corpus=str(path), val_corpus=None, tokenizer=None, raw_i32=False, vocab_size=None, arch=arch,
+                    preset="small", n_layer=S.L, d_model=S.D, n_head=S.H, n_kv_head=S.H if arch == "llama" else None,
+                    seq_len=S.T, batch_size=S.B, grad_accum=1, seed=0, eval_batches=1)
+        return from_scratch.build(opts, Project(root=None)).job
+    from toy.recipes import lora
+
+    model = Path.home() / ".cache" / "toy" / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    if what == "lora":
+        opts = dict(lora.FLAGS, model=str(model), corpus=str(ROOT / "build" / "bench" / "smol.bin"), data=None,
+                    seed=0, seq_len=256, batch_size=4, grad_accum=1, eval_batches=1, raw_i32=False, val_corpus=None)
+    else:
+        data = ROOT / "build" / "bench" / "chat.jsonl"
+        opts = dict(lora.FLAGS, model=str(model), data=str(data), val_data=str(data), corpus=None, seed=0,
+                    seq_len=512, batch_size=4, grad_accum=1, eval_batches=1, raw_i32=False, val_corpus=None)
+    return lora.build(opts, Project(root=None)).job
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("what", choices=("scratch-llama", "scratch-gpt2", "lora", "chat"))
+    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--top", type=int, default=15)
+    a = ap.parse_args()
+    from run import matmul_ceiling  # bench/run.py
+    from toy.train.loop import compile_blocks
+    from toy.train.schedule import make_adamw
+
+    job = build(a.what, a)
+    model = job.model
+    if a.compile:
+        print(compile_blocks(model, torch.device("cpu")))
+    opt = make_adamw(job.trainable(), 1e-4, 0.0, job.params_decay)
+
+    def step(k: int) -> int:
+        b = job.micro_batch(k)
+        n = job.count(b)
+        ls, _ = job.loss(model, b)
+        (ls / n).backward()
+        torch.nn.utils.clip_grad_norm_([p for _, p in job.trainable()], 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        ls.item()
+        return int(b["ids"].numel())
+
+    for k in range(3):
+        step(k)
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True, with_flops=True) as prof:
+        t0 = time.perf_counter()
+        tokens = sum(step(3 + k) for k in range(a.steps))
+        wall = time.perf_counter() - t0
+    events = prof.key_averages()
+    total = sum(e.self_cpu_time_total for e in events)
+    by_kind: dict[str, float] = defaultdict(float)
+    for e in events:
+        by_kind[kind(e.key)] += e.self_cpu_time_total
+    mm_us = sum(e.self_cpu_time_total for e in events if kind(e.key) == "matmul")
+    mm_flops = sum(e.flops for e in events if kind(e.key) == "matmul" and e.flops)
+    ceiling = matmul_ceiling()
+    print(f"{a.what}{' --compile' if a.compile else ''}: {a.steps} steps, {tokens / wall:,.0f} tokens/s "
+          f"under the profiler; {torch.get_num_threads()} threads")
+    for k, us in sorted(by_kind.items(), key=lambda kv: -kv[1]):
+        print(f"  {k:26s} {us / 1e6 / a.steps:7.3f} s/step  {us / total:6.1%}")
+    if mm_us:
+        print(f"  matmuls run at {mm_flops / (mm_us / 1e6) / 1e9:,.1f} GFLOP/s; the fp32 matmul ceiling "
+              f"is {ceiling / 1e9:,.1f} GFLOP/s ({mm_flops / (mm_us / 1e6) / ceiling:.0%})")
+    print(events.table(sort_by="self_cpu_time_total", row_limit=a.top))
+
+
+if __name__ == "__main__":
+    main()
