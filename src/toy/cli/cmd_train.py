@@ -74,7 +74,8 @@ def add_parser(sub) -> None:
     m.add_argument("--n-kv-head", type=positive_int("--n-kv-head"), help="key/value heads (grouped-query attention)")
     m.add_argument("--seq-len", type=positive_int("--seq-len"), help="training sequence length (default: the preset's)")
     o = p.add_argument_group("optimiser")
-    o.add_argument("--batch-size", type=positive_int("--batch-size"), help="sequences per micro-batch (default 16)")
+    o.add_argument("--batch-size", type=positive_int("--batch-size"), help="sequences per micro-batch (default 16); with chat --data, a budget of "
+                   "batch-size x (seq-len + 1) tokens filled with conversations of similar length")
     o.add_argument("--grad-accum", type=positive_int("--grad-accum"),
                    help="micro-batches per optimizer step; the loss is normalised over all of them (default 1)")
     o.add_argument("--lr", type=finite_float, help="peak learning rate (default 1e-3)")
