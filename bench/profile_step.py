@@ -38,7 +38,8 @@ def kind(name: str) -> str:
     return "elementwise and the rest"
 
 
-def build(what: str, a) -> tuple[torch.nn.Module, object]:
+def build(what: str):
+    """The Job the bench child for `what` trains."""
     from toy.runs import Project
 
     if what.startswith("scratch"):
@@ -75,7 +76,7 @@ def main() -> None:
     from toy.train.loop import compile_blocks
     from toy.train.schedule import make_adamw
 
-    job = build(a.what, a)
+    job = build(a.what)
     model = job.model
     if a.compile:
         print(compile_blocks(model, torch.device("cpu")))

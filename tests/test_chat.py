@@ -1,5 +1,5 @@
 """Chat JSONL -> (ids, mask): templates in the sandbox, every assistant turn supervised,
-packing, padding, and the errors a user sees for a bad file."""
+length-grouped batches, padding, and the errors a user sees for a bad file."""
 
 from __future__ import annotations
 
@@ -7,9 +7,8 @@ import json
 
 import numpy as np
 import pytest
-import torch
 
-from toy.data.chat import encode_chat, pack_samples, pad_batch, read_chat_jsonl, render_template
+from toy.data.chat import encode_chat, pad_batch, read_chat_jsonl, render_template
 from toy.errors import InputError, ToyError
 from toy.tokenizer import train_bpe
 
@@ -214,46 +213,10 @@ def test_jsonl_bom_and_crlf(tmp_path):
     assert (len(convs), n_bad) == (2, 0)
 
 
-# --------------------------------------------------------------------------- packing
+# --------------------------------------------------------------------------- padding
 
 def sample(n: int, start: int) -> tuple[list[int], list[int]]:
     return list(range(start, start + n)), [1] * n
-
-
-def test_pack_first_fit_and_resets():
-    samples = [sample(5, 100), sample(4, 200), sample(3, 300), sample(2, 400), sample(12, 500)]
-    rows = pack_samples(samples, seq_len=8, pad_id=0)
-    # first-fit in order: [5, 3] [4, 2] [12 -> truncated to 8]
-    assert [r["ids"].tolist() for r in rows] == [
-        [100, 101, 102, 103, 104, 300, 301, 302],
-        [200, 201, 202, 203, 400, 401, 0, 0],
-        list(range(500, 508)),
-    ]
-    assert rows[0]["doc_ids"].tolist() == [0] * 5 + [1] * 3
-    assert rows[0]["pos"].tolist() == [0, 1, 2, 3, 4, 0, 1, 2]
-    assert rows[1]["doc_ids"].tolist() == [0] * 4 + [1] * 2 + [-1] * 2
-    assert rows[1]["pos"].tolist() == [0, 1, 2, 3, 0, 1, 0, 1]
-    # First token of each document is never a target (no context inside its document).
-    assert rows[0]["mask"].tolist() == [0, 1, 1, 1, 1, 0, 1, 1]
-    assert rows[1]["mask"].tolist() == [0, 1, 1, 1, 0, 1, 0, 0]
-    for r in rows:
-        assert all(r[k].shape == (8,) and r[k].dtype == torch.long for k in ("ids", "mask", "doc_ids", "pos"))
-    # Deterministic.
-    again = pack_samples(samples, seq_len=8, pad_id=0)
-    assert all(torch.equal(a[k], b[k]) for a, b in zip(rows, again) for k in a)
-
-
-def test_pack_never_splits_a_sample(tok):
-    samples = [encode_chat(tok, CHATML, CONV[: 3 + 2 * (i % 2)], 10_000, "", "") for i in range(6)]
-    seq_len = max(len(s[0]) for s in samples) + 7
-    rows = pack_samples(samples, seq_len, pad_id=0)
-    pieces = []
-    for r in rows:
-        for d in r["doc_ids"].unique().tolist():
-            if d >= 0:
-                pieces.append(r["ids"][r["doc_ids"] == d].tolist())
-    assert sorted(pieces) == sorted(s[0] for s in samples)
-    assert sum(r["mask"].sum().item() for r in rows) == sum(sum(m) for _, m in samples)
 
 
 def test_pad_batch():

@@ -162,12 +162,3 @@ class GeluMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
-
-
-def causal_doc_mask(doc_ids: torch.Tensor) -> torch.Tensor:
-    """Block-causal boolean mask for packed sequences: token i attends to j iff j <= i
-    and both belong to the same document. doc_ids: (B, T) -> mask (B, 1, T, T)."""
-    T = doc_ids.shape[1]
-    causal = torch.ones(T, T, dtype=torch.bool, device=doc_ids.device).tril()
-    same = doc_ids[:, :, None] == doc_ids[:, None, :]
-    return (same & causal)[:, None]

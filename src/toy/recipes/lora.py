@@ -14,7 +14,7 @@ import torch
 from toy import tokenizer as toktools
 from toy.data.chat import encode_chat, length_batches, pad_batch, read_chat_jsonl
 from toy.data.tokens import Windows, read_tokens, val_path_for
-from toy.errors import InputError, UsageError
+from toy.errors import InputError
 from toy.formats.gguf import read_gguf
 from toy.formats.peft import save_peft_adapter
 from toy.lora import VALID_TARGETS, apply_lora, lora_state_dict
@@ -191,8 +191,8 @@ def chat_stream(opts, tok, base, seq_len, notes):
     budget = int(opts["batch_size"]) * (seq_len + 1)
     seed = int(opts["seed"])
     lengths = [len(ids) for ids, _ in samples]
-    n = len(length_batches(lengths, budget, seed, 0))  # the same count every epoch
-    epochs: dict[int, list[list[int]]] = {}
+    epochs = {0: length_batches(lengths, budget, seed, 0)}
+    n = len(epochs[0])  # the same count every epoch
     d = dist.info()
 
     def micro(k: int) -> dict[str, torch.Tensor]:

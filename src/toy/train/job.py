@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from toy.models.losses import linear_cross_entropy
+from toy.models.losses import IGNORE, linear_cross_entropy
 
 
 @dataclass
@@ -61,9 +61,6 @@ class Job:
         return {n: p.detach() for n, p in self.trainable()}
 
 
-IGNORE = -100
-
-
 def lm_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """Next-token cross-entropy summed over supervised targets (targets == -100 are not).
 
@@ -73,14 +70,14 @@ def lm_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Ten
     inside `linear_cross_entropy`.
     """
     targets = batch["targets"]
+    sup = targets != IGNORE
     hidden = getattr(model, "hidden", None)
     head = getattr(model, "lm_head", None)
     if hidden is None or head is None or getattr(head, "bias", None) is not None:
-        logits = model(batch["ids"], pos=batch.get("pos"), mask=batch.get("attn_mask"))  # (B, T, V)
+        logits = model(batch["ids"])  # (B, T, V)
         loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE, reduction="sum")
-        return loss, (targets != IGNORE).sum()
-    h = hidden(batch["ids"], pos=batch.get("pos"), mask=batch.get("attn_mask"))  # (B, T, C)
-    sup = targets != IGNORE
+        return loss, sup.sum()
+    h = hidden(batch["ids"])  # (B, T, C)
     if bool(sup.all()):
         h, tgt = h.flatten(0, 1), targets.flatten()
     else:
