@@ -3,6 +3,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 # Nothing is ever fetched from a model hub: transformers/peft run offline in tests.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -40,3 +41,11 @@ def run_toy(*argv, cwd=None, timeout=600, env=None):
     e.update(env or {})
     return subprocess.run([sys.executable, "-m", "toy", *map(str, argv)], cwd=cwd, capture_output=True,
                           text=True, timeout=timeout, env=e)
+
+
+def assert_every_parameter_learns(model) -> None:
+    """After a backward pass: every parameter has a finite, non-zero gradient."""
+    for name, p in model.named_parameters():
+        assert p.grad is not None, name
+        assert torch.isfinite(p.grad).all(), name
+        assert p.grad.abs().sum() > 0, name

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import assert_every_parameter_learns
 from toy.models.gpt2 import GPT2, GPT2Config
 
 V = 97
@@ -49,10 +50,7 @@ def test_every_parameter_gets_a_finite_gradient(bias):
     x = torch.randint(0, V, (2, 16))
     loss = torch.nn.functional.cross_entropy(m(x)[:, :-1].flatten(0, 1), x[:, 1:].flatten())
     loss.backward()
-    for name, p in m.named_parameters():
-        assert p.grad is not None, name
-        assert torch.isfinite(p.grad).all(), name
-        assert p.grad.abs().sum() > 0, name
+    assert_every_parameter_learns(m)
 
 
 def test_kv_cache_matches_full_forward():

@@ -12,6 +12,7 @@ import pytest
 import torch
 from PIL import Image
 
+from conftest import assert_every_parameter_learns
 from toy.data.images import (ImageBatches, MAX_PIXELS, bundled_images, load_image_folders, read_idx,
                              split_holdout, scan_folder)
 from toy.errors import InputError
@@ -53,10 +54,7 @@ def test_every_parameter_gets_a_finite_gradient():
     m = tiny_vit()
     x, y = torch.randn(4, 1, 28, 28), torch.randint(0, 10, (4,))
     torch.nn.functional.cross_entropy(m(x), y).backward()
-    for name, p in m.named_parameters():
-        assert p.grad is not None, name
-        assert torch.isfinite(p.grad).all(), name
-        assert p.grad.abs().sum() > 0, name
+    assert_every_parameter_learns(m)
 
 
 def test_non_causal_every_patch_reaches_the_class_token():

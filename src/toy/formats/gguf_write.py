@@ -260,6 +260,14 @@ def _arch_kv(arch: str, pairs: dict[str, Any]) -> dict[str, Any]:
     return {f"{arch}.{k}": v for k, v in pairs.items()}
 
 
+def _shape_hp(cfg, n_kv_head: int) -> dict[str, Any]:
+    """The `{arch}.*` shape keys llama.cpp reads for every decoder (toy configs share
+    these field names)."""
+    return {"vocab_size": cfg.vocab_size, "context_length": cfg.max_seq_len, "embedding_length": cfg.d_model,
+            "feed_forward_length": cfg.d_ff, "block_count": cfg.n_layer, "attention.head_count": cfg.n_head,
+            "attention.head_count_kv": n_kv_head}
+
+
 def _common_kv(name: str, dtype: str) -> dict[str, Any]:
     return {"general.name": name, "general.file_type": int(_FILE_TYPE[dtype]),
             "general.quantization_version": GGML_QUANT_VERSION}
@@ -290,13 +298,7 @@ def write_llama_gguf(path: str | os.PathLike, model: Llama, tokenizer: Tokenizer
         raise UsageError(f"cannot write a toy llama as GGUF architecture {arch!r}; use llama or qwen2")
     notes: list[str] = []
     hp: dict[str, Any] = {
-        "vocab_size": cfg.vocab_size,
-        "context_length": cfg.max_seq_len,
-        "embedding_length": cfg.d_model,
-        "feed_forward_length": cfg.d_ff,
-        "block_count": cfg.n_layer,
-        "attention.head_count": cfg.n_head,
-        "attention.head_count_kv": cfg.n_kv_head,
+        **_shape_hp(cfg, cfg.n_kv_head),
         "attention.layer_norm_rms_epsilon": float(cfg.norm_eps),
         "rope.freq_base": float(cfg.rope_theta),
         "rope.dimension_count": cfg.head_dim,
@@ -366,16 +368,7 @@ def write_gpt2_gguf(path: str | os.PathLike, model: GPT2, tokenizer: Tokenizer |
     _check_dtype(dtype)
     cfg: GPT2Config = model.cfg
     notes: list[str] = []
-    hp = {
-        "vocab_size": cfg.vocab_size,
-        "context_length": cfg.max_seq_len,
-        "embedding_length": cfg.d_model,
-        "feed_forward_length": cfg.d_ff,
-        "block_count": cfg.n_layer,
-        "attention.head_count": cfg.n_head,
-        "attention.head_count_kv": cfg.n_head,
-        "attention.layer_norm_epsilon": float(cfg.norm_eps),
-    }
+    hp = {**_shape_hp(cfg, cfg.n_head), "attention.layer_norm_epsilon": float(cfg.norm_eps)}
     kv = {**_common_kv(name, dtype), **_arch_kv("gpt2", hp)}
     kv.update(_tokenizer_kv(tokenizer, None, cfg.vocab_size, notes))
     if chat_template:
