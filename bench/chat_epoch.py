@@ -43,30 +43,31 @@ def run_toy(a) -> dict:
     from toy.data.chat import read_chat_jsonl
     from toy.recipes import lora
     from toy.runs import EventLog, Project
+    from toy.train.config import RunConfig
     from toy.train.loop import TrainConfig, train
 
     with tempfile.TemporaryDirectory() as d:
         # A separate --val-data, so toy trains on all of --data as the peer does (without
         # it the recipe holds 5% out). Eval is off below: its content never matters.
-        n_conv = len(read_chat_jsonl(a.data)[0])
+        n_conv = len(read_chat_jsonl(a.data).conversations)
         val = Path(d) / "val.jsonl"
         val.write_text("".join(a.data.read_text().splitlines(keepends=True)[:2]))
-        opts = dict(lora.FLAGS, model=str(a.model), data=str(a.data), val_data=str(val), corpus=None, seed=0,
-                    seq_len=a.seq, batch_size=a.batch, grad_accum=1, eval_batches=1, raw_i32=False,
-                    val_corpus=None, epochs=1)
-        built = lora.build(opts, Project(root=None))  # epochs=1 sets opts["steps"]
+        opts = RunConfig.for_recipe("lora", lora.FLAGS, model=str(a.model), data=str(a.data), val_data=str(val),
+                                    seed=0, seq_len=a.seq, batch_size=a.batch, eval_batches=1, epochs=1, steps=None)
+        built = lora.build(opts, Project(root=None))  # epochs=1: the recipe derives the step count
     for note in built.notes:
         print(f"toy: {note}", file=sys.stderr)
     job = built.job
     job.eval_batches = list  # no eval batches: time training only
-    steps = min(opts["steps"], a.limit_steps or opts["steps"])
+    epoch_steps = built.derived["steps"]
+    steps = min(epoch_steps, a.limit_steps or epoch_steps)
     cfg = TrainConfig(steps=steps, batch_size=a.batch, lr=LR, min_lr=LR, warmup=0, weight_decay=0.0, compile=a.compile)
     t0 = time.perf_counter()
     res = train(job, cfg, None, torch.device("cpu"), EventLog(None))
     epoch_s = time.perf_counter() - t0
     # Batch k is a pure function of k: count what was fed after the clock stopped.
     batches = [job.micro_batch(k) for k in range(steps)]
-    return {"epoch_s": epoch_s, "steps": steps, "epoch_steps": opts["steps"],
+    return {"epoch_s": epoch_s, "steps": steps, "epoch_steps": epoch_steps,
             "conversations": job.config["conversations"], "dropped": n_conv - job.config["conversations"],
             "supervised_tokens": sum(int(job.count(b)) for b in batches),
             "tokens_fed": sum(b["ids"].numel() for b in batches), "final_loss": res.losses[-1]["loss"]}

@@ -1,10 +1,12 @@
-"""One benchmark child: SmolLM2-135M (GGUF) + LoRA r=8 on q,v; time training steps.
+"""One benchmark child: a GGUF base (SmolLM2-135M) + LoRA r=8 on q,v; time training steps.
 
 Each implementation runs in its own process so load time and peak RSS are its alone:
     python bench/lora_step.py --impl toy|hf --model SmolLM2.gguf --corpus tokens.bin [--steps 8] [--compile]
-toy runs its real recipe and loop (the figure `toy train --json` reports); the peer is
-transformers (GGUF load, SDPA) + peft with torch AdamW, fed the same token windows.
-Prints one JSON line: load_s, tokens_per_s, peak_rss_mb.
+        [--base-dtype quantized|float32] [--checkpointing] [--batch 4] [--seq 256]
+toy runs its real recipe and loop (the figure `toy train --json` reports), its base held
+as --base-dtype says (toy's default on CPU: quantized, the GGUF's own blocks); the peer is
+transformers (GGUF load, dequantized to float32, SDPA) + peft with torch AdamW, fed the
+same token windows. Prints one JSON line: load_s, tokens_per_s, peak_rss_mb.
 """
 
 from __future__ import annotations
@@ -23,16 +25,17 @@ import torch.nn.functional as F
 def run_toy(a) -> tuple[float, float]:
     from toy.recipes import lora
     from toy.runs import EventLog, Project
+    from toy.train.config import RunConfig
     from toy.train.loop import TrainConfig, train
 
-    opts = dict(lora.FLAGS, model=str(a.model), corpus=str(a.corpus), data=None, seed=0, seq_len=a.seq,
-                batch_size=a.batch, grad_accum=1, eval_batches=1, raw_i32=False, val_corpus=None)
+    opts = RunConfig.for_recipe("lora", lora.FLAGS, model=str(a.model), corpus=str(a.corpus), seed=0, seq_len=a.seq,
+                                batch_size=a.batch, eval_batches=1, base_dtype=a.base_dtype)
     t0 = time.perf_counter()
     built = lora.build(opts, Project(root=None))
     load_s = time.perf_counter() - t0
     built.job.eval_batches = lambda: []  # time training only
     cfg = TrainConfig(steps=3 + a.steps, batch_size=a.batch, lr=1e-4, min_lr=1e-5, warmup=0, weight_decay=0.0,
-                      compile=a.compile)
+                      compile=a.compile, checkpointing=a.checkpointing)
     res = train(built.job, cfg, None, torch.device("cpu"), EventLog(None))
     return load_s, res.items_per_s  # measured after 3 warm-up steps, as `toy train` reports it
 
@@ -74,10 +77,17 @@ def main() -> None:
     ap.add_argument("--corpus", type=Path, required=True)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--compile", action="store_true", help="toy: --compile (torch.compile each block)")
+    ap.add_argument("--checkpointing", action="store_true", help="toy: --checkpointing (recompute blocks)")
+    ap.add_argument("--tune-malloc", action="store_true", help="hf: with toy's allocator setting (runs.tune_malloc)")
+    ap.add_argument("--base-dtype", default="quantized", choices=("quantized", "float32"), help="toy: the base's form")
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=256)
     a = ap.parse_args()
     torch.manual_seed(0)
+    if a.impl == "toy" or a.tune_malloc:
+        from toy.runs import tune_malloc
+
+        tune_malloc()  # what `toy train` does at start
     load_s, tps = (run_toy if a.impl == "toy" else run_hf)(a)
     print(json.dumps({"impl": a.impl, "load_s": round(load_s, 3), "tokens_per_s": round(tps, 1),
                       "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}))

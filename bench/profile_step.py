@@ -2,6 +2,9 @@
 
     python bench/profile_step.py scratch-llama|scratch-gpt2|lora|chat [--steps 2] [--compile] [--top 15]
 
+LoRA jobs hold SmolLM2 quantized (toy's default on CPU); the line "of which: GGUF
+dequantization" is the time spent turning its blocks into floats inside the step.
+
 Builds the same jobs as the bench children (scratch 6x384 T256 B8 V8192; SmolLM2 LoRA
 r8 q,v on a token stream B4 T256, or on the bench's chat JSONL), runs warm-up steps,
 then profiles --steps steps and prints: the share of each kind of work (matmul,
@@ -41,6 +44,7 @@ def kind(name: str) -> str:
 def build(what: str):
     """The Job the bench child for `what` trains."""
     from toy.runs import Project
+    from toy.train.config import RunConfig
 
     if what.startswith("scratch"):
         import scratch_step as S
@@ -48,20 +52,20 @@ def build(what: str):
 
         arch = what.split("-")[1]
         path = S.corpus(Path(tempfile.mkdtemp()) / "synthetic.bin")
-        opts = dict(corpus=str(path), val_corpus=None, tokenizer=None, raw_i32=False, vocab_size=None, arch=arch,
-                    preset="small", n_layer=S.L, d_model=S.D, n_head=S.H, n_kv_head=S.H if arch == "llama" else None,
-                    seq_len=S.T, batch_size=S.B, grad_accum=1, seed=0, eval_batches=1)
+        opts = RunConfig.for_recipe("from-scratch", corpus=str(path), arch=arch, preset="small", n_layer=S.L,
+                                    d_model=S.D, n_head=S.H, n_kv_head=S.H if arch == "llama" else None,
+                                    seq_len=S.T, batch_size=S.B, seed=0, eval_batches=1)
         return from_scratch.build(opts, Project(root=None)).job
     from toy.recipes import lora
 
     model = Path.home() / ".cache" / "toy" / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
     if what == "lora":
-        opts = dict(lora.FLAGS, model=str(model), corpus=str(ROOT / "build" / "bench" / "smol.bin"), data=None,
-                    seed=0, seq_len=256, batch_size=4, grad_accum=1, eval_batches=1, raw_i32=False, val_corpus=None)
+        opts = RunConfig.for_recipe("lora", lora.FLAGS, model=str(model), corpus=str(ROOT / "build" / "bench" / "smol.bin"),
+                                    seed=0, seq_len=256, batch_size=4, eval_batches=1)
     else:
         data = ROOT / "build" / "bench" / "chat.jsonl"
-        opts = dict(lora.FLAGS, model=str(model), data=str(data), val_data=str(data), corpus=None, seed=0,
-                    seq_len=512, batch_size=4, grad_accum=1, eval_batches=1, raw_i32=False, val_corpus=None)
+        opts = RunConfig.for_recipe("lora", lora.FLAGS, model=str(model), data=str(data), val_data=str(data), seed=0,
+                                    seq_len=512, batch_size=4, eval_batches=1)
     return lora.build(opts, Project(root=None)).job
 
 
@@ -111,6 +115,12 @@ def main() -> None:
           f"under the profiler; {torch.get_num_threads()} threads")
     for k, us in sorted(by_kind.items(), key=lambda kv: -kv[1]):
         print(f"  {k:26s} {us / 1e6 / a.steps:7.3f} s/step  {us / total:6.1%}")
+    deq = [e for e in events if e.key == "toy::dequantize"]
+    if deq:
+        us = sum(e.cpu_time_total for e in deq)
+        print(f"  {'of which: GGUF dequantization':26s} {us / 1e6 / a.steps:7.3f} s/step  {us / total:6.1%}  "
+              f"({sum(e.count for e in deq) // a.steps} calls a step: each quantized layer in forward and again in "
+              "backward, the head's vocabulary chunks twice)")
     if mm_us:
         print(f"  matmuls run at {mm_flops / (mm_us / 1e6) / 1e9:,.1f} GFLOP/s; the fp32 matmul ceiling "
               f"is {ceiling / 1e9:,.1f} GFLOP/s ({mm_flops / (mm_us / 1e6) / ceiling:.0%})")

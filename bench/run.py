@@ -2,11 +2,15 @@
 same run, alternating peer and toy, medians of the repeats. Prints a table and writes
 bench/out/results.json with the machine's details.
 
-    python bench/run.py [--only matmul,scratch,lora,chat] [--repeats 3] [--quick]
+    python bench/run.py [--only matmul,scratch,lora,chat,big] [--repeats 3] [--quick]
 
 toy's rows are its real recipes and training loop, timed after their warm-up steps:
 the same `tokens_per_s` `toy train --json` prints (the scratch section checks that by
 running the CLI on the same shape). "toy --compile" is the same with `--compile`.
+LoRA rows: toy's default on CPU holds the base quantized (its GGUF blocks); the
+`--checkpointing` and `--base-dtype float32` rows are the same run with those flags.
+Section 5 ("big") trains LoRA on a 1.07B-parameter Q4_0 llama that
+bench/make_big_llama.py writes (600 MB), quantized and float32, for peak memory.
 """
 
 from __future__ import annotations
@@ -54,7 +58,12 @@ def child(script: str, *args: str) -> dict:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-VARIANTS = {"hf": ["--impl", "hf"], "toy": ["--impl", "toy"], "toy --compile": ["--impl", "toy", "--compile"]}
+VARIANTS = {"hf": ["--impl", "hf"], "toy": ["--impl", "toy"], "toy --compile": ["--impl", "toy", "--compile"],
+            "toy --checkpointing": ["--impl", "toy", "--checkpointing"],
+            "toy --base-dtype float32": ["--impl", "toy", "--base-dtype", "float32"],
+            "hf, toy's malloc setting": ["--impl", "hf", "--tune-malloc"]}
+LORA_VARIANTS = ("hf", "toy", "toy --checkpointing", "toy --base-dtype float32", "toy --compile",
+                 "hf, toy's malloc setting")
 
 
 def alternate(script: str, args: list[str], repeats: int, variants=("hf", "toy")) -> dict[str, list[dict]]:
@@ -93,7 +102,7 @@ def smollm2() -> Path | None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--only", default="matmul,scratch,lora,chat")
+    ap.add_argument("--only", default="matmul,scratch,lora,chat,big")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="fewer steps (a smoke run, not for the record)")
     a = ap.parse_args()
@@ -128,7 +137,7 @@ def main() -> None:
         bench_tps = med(results["scratch_llama"]["toy"]["runs"], "tokens_per_s")
         results["scratch_llama"]["cli_tokens_per_s"] = cli
         rows.append(("  `toy train --json` tokens_per_s, same shape", f"{cli:,.0f} tok/s", "", f"{cli / bench_tps:.2f}x of the toy row"))
-    model = smollm2() if {"lora", "chat"} & only else None
+    model = smollm2() if {"lora", "chat", "big"} & only else None
     if {"lora", "chat"} & only and model is None:
         rows.append(("3, 4 SmolLM2", "skipped: SmolLM2 not available", "", ""))
     if "lora" in only and model is not None:
@@ -138,19 +147,19 @@ def main() -> None:
             subprocess.run([sys.executable, "-m", "toy", "prep", *map(str, texts), "--out", str(corpus),
                             "--tokenizer", str(model)], check=True, capture_output=True)
         r = alternate("lora_step.py", ["--model", str(model), "--corpus", str(corpus), "--steps", steps],
-                      a.repeats, ("hf", "toy", "toy --compile"))
+                      a.repeats, LORA_VARIANTS)
         h = r["hf"]
-        results["lora"] = {"peer": h, **{v: r[v] for v in ("toy", "toy --compile")}}
-        for v in ("toy", "toy --compile"):
+        results["lora"] = {"peer": h, **{v: r[v] for v in LORA_VARIANTS[1:]}}
+        for v in LORA_VARIANTS[1:]:
             t = r[v]
             rows.append((f"3 LoRA SmolLM2 r8 q,v B4 T256, {v}", f"{med(t, 'tokens_per_s'):,.0f} tok/s",
                          f"{med(h, 'tokens_per_s'):,.0f} tok/s",
                          f"{med(t, 'tokens_per_s') / med(h, 'tokens_per_s'):.2f}x"))
+            rows.append(("    peak RSS", f"{med(t, 'peak_rss_mb'):,.0f} MB", f"{med(h, 'peak_rss_mb'):,.0f} MB",
+                         f"{med(t, 'peak_rss_mb') / med(h, 'peak_rss_mb'):.2f}x"))
         t = r["toy"]
-        rows.append(("  model load", f"{med(t, 'load_s'):.1f} s", f"{med(h, 'load_s'):.1f} s",
-                     f"{med(t, 'load_s') / med(h, 'load_s'):.2f}x"))
-        rows.append(("  peak RSS", f"{med(t, 'peak_rss_mb'):,.0f} MB", f"{med(h, 'peak_rss_mb'):,.0f} MB",
-                     f"{med(t, 'peak_rss_mb') / med(h, 'peak_rss_mb'):.2f}x"))
+        rows.append(("  model load (toy: quantized base)", f"{med(t, 'load_s'):.2f} s", f"{med(h, 'load_s'):.1f} s",
+                     f"{med(t, 'load_s') / med(h, 'load_s'):.3f}x"))
     if "chat" in only and model is not None:
         data = ROOT / "build" / "bench" / "chat.jsonl"
         if not data.is_file():
@@ -165,6 +174,24 @@ def main() -> None:
         rows.append(("  tokens through the model", f"{t[0]['tokens_fed']:,}", f"{h[0]['tokens_fed']:,}", ""))
         rows.append(("  peak RSS", f"{med(t, 'peak_rss_mb'):,.0f} MB", f"{med(h, 'peak_rss_mb'):,.0f} MB",
                      f"{med(t, 'peak_rss_mb') / med(h, 'peak_rss_mb'):.2f}x"))
+    if "big" in only and model is not None:
+        big = ROOT / "build" / "bench" / "big-q4_0.gguf"
+        if not big.is_file():
+            subprocess.run([sys.executable, str(HERE / "make_big_llama.py"), "--smollm2", str(model), "--out", str(big)],
+                           check=True)
+        corpus = ROOT / "build" / "bench" / "smol.bin"
+        if not corpus.is_file():
+            texts = sorted((ROOT / "src" / "toy" / "data" / "assets" / "shakespeare").glob("*.txt"))[:3]
+            subprocess.run([sys.executable, "-m", "toy", "prep", *map(str, texts), "--out", str(corpus),
+                            "--tokenizer", str(model)], check=True, capture_output=True)
+        big_args = ["--model", str(big), "--corpus", str(corpus), "--steps", "1" if a.quick else "2",
+                    "--batch", "1", "--seq", "128"]
+        results["big"] = {}
+        for v in ("toy", "toy --base-dtype float32"):
+            t = child("lora_step.py", *VARIANTS[v], *big_args)
+            results["big"][v] = t
+            rows.append((f"5 LoRA 1.07B llama Q4_0 B1 T128, {v}", f"{t['peak_rss_mb']:,.0f} MB peak RSS",
+                         f"{t['tokens_per_s']:,.1f} tok/s", f"load {t['load_s']:.1f} s"))
     out = ROOT / "bench" / "out"
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(results, indent=2))

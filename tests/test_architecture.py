@@ -9,7 +9,7 @@ import pytest
 SRC = Path(__file__).resolve().parents[1] / "src" / "toy"
 
 # Bottom to top. A module may import toy modules of its own layer or lower ones only.
-LAYERS = ["errors", "runs", "tokenizer", "lora", "models", "data", "formats", "train", "recipes", "cli"]
+LAYERS = ["errors", "runs", "tokenizer", "models", "lora", "data", "formats", "train", "recipes", "cli"]
 RANK = {name: i for i, name in enumerate(LAYERS)}
 
 

@@ -4,6 +4,7 @@ the file (or flag), without a traceback, in bounded time, and leave no run behin
 
 from __future__ import annotations
 
+import json
 import struct
 import sys
 import time
@@ -14,6 +15,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gguf_fixtures import tiny_model, write_llama_gguf  # noqa: E402
+from test_chat import SMOLLM2  # noqa: E402
 
 from toy.data.dialogue import conversations, write_jsonl  # noqa: E402
 from toy.data.prep import bundled_text_paths  # noqa: E402
@@ -131,15 +133,30 @@ def test_gguf(kit, toy_cli, tmp_path, case):
     p = tmp_path / "broken.gguf"
     build(kit, p)
     commands = [["train", "--recipe", "lora", "--model", p, "--data", kit["chat"], "--out", tmp_path / "runs"],
-                ["infer", "--model", p, "--prompt", "x"]]
-    if case not in ("a missing tensor", "a misshapen tensor"):  # describe reads the header only
-        commands.append(["describe", p])
+                ["infer", "--model", p, "--prompt", "x"], ["describe", p]]
     for argv in commands:
         t0 = time.perf_counter()
         code, _, err = toy_cli(*argv)
         assert time.perf_counter() - t0 < 10
         check_one_line(code, err, "broken.gguf", needle)
     assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("case", ["a missing tensor", "a misshapen tensor"])
+def test_describe_shows_a_gguf_it_cannot_load_then_says_why(kit, toy_cli, tmp_path, case):
+    # The header is whole, so describe shows it; the tensors do not fit, so it must not exit 0.
+    build, needle = GGUF_CASES[case]
+    p = tmp_path / "broken.gguf"
+    build(kit, p)
+    code, out, err = toy_cli("describe", p)
+    check_one_line(code, err, "broken.gguf", needle)
+    assert "architecture  llama: 2 layers" in out and "chat template yes" in out
+    code, out, err = toy_cli("describe", p, "--json")
+    check_one_line(code, err, needle)
+    d = json.loads(out)
+    assert d["hyperparameters"]["n_layer"] == 2 and needle in d["load_error"]
+    code, out, _ = toy_cli("describe", kit["good"], "--json")
+    assert code == 0 and json.loads(out)["load_error"] is None
 
 
 # ---- token files
@@ -187,14 +204,20 @@ def test_token_file_vocab_mismatch_with_the_model(kit, toy_cli, tmp_path):
 
 # ---- chat JSONL
 
+NOTHING = "no conversation with an assistant reply in"
 CHAT_CASES = {
-    "binary garbage": (b"\x00\xff\xfe\x81garbage\x00\n" * 5, "no valid conversation"),
-    "wrong schema": (b'{"text": "not a chat"}\n[1, 2, 3]\n', "no valid conversation"),
+    "binary garbage": (b"\x00\xff\xfe\x81garbage\x00\n" * 5, "5 lines skipped: 5 not UTF-8"),
+    "wrong schema": (b'{"text": "not a chat"}\n[1, 2, 3]\n', NOTHING),
     "unknown roles": (b'{"messages": [{"role": "wizard", "content": "hi"}, {"role": "assistant", "content": "x"}]}\n',
-                      "no valid conversation"),
-    "empty file": (b"", "no valid conversation"),
-    "all invalid": (b'{"messages": []}\n{"messages": [{"role": "user", "content": "only a question"}]}\n',
-                    "no valid conversation"),
+                      "1 unknown role"),
+    "empty file": (b"", NOTHING),
+    "all invalid": (b'{"messages": []}\n{"messages": [{"role": "user", "content": "only a question"}]}\n', NOTHING),
+    # Before, this trained a step on the first line's lone end-of-turn token and exited 0.
+    "nothing to learn": (b'{"messages": [{"role": "assistant", "content": ""}]}\n'
+                         b'{"messages": [{"role": "wizard", "content": "hi"}, {"role": "assistant", "content": "x"}]}\n'
+                         b'{"messages": "hello"}\n',
+                         '(3 lines skipped: 1 no assistant reply with content, 1 unknown role, 1 "messages" not '
+                         'a list)'),
 }
 
 
@@ -206,6 +229,7 @@ def test_chat_jsonl(kit, toy_cli, tmp_path, case):
     code, _, err = toy_cli("train", "--recipe", "lora", "--model", kit["good"], "--data", p, "--out", tmp_path / "r")
     last = err.strip().splitlines()[-1] if err.strip() else ""
     assert code == 2 and "broken.jsonl" in last and needle in last and "Traceback" not in err
+    assert NOTHING in last
     # Warnings name each bad line; the final error is one line.
     assert not (tmp_path / "r").exists()
 
@@ -216,6 +240,81 @@ def test_chat_jsonl_strict_stops_at_the_first_bad_line(kit, toy_cli, tmp_path):
     code, _, err = toy_cli("train", "--recipe", "lora", "--model", kit["good"], "--data", p, "--strict",
                            "--out", tmp_path / "r")
     check_one_line(code, err, "mixed.jsonl:11")
+
+
+def test_not_chat_jsonl_at_all_is_refused_in_few_lines(kit, toy_cli, tmp_path):
+    # Before: 500 "not valid JSON" warnings, then the error.
+    p = tmp_path / "notes.txt"
+    p.write_text("".join(f"a note, line {i}\n" for i in range(500)))
+    code, _, err = toy_cli("train", "--recipe", "lora", "--model", kit["good"], "--data", p, "--out", tmp_path / "r")
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 6 and all(f"notes.txt:{i}: not valid JSON" in lines[i - 1] for i in range(1, 6))
+    assert "notes.txt does not look like chat JSONL: none of its first 50 lines is a conversation" in lines[-1]
+    assert not (tmp_path / "r").exists()
+
+
+# ---- chat templates: one conversation the template cannot render is skipped, as a bad line is
+
+REJECT_SYSTEM = ("{% for m in messages %}{% if m.role == 'system' %}{{ raise_exception('no system role') }}{% endif %}"
+                 "<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+Q, A = {"role": "user", "content": "Who is there?"}, {"role": "assistant", "content": "Nay, answer me."}
+SYSTEM, HELLO = {"role": "system", "content": "Be brief."}, {"role": "assistant", "content": "Well met."}
+
+
+def _model_with_template(kit, tmp_path, template) -> Path:
+    return write_llama_gguf(tmp_path / "tpl.gguf", kit["model"], kit["tok"], chat_template=template)
+
+
+def _chat_file(tmp_path, *convs) -> Path:
+    p = tmp_path / "c.jsonl"
+    p.write_text("".join(json.dumps({"messages": c}) + "\n" for c in convs))
+    return p
+
+
+@pytest.mark.parametrize("template,bad,needle", [
+    (REJECT_SYSTEM, [SYSTEM, Q, A], "chat template rejected the conversation: no system role"),
+    # SmolLM2's default system prompt, before a chat that opens with the assistant: not prefix-stable.
+    (SMOLLM2, [HELLO, Q, A], "chat template is not prefix-stable at message 0"),
+], ids=["raise_exception", "smollm2 opening reply"])
+def test_a_conversation_the_template_cannot_render_is_skipped(kit, toy_cli, tmp_path, template, bad, needle):
+    model = _model_with_template(kit, tmp_path, template)
+    data = _chat_file(tmp_path, [Q, A], bad, [Q, A])
+    args = ("train", "--recipe", "lora", "--model", model, "--data", data, "--steps", "1", "--seq-len", "128")
+    code, out, err = toy_cli(*args, "--out", tmp_path / "r")
+    assert code == 0, err
+    assert f"warning: {data}:2: {needle}" in err and "conversation skipped" in err
+    assert f"{data}: skipped 1 conversation the chat template cannot render" in out
+    code, _, err = toy_cli(*args, "--strict", "--out", tmp_path / "strict")
+    check_one_line(code, err, f"{data}:2: {needle}", "--strict")
+    assert not (tmp_path / "strict").exists()
+
+
+@pytest.mark.parametrize("template,needle", [
+    ("{% for m in messages %}{{ m.content }}", "syntax error"),
+    ("{{ ''.__class__.__mro__ }}", "refused by the sandbox"),
+    ("{{ raise_exception('not today') }}", "renders none of all 3 conversations in"),
+], ids=["syntax", "sandbox", "rejects all"])
+def test_a_template_that_renders_nothing_is_one_error(kit, toy_cli, tmp_path, template, needle):
+    model = _model_with_template(kit, tmp_path, template)
+    data = _chat_file(tmp_path, [Q, A], [SYSTEM, Q, A], [Q, A])
+    code, _, err = toy_cli("train", "--recipe", "lora", "--model", model, "--data", data, "--out", tmp_path / "r")
+    check_one_line(code, err, "tpl.gguf", needle)  # no warning per conversation
+    assert not (tmp_path / "r").exists()
+
+
+# ---- adapter directories
+
+def test_adapter_run_directory_without_final(kit, toy_cli, tmp_path):
+    run = tmp_path / "unfinished"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "run.json").write_text("{}")
+    for argv in (["infer", "--model", kit["good"], "--adapter", run, "--prompt", "x"],
+                 ["export", run, "--format", "peft"]):
+        code, _, err = toy_cli(*argv)
+        check_one_line(code, err, "unfinished: has no final/ yet (the run did not finish)", "toy train --resume")
+    code, _, err = toy_cli("infer", "--model", kit["good"], "--adapter", tmp_path / "nowhere", "--prompt", "x")
+    check_one_line(code, err, "--adapter", "nowhere: no such run or adapter directory")
 
 
 # ---- conflicting flags

@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from toy.data.chat import encode_chat, pad_batch, read_chat_jsonl, render_template
+from toy.data.chat import ConversationError, encode_chat, pad_batch, read_chat_jsonl, render_template
 from toy.errors import InputError, ToyError
 from toy.tokenizer import train_bpe
 
@@ -140,6 +140,23 @@ def test_template_syntax_error_names_line():
         render_template("{{ messages[0]['content'] + 1 }}", CONV, False, "", "")
 
 
+def test_what_one_conversation_cannot_render_is_told_apart_from_a_broken_template(tok):
+    """A ConversationError concerns one conversation (the recipe skips it); any other
+    InputError is the template's own fault and would hit every conversation."""
+    opens_with_reply = [{"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Hi."}]
+    rejecting = "{% if messages[0]['role'] == 'system' %}{{ raise_exception('no system role') }}{% endif %}" + CHATML
+    for template, conv in [(SMOLLM2, opens_with_reply),  # the default system prompt breaks prefix-stability
+                           (rejecting, CONV),
+                           ("{{ messages[0]['content'] + 1 }}", CONV)]:  # fails at run time on this data
+        with pytest.raises(ConversationError):
+            encode_chat(tok, template, conv, max_len=1024, bos_token="", eos_token="")
+    encode_chat(tok, rejecting, CONV[1:], max_len=1024, bos_token="", eos_token="")  # the others still render
+    for template in ("{% for m in messages %}", "{{ ''.__class__.__mro__ }}"):
+        with pytest.raises(InputError) as e:
+            encode_chat(tok, template, CONV, max_len=1024, bos_token="", eos_token="")
+        assert not isinstance(e.value, ConversationError)
+
+
 # --------------------------------------------------------------------------- JSONL
 
 def write_lines(path, lines):
@@ -164,24 +181,28 @@ def test_jsonl_skips_and_counts(tmp_path):
         json.dumps({"messages": [{"role": "user", "content": "hi"}]}),        # 10: no assistant
         json.dumps({"messages": [{"role": "user", "content": 3}, {"role": "assistant", "content": "x"}]}),  # 11
         json.dumps([1, 2]),                                                   # 12
+        json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": " "}]}),  # 13
         json.dumps({"messages": CONV, "id": 7}),
     ])
     warnings: list[str] = []
-    convs, n_bad = read_chat_jsonl(p, strict=False, warn=warnings.append)
-    assert n_bad == 8 and len(warnings) == 8 and len(convs) == 2
-    assert convs[0] == CONV[1:3] and convs[1] == CONV
-    lines = [w.split(":")[1] for w in warnings]
-    assert lines == ["5", "6", "7", "8", "9", "10", "11", "12"]
+    chat = read_chat_jsonl(p, strict=False, warn=warnings.append)
+    assert chat.n_skipped == 9 and len(chat.conversations) == 2
+    assert chat.conversations[0] == CONV[1:3] and chat.conversations[1] == CONV
+    assert chat.lines == [3, 14]  # each conversation keeps its line, for later warnings
+    # The first five bad lines one by one, then one line for the rest.
+    assert len(warnings) == 6 and [w.split(":")[1] for w in warnings[:5]] == ["5", "6", "7", "8", "9"]
     assert all(w.startswith(str(p) + ":") and "\n" not in w for w in warnings)
     assert "not UTF-8" in warnings[0] and "not valid JSON" in warnings[1]
     assert "no \"messages\" key" in warnings[2] and "unknown role 'robot'" in warnings[3]
-    assert "is empty" in warnings[4] and "no assistant turn" in warnings[5]
+    assert "is empty" in warnings[4]
+    assert warnings[5].startswith(f"{p}: ... and 4 more invalid lines (")
+    assert chat.skipped["no assistant reply with content"] == 2  # no assistant turn, or only an empty one
 
 
 def test_jsonl_default_warns_on_stderr(tmp_path, capsys):
     p = write_lines(tmp_path / "c.jsonl", [GOOD, "{oops"])
-    convs, n_bad = read_chat_jsonl(p, strict=False)
-    assert (len(convs), n_bad) == (1, 1)
+    chat = read_chat_jsonl(p, strict=False)
+    assert (len(chat.conversations), chat.n_skipped) == (1, 1)
     assert f"{p}:2: not valid JSON" in capsys.readouterr().err
 
 
@@ -192,12 +213,12 @@ def test_jsonl_strict(tmp_path):
 
 
 def test_jsonl_empty_missing_all_invalid(tmp_path):
-    with pytest.raises(InputError, match="no valid conversation \\(0 invalid lines\\)"):
+    with pytest.raises(InputError, match="no conversation with an assistant reply in .* only blank lines and comments"):
         read_chat_jsonl(write_lines(tmp_path / "e.jsonl", ["", "# only comments"]), strict=False)
     (tmp_path / "z.jsonl").write_bytes(b"")
-    with pytest.raises(InputError, match="no valid conversation"):
+    with pytest.raises(InputError, match="no conversation with an assistant reply"):
         read_chat_jsonl(tmp_path / "z.jsonl", strict=False)
-    with pytest.raises(InputError, match=r"no valid conversation \(2 invalid lines\); each line must be"):
+    with pytest.raises(InputError, match=r"\(2 lines skipped: 1 not valid JSON, 1 not a JSON object\); each line"):
         read_chat_jsonl(write_lines(tmp_path / "bad.jsonl", ["{", "[]"]), strict=False, warn=lambda m: None)
     with pytest.raises(InputError, match="no such file"):
         read_chat_jsonl(tmp_path / "missing.jsonl", strict=False)
@@ -206,11 +227,44 @@ def test_jsonl_empty_missing_all_invalid(tmp_path):
     assert issubclass(InputError, ToyError)
 
 
+def test_jsonl_nothing_to_learn(tmp_path):
+    """An empty reply, an unknown role, messages that are not a list: nothing to train on.
+    (Before, the empty reply was kept and trained on: it supervised one <|im_end|>.)"""
+    p = write_lines(tmp_path / "it.jsonl", [
+        json.dumps({"messages": [{"role": "assistant", "content": ""}]}),
+        json.dumps({"messages": [{"role": "wizard", "content": "hi"}, {"role": "assistant", "content": "x"}]}),
+        json.dumps({"messages": "hello"}),
+    ])
+    with pytest.raises(InputError) as e:
+        read_chat_jsonl(p, warn=lambda m: None)
+    assert str(e.value).startswith(f"no conversation with an assistant reply in {p} (3 lines skipped: "
+                                   '1 no assistant reply with content, 1 unknown role, 1 "messages" not a list)')
+
+
+def test_jsonl_a_wrong_kind_of_file_stops_early(tmp_path):
+    # 500 lines of prose: five warnings, then one error at line 50, not 500 warnings.
+    p = tmp_path / "notes.txt"
+    p.write_text("".join(f"note number {i}\n" for i in range(500)))
+    warnings: list[str] = []
+    with pytest.raises(InputError) as e:
+        read_chat_jsonl(p, warn=warnings.append)
+    assert len(warnings) == 5
+    assert str(e.value) == (f"{p} does not look like chat JSONL: none of its first 50 lines is a conversation "
+                            "(line 1: not valid JSON (Expecting value at column 1)); expected one "
+                            '{"messages": [...]} object per line')
+    # One good conversation among many bad lines is chat JSONL with bad lines: read to the end.
+    p.write_text(GOOD + "\n" + "".join(f"note number {i}\n" for i in range(500)))
+    warnings.clear()
+    chat = read_chat_jsonl(p, warn=warnings.append)
+    assert len(chat.conversations) == 1 and chat.n_skipped == 500
+    assert len(warnings) == 6 and "... and 495 more invalid lines" in warnings[-1]
+
+
 def test_jsonl_bom_and_crlf(tmp_path):
     p = tmp_path / "w.jsonl"
     p.write_bytes(b"\xef\xbb\xbf" + GOOD.encode() + b"\r\n" + GOOD.encode() + b"\r\n")
-    convs, n_bad = read_chat_jsonl(p, strict=True)
-    assert (len(convs), n_bad) == (2, 0)
+    chat = read_chat_jsonl(p, strict=True)
+    assert (len(chat.conversations), chat.n_skipped) == (2, 0)
 
 
 # --------------------------------------------------------------------------- padding

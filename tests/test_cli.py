@@ -25,13 +25,69 @@ def corpus(tmp_path_factory):
 
 def test_prep_writes_train_val_and_tokenizer(corpus, toy_cli, tmp_path):
     assert corpus.is_file() and (corpus.parent / "c.val.bin").is_file()
-    assert (corpus.parent / "tokenizer.json").is_file()
+    assert (corpus.parent / "c.tokenizer.json").is_file() and not (corpus.parent / "tokenizer.json").exists()
     code, out, _ = toy_cli("prep", *bundled_text_paths()[:1], "--out", tmp_path / "x.bin",
-                           "--tokenizer", corpus.parent / "tokenizer.json", "--val-fraction", "0.1", "--json")
+                           "--tokenizer", corpus.parent / "c.tokenizer.json", "--val-fraction", "0.1", "--json")
     assert code == 0
     r = json.loads(out)
     assert r["vocab_size"] == 512 and r["val_tokens"] > 0
     assert abs(r["val_tokens"] / (r["train_tokens"] + r["val_tokens"]) - 0.1) < 0.001
+    # A reused tokenizer.json is copied beside the corpus too: the corpus owns its tokenizer.
+    assert r["tokenizer"] == str(tmp_path / "x.tokenizer.json")
+    assert (tmp_path / "x.tokenizer.json").read_bytes() == (corpus.parent / "c.tokenizer.json").read_bytes()
+
+
+def test_two_corpora_in_one_folder_keep_their_own_tokenizers(toy_cli, tmp_path):
+    """Prepping a second corpus into a folder used to write tokenizer.json over the first
+    corpus's; each now owns NAME.tokenizer.json, and training and infer on the first
+    still work after the second is prepped."""
+    d = tmp_path / "data"
+    d.mkdir()
+    plays = bundled_text_paths()
+    code, out, err = toy_cli("prep", plays[0], "--out", d / "a.bin", "--vocab-size", "400", "--json")
+    assert code == 0, err
+    assert json.loads(out)["tokenizer"] == str(d / "a.tokenizer.json")
+    first = (d / "a.tokenizer.json").read_bytes()
+    code, out, err = toy_cli("prep", plays[1], "--out", d / "b.bin", "--vocab-size", "300")
+    assert code == 0, err
+    assert f"tokenizer trained -> {d / 'b.tokenizer.json'}" in out and "1 document," in out
+    assert (d / "a.tokenizer.json").read_bytes() == first  # untouched
+    assert (d / "b.tokenizer.json").read_bytes() != first
+    assert not (d / "tokenizer.json").exists()
+    for name, vocab in (("a", 400), ("b", 300)):
+        r = train_json(toy_cli, d / f"{name}.bin", tmp_path / "runs", "--steps", "2", "--run-id", name)
+        assert r["params"] > 0
+        final = tmp_path / "runs" / name / "final"
+        assert (final / "tokenizer.json").read_bytes() == (d / f"{name}.tokenizer.json").read_bytes()
+        code, out, err = toy_cli("infer", "--run", final.parent, "--prompt", "HAMLET.", "--max-new-tokens", "4",
+                                 "--temperature", "0")
+        assert code == 0, err
+        assert out.startswith("HAMLET.")
+
+
+def test_prep_with_a_gguf_tokenizer_writes_it_beside_the_corpus(toy_cli, tmp_path):
+    """`toy prep --tokenizer X.gguf` wrote no tokenizer file, so a from-scratch run on the
+    corpus had none for `toy infer`; NAME.tokenizer.json now holds the GGUF's."""
+    from gguf_fixtures import tiny_model, write_llama_gguf
+
+    from toy import tokenizer as toktools
+    from toy.data.tokens import read_tokens
+
+    text = bundled_text_paths()[0].read_text()[:40000]
+    tok = toktools.train_bpe([text[i : i + 500] for i in range(0, len(text), 500)], 320)
+    gguf = write_llama_gguf(tmp_path / "m.gguf", tiny_model(vocab_size=tok.get_vocab_size(with_added_tokens=True)),
+                            tok)
+    txt = tmp_path / "t.txt"
+    txt.write_text(text)
+    code, out, err = toy_cli("prep", txt, "--out", tmp_path / "g.bin", "--tokenizer", gguf, "--json")
+    assert code == 0, err
+    beside = tmp_path / "g.tokenizer.json"
+    assert json.loads(out)["tokenizer"] == str(beside)
+    assert toktools.hash_matches(toktools.load(beside), read_tokens(tmp_path / "g.bin").tokenizer_hash)
+    train_json(toy_cli, tmp_path / "g.bin", tmp_path / "runs", "--steps", "2", "--run-id", "g")
+    code, out, err = toy_cli("infer", "--run", tmp_path / "runs" / "g", "--prompt", "HAMLET.", "--max-new-tokens",
+                             "3")
+    assert code == 0 and out.startswith("HAMLET."), err
 
 
 def test_prep_jsonl(toy_cli, tmp_path):
@@ -61,7 +117,7 @@ def test_train_json_contract_and_run_directory(corpus, toy_cli, tmp_path):
     run = tmp_path / "r1"
     info = json.loads((run / "run.json").read_text())
     assert info["device"]["type"] == "cpu" and info["device"]["torch_threads"] >= 1
-    assert info["versions"]["torch"] and info["train"]["steps"] == 6 and info["seed"] == 0
+    assert info["versions"]["torch"] and info["config"]["steps"] == 6 and info["seed"] == 0
     events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
     kinds = [e["event"] for e in events]
     assert kinds[0] == "run_started" and kinds[-1] == "run_finished"
@@ -106,10 +162,13 @@ def test_end_to_end_new_prep_train_infer(tmp_path):
     r = run_toy("new", proj)
     assert r.returncode == 0, r.stderr
     assert (proj / "toy.toml").is_file() and (proj / "data" / "corpus.bin").is_file()
-    assert (proj / "data" / "tokenizer.json").is_file() and (proj / "runs").is_dir()
+    assert sorted(p.name for p in (proj / "data").iterdir()) == ["corpus.bin", "corpus.tokenizer.json",
+                                                                  "corpus.val.bin"]
+    assert (proj / "runs").is_dir()
     txt = tmp_path / "t.txt"
     txt.write_text(bundled_text_paths()[0].read_text()[:60000])
-    r = run_toy("prep", txt, "--out", proj / "data" / "small.bin", "--tokenizer", proj / "data" / "tokenizer.json")
+    r = run_toy("prep", txt, "--out", proj / "data" / "small.bin", "--tokenizer",
+                proj / "data" / "corpus.tokenizer.json")
     assert r.returncode == 0, r.stderr
     r = run_toy("train", "--recipe", "from-scratch", "--corpus", "data/small.bin", *TINY, "--steps", "3",
                 "--json", cwd=proj)
@@ -122,6 +181,18 @@ def test_end_to_end_new_prep_train_infer(tmp_path):
     g1 = run_toy("infer", "--run", run_dir, "--prompt", "HAMLET.", "--max-new-tokens", "8", "--temperature", "0")
     g2 = run_toy("infer", "--run", run_dir, "--prompt", "HAMLET.", "--max-new-tokens", "8", "--temperature", "0")
     assert g1.stdout == g2.stdout  # greedy is deterministic
+
+
+def test_project_from_before_per_corpus_tokenizers_still_trains(toy_cli, tmp_path, monkeypatch):
+    # Projects made by an older `toy new` hold data/tokenizer.json, not data/corpus.tokenizer.json.
+    proj = tmp_path / "old"
+    assert toy_cli("new", proj)[0] == 0
+    (proj / "data" / "corpus.tokenizer.json").rename(proj / "data" / "tokenizer.json")
+    monkeypatch.chdir(proj)
+    code, out, err = toy_cli("train", *TINY, "--steps", "1", "--run-id", "o", "--json")
+    assert code == 0, err
+    final = proj / "runs" / "o" / "final"
+    assert (final / "tokenizer.json").read_bytes() == (proj / "data" / "tokenizer.json").read_bytes()
 
 
 def test_default_corpus_is_the_bundled_one(toy_cli, tmp_path, monkeypatch):
@@ -154,6 +225,66 @@ def test_every_train_flag_has_help_text():
                    "--n-layer", "--d-model", "--n-head", "--n-kv-head", "--seq-len", "--batch-size", "--grad-accum",
                    "--lr", "--min-lr", "--warmup", "--weight-decay", "--clip", "--eval-every", "--save-every"):
         assert any(needed in a.option_strings for a in flags), needed
+
+
+# Every subcommand but train (whose flags belong to cmd_train and the recipes).
+HELP_CHECKED = ("new", "prep", "train", "infer", "describe", "runs", "plot", "list", "export", "fetch")
+
+
+def _subparsers():
+    from toy.cli.main import build_parser
+
+    p = build_parser()
+    return p, next(a for a in p._actions if a.dest == "command").choices
+
+
+def test_help_states_every_default():
+    import argparse
+
+    _, subs = _subparsers()
+    for name in HELP_CHECKED:
+        for a in subs[name]._actions:
+            if not a.option_strings or a.required or isinstance(a, (argparse._HelpAction, argparse._StoreTrueAction)):
+                continue
+            assert a.help and "default" in a.help, (name, a.option_strings, a.help)
+    infer_help = subs["infer"].format_help()
+    assert "interactive chat" in " ".join(infer_help.split())
+
+
+def test_no_parser_takes_abbreviations():
+    p, subs = _subparsers()
+    assert not p.allow_abbrev and all(not s.allow_abbrev for s in subs.values())
+    assert p.parse_args(["train", "--steps=5"]).steps == 5
+
+
+TYPOS = [
+    (["train", "--lerning-rate", "1"], "unrecognized arguments: --lerning-rate 1; did you mean --lr?"),
+    (["train", "--learning_rate", "1"], "did you mean --lr?"),
+    (["train", "--step", "5"], "did you mean --steps?"),  # an abbreviation is refused, not taken
+    (["train", "--batchsize", "5"], "did you mean --batch-size?"),
+    (["train", "--gradient-accumulation-steps", "2"], "did you mean --grad-accum?"),
+    (["infer", "--temprature", "0"], "did you mean --temperature?"),
+    (["infer", "--temp", "0"], "did you mean --temperature?"),
+    (["prep", "x.txt", "--out", "x.bin", "--vocab", "300"], "did you mean --vocab-size?"),
+    (["train", "--zqxj-wvu"], "unrecognized arguments: --zqxj-wvu (see"),
+    (["trian"], "did you mean 'train'?"),
+]
+
+
+@pytest.mark.parametrize("argv,needle", TYPOS, ids=[" ".join(a) for a, _ in TYPOS])
+def test_flag_typos_suggest_a_flag_and_point_to_the_commands_help(argv, needle, capsys):
+    from toy.cli.main import main
+
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert needle in err, err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    cmd = "toy" if argv[0] == "trian" else f"toy {argv[0]}"
+    assert err.startswith(f"{cmd}: error:") and err.rstrip().endswith(f"(see `{cmd} --help`)"), err
+    if "zqxj" in argv[-1]:
+        assert "did you mean" not in err
 
 
 # ---------------------------------------------------------------- user errors
@@ -222,3 +353,42 @@ def test_failed_run_writes_run_failed_and_exits_1(corpus, toy_cli, tmp_path):
     events = [json.loads(x) for x in (tmp_path / "boom" / "events.jsonl").read_text().splitlines()]
     assert events[-1]["event"] == "run_failed" and isinstance(events[-1]["step"], int)
     assert not (tmp_path / "boom" / "final").exists()
+
+
+def test_the_command_table_matches_each_commands_own_help():
+    from toy.cli.main import COMMANDS
+
+    _, subs = _subparsers()
+    p = build_parser_all()
+    actions = next(a for a in p._actions if a.dest == "command")
+    helps = {c.dest: c.help for c in actions._choices_actions}
+    assert set(subs) == set(COMMANDS)
+    assert {name: helps[name] for name in COMMANDS} == {name: h for name, (_, h) in COMMANDS.items()}
+
+
+def build_parser_all():
+    from toy.cli.main import build_parser
+
+    return build_parser("all")
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["runs"], ["list"], ["describe", "GGUF"], ["fetch", "--list"]])
+def test_quick_commands_never_import_torch(argv, tmp_path):
+    """torch takes about a second to import: the commands that only read files answer
+    without it (startup is timed in docs, not here)."""
+    import subprocess
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    if "GGUF" in argv:
+        from gguf_fixtures import tiny_model, write_llama_gguf
+        from toy.tokenizer import train_bpe
+
+        text = bundled_text_paths()[0].read_text()[:20000]
+        tok = train_bpe([text[i : i + 400] for i in range(0, len(text), 400)], vocab_size=300)
+        argv = ["describe", str(write_llama_gguf(tmp_path / "m.gguf", tiny_model(vocab_size=300), tok))]
+    code = ("import sys\nfrom toy.cli.main import main\n"
+            f"try:\n    main({argv!r})\nexcept SystemExit:\n    pass\n"
+            "print('TORCH' if 'torch' in sys.modules else 'NO-TORCH', file=sys.stderr)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
+    assert "NO-TORCH" in r.stderr, r.stderr[-2000:]

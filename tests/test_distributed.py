@@ -29,7 +29,7 @@ def corpus(tmp_path_factory):
 
 
 def torchrun(*argv, nproc=2, timeout=300):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOY_DIST_TIMEOUT": "60"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOY_DIST_TIMEOUT": "240"}
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
                            "--standalone", "-m", "toy", *map(str, argv)], capture_output=True, text=True,
                           timeout=timeout, env=env)
@@ -70,7 +70,7 @@ def test_torchrun_two_processes_match_one(corpus, single, tmp_path):
 
 def test_nproc_flag_matches_one(corpus, single, tmp_path):
     r = run_toy("train", "--nproc", "2", "--corpus", corpus, "--out", tmp_path, *TINY, "--batch-size", "2",
-                "--json", "--run-id", "n2", env={"OMP_NUM_THREADS": "1", "TOY_DIST_TIMEOUT": "60"})
+                "--json", "--run-id", "n2", env={"OMP_NUM_THREADS": "1", "TOY_DIST_TIMEOUT": "240"})
     assert r.returncode == 0, r.stderr[-3000:]
     close(losses(r.stdout), single[0])
 
@@ -124,3 +124,90 @@ def test_nproc_refuses_bad_values(toy_cli, capsys):
     with pytest.raises(SystemExit) as e:
         toy_cli("train", "--nproc", "0")
     assert e.value.code == 2 and "--nproc" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- every recipe under FSDP and DDP
+
+@pytest.fixture(scope="module")
+def lora_base(tmp_path_factory):
+    """A tiny llama GGUF with a ChatML-aware tokenizer, chat data from the plays, and a
+    token corpus made with the model's tokenizer."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from gguf_fixtures import tiny_model, write_llama_gguf
+
+    from toy.cli.main import main
+    from toy.data.dialogue import conversations, write_jsonl
+    from toy.tokenizer import train_bpe
+
+    d = tmp_path_factory.mktemp("lora")
+    text = bundled_text_paths()[0].read_text()[:40000]
+    tok = train_bpe([text[i : i + 400] for i in range(0, len(text), 400)], vocab_size=400)
+    tok.add_special_tokens(["<|im_start|>", "<|im_end|>"])
+    model = tiny_model(vocab_size=tok.get_vocab_size(with_added_tokens=True), max_seq_len=256)
+    gguf = write_llama_gguf(d / "base.gguf", model, tok)
+    chat = write_jsonl(conversations(bundled_text_paths(), 40, seed=1, turns=(1, 2), max_chars=150), d / "chat.jsonl")
+    assert main(["prep", str(bundled_text_paths()[1]), "--out", str(d / "t.bin"), "--tokenizer", str(gguf)]) == 0
+    return {"gguf": gguf, "chat": chat, "tokens": d / "t.bin", "dir": d}
+
+
+@pytest.fixture(scope="module")
+def donor(tmp_path_factory):
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from test_warm_start import make_donor
+
+    return make_donor(tmp_path_factory.mktemp("warm"))
+
+
+LORA = ["--recipe", "lora", "--seq-len", "128", "--eval-batches", "2", "--lr", "1e-2", "--warmup", "0", "--steps", "4"]
+FSDP_CASES = {
+    "gpt2": lambda c, lb, dn: ["--arch", "gpt2", "--corpus", c, *TINY, "--batch-size", "2"],
+    "warm-start": lambda c, lb, dn: ["--recipe", "warm-start", "--donor", dn["gguf"], "--corpus", dn["corpus"],
+                                     "--preset", "tiny", "--seq-len", "32", "--eval-batches", "2", "--steps", "4",
+                                     "--batch-size", "2"],
+    "lora-tokens": lambda c, lb, dn: [*LORA, "--model", lb["gguf"], "--corpus", lb["tokens"], "--batch-size", "2"],
+    "lora-chat": lambda c, lb, dn: [*LORA, "--model", lb["gguf"], "--data", lb["chat"], "--batch-size", "2"],
+    "vit-tiny": lambda c, lb, dn: ["--recipe", "vit-tiny", "--preset", "tiny", "--batch-size", "8", "--steps", "4",
+                                   "--eval-batches", "2"],
+}
+
+
+@pytest.mark.parametrize("case", list(FSDP_CASES))
+def test_fsdp_trains_every_architecture_and_recipe(case, corpus, lora_base, donor, tmp_path):
+    """FSDP2 on 2 gloo processes: the run finishes with its final/ (GPT-2's head used to be
+    re-tied through a llama-only name after the last step) and its losses are the
+    one-process run's on the same global batch."""
+    argv = FSDP_CASES[case](corpus, lora_base, donor)
+    r = torchrun("train", *argv, "--fsdp", "--json", "--out", tmp_path, "--run-id", "f")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert (tmp_path / "f" / "final").is_dir() and any((tmp_path / "f" / "final").iterdir())
+    batch = argv[argv.index("--batch-size") + 1]
+    one = [*argv]
+    one[one.index("--batch-size") + 1] = str(2 * int(batch))
+    if case == "lora-chat":  # a chat batch is a whole length-grouped batch: 2 per step on 1 process
+        one = [*argv, "--grad-accum", "2"]
+    s = run_toy("train", *one, "--json", "--out", tmp_path, "--run-id", "s", env={"OMP_NUM_THREADS": "1"})
+    assert s.returncode == 0, s.stderr[-3000:]
+    close(losses(r.stdout), losses(s.stdout), rel=1e-4)
+
+
+def test_chat_lora_under_ddp_matches_one_process_and_resumes_on_another_world_size(lora_base, tmp_path):
+    import shutil
+
+    args = [*LORA, "--model", lora_base["gguf"], "--data", lora_base["chat"], "--batch-size", "2", "--dropout", "0.0"]
+    r = torchrun("train", *args, "--json", "--out", tmp_path, "--run-id", "two", "--save-every", "2")
+    assert r.returncode == 0, r.stderr[-3000:]
+    two = losses(r.stdout)
+    s = run_toy("train", *args, "--grad-accum", "2", "--json", "--out", tmp_path, "--run-id", "one",
+                env={"OMP_NUM_THREADS": "1"})
+    assert s.returncode == 0, s.stderr[-3000:]
+    close(two, losses(s.stdout))
+    # The 2-process run, cut after step 2, resumed on ONE process: the same global batches
+    # (2 chat batches a step, now as 2 micro-steps), the same losses.
+    shutil.copytree(tmp_path / "two", tmp_path / "cut")
+    shutil.rmtree(tmp_path / "cut" / "checkpoints" / "step-000004")
+    shutil.rmtree(tmp_path / "cut" / "final")
+    r = run_toy("train", "--resume", tmp_path / "cut", "--json", env={"OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    resumed = [e["loss"] for e in map(json.loads, (tmp_path / "cut" / "events.jsonl").read_text().splitlines())
+               if e["event"] == "step"][-2:]
+    close(resumed, two[2:])

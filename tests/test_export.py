@@ -109,7 +109,7 @@ def test_qk_rows_are_permuted_in_the_file(tmp_path, model, tok):
 
     rep = write_llama_gguf(tmp_path / "m.gguf", model, tok)
     h = read_gguf_header(rep.path)
-    buf = np.memmap(rep.path, dtype=np.uint8, mode="r")
+    buf = np.memmap(rep.path, dtype=np.uint8, mode="c")
     q = _load_tensor(buf, h.tensors["blk.1.attn_q.weight"]).numpy()
     k = _load_tensor(buf, h.tensors["blk.1.attn_k.weight"]).numpy()
     sd = model.state_dict()
@@ -224,7 +224,7 @@ def test_gpt2_roundtrip(tmp_path, tok):
         assert h.metadata["general.architecture"] == "gpt2" and h.metadata["gpt2.context_length"] == 64
         assert h.tensors["blk.0.attn_qkv.weight"].ne == (64, 192)  # GGUF ne [in, out]
         assert h.tensors["position_embd.weight"].ne == (64, 64) and "output.weight" not in h.tensors
-        buf = np.memmap(rep.path, dtype=np.uint8, mode="r")
+        buf = np.memmap(rep.path, dtype=np.uint8, mode="c")
         sd = {t: _load_tensor(buf, h.tensors[g]) for g, t in gpt2_tensor_map(m.cfg).items()}
         back = GPT2(GPT2Config(vocab_size=n, n_layer=2, d_model=64, n_head=4, max_seq_len=64, bias=True)).eval()
         back.load_state_dict(sd, strict=False)
@@ -395,8 +395,9 @@ def test_cli_export_lora_run_all_formats(lora_run, toy_cli, tmp_path, tok):
     code, out, err = toy_cli("export", run, "--format", "gguf", "--merge", "--json")
     assert code == 0, err
     r = json.loads(out)
-    assert r["format"] == "toy/export-v1" and r["dtype"] == "f32" and r["merged"]
-    assert Path(r["path"]) == run / "export" / "l1-merged-f32.gguf"
+    # --merge defaults to the base's own types (this base is f32, so the merged file is too)
+    assert r["format"] == "toy/export-v1" and r["dtype"] == "base" and r["merged"]
+    assert Path(r["path"]) == run / "export" / "l1-merged-base.gguf" and r["tensor_types"] == {"F32": 20}
     merged = read_gguf(r["path"])
     # Merging rounds W + s*B@A once in float32: agreement to float32 rounding, not bits.
     torch.testing.assert_close(_logits(merged.build_model(), ids), _logits(ref, ids), rtol=1e-5, atol=1e-5)
@@ -541,6 +542,53 @@ def test_bad_requests_exit_2(scratch_run, lora_run, toy_cli, tmp_path, capsys):
     assert not (tmp_path / "vit-run" / "export").exists()
 
 
+# ------------------------------------------------------------------ toy describe
+
+def test_describe_a_lora_adapter_gguf(tmp_path, model, tok, toy_cli):
+    """`toy describe adapter.gguf` used to refuse it as a model it could not load."""
+    path = tmp_path / "adapter.gguf"
+    write_lora_gguf(path, lora_state_dict(_adapted(model, rank=4)), alpha=8, base=model.cfg, name="mine")
+    code, out, err = toy_cli("describe", path)
+    assert code == 0, err
+    assert out.endswith("\n") and not out.endswith("\n\n")
+    n = model.cfg.n_layer
+    assert "adapter       LoRA adapter for a llama base: rank 4, alpha 8 (update scaled by alpha/rank = 2)" in out
+    assert f"attn_q x{n}, attn_v x{n}" in out and f"({7 * n} matrices in {n} layers)" in out
+    assert "name          mine" in out and "--lora" in out
+    code, out, err = toy_cli("describe", path, "--json")
+    d = json.loads(out)
+    assert (d["format"], d["type"], d["adapter_type"], d["arch"]) == ("toy/describe-v1", "adapter", "lora", "llama")
+    assert (d["rank"], d["alpha"], d["n_layers"], d["n_matrices"]) == (4, 8.0, n, 7 * n)
+    assert set(d["targets"]) == {"attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight",
+                                 "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight"}
+    assert d["problems"] == [] and d["n_tensors"] == 14 * n
+
+
+def test_describe_an_adapter_llamacpp_could_not_apply(tmp_path, toy_cli):
+    import gguf
+
+    path = tmp_path / "half.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_type("adapter")
+    w.add_string("adapter.type", "lora")
+    w.add_tensor("blk.0.attn_q.weight.lora_a", np.zeros((4, 16), dtype=np.float32))  # no lora_b, no alpha
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    code, out, err = toy_cli("describe", path)
+    assert "adapter" in out and "no adapter.lora.alpha" in out  # described first
+    _one_line_exit_2(code, err, "blk.0.attn_q.weight has lora_a without lora_b")
+
+
+def test_describe_a_model_ends_with_a_newline(tmp_path, model, tok, toy_cli):
+    write_llama_gguf(tmp_path / "m.gguf", model, tok, name="m")
+    code, out, err = toy_cli("describe", tmp_path / "m.gguf")
+    assert code == 0, err
+    assert out.endswith("chat template yes\n") or out.endswith("chat template no\n")
+    assert "LoRA base     " in out  # the label column lines up with the others
+
+
 # ------------------------------------------------------------------ toy list
 
 def test_toy_list(scratch_run, lora_run, toy_cli, tmp_path, monkeypatch, model, tok):
@@ -562,14 +610,34 @@ def test_toy_list(scratch_run, lora_run, toy_cli, tmp_path, monkeypatch, model, 
     broken_run.mkdir()
     (broken_run / "run.json").write_text("{not json")
     monkeypatch.chdir(proj)
+    shutil.rmtree(proj / "runs" / "s1" / "export", ignore_errors=True)
+    assert toy_cli("export", "runs/s1", "--format", "gguf")[0] == 0  # -> runs/s1/export/s1-f32.gguf
 
     code, out, err = toy_cli("list")
     assert code == 0, err
-    assert "good.gguf  llama" in out and "broken.gguf  ERROR:" in out
-    assert "adapter.gguf  llama lora adapter" in out and "g2.gguf  gpt2" in out
-    assert "s1  from-scratch llama" in out and "finished" in out
-    assert "f1  lora llama" in out and "failed" in out and "non-finite loss" in out
-    assert "b1" in out and "unreadable run.json" in out
+    lines = out.splitlines()
+    assert lines[0] == "models (data, runs/*/export):"
+    runs_at = lines.index("runs (runs):")
+    models, runs = lines[1:runs_at], lines[runs_at + 1:]
+
+    def fields(rows, name):
+        return next(r for r in rows if r.split()[0] == name).split()
+
+    assert fields(models, "data/good.gguf")[1:3] == ["llama", "model"]
+    assert fields(models, "data/sub/broken.gguf")[1:3] == ["?", "unreadable"] and "ERROR:" in out
+    assert fields(models, "data/adapter.gguf")[1:5] == ["llama", "lora", "adapter", "r4"]
+    assert fields(models, "data/g2.gguf")[1] == "gpt2"
+    assert fields(models, "runs/s1/export/s1-f32.gguf")[1:3] == ["llama", "model"]  # exports are listed
+    assert fields(runs, "s1")[1:3] == ["from-scratch", "llama"] and "finished" in fields(runs, "s1")
+    assert fields(runs, "f1")[1:3] == ["lora", "llama"] and "failed" in fields(runs, "f1")
+    assert "non-finite loss" in out and "unreadable run.json" in fields(runs, "b1")[-1] + " " + out
+    # Aligned: every row's cells start where the header's do.
+    for table in (models, runs):
+        header = table[0]
+        starts = [header.index(h) for h in header.split()]
+        for row in table[1:]:
+            for at in starts[:3]:
+                assert row[at - 2 : at] == "  " and row[at] != " ", (row, header)
 
     extra = tmp_path / "elsewhere"
     extra.mkdir()
@@ -579,7 +647,8 @@ def test_toy_list(scratch_run, lora_run, toy_cli, tmp_path, monkeypatch, model, 
     r = json.loads(out)
     assert r["format"] == "toy/list-v1"
     by_name = {Path(m["path"]).name: m for m in r["models"]}
-    assert set(by_name) == {"good.gguf", "broken.gguf", "adapter.gguf", "g2.gguf", "copy.gguf"}
+    assert set(by_name) == {"good.gguf", "broken.gguf", "adapter.gguf", "g2.gguf", "copy.gguf", "s1-f32.gguf"}
+    assert by_name["adapter.gguf"]["rank"] == 4 and by_name["adapter.gguf"]["alpha"] == 8.0
     assert by_name["good.gguf"]["n_params"] == sum(p.numel() for p in model.parameters())
     assert by_name["good.gguf"]["arch"] == "llama" and by_name["good.gguf"]["file_size"] > 0
     assert "error" in by_name["broken.gguf"] and by_name["adapter.gguf"]["kind"] == "lora adapter"
@@ -595,6 +664,29 @@ def _tiny_gpt2(tok):
 
     return GPT2(GPT2Config(vocab_size=tok.get_vocab_size(with_added_tokens=True), n_layer=1, d_model=32, n_head=2,
                            max_seq_len=32)).eval()
+
+
+def test_exports_checkpoints_and_models_are_readable_by_others(tmp_path, toy_cli):
+    """Files came out 0600 (mkstemp's mode, and safetensors' own): an exported GGUF or a
+    checkpoint was hidden from the machine's other users. They follow the umask now."""
+    from toy.data.prep import bundled_text_paths
+
+    old = os.umask(0o022)
+    try:
+        assert toy_cli("prep", bundled_text_paths()[0], "--out", tmp_path / "c.bin", "--vocab-size", "300")[0] == 0
+        code, _, err = toy_cli("train", "--corpus", tmp_path / "c.bin", "--out", tmp_path / "runs", "--run-id", "m",
+                               "--preset", "tiny", "--batch-size", "2", "--seq-len", "16", "--eval-batches", "1",
+                               "--steps", "2", "--save-every", "1")
+        assert code == 0, err
+        run = tmp_path / "runs" / "m"
+        assert toy_cli("export", run, "--format", "gguf")[0] == 0
+    finally:
+        os.umask(old)
+    files = [run / "export" / "m-f32.gguf", run / "final" / "model.safetensors", run / "run.json",
+             *sorted((run / "checkpoints").glob("step-*/*")), tmp_path / "c.bin", tmp_path / "c.tokenizer.json"]
+    assert len(files) > 6
+    for f in files:
+        assert f.stat().st_mode & 0o777 == 0o644, (f, oct(f.stat().st_mode))
 
 
 def test_exports_stay_out_of_the_run_unless_asked(scratch_run):

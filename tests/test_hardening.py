@@ -190,7 +190,7 @@ def test_fuzz_chat_jsonl(tmp_path, lines):
     p = tmp_path / "c.jsonl"
     p.write_bytes("\n".join(lines).encode("utf-8", "surrogateescape"))
     try:
-        convs, bad = read_chat_jsonl(p, warn=lambda m: None)
-        assert all(m["role"] in ("system", "user", "assistant") for c in convs for m in c)
+        chat = read_chat_jsonl(p, warn=lambda m: None)
+        assert all(m["role"] in ("system", "user", "assistant") for c in chat.conversations for m in c)
     except ToyError as e:
         assert "\n" not in str(e)

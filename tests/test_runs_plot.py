@@ -139,8 +139,29 @@ def test_runs_statuses(toy_cli, tmp_path):
     assert by_id["done"]["val_loss"] == 2.5 and by_id["done"]["init"] is None
     assert by_id["live"]["steps"] == 2 and by_id["live"]["loss"] == 2.9 and by_id["live"]["wall_s"] == 2.0
     assert by_id["again"]["target_steps"] == 6
+    # Two segments (100..102 and 103..104): their sum, not the span with the pause between.
+    assert by_id["again"]["wall_s"] == 3.0 and by_id["again"]["segments"] == 2
     code, out, _ = toy_cli("runs", tmp_path)
     assert "2/6" in next(line for line in out.splitlines() if line.startswith("again"))
+
+
+def test_resumed_run_wall_time_sums_the_segments(toy_cli, tmp_path):
+    """`toy runs` showed only the last segment's wall_s for a resumed run. Each finished
+    segment counts its run_finished wall_s; one cut short counts its first to last event."""
+    step = lambda s: {"event": "step", "step": s, "loss": 3.0, "tokens_per_s": 1000.0}  # noqa: E731
+    _fake_run(tmp_path, "resumed", [
+        {"event": "run_started", "steps": 4}, step(1), step(2), {"event": "run_finished", "step": 2, "wall_s": 1.5},
+        {"event": "run_resumed", "from_step": 2, "steps": 6}, step(3), {"event": "interrupted", "step": 3},
+        {"event": "run_resumed", "from_step": 3, "steps": 6}, step(4),
+        {"event": "run_finished", "step": 6, "wall_s": 10.25},
+    ])
+    code, out, err = toy_cli("runs", tmp_path, "--json")
+    assert code == 0, err
+    r = json.loads(out)["runs"][0]
+    # 1.5 (finished) + 2.0 (times 104..106, interrupted) + 10.25 (finished)
+    assert r["wall_s"] == 13.75 and r["segments"] == 3 and r["status"] == "finished"
+    code, out, _ = toy_cli("runs", tmp_path)
+    assert "13.8s" in out.splitlines()[1]
 
 
 def test_runs_empty_dir(toy_cli, tmp_path):

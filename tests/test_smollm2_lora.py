@@ -67,3 +67,68 @@ def test_adapter_loads_in_peft_with_toy_logits(lora_run, smollm2_gguf):
         ours = model.eval()(ids)
         theirs = hf(input_ids=ids).logits
     assert (ours - theirs).abs().max().item() < 1e-3
+
+
+def test_quantized_base_trains_as_the_float32_base(smollm2_gguf, tmp_path):
+    """The default CPU base (the Q4_1 blocks, dequantized per layer in forward and
+    backward) and the float32 base (dequantized once) hold the same values: 5 LoRA steps
+    give the same losses within 1e-5, with and without activation checkpointing."""
+    from toy.cli.main import main
+    from toy.recipes import lora
+    from toy.runs import EventLog, Project
+    from toy.train.config import RunConfig
+    from toy.train.loop import TrainConfig, train
+
+    assert main(["prep", str(bundled_text_paths()[0]), "--out", str(tmp_path / "c.bin"), "--tokenizer",
+                 str(smollm2_gguf)]) == 0
+
+    def losses(dtype: str, ck: bool = False) -> list[float]:
+        cfg = RunConfig.for_recipe("lora", lora.FLAGS, model=str(smollm2_gguf), corpus=str(tmp_path / "c.bin"),
+                                   seq_len=64, batch_size=2, steps=5, warmup=0, lr=1e-3, base_dtype=dtype,
+                                   eval_batches=1, checkpointing=ck, dropout=0.1)
+        b = lora.build(cfg, Project(root=None))
+        res = train(b.job, TrainConfig.from_run(cfg.with_derived(b.derived)), None, torch.device("cpu"),
+                    EventLog(None))
+        return [x["loss"] for x in res.losses]
+
+    f32, q, qc = losses("float32"), losses("quantized"), losses("quantized", True)
+    assert max(abs(a - b) for a, b in zip(f32, q)) < 1e-5, (f32, q)
+    assert q == qc  # checkpointing recomputes the same numbers, dropout included
+
+
+@pytest.mark.parametrize("system", [None, "You are a helpful assistant who answers in one sentence.",
+                                    "You are a pirate. Answer every question in pirate speech."])
+def test_chat_greedy_equals_transformers(smollm2_gguf, system):
+    """`toy infer --chat` on SmolLM2: the same prompt ids as transformers' own chat
+    template (system prompt, BOS, special tokens) and the same greedy reply."""
+    transformers = pytest.importorskip("transformers")
+    from toy.cli.cmd_infer import load_gguf_lm
+    from toy.data.chat import render_template
+    from toy.models.generate import generate
+
+    lm = load_gguf_lm(smollm2_gguf, None, "cpu")
+    msgs = ([{"role": "system", "content": system}] if system else []) + [
+        {"role": "user", "content": "What is the capital of France? And of Italy?"}]
+    ids = lm.tok.encode(render_template(lm.template, msgs, True, lm.bos, lm.eos), add_special_tokens=False).ids
+    tok = transformers.AutoTokenizer.from_pretrained(str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name)
+    want_ids = tok.apply_chat_template(msgs, add_generation_prompt=True)
+    want_ids = list(want_ids["input_ids"] if hasattr(want_ids, "keys") else want_ids)
+    assert ids == want_ids
+    ours = list(generate(lm.model, ids, 24, temperature=0.0, stop_ids=lm.stop))
+    hf = _hf(smollm2_gguf)
+    theirs = hf.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False)[0, len(ids):].tolist()
+    cut = next((i for i, t in enumerate(theirs) if t in lm.stop), len(theirs))
+    assert ours == theirs[:cut][: len(ours)] and len(ours) >= 5, (
+        lm.tok.decode(ours), lm.tok.decode(theirs))
+
+
+_HF = {}
+
+
+def _hf(path):
+    import transformers
+
+    if path not in _HF:
+        _HF[path] = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                                      dtype=torch.float32).eval()
+    return _HF[path]

@@ -78,7 +78,7 @@ def test_compile_trains_to_the_eager_losses_and_is_deterministic(toy_cli, tmp_pa
     assert runs[0] == pytest.approx(eager, rel=1e-5)
     run_dirs = sorted(tmp_path.iterdir())
     info = json.loads((run_dirs[-1] / "run.json").read_text())
-    assert info["train"]["compile"] is True
+    assert info["config"]["compile"] is True
     # In-place compilation keeps the checkpoint and export names of the eager model.
     from safetensors.torch import load_file
 

@@ -282,7 +282,8 @@ def test_train_then_infer_image(tmp_path, toy_cli):
     r = train_json(toy_cli, tmp_path, "--steps", "6", "--eval-every", "3", "--run-id", "v")
     assert (r["recipe"], r["arch"]) == ("vit-tiny", "vit") and len(r["losses"]) == 6
     assert [a["step"] for a in r["val_accuracy"]] == [0, 3, 6]
-    assert all(set(a) == {"step", "accuracy"} and 0 <= a["accuracy"] <= 1 for a in r["val_accuracy"])
+    assert all(set(a) == {"step", "accuracy"} for a in r["val_accuracy"])
+    assert all(a["accuracy"] in {i / 30 for i in range(31)} for a in r["val_accuracy"])  # counts of the 30
     assert r["images_per_s"] > 0
     final = tmp_path / "v" / "final"
     meta = json.loads((final / "config.json").read_text())
@@ -311,6 +312,11 @@ def test_train_then_infer_image(tmp_path, toy_cli):
     (tmp_path / "empty.png").write_bytes(b"")
     code, _, err = toy_cli("infer", "--run", tmp_path / "v", "--image", tmp_path / "empty.png")
     assert code == 2 and "empty" in err
+    # Text to an image classifier: it says what the run is and what it takes (not "no tokenizer").
+    for argv in (["--prompt", "hi"], ["--chat", "hi"]):
+        code, _, err = toy_cli("infer", "--run", tmp_path / "v", *argv)
+        assert code == 2 and "image classifier" in err and "--image PATH" in err and "tokenizer" not in err, err
+        assert len(err.strip().splitlines()) == 1
 
 
 def test_corrupt_files_train_and_are_recorded(tmp_path, toy_cli):
@@ -328,7 +334,9 @@ def test_accuracy_from_the_eval_loss_equals_a_separate_pass():
     from toy.recipes import vit_tiny
 
     train, val = load_image_folders(bundled_images(), 28)
-    opts = dict(preset="tiny", seed=0, batch_size=8, eval_batches=100)
+    from toy.train.config import RunConfig
+
+    opts = RunConfig.for_recipe("vit-tiny", vit_tiny.FLAGS, preset="tiny", seed=0, batch_size=8, eval_batches=100)
     built = vit_tiny.make_job(train, val, opts, "bundled", None)
     job, model = built.job, built.job.model
     from toy.train.loop import evaluate
@@ -351,10 +359,33 @@ def test_same_seed_same_losses_other_seed_differs(tmp_path, toy_cli):
 
 
 def test_resume_is_exact(tmp_path, toy_cli):
-    straight = train_json(toy_cli, tmp_path, "--steps", "4", "--run-id", "s")
-    part = train_json(toy_cli, tmp_path, "--steps", "2", "--save-every", "2", "--run-id", "p")
-    code, out, err = toy_cli("train", "--resume", tmp_path / "p", "--steps", "4", "--json")
+    from safetensors.torch import load_file
+
+    from toy.runs import read_events
+
+    import shutil
+
+    straight = train_json(toy_cli, tmp_path, "--steps", "4", "--save-every", "2", "--run-id", "s")
+    shutil.copytree(tmp_path / "s", tmp_path / "p")  # the same run, killed after its step-2 checkpoint
+    shutil.rmtree(tmp_path / "p" / "checkpoints" / "step-000004")
+    shutil.rmtree(tmp_path / "p" / "final")
+    part = {"losses": straight["losses"][:2]}
+    code, out, err = toy_cli("train", "--resume", tmp_path / "p", "--json")
     assert code == 0, err
-    resumed = json.loads(out)
-    assert [x["loss"] for x in resumed["losses"]] == [x["loss"] for x in straight["losses"]]
+    # What the resumed segment recomputed, and the weights it ends with.
+    resumed = [(e["step"], e["loss"]) for e in read_events(tmp_path / "p") if e["event"] == "step"][-2:]
+    assert resumed == [(x["step"], x["loss"]) for x in straight["losses"][2:]]
     assert part["losses"] == straight["losses"][:2]
+    a = load_file(tmp_path / "s" / "final" / "model.safetensors")
+    b = load_file(tmp_path / "p" / "final" / "model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_vit_learns_the_smoke_set(tmp_path, toy_cli):
+    """A recipe that learns nothing fails here: 10 classes (chance 10%), 30 held-out images."""
+    r = train_json(toy_cli, tmp_path, "--steps", "40", "--augment", "none", "--lr", "3e-3", "--warmup", "4",
+                   "--eval-every", "40", "--eval-batches", "10")
+    acc = r["val_accuracy"]
+    # 9 of 30 right where chance gives 3 (P(>= 9) at chance is about 0.002)
+    assert acc[0]["accuracy"] <= 0.2 and acc[-1]["accuracy"] >= 0.3, acc
+    assert r["val_losses"][-1]["loss"] < 0.9 * r["val_losses"][0]["loss"], r["val_losses"]

@@ -47,15 +47,15 @@ def donor(tmp_path_factory):
     return make_donor(tmp_path_factory.mktemp("warm"))
 
 
-def opts_for(donor: dict, **kw) -> dict:
-    """Resolved flags as `toy train --recipe warm-start ...` would hand them to build()."""
-    from toy.cli.cmd_train import DEFAULTS
+def opts_for(donor: dict, **kw):
+    """The resolved config `toy train --recipe warm-start ...` would hand to build()."""
     from toy.recipes import warm_start
+    from toy.train.config import RunConfig
 
-    o = {**DEFAULTS, **warm_start.FLAGS, "recipe": "warm-start", "preset": "tiny", "batch_size": 4, "seq_len": 32,
-         "eval_batches": 2, "corpus": str(donor["corpus"]), "donor": str(donor["gguf"])}
+    o = {"preset": "tiny", "batch_size": 4, "seq_len": 32, "eval_batches": 2, "corpus": str(donor["corpus"]),
+         "donor": str(donor["gguf"])}
     o.update(kw)
-    return o
+    return RunConfig.for_recipe("warm-start", warm_start.FLAGS, **o)
 
 
 def build(donor: dict, **kw):
@@ -287,7 +287,7 @@ def test_tokenizer_mismatch_names_both_files(donor, toy_cli, tmp_path):
 
 
 BAD = [
-    ("non-llama", dict(arch="gpt2"), [], "not llama-family"),
+    ("non-llama", dict(arch="gpt2"), [], "not one toy reads"),
     ("no-embedding", dict(drop={"token_embd.weight"}), [], "has no tensor 'token_embd.weight'"),
     ("missing-file", None, ["--donor", "nope/missing.gguf"], "--donor nope/missing.gguf not found"),
     ("bogus-init", None, ["--init", "bogus"], "--init 'bogus' is unknown; valid: scratch, donor, pca"),

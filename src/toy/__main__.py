@@ -1,4 +1,4 @@
-from toy.cli.main import main
+from toy.cli.main import entry
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    entry()

@@ -30,29 +30,40 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from toy.errors import InputError, UsageError
+from toy.models.quant import QuantLinear, QuantSpec, dequantize_weight, frozen_linear
 
-VALID_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Every family's linear layers (llama-style, and Phi-3's fused ones); a model takes the
+# ones it has (apply_lora says which, when a target matches nothing).
+VALID_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj",
+                 "gate_up_proj")
 
 
 class LoRALinear(nn.Module):
-    """A frozen `nn.Linear` plus a trainable low-rank update.
+    """A frozen `nn.Linear` (or a QuantLinear over GGUF blocks) plus a trainable
+    low-rank update.
 
     Built from an existing linear layer with `LoRALinear.from_linear`; the base
-    `weight` / `bias` Parameters are reused (not copied), so tying and device
-    placement are preserved.
+    `weight` / `bias` tensors are reused (not copied), so tying and device placement are
+    preserved. A quantized base keeps its blocks as the `weight` buffer and its
+    QuantSpec: the base path dequantizes per use (models.quant.frozen_linear).
     """
 
-    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, rank: int, alpha: float,
-                 dropout: float, generator: torch.Generator | None = None):
+    def __init__(self, weight: torch.Tensor, bias: nn.Parameter | None, rank: int, alpha: float,
+                 dropout: float, generator: torch.Generator | None = None, spec: QuantSpec | None = None):
         super().__init__()
-        self.out_features, self.in_features = weight.shape
-        self.weight = weight
+        self.spec = spec
+        self.out_features, self.in_features = spec.shape if spec is not None else weight.shape
+        if spec is not None:
+            self.register_buffer("weight", weight)
+        else:
+            self.weight = weight
         self.bias = bias
         self.rank = rank
         self.alpha = alpha
         self.scaling = alpha / rank
-        # Adapter weights stay in float32 when the base is half precision: AdamW's small
-        # updates to B would round away in bf16 (the base is frozen, so it may stay low).
+        # Adapter weights stay in float32 when the base is half precision or quantized:
+        # AdamW's small updates to B would round away in bf16 (the base is frozen, so it
+        # may stay low).
         dtype = weight.dtype if weight.dtype in (torch.float32, torch.float64) else torch.float32
         self.lora_A = nn.Parameter(torch.empty(rank, self.in_features, dtype=dtype, device=weight.device))
         self.lora_B = nn.Parameter(torch.zeros(self.out_features, rank, dtype=dtype, device=weight.device))
@@ -60,9 +71,9 @@ class LoRALinear(nn.Module):
         self.reset_lora(generator)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, rank: int, alpha: float, dropout: float,
+    def from_linear(cls, linear: nn.Linear | QuantLinear, rank: int, alpha: float, dropout: float,
                     generator: torch.Generator | None = None) -> "LoRALinear":
-        return cls(linear.weight, linear.bias, rank, alpha, dropout, generator)
+        return cls(linear.weight, linear.bias, rank, alpha, dropout, generator, getattr(linear, "spec", None))
 
     def reset_lora(self, generator: torch.Generator | None = None) -> None:
         # PEFT's default: A ~ kaiming_uniform(a=sqrt(5)) (nn.Linear's own init, bound
@@ -74,11 +85,19 @@ class LoRALinear(nn.Module):
             self.lora_B.zero_()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)  # (..., out)
+        y = frozen_linear(x, self.weight, self.bias, self.spec)  # (..., out)
         # Low rank first: (..., in) -> (..., r) -> (..., out). Never forms B @ A (out x in).
-        h = self.dropout(x).to(self.lora_A.dtype)
+        h = self.dropout(x)
+        if not torch.is_autocast_enabled(x.device.type):  # under autocast the matmuls pick their dtype
+            h = h.to(self.lora_A.dtype)
         lora = F.linear(F.linear(h, self.lora_A), self.lora_B) * self.scaling
         return y + lora.to(y.dtype)
+
+    def base_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The frozen base weight as floats (out, in), dequantized when it is blocks."""
+        if self.spec is not None:
+            return dequantize_weight(self.weight, self.spec, dtype)
+        return self.weight.detach().to(dtype)
 
     def delta_weight(self) -> torch.Tensor:
         """B @ A * scaling, (out, in): what `merge_lora` adds to the base weight."""
@@ -143,14 +162,16 @@ def apply_lora(model: nn.Module, targets: list[str], rank: int, alpha: float, dr
         p.requires_grad_(False)
     wanted = set(targets)
     found = [(name, m) for name, m in model.named_modules()
-             if isinstance(m, nn.Linear) and name.rsplit(".", 1)[-1] in wanted]
+             if isinstance(m, (nn.Linear, QuantLinear)) and name.rsplit(".", 1)[-1] in wanted]
     if not found:
         raise UsageError(f"--targets {','.join(targets)} matched no linear layer of this model; "
                          f"choose from: {', '.join(VALID_TARGETS)}")
     seen = {name.rsplit(".", 1)[-1] for name, _ in found}
     if missing := [t for t in targets if t not in seen]:
+        has = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
+                      if isinstance(m, (nn.Linear, QuantLinear)) and n.startswith("layers.")})
         raise UsageError(f"--targets {','.join(missing)} matched no linear layer of this model; "
-                         f"it has: {', '.join(sorted(seen))}")
+                         f"it has: {', '.join(has)}")
     names = []
     for name, lin in found:
         parent_name, _, attr = name.rpartition(".")
@@ -209,12 +230,18 @@ def load_lora_state_dict(model: nn.Module, sd: dict[str, torch.Tensor], source: 
 
 @torch.no_grad()
 def merge_lora(model: nn.Module) -> nn.Module:
-    """Fold each adapter into its base weight (W += B A * scaling) and put a plain
-    `nn.Linear` back in its place. In place; returns the model."""
+    """Fold each adapter into its base weight (W' = W + B A * scaling) and put a plain
+    `nn.Linear` with W' back in its place (a quantized base becomes float32 there). The
+    model is changed in place; the base tensors are not (a loaded base may share them
+    with the file's map or with other models built from it). Returns the model."""
     for name, m in _lora_modules(model):
-        m.weight.add_(m.delta_weight().to(m.weight.dtype))
+        if m.spec is not None:
+            weight = nn.Parameter(m.base_weight(torch.float32) + m.delta_weight().float(), requires_grad=False)
+        else:
+            weight = nn.Parameter(m.weight.detach() + m.delta_weight().to(m.weight.dtype),
+                                  requires_grad=m.weight.requires_grad)
         lin = nn.Linear(m.in_features, m.out_features, bias=m.bias is not None, device="meta")
-        lin.weight = m.weight
+        lin.weight = weight
         lin.bias = m.bias
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model

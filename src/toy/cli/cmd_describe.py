@@ -1,40 +1,114 @@
-"""`toy describe MODEL.gguf`: what a GGUF holds, from its header (nothing dequantized)."""
+"""`toy describe FILE.gguf`: what a GGUF holds, from its header (nothing dequantized):
+a model's architecture, size and tokenizer, or a llama.cpp LoRA adapter's rank, alpha,
+target tensors and base architecture. A model whose tensors toy cannot load (or an
+adapter llama.cpp could not apply) is still described, then refused (exit 2) with the
+reason, naming the tensor."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from toy.cli.args import human_size
+from toy.cli.args import human_size, plural
+from toy.errors import InputError
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("describe", help="show a GGUF model's architecture, size, tokenizer", description=__doc__)
-    p.add_argument("model", metavar="MODEL.gguf")
+    p = sub.add_parser("describe", help="show a GGUF model's architecture, size, tokenizer (or an adapter's rank, "
+                       "alpha, targets)", description=__doc__)
+    p.add_argument("model", metavar="FILE.gguf", help="a GGUF model, or a LoRA adapter GGUF")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
 
 
+def _text(v) -> str:
+    """A string read from the file, safe to print on one line."""
+    s = str(v)
+    return s if s.isprintable() else repr(s)
+
+
+def _row(label: str, text: str) -> str:
+    return f"{label:<14}{text}"
+
+
 def run(args) -> int:
-    from toy.formats.gguf import describe_gguf
+    from toy.formats.gguf_describe import describe_gguf
 
     d = describe_gguf(Path(args.model))
+    if d.get("type") == "adapter":
+        return _adapter(args)
     if args.json:
         print(json.dumps({"format": "toy/describe-v1", **d}))
-        return 0
+        return _verdict(d)
     hp = d["hyperparameters"]
     tok = d["tokenizer"]
-    print(f"{d['path']}  ({human_size(d['file_size'])}, GGUF v{d['gguf_version']})")
+    lines = [f"{d['path']}  ({human_size(d['file_size'])}, GGUF v{d['gguf_version']})"]
     if d.get("name"):
-        print(f"name          {d['name']}")
-    print(f"architecture  {d['arch']}: {hp['n_layer']} layers, width {hp['d_model']}, "
-          f"{hp['n_head']} heads / {hp['n_kv_head']} kv heads (head {hp['head_dim']}), ffn {hp['d_ff']}")
-    print(f"              context {hp['context_length']}, rope theta {hp['rope_theta']:g}, "
-          f"norm eps {hp['norm_eps']:g}, tied output: {'yes' if hp['tie_embeddings'] else 'no'}")
-    print(f"parameters    {d['n_params']:,} in {d['n_tensors']} tensors")
-    print("tensor types  " + ", ".join(f"{k} x{v}" for k, v in d["tensor_types"].items()))
-    print(f"tokenizer     {tok['model']} (pre: {tok['pre']}), vocab {tok['vocab_size']:,}, {tok['n_merges']:,} merges")
+        lines.append(_row("name", _text(d["name"])))
+    if hp:
+        lines.append(_row("architecture", f"{_text(d['arch'])}: {hp['n_layer']} layers, width {hp['d_model']}, "
+                          f"{hp['n_head']} heads / {hp['n_kv_head']} kv heads (head {hp['head_dim']}), "
+                          f"ffn {hp['d_ff']}"))
+        lines.append(_row("", f"context {hp['context_length']}, rope theta {hp['rope_theta']:g}, "
+                          f"norm eps {hp['norm_eps']:g}, tied output: {'yes' if hp['tie_embeddings'] else 'no'}"))
+    else:
+        lines.append(_row("architecture", _text(d["arch"])))
+    lines.append(_row("parameters", f"{d['n_params']:,} in {plural(d['n_tensors'], 'tensor')}"))
+    rb = d["resident_bytes"]
+    lines.append(_row("LoRA base", f"{human_size(rb['quantized'])} resident quantized (--base-dtype quantized), "
+                      f"{human_size(rb['bfloat16'])} bfloat16, {human_size(rb['float32'])} float32"))
+    lines.append(_row("tensor types", ", ".join(f"{k} x{v}" for k, v in d["tensor_types"].items())))
+    lines.append(_row("tokenizer", f"{_text(tok['model'])} (pre: {_text(tok['pre'])}), vocab {tok['vocab_size']:,}, "
+                      f"{plural(tok['n_merges'], 'merge')}"))
     specials = ", ".join(f"{k}={v['token']!r} ({v['id']})" for k, v in tok["special_tokens"].items() if v)
-    print(f"special       {specials or 'none'}")
-    print(f"chat template {'yes' if d['chat_template'] else 'no'}")
+    lines.append(_row("special", specials or "none"))
+    lines.append(_row("chat template", "yes" if d["chat_template"] else "no"))
+    print("\n".join(lines))  # print adds the final newline
+    return _verdict(d)
+
+
+def _adapter(args) -> int:
+    from toy.formats.gguf_adapter import describe_adapter
+
+    a = describe_adapter(Path(args.model))
+    if args.json:
+        print(json.dumps({"format": "toy/describe-v1", **a}))
+        return _adapter_verdict(a)
+    kind = "LoRA" if a["adapter_type"] in (None, "lora") else _text(a["adapter_type"])
+    what = f"{kind} adapter for a {_text(a['arch'])} base"
+    if a["rank"] is not None:
+        ranks = a["ranks"]
+        what += f": rank {a['rank']}" if len(ranks) == 1 else f": ranks {', '.join(map(str, ranks))}"
+    if a["alpha"] is not None:
+        what += f", alpha {a['alpha']:g}"
+        if a["scale"] is not None and len(a["ranks"]) == 1:
+            what += f" (update scaled by alpha/rank = {a['scale']:g})"
+    lines = [f"{a['path']}  ({human_size(a['file_size'])}, GGUF v{a['gguf_version']})"]
+    if a.get("name"):
+        lines.append(_row("name", _text(a["name"])))
+    lines.append(_row("adapter", what))
+    targets = ", ".join(f"{_text(k.removesuffix('.weight'))} x{n}" for k, n in a["targets"].items()) or "none"
+    where = f" ({plural(a['n_matrices'], 'matrix', 'matrices')}"
+    where += f" in {plural(a['n_layers'], 'layer')})" if a["n_layers"] else ")"
+    lines.append(_row("targets", targets + where))
+    lines.append(_row("parameters", f"{a['n_params']:,} in {plural(a['n_tensors'], 'tensor')}"))
+    lines.append(_row("tensor types", ", ".join(f"{k} x{v}" for k, v in a["tensor_types"].items()) or "none"))
+    for note in a["notes"]:
+        lines.append(_row("note", note))
+    lines.append(_row("use", f"on its {_text(a['arch'])} base in llama.cpp: llama-cli -m BASE.gguf --lora {args.model}"))
+    print("\n".join(lines))
+    return _adapter_verdict(a)
+
+
+def _adapter_verdict(a: dict) -> int:
+    if a["problems"]:
+        raise InputError(f"{a['path']}: {'; '.join(a['problems'][:3])}; llama.cpp cannot apply it as it is "
+                         "(re-export it with `toy export RUN --format gguf-lora`)")
+    return 0
+
+
+def _verdict(d: dict) -> int:
+    # What is in the file is shown either way; a file toy cannot load must not exit 0.
+    if d["load_error"]:
+        raise InputError(f"{d['load_error']} (toy infer and train refuse it; re-convert or re-download the model)")
     return 0

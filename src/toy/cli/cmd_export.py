@@ -8,14 +8,14 @@ import json
 import shutil
 from pathlib import Path
 
-from toy.cli.args import human_size
+from toy.cli.args import human_size, plural
 from toy.errors import InputError, UsageError
 
 FORMATS = ("gguf", "gguf-lora", "peft")
 
 
 def add_parser(sub) -> None:
-    from toy.formats.gguf_write import DTYPES
+    from toy.formats.gguf_write import MERGED_DTYPES
 
     p = sub.add_parser("export", help="export a run as GGUF (model or LoRA adapter), merged GGUF, or PEFT",
                        description=__doc__)
@@ -23,9 +23,13 @@ def add_parser(sub) -> None:
     p.add_argument("--format", required=True, choices=FORMATS,
                    help="gguf: a full model (from-scratch runs; LoRA runs with --merge); gguf-lora: a LoRA run's "
                         "adapter for llama.cpp (--lora); peft: a LoRA run's adapter for HF PEFT")
-    p.add_argument("--out", help="output file (a directory for peft); default RUN_DIR/export/<name>")
-    p.add_argument("--dtype", choices=DTYPES, help="tensor type for GGUF (default f32: lossless); norms and "
-                   "other 1-D tensors stay f32; q8_0 falls back to f16 for rows not a multiple of 32")
+    p.add_argument("--out", help="output file, or a directory to put it in (a directory for peft) "
+                   "(default RUN_DIR/export/<name>)")
+    p.add_argument("--dtype", choices=MERGED_DTYPES, help="tensor type for GGUF: f32 (lossless, the default for "
+                   "models and adapters), f16 or q8_0 (norms and other 1-D tensors stay f32; q8_0 falls back to f16 for "
+                   "rows not a multiple of 32); base, with --merge only and its default: every tensor the adapter "
+                   "does not change keeps the base's bytes, the changed ones are requantized to the base's type where "
+                   "gguf can write it (else q8_0)")
     p.add_argument("--merge", action="store_true", help="with --format gguf on a LoRA run: fold the adapter into "
                    "its base and write the full model")
     p.add_argument("--model", metavar="BASE.gguf", help="a LoRA run's base model (default: the path in its "
@@ -40,27 +44,19 @@ class _Run:
     """What kind of run a directory is, read from its final/ without loading weights."""
 
     def __init__(self, arg: str):
+        from toy.formats.model_dir import final_dir
+
         d = Path(arg)
-        if not d.exists():
-            raise InputError(f"{d}: no such run directory; pass a run made by `toy train` (`toy list` shows them)")
-        if not d.is_dir():
-            raise InputError(f"{d}: not a directory; pass a run directory (or its final/)")
-        if (d / "final").is_dir():
-            self.dir, self.final = d, d / "final"
-        elif (d / "adapter_config.json").is_file() or (d / "config.json").is_file():
-            self.dir, self.final = d.parent, d  # final/ itself was given
-        else:
-            hint = (f"resume it with `toy train --resume {d}`" if (d / "checkpoints").is_dir()
-                    else "pass a finished run directory (`toy list` shows their status)")
-            raise InputError(f"{d}: has no final/ (the run did not finish, so there is nothing to export); {hint}")
+        self.final = final_dir(d)
+        self.dir = d if self.final != d else d.parent  # a run, or its final/ itself
         self.name = self.dir.resolve().name or "model"
         if (self.final / "adapter_config.json").is_file():
             self.kind, self.arch = "lora", "llama"
             return
         cfg_path = self.final / "config.json"
         if not cfg_path.is_file() or not (self.final / "model.safetensors").is_file():
-            raise InputError(f"{self.final}: neither a model (config.json + model.safetensors) nor a LoRA adapter "
-                             "(adapter_config.json); the run's final/ is incomplete")
+            raise InputError(f"{self.final}: neither a run's final/ model (config.json + model.safetensors) nor a "
+                             "LoRA adapter (adapter_config.json); pass a finished run (`toy list` shows them)")
         from toy.formats.checkpoint import read_json
 
         self.meta = read_json(cfg_path)
@@ -101,7 +97,10 @@ def _check_request(r: _Run, args) -> str:
         if args.dtype:
             raise UsageError("--dtype applies to GGUF exports; a PEFT adapter is copied as trained: drop --dtype")
         return ""
-    dtype = args.dtype or "f32"
+    if args.dtype == "base" and not args.merge:
+        raise UsageError("--dtype base keeps a base model's own tensor types: it applies to --merge only; "
+                         "use f32, f16 or q8_0")
+    dtype = args.dtype or ("base" if args.merge else "f32")
     if fmt == "gguf-lora" and dtype == "q8_0":
         raise UsageError("--dtype q8_0 is not offered for --format gguf-lora: an adapter is small and its B "
                          "matrices (r columns) rarely fill q8_0's 32-wide blocks; use f16 or f32")
@@ -181,8 +180,9 @@ def _export_model(r: _Run, args, dtype: str):
 
     model, meta, tok = load_model_dir(r.final)
     if tok is None:
-        raise InputError(f"{r.final}: no tokenizer.json; llama.cpp needs the tokenizer inside the GGUF "
-                         "(the run's corpus had none beside it)")
+        raise InputError(f"{r.final}: no tokenizer.json, and llama.cpp needs the tokenizer inside the GGUF (the "
+                         "corpus the run trained on had no NAME.tokenizer.json beside it); copy that corpus's "
+                         f"tokenizer into {r.final / 'tokenizer.json'}")
     template = meta.get("chat_template") if isinstance(meta.get("chat_template"), str) else None
     if template is None and (r.final / "chat_template.jinja").is_file():
         template = (r.final / "chat_template.jinja").read_text()
@@ -214,20 +214,17 @@ def _export_lora(r: _Run, args, dtype: str):
 
 
 def _export_merged(r: _Run, args, dtype: str):
-    from toy.formats.gguf import read_gguf
     from toy.formats.gguf_write import write_merged_gguf
 
     sd, config = _load_adapter(r)
     base_path, notes = _resolve_base(r, args, config)
-    base = read_gguf(base_path)
     out = _out_path(r, args, f"{r.name}-merged-{dtype}.gguf")
     try:
-        rep = write_merged_gguf(out, base, sd, rank=int(config["r"]), alpha=float(config["lora_alpha"]),
+        rep = write_merged_gguf(out, base_path, sd, rank=int(config["r"]), alpha=float(config["lora_alpha"]),
                                 dtype=dtype, name=f"{r.name} (merged)")
     except InputError as e:  # the adapter does not fit this base
         raise InputError(f"{r.final}: does not fit the base {base_path}: {e.message}")
-    base_types = ", ".join(f"{k} x{v}" for k, v in base.tensor_types.most_common())
-    rep.notes = notes + [f"base {base_path} ({base_types}) dequantized, adapter merged"] + rep.notes
+    rep.notes = notes + rep.notes
     return rep
 
 
@@ -267,7 +264,7 @@ def _report(args, r: _Run, rep, dtype: str) -> int:
         return 0
     what = {"gguf": "merged model" if args.merge else "model", "gguf-lora": "LoRA adapter"}[args.format]
     types = ", ".join(f"{k} x{v}" for k, v in rep.tensor_types.most_common())
-    print(f"wrote {rep.path} ({human_size(size)}, {rep.arch} {what}, {rep.n_params:,} parameters; {types})")
+    print(f"wrote {rep.path} ({human_size(size)}, {rep.arch} {what}, {plural(rep.n_params, 'parameter')}; {types})")
     for note in rep.notes:
         print(f"  {note}")
     return 0

@@ -1,4 +1,9 @@
-"""`toy infer`: sample from a trained model (KV cache, streaming)."""
+"""`toy infer`: sample from a trained model (KV cache, streaming).
+
+With --prompt TEXT it continues the text; with --chat MESSAGE it answers one message
+through the model's chat template; with neither it is an interactive chat on the
+terminal (an empty line or Ctrl-D ends it). --image PATH classifies an image with an
+image-classifier run instead."""
 
 from __future__ import annotations
 
@@ -7,29 +12,37 @@ from pathlib import Path
 
 from toy.cli.args import finite_float, nonneg_int, positive_int
 from toy.errors import InputError, UsageError
-from toy.formats.model_dir import load_model_dir
+from toy.formats.model_dir import final_dir, load_model_dir
 from toy.models.generate import generate
 from toy.tokenizer import eos_id
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("infer", help="generate text from a trained model", description=__doc__)
-    p.add_argument("--run", help="run directory (or its final/) of a trained model")
-    p.add_argument("--model", help="a GGUF base model (llama family) to generate with")
-    p.add_argument("--adapter", help="a LoRA adapter directory (PEFT layout, e.g. a lora run's final/) "
-                   "to apply on --model")
-    p.add_argument("--prompt", help="text to continue, as is")
-    p.add_argument("--chat", metavar="MESSAGE", help="one chat message, rendered with the model's chat template")
-    p.add_argument("--system", help="system message for --chat and interactive chat")
-    p.add_argument("--max-new-tokens", type=positive_int("--max-new-tokens"), default=100,
+    p = sub.add_parser("infer", help="generate text from a trained model (or chat with it)", description=__doc__)
+    p.add_argument("--run", metavar="RUN_DIR", help="run directory (or its final/) of a trained model; a LoRA run "
+                   "brings its base (the --model it trained on) and its adapter (no default: give --run or --model)")
+    p.add_argument("--model", metavar="BASE.gguf", help="a GGUF model to generate with (without --run; no default: give "
+                   "--run or --model); with --run on a LoRA run: its base (default: the one it trained on)")
+    p.add_argument("--adapter", metavar="DIR", help="a LoRA adapter directory (PEFT layout), or a lora run directory "
+                   "(its final/ is used), to apply on --model (default: none)")
+    p.add_argument("--prompt", help="text to continue, as is (default: none; without --prompt or --chat, "
+                   "an interactive chat)")
+    p.add_argument("--chat", metavar="MESSAGE", help="one chat message, rendered with the model's chat template "
+                   "(default: none; without --prompt or --chat, an interactive chat)")
+    p.add_argument("--system", help="system message for --chat and interactive chat (default: none)")
+    p.add_argument("--max-new-tokens", type=positive_int("--max-new-tokens"), default=100, metavar="N",
                    help="tokens to generate at most (default 100)")
-    p.add_argument("--temperature", type=finite_float, default=0.8, help="0 is greedy (default 0.8)")
-    p.add_argument("--top-k", type=nonneg_int, default=0, help="sample from the k most likely tokens (0: all)")
-    p.add_argument("--top-p", type=finite_float, default=1.0, help="nucleus sampling mass (default 1.0: off)")
+    p.add_argument("--temperature", type=finite_float, default=0.8, metavar="T",
+                   help="sampling temperature, 0 is greedy (default 0.8)")
+    p.add_argument("--top-k", type=nonneg_int, default=0, metavar="K",
+                   help="sample from the K most likely tokens (default 0: all)")
+    p.add_argument("--top-p", type=finite_float, default=1.0, metavar="P",
+                   help="nucleus sampling mass (default 1.0: off)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
-    p.add_argument("--device", choices=("cpu", "cuda", "metal"), default="cpu")
+    p.add_argument("--device", choices=("cpu", "cuda", "metal"), default="cpu",
+                   help="cpu, cuda or metal (macOS) (default cpu)")
     p.add_argument("--image", metavar="PATH", help="classify this PNG/JPEG with an image-classifier run "
-                   "(prints the top 5 classes; --prompt is not needed)")
+                   "(prints the top 5 classes; --prompt is not needed) (default: none)")
     p.set_defaults(func=run)
 
 
@@ -54,7 +67,8 @@ def run(args) -> int:
     if args.prompt is not None:
         return continue_text(lm, args)
     if lm.template is None:
-        raise UsageError(f"{lm.source}: has no chat template; use --prompt TEXT to continue raw text")
+        raise UsageError(f"{lm.source}: {lm.no_template or 'has no chat template'}; use --prompt TEXT to continue "
+                         "raw text")
     if args.chat is not None:
         chat_turn(lm, args, [*_system(args), {"role": "user", "content": args.chat}])
         return 0
@@ -64,42 +78,58 @@ def run(args) -> int:
 class LM:
     """A model ready to generate, with its tokenizer and (for GGUF bases) chat template."""
 
-    def __init__(self, model, tok, template=None, bos="", eos="", stop=(), source=""):
+    def __init__(self, model, tok, template=None, bos="", eos="", stop=(), source="", no_template=""):
         self.model, self.tok, self.template, self.bos, self.eos = model, tok, template, bos, eos
-        self.stop, self.source = set(stop), source
+        self.stop, self.source, self.no_template = set(stop), source, no_template
 
 
 def load_lm(args, device) -> LM:
-    adapter = Path(args.adapter) if args.adapter else None
+    # A LoRA run directory stands for its final/ adapter, as in `toy export`.
+    adapter = final_dir(args.adapter, "--adapter") if args.adapter else None
     model_path = Path(args.model) if args.model else None
     if args.run:
-        d = Path(args.run)
-        if not d.exists():
-            raise InputError(f"--run {d}: no such directory")
-        if (d / "final").is_dir():
-            d = d / "final"
+        d = final_dir(args.run, "--run")
         if (d / "adapter_config.json").is_file():  # a LoRA run: its base plus its adapter
             adapter = d
             if model_path is None:
                 from toy.formats.checkpoint import read_json
                 model_path = Path(read_json(d / "adapter_config.json").get("base_model_name_or_path", ""))
         else:
+            _refuse_image_classifier(d, args.run)
             model, _, tok = load_model_dir(d, device)
             if tok is None:
-                raise InputError(f"{d}: has no tokenizer.json; the run's corpus had no tokenizer beside it")
+                raise InputError(f"{d}: has no tokenizer.json (the corpus it trained on had no NAME.tokenizer.json "
+                                 f"beside it); copy that corpus's tokenizer into {d / 'tokenizer.json'}")
             return LM(model, tok, stop={eos_id(tok)} - {None}, source=str(d))
     return load_gguf_lm(model_path, adapter, device)
 
 
+def _refuse_image_classifier(d: Path, run: str) -> None:
+    """A vit run has no tokenizer and takes no text: say what it is and what it takes."""
+    from toy.formats.checkpoint import read_json
+
+    if not (d / "config.json").is_file():
+        return  # load_model_dir names what is missing
+    meta = read_json(d / "config.json")
+    model = meta.get("model") if isinstance(meta, dict) else None
+    if isinstance(model, dict) and model.get("arch") == "vit":
+        raise UsageError(f"--run {run}: an image classifier (vit-tiny), not a language model; it takes no --prompt "
+                         f"or --chat: classify an image with `toy infer --run {run} --image PATH`")
+
+
 def load_gguf_lm(model_path: Path, adapter: Path | None, device) -> LM:
+    import torch
+
     from toy import tokenizer as toktools
     from toy.formats.gguf import read_gguf
     from toy.formats.peft import load_peft_adapter
     from toy.lora import apply_lora, load_lora_state_dict, merge_lora
 
     if not model_path.is_file():
-        raise InputError(f"--model {model_path} not found; get SmolLM2 with `make smollm2` or pass a GGUF file")
-    base = read_gguf(model_path)
+        raise InputError(f"--model {model_path} not found; get SmolLM2 with `toy fetch smollm2` or pass a GGUF file")
+    # Float weights for generation: one token at a time is matmul-light, and dequantizing
+    # every layer for every token would cost more than the matmuls.
+    base = read_gguf(model_path, "bfloat16" if torch.device(device).type == "cuda" else "float32")
     tok = toktools.from_gguf_metadata(base.metadata, source=str(model_path))
     model = base.build_model(device)
     if adapter is not None:
@@ -113,11 +143,21 @@ def load_gguf_lm(model_path: Path, adapter: Path | None, device) -> LM:
     bos = tok.id_to_token(special.bos) if special.bos is not None else ""
     eos = tok.id_to_token(special.eos) if special.eos is not None else ""
     stop = {special.eos} - {None}
-    for name in ("<|im_end|>", "<|eot_id|>", "<|endoftext|>", "<|end|>"):
+    for name in ("<|im_end|>", "<|eot_id|>", "<|endoftext|>", "<|end|>", "<end_of_turn>"):
         i = tok.token_to_id(name)
         if i is not None:
             stop.add(i)
-    return LM(model.eval(), tok, base.chat_template, bos, eos, stop, str(model_path))
+    from toy.data.chat import resolve_chat_template
+
+    template, why = None, ""
+    try:
+        template, note = resolve_chat_template(base.chat_template, base.metadata.get("tokenizer.ggml.tokens") or [],
+                                               base.family.chat_format, None, str(model_path))
+        if note:
+            print(f"note: {note}", file=sys.stderr)
+    except InputError as e:
+        why = e.message.removeprefix(f"{model_path}: ")
+    return LM(model.eval(), tok, template, bos, eos, stop, str(model_path), why)
 
 
 def stream(lm: LM, ids: list[int], args, cache=None) -> list[int]:

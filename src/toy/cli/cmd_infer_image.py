@@ -9,7 +9,7 @@ import torch
 
 from toy.data.images import MAX_PIXELS, IMAGE_EXTS, Skipped, decode, open_image, to_float
 from toy.errors import InputError, UsageError
-from toy.formats.model_dir import load_model_dir
+from toy.formats.model_dir import final_dir, load_model_dir
 
 TOP = 5
 WHY = {"empty": "it is empty (0 bytes)", "corrupt": "it is not a readable PNG/JPEG",
@@ -24,11 +24,7 @@ def infer_image(args) -> int:
     if args.prompt is not None:
         raise UsageError("--image and --prompt conflict: an image classifier takes no prompt; give one of them")
     device = resolve_device(args.device)
-    d = Path(args.run)
-    if not d.exists():
-        raise InputError(f"--run {d}: no such directory")
-    if (d / "final").is_dir():
-        d = d / "final"
+    d = final_dir(args.run, "--run")
     path = Path(args.image)
     if not path.is_file():
         raise InputError(f"--image {path}: no such file")

@@ -1,6 +1,7 @@
-"""`toy list [DIR...]`: the GGUF models under the project's data/ (and any DIR given),
-with architecture, parameter count and size, and the runs under runs/ with their
-recipe and status. Headers only: nothing is dequantized, no weight is loaded."""
+"""`toy list [DIR...]`: the GGUF models under the project's data/, the runs' exports
+(runs/*/export/) and any DIR given, with architecture, parameter count and size (an
+adapter's rank and alpha), and the runs under runs/ with their recipe and status.
+Headers only: nothing is dequantized, no weight is loaded."""
 
 from __future__ import annotations
 
@@ -8,13 +9,15 @@ import json
 from pathlib import Path
 from typing import Any
 
-from toy.cli.args import human_size
+from toy.cli.args import columns, human_size
 from toy.errors import ToyError, UsageError
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("list", help="list GGUF models (data/, DIRs) and runs (runs/)", description=__doc__)
-    p.add_argument("dirs", nargs="*", metavar="DIR", help="more directories (or .gguf files) to list models from")
+    p = sub.add_parser("list", help="list GGUF models (data/, runs' exports, DIRs) and runs (runs/)",
+                       description=__doc__)
+    p.add_argument("dirs", nargs="*", metavar="DIR", help="more directories (or .gguf files) to list models from "
+                   "(default: none; data/ and runs/*/export/ are always listed)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
 
@@ -38,7 +41,8 @@ def _gguf_files(paths: list[Path]) -> list[Path]:
 def describe_model(path: Path) -> dict[str, Any]:
     """One GGUF as a row: kind, arch, parameters, size -- or the error that stops toy
     reading it (a broken file is listed, never a crash)."""
-    from toy.formats.gguf import describe_gguf, read_gguf_header
+    from toy.formats.gguf_describe import describe_gguf
+    from toy.formats.gguf_header import read_gguf_header
 
     row: dict[str, Any] = {"path": str(path)}
     try:
@@ -47,9 +51,12 @@ def describe_model(path: Path) -> dict[str, Any]:
         return {**row, "error": f"cannot read ({e.strerror})"}
     try:
         d = describe_gguf(path)
+        if d.get("type") == "adapter":
+            raise ToyError("an adapter")  # listed from its header below
         hp = d["hyperparameters"]
-        return {**row, "kind": "model", "arch": d["arch"], "name": d.get("name"), "n_params": d["n_params"],
-                "n_layer": hp["n_layer"], "d_model": hp["d_model"], "tensor_types": d["tensor_types"]}
+        row = {**row, "kind": "model", "arch": d["arch"], "name": d.get("name"), "n_params": d["n_params"],
+               "n_layer": (hp or {}).get("n_layer"), "d_model": (hp or {}).get("d_model"), "tensor_types": d["tensor_types"]}
+        return {**row, "note": d["load_error"].removeprefix(f"{path}: ")} if d["load_error"] else row
     except ToyError as e:
         why = e.message
     # toy cannot run it (an adapter, another architecture), but the header may still say what it is.
@@ -65,8 +72,12 @@ def describe_model(path: Path) -> dict[str, Any]:
     base = {"arch": meta.get("general.architecture"), "name": meta.get("general.name"), "n_params": n_params,
             "tensor_types": types}
     if meta.get("general.type") == "adapter":
-        return {**row, "kind": f"{meta.get('adapter.type', '?')} adapter", **base,
-                "alpha": meta.get("adapter.lora.alpha")}
+        from toy.formats.gguf_adapter import describe_adapter
+
+        a = describe_adapter(h)
+        row = {**row, "kind": f"{meta.get('adapter.type', '?')} adapter", **base, "alpha": a["alpha"],
+               "rank": a["rank"]}
+        return {**row, "note": "; ".join(a["problems"])} if a["problems"] else row
     return {**row, "kind": "model", **base, "note": why.removeprefix(f"{path}: ")}
 
 
@@ -123,6 +134,20 @@ def _params(n: int | None) -> str:
     return str(n)
 
 
+def _shown(p: str | Path) -> str:
+    """A path as the user would type it: relative to the working directory when under it."""
+    try:
+        return str(Path(p).relative_to(Path.cwd()))
+    except ValueError:
+        return str(p)
+
+
+def _export_dirs(runs_dir: Path) -> list[Path]:
+    if not runs_dir.is_dir():
+        return []
+    return sorted(d / "export" for d in runs_dir.iterdir() if (d / "export").is_dir())
+
+
 def run(args) -> int:
     from toy.runs import find_project
 
@@ -130,6 +155,8 @@ def run(args) -> int:
     model_dirs: list[Path] = []
     if project.data_dir is not None and project.data_dir.is_dir():
         model_dirs.append(project.data_dir)
+    exports = _export_dirs(project.runs_dir)
+    model_dirs += exports
     for a in args.dirs:
         p = Path(a)
         if not p.exists():
@@ -142,23 +169,24 @@ def run(args) -> int:
                           "model_dirs": [str(d) for d in model_dirs], "runs_dir": str(project.runs_dir),
                           "models": models, "runs": runs}))
         return 0
-    where = ", ".join(str(d) for d in model_dirs) or "no data/ (not in a toy project) and no DIR given"
-    print(f"models ({where}):")
-    if not models:
-        print("  none")
+    where = [_shown(d) for d in model_dirs if d not in exports]
+    if exports:
+        where.append(_shown(project.runs_dir / "*" / "export"))
+    print(f"models ({', '.join(where) or 'no data/ (not in a toy project) and no DIR given'}):")
+    table = [["path", "arch", "kind", "params", "size", "note"]]
     for m in models:
         if "error" in m:
-            print(f"  {m['path']}  ERROR: {m['error']}")
+            table.append([_shown(m["path"]), "?", "unreadable", "", human_size(m["file_size"]) if "file_size" in m
+                          else "", f"ERROR: {m['error'].removeprefix(m['path'] + ': ')}"])
             continue
-        kind = "" if m["kind"] == "model" else f" {m['kind']}"
-        note = f"  ({m['note']})" if m.get("note") else ""
-        print(f"  {m['path']}  {m['arch']}{kind}, {_params(m['n_params'])} params, {human_size(m['file_size'])}{note}")
-    print(f"runs ({project.runs_dir}):")
-    if not runs:
-        print("  none")
+        kind = m["kind"] + (f" r{m['rank']}" if m.get("rank") else "")
+        table.append([_shown(m["path"]), str(m["arch"]), kind, _params(m["n_params"]), human_size(m["file_size"]),
+                      m.get("note") or ""])
+    print("\n".join(columns(table, right={3, 4}, indent="  ")) if models else "  none")
+    print(f"runs ({_shown(project.runs_dir)}):")
+    table = [["run", "recipe", "arch", "params", "status", "note"]]
     for r in runs:
-        what = " ".join(str(x) for x in (r.get("recipe"), r.get("arch")) if x) or "?"
-        extra = f", {_params(r['params'])} params" if r.get("params") else ""
-        err = f"  ({r['error']})" if r.get("error") else ""
-        print(f"  {r['run_id']}  {what}{extra}  {r['status']}{err}")
+        table.append([r["run_id"], r.get("recipe") or "?", r.get("arch") or "?",
+                      _params(r["params"]) if r.get("params") else "", r["status"], r.get("error") or ""])
+    print("\n".join(columns(table, right={3}, indent="  ")) if runs else "  none")
     return 0

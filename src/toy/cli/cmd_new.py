@@ -1,4 +1,6 @@
-"""`toy new DIR`: a project with toy.toml, the bundled corpus tokenized under data/, runs/."""
+"""`toy new DIR`: a project with toy.toml, runs/, and under data/ the bundled plays
+tokenized: corpus.bin, corpus.val.bin and corpus.tokenizer.json (the tokenizer that made
+them). `toy train` uses data/corpus.bin when no --corpus is given."""
 
 from __future__ import annotations
 
@@ -6,7 +8,7 @@ import shutil
 from pathlib import Path
 
 from toy.data.prep import DEFAULT_VOCAB, bundled_corpus
-from toy.data.tokens import val_path_for
+from toy.data.tokens import tokenizer_beside, tokenizer_path_for, val_path_for
 from toy.errors import UsageError
 from toy.runs import DEFAULT_RUN_ID_TEMPLATE
 
@@ -47,9 +49,11 @@ def run(args) -> int:
     except OSError as e:
         raise UsageError(f"cannot create {d}: {e.strerror}")
     src = bundled_corpus(DEFAULT_VOCAB)
-    for name in ("corpus.bin", "tokenizer.json"):
-        shutil.copyfile(src.parent / name, d / "data" / name)
-    shutil.copyfile(val_path_for(src), d / "data" / "corpus.val.bin")
+    dst = d / "data" / "corpus.bin"
+    # The same names `toy prep --out data/corpus.bin` gives, so a second corpus prepared
+    # into data/ never touches this one's tokenizer.
+    for a, b in ((src, dst), (val_path_for(src), val_path_for(dst)), (tokenizer_beside(src), tokenizer_path_for(dst))):
+        shutil.copyfile(a, b)
     (d / "toy.toml").write_text(TOML.format(template=DEFAULT_RUN_ID_TEMPLATE))
     print(f"created project {d}: toy.toml, data/corpus.bin (bundled Shakespeare, BPE {DEFAULT_VOCAB}), runs/")
     print(f"next: cd {d} && toy train --recipe from-scratch")

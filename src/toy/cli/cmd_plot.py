@@ -3,11 +3,11 @@ runs on one chart, from their events.jsonl. Needs matplotlib (pip install 'toy[p
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
+from toy.cli.args import plural
 from toy.errors import InputError, UsageError
-from toy.runs import read_events
+from toy.runs import read_events, write_file_atomic
 
 INSTALL = "pip install 'toy[plot]'"
 
@@ -15,8 +15,8 @@ INSTALL = "pip install 'toy[plot]'"
 def add_parser(sub) -> None:
     p = sub.add_parser("plot", help="plot runs' train and validation loss curves to an image", description=__doc__)
     p.add_argument("runs", nargs="+", metavar="RUN", help="run directories (made by `toy train`)")
-    p.add_argument("--out", default="loss.png", help="image to write; the suffix picks the format: .png, .svg, "
-                   ".pdf (default loss.png)")
+    p.add_argument("--out", default="loss.png", metavar="FILE", help="image to write; the suffix picks the format: "
+                   ".png, .svg, .pdf (default loss.png)")
     p.add_argument("--title", help="chart title (default: none)")
     p.add_argument("--smooth", type=int, default=0, metavar="N",
                    help="draw train loss as a running mean over N steps (default 0: raw)")
@@ -108,12 +108,6 @@ def run(args) -> int:
     if args.title:
         ax.set_title(args.title)
     fig.tight_layout()
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}{out.suffix}")
-    try:
-        fig.savefig(tmp, format=suffix)
-        os.replace(tmp, out)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-    print(f"wrote {out} ({len(dirs)} run{'s' if len(dirs) != 1 else ''})")
+    write_file_atomic(out, lambda tmp: fig.savefig(tmp, format=suffix))
+    print(f"wrote {out} ({plural(len(dirs), 'run')})")
     return 0

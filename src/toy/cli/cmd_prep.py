@@ -1,4 +1,5 @@
-"""`toy prep TEXT... --out FILE.bin`: text to a token file with a validation split."""
+"""`toy prep TEXT... --out NAME.bin`: text to a token file, with a validation split
+(NAME.val.bin) and the tokenizer that made them (NAME.tokenizer.json) beside it."""
 
 from __future__ import annotations
 
@@ -6,8 +7,8 @@ import json
 from pathlib import Path
 
 from toy import tokenizer as toktools
-from toy.cli.args import finite_float, positive_int
-from toy.data.prep import prep
+from toy.cli.args import finite_float, plural, positive_int
+from toy.data.prep import prep, save_tokenizer_beside
 from toy.data.tokens import read_tokens, write_tokens
 from toy.errors import UsageError
 
@@ -15,13 +16,15 @@ from toy.errors import UsageError
 def add_parser(sub) -> None:
     p = sub.add_parser("prep", help="tokenize text into a token file", description=__doc__)
     p.add_argument("texts", nargs="+", metavar="TEXT", help=".txt files, or .jsonl files with a 'text' field")
-    p.add_argument("--out", required=True, help="output token file (.bin); the validation split goes to "
-                   "NAME.val.bin beside it")
-    p.add_argument("--vocab-size", type=positive_int("--vocab-size"),
-                   help="train a byte-level BPE of this size; writes tokenizer.json beside --out")
-    p.add_argument("--tokenizer", help="reuse a tokenizer.json (or a GGUF's tokenizer)")
-    p.add_argument("--val-fraction", type=finite_float, default=0.05,
-                   help="fraction of tokens held back for validation (default 0.05)")
+    p.add_argument("--out", required=True, metavar="NAME.bin",
+                   help="output token file; NAME.val.bin (validation split) and NAME.tokenizer.json (its "
+                        "tokenizer) go beside it")
+    p.add_argument("--vocab-size", type=positive_int("--vocab-size"), metavar="N",
+                   help="train a byte-level BPE with N tokens (no default: give this or --tokenizer)")
+    p.add_argument("--tokenizer", metavar="FILE", help="reuse a tokenizer: a tokenizer.json, or a GGUF model's "
+                   "(no default: give this or --vocab-size); copied beside --out as NAME.tokenizer.json")
+    p.add_argument("--val-fraction", type=finite_float, default=0.05, metavar="F",
+                   help="fraction of tokens held back for validation, 0 for none (default 0.05)")
     p.add_argument("--raw-i32", action="store_true",
                    help="TEXT is a headerless packed-int32 token file to convert (needs --tokenizer "
                         "or --vocab-size for the vocabulary size)")
@@ -48,9 +51,17 @@ def run(args) -> int:
             vocab, h = tok.get_vocab_size(with_added_tokens=True), toktools.tokenizer_hash(tok)
         if vocab is None:
             raise UsageError("--raw-i32 needs --tokenizer FILE or --vocab-size N")
+        if out.suffix != ".bin":
+            raise UsageError(f"--out {out}: the token file name must end in .bin")
         tf = read_tokens(Path(args.texts[0]), raw_i32=True, vocab_size=vocab)
+        tok_path = save_tokenizer_beside(out, tok, Path(args.tokenizer)) if args.tokenizer else None
         write_tokens(out, tf.tokens, vocab, h)
-        print(json.dumps({"out": str(out), "tokens": len(tf)}) if args.json else f"wrote {out}: {len(tf):,} tokens")
+        if args.json:
+            print(json.dumps({"out": str(out), "tokens": len(tf), "tokenizer": str(tok_path) if tok_path else None}))
+        else:
+            print(f"wrote {out}: {plural(len(tf), 'token')}")
+            if tok_path:
+                print(f"tokenizer -> {tok_path}")
         return 0
     if args.tokenizer and args.vocab_size:
         raise UsageError("--tokenizer and --vocab-size conflict: reuse a tokenizer or train one, not both")
@@ -65,10 +76,9 @@ def run(args) -> int:
                           "train_tokens": r.train_tokens, "val_tokens": r.val_tokens,
                           "vocab_size": r.vocab_size, "documents": r.documents}))
     else:
-        print(f"documents {r.documents}  vocab {r.vocab_size}")
-        print(f"train {r.train_tokens:,} tokens -> {r.train_path}")
+        print(f"{plural(r.documents, 'document')}, vocabulary {r.vocab_size:,}")
+        print(f"train     {plural(r.train_tokens, 'token')} -> {r.train_path}")
         if r.val_path:
-            print(f"val   {r.val_tokens:,} tokens -> {r.val_path}")
-        if r.tokenizer_path and args.vocab_size:
-            print(f"tokenizer -> {r.tokenizer_path}")
+            print(f"val       {plural(r.val_tokens, 'token')} -> {r.val_path}")
+        print(f"tokenizer {'trained' if args.vocab_size else 'from ' + args.tokenizer} -> {r.tokenizer_path}")
     return 0

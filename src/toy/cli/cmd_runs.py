@@ -1,6 +1,7 @@
 """`toy runs [DIR]`: a table of the runs under DIR (default: the project's runs/), read
 from each run's run.json and events.jsonl: id, recipe, arch, init, steps, final train
-and validation loss, throughput, wall time and status."""
+and validation loss, throughput, wall time and status. A resumed run's wall time is the
+sum of its segments (each start or resume to its end), not counting the pauses between."""
 
 from __future__ import annotations
 
@@ -52,11 +53,12 @@ def summarize(run_dir: Path) -> dict[str, Any]:
         "id": run_dir.name, "run_dir": str(run_dir), "recipe": info.get("recipe"), "arch": info.get("arch"),
         "init": job.get("init"), "params": info.get("params"), "seed": info.get("seed"),
         "started": info.get("started"), "steps": None, "target_steps": None, "loss": None, "val_loss": None,
-        "items_per_s": None, "items": None, "tokens_per_s": None, "wall_s": None, "status": "unknown",
+        "items_per_s": None, "items": None, "tokens_per_s": None, "wall_s": None, "segments": 0,
+        "status": "unknown",
     }
-    if isinstance(info.get("train"), dict):
-        row["target_steps"] = info["train"].get("steps")
-    times = [t for e in events if (t := _num(e.get("time"))) is not None]
+    recorded = info.get("config") if isinstance(info.get("config"), dict) else info.get("train")
+    if isinstance(recorded, dict):
+        row["target_steps"] = recorded.get("steps")
     for e in events:
         kind = e.get("event")
         if kind in ("run_started", "run_resumed"):
@@ -71,7 +73,6 @@ def summarize(run_dir: Path) -> dict[str, Any]:
             row["val_loss"] = _num(e.get("val_loss"))
         elif kind == "run_finished":
             row["status"] = "finished"
-            row["wall_s"] = _num(e.get("wall_s"))
             for k, v in e.items():
                 if k.endswith("_per_s") and _num(v) is not None:  # the whole run's figure beats the last step's
                     row["items"], row["items_per_s"] = k[: -len("_per_s")], _num(v)
@@ -79,13 +80,36 @@ def summarize(run_dir: Path) -> dict[str, Any]:
             row["status"] = "failed"
         elif kind == "interrupted":
             row["status"] = "interrupted"
-    if row["wall_s"] is None and len(times) >= 2:
-        row["wall_s"] = round(times[-1] - times[0], 3)  # eval and start-up included: an upper bound
+    walls = segment_walls(events)
+    row["segments"] = len(walls)
+    if any(w is not None for w in walls):
+        row["wall_s"] = round(sum(w for w in walls if w is not None), 3)
     if row["items"] == "tokens":
         row["tokens_per_s"] = row["items_per_s"]
     if not info and not events:
         row["status"] = "unknown"
     return row
+
+
+def segment_walls(events: list[dict]) -> list[float | None]:
+    """Wall seconds of each segment of a run: from a run_started or run_resumed event up
+    to the next one. A segment that finished counts its run_finished `wall_s` (the loop's
+    own measure); one that ended otherwise (interrupted, failed, killed, still running)
+    the time from its first event to its last, start-up and evals included (None while
+    it has a single event)."""
+    segs: list[list] = []  # [first time, last time, wall_s or None]
+    for e in events:
+        t = _num(e.get("time"))
+        if e.get("event") in ("run_started", "run_resumed") or not segs:
+            segs.append([t, t, None])
+        seg = segs[-1]
+        if t is not None:
+            seg[0] = t if seg[0] is None else seg[0]
+            seg[1] = t
+        if e.get("event") == "run_finished" and _num(e.get("wall_s")) is not None:
+            seg[2] = _num(e.get("wall_s"))
+    return [wall if wall is not None else (last - first if first is not None and last != first else None)
+            for first, last, wall in segs]
 
 
 def find_runs(d: Path) -> list[Path]:

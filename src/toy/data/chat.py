@@ -5,6 +5,11 @@ Input, one conversation per line (blank lines and lines starting with `#` skippe
     {"messages": [{"role": "system", "content": "..."}, {"role": "user", "content": "..."},
                   {"role": "assistant", "content": "..."}, ...]}
 
+A line that is not such a conversation, or whose assistant replies are all empty (it
+would teach only the end-of-turn marker), is skipped and counted by reason; the first
+few are warned with their line number. A file with nothing valid in its first lines is
+refused at once: it is not chat JSONL.
+
 The conversation is rendered with the model's own chat template (jinja2, sandboxed:
 a template from a downloaded GGUF is untrusted input), tokenized once, and masked.
 
@@ -36,6 +41,8 @@ from __future__ import annotations
 import functools
 import json
 import sys
+from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -48,13 +55,23 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
 from toy.errors import InputError, ToyError, UsageError
+from toy.runs import plural
 
 ROLES = ("system", "user", "assistant")
 SCHEMA_HINT = ('each line must be {"messages": [{"role": "system"|"user"|"assistant", "content": "..."}, ...]} '
-               'with at least one assistant turn')
+               'with at least one non-empty assistant turn')
+
+SHOW_SKIPPED = 5  # skipped lines warned one by one; the rest are counted in one summary line
+GIVE_UP_AFTER = 50  # this many bad lines and not one conversation: the file is not chat JSONL
 
 Message = dict[str, str]
 Conversation = list[Message]
+
+
+class ConversationError(InputError):
+    """The chat template cannot render this one conversation (it calls raise_exception,
+    fails on it, or is not prefix-stable for it): the caller may skip the conversation.
+    A plain InputError (syntax error, sandbox refusal) is the template's own fault."""
 
 
 # --------------------------------------------------------------------------- templates
@@ -73,7 +90,7 @@ class _Env(ImmutableSandboxedEnvironment):
 
 def _raise_exception(message: str) -> None:
     # Templates call this to reject a conversation (e.g. "roles must alternate").
-    raise InputError(f"chat template rejected the conversation: {message}")
+    raise ConversationError(f"chat template rejected the conversation: {message}")
 
 
 def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
@@ -102,8 +119,9 @@ def _one_line(e: BaseException) -> str:
 
 def render_template(template: str, messages: Sequence[Message], add_generation_prompt: bool,
                     bos_token: str, eos_token: str) -> str:
-    """Render a chat template in jinja2's immutable sandbox. Every failure (syntax error,
-    unsafe access, a `raise_exception` call, a runtime error) is an InputError."""
+    """Render a chat template in jinja2's immutable sandbox. Every failure is an InputError:
+    a syntax error or an unsafe access is the template's fault for every conversation; a
+    `raise_exception` call or a runtime error is a ConversationError (this one only)."""
     try:
         tpl = _compile(template)
     except TemplateSyntaxError as e:
@@ -118,8 +136,8 @@ def render_template(template: str, messages: Sequence[Message], add_generation_p
     except SecurityError as e:
         raise InputError(f"chat template refused by the sandbox: {_one_line(e)} (a template may not reach "
                          f"Python internals or modify its inputs); use the model's own chat template")
-    except Exception as e:  # UndefinedError, TypeError ...: a broken template, not a toy bug
-        raise InputError(f"chat template failed to render: {type(e).__name__}: {_one_line(e)}")
+    except Exception as e:  # UndefinedError, TypeError ... on this conversation's data; not a toy bug
+        raise ConversationError(f"chat template failed to render: {type(e).__name__}: {_one_line(e)}")
 
 
 # --------------------------------------------------------------------------- JSONL
@@ -128,38 +146,67 @@ def _stderr(msg: str) -> None:
     print(f"warning: {msg}", file=sys.stderr)
 
 
-def _check_conversation(obj: Any) -> tuple[Conversation | None, str]:
-    """(messages, "") or (None, reason)."""
+def _check_conversation(obj: Any) -> tuple[Conversation | None, str, str]:
+    """(messages, "", "") or (None, kind, detail): kind is the short reason skipped lines
+    are counted by, detail names the offending part of this line."""
     if not isinstance(obj, dict):
-        return None, f"expected a JSON object, got {type(obj).__name__}"
+        return None, "not a JSON object", f"expected a JSON object, got {type(obj).__name__}"
     if "messages" not in obj:
-        return None, f"no \"messages\" key (keys: {', '.join(sorted(map(str, obj))[:5]) or 'none'})"
+        keys = ", ".join(sorted(map(str, obj))[:5]) or "none"
+        return None, 'no "messages" key', f"no \"messages\" key (keys: {keys})"
     msgs = obj["messages"]
     if not isinstance(msgs, list):
-        return None, f"\"messages\" must be a list, got {type(msgs).__name__}"
+        return None, '"messages" not a list', f"\"messages\" must be a list, got {type(msgs).__name__}"
     if not msgs:
-        return None, "\"messages\" is empty"
+        return None, 'empty "messages"', "\"messages\" is empty"
     out: Conversation = []
     for j, m in enumerate(msgs):
         if not isinstance(m, dict):
-            return None, f"messages[{j}] must be an object, got {type(m).__name__}"
+            return None, "message not an object", f"messages[{j}] must be an object, got {type(m).__name__}"
         role, content = m.get("role"), m.get("content")
         if role not in ROLES:
-            return None, f"messages[{j}] has unknown role {role!r} (use one of: {', '.join(ROLES)})"
+            return None, "unknown role", f"messages[{j}] has unknown role {role!r} (use one of: {', '.join(ROLES)})"
         if not isinstance(content, str):
-            return None, f"messages[{j}] \"content\" must be a string, got {type(content).__name__}"
+            return None, "content not a string", (f"messages[{j}] \"content\" must be a string, "
+                                                   f"got {type(content).__name__}")
         out.append({"role": role, "content": content})  # extra keys dropped: the template sees only these
-    if not any(m["role"] == "assistant" for m in out):
-        return None, "no assistant turn (nothing to learn from)"
-    return out, ""
+    # An empty reply would supervise nothing but the end-of-turn marker: no conversation
+    # made only of those is worth a step.
+    replies = [m for m in out if m["role"] == "assistant"]
+    if not any(m["content"].strip() for m in replies):
+        detail = ("no assistant turn (nothing to learn from)" if not replies else
+                  "no assistant reply with content (an empty reply teaches only the end-of-turn marker)")
+        return None, "no assistant reply with content", detail
+    return out, "", ""
+
+
+def count_reasons(counts: Counter) -> str:
+    """'3 not valid JSON, 1 unknown role': skipped lines by reason, most frequent first."""
+    return ", ".join(f"{n} {why}" for why, n in counts.most_common())
+
+
+@dataclass
+class ChatFile:
+    """The conversations of a chat JSONL file, each with its line number, and what was skipped."""
+
+    path: Path
+    conversations: list[Conversation] = field(default_factory=list)
+    lines: list[int] = field(default_factory=list)  # lines[i]: the line conversations[i] came from
+    skipped: Counter = field(default_factory=Counter)  # reason -> lines skipped for it
+
+    @property
+    def n_skipped(self) -> int:
+        return sum(self.skipped.values())
 
 
 def read_chat_jsonl(path: str | Path, strict: bool = False,
-                    warn: Callable[[str], None] | None = None) -> tuple[list[Conversation], int]:
-    """Read conversations; returns (conversations, number of invalid lines skipped).
+                    warn: Callable[[str], None] | None = None) -> ChatFile:
+    """Read conversations, keeping each one's line number.
 
-    An invalid line is reported through `warn` (default: stderr) as `FILE:LINE: reason`
-    and skipped; with strict=True the first one raises InputError instead.
+    An invalid line is skipped and counted by reason; the first SHOW_SKIPPED are reported
+    through `warn` (default: stderr) as `FILE:LINE: reason`, the rest in one summary line.
+    With strict=True the first one raises InputError instead. A file whose first
+    GIVE_UP_AFTER lines are all invalid is not chat JSONL: InputError at once.
     """
     warn = warn or _stderr
     path = Path(path)
@@ -171,17 +218,16 @@ def read_chat_jsonl(path: str | Path, strict: bool = False,
         raise InputError(f"{path}: is a directory; pass a chat JSONL file")
     except OSError as e:
         raise InputError(f"{path}: cannot read ({e.strerror})")
-    convs: list[Conversation] = []
-    n_invalid = 0
+    chat = ChatFile(path)
+    first_bad = ""
     with fh:
         # Read as bytes and decode per line: one corrupt line must not hide the others.
         for lineno, raw in enumerate(fh, 1):
-            reason = ""
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as e:
-                reason = f"not UTF-8 text (bad byte at column {e.start + 1})"
-            if not reason:
+                kind, detail = "not UTF-8", f"not UTF-8 text (bad byte at column {e.start + 1})"
+            else:
                 if lineno == 1:
                     line = line.removeprefix("\ufeff")  # editors on Windows add a BOM
                 line = line.strip()
@@ -190,21 +236,32 @@ def read_chat_jsonl(path: str | Path, strict: bool = False,
                 try:
                     obj = json.loads(line)
                 except json.JSONDecodeError as e:
-                    reason = f"not valid JSON ({e.msg} at column {e.colno})"
+                    kind, detail = "not valid JSON", f"not valid JSON ({e.msg} at column {e.colno})"
                 except RecursionError:
-                    reason = "not valid JSON (nested too deeply)"
+                    kind, detail = "not valid JSON", "not valid JSON (nested too deeply)"
                 else:
-                    conv, reason = _check_conversation(obj)
+                    conv, kind, detail = _check_conversation(obj)
                     if conv is not None:
-                        convs.append(conv)
+                        chat.conversations.append(conv)
+                        chat.lines.append(lineno)
                         continue
-            n_invalid += 1
             if strict:
-                raise InputError(f"{path}:{lineno}: {reason}; {SCHEMA_HINT} (strict mode stops at the first bad line)")
-            warn(f"{path}:{lineno}: {reason}; line skipped")
-    if not convs:
-        raise InputError(f"{path}: no valid conversation ({n_invalid} invalid lines); {SCHEMA_HINT}")
-    return convs, n_invalid
+                raise InputError(f"{path}:{lineno}: {detail}; {SCHEMA_HINT} (strict mode stops at the first bad line)")
+            chat.skipped[kind] += 1
+            first_bad = first_bad or f"line {lineno}: {detail}"
+            if chat.n_skipped <= SHOW_SKIPPED:
+                warn(f"{path}:{lineno}: {detail}; line skipped")
+            if chat.n_skipped >= GIVE_UP_AFTER and not chat.conversations:
+                raise InputError(f"{path} does not look like chat JSONL: none of its first {GIVE_UP_AFTER} lines is a "
+                                 f"conversation ({first_bad}); expected one {{\"messages\": [...]}} object per line")
+    if not chat.conversations:
+        what = (f"{plural(chat.n_skipped, 'line')} skipped: {count_reasons(chat.skipped)}" if chat.skipped
+                else "it holds only blank lines and comments")
+        raise InputError(f"no conversation with an assistant reply in {path} ({what}); {SCHEMA_HINT}")
+    if chat.n_skipped > SHOW_SKIPPED:
+        warn(f"{path}: ... and {chat.n_skipped - SHOW_SKIPPED} more invalid lines ({count_reasons(chat.skipped)} "
+             "in all); lines skipped")
+    return chat
 
 
 # --------------------------------------------------------------------------- encoding
@@ -220,7 +277,7 @@ def _assistant_char_spans(template: str, messages: Sequence[Message], bos_token:
         prompt = render_template(template, messages[:i], True, bos_token, eos_token)
         upto = render_template(template, messages[: i + 1], False, bos_token, eos_token)
         if not upto.startswith(prompt) or not full.startswith(upto):
-            raise InputError(
+            raise ConversationError(
                 f"chat template is not prefix-stable at message {i} (assistant): rendering the conversation "
                 "up to a turn must be a prefix of rendering the whole of it, so the assistant spans cannot be "
                 "found; use a template that renders earlier turns the same way whatever follows")
@@ -318,3 +375,77 @@ def pad_batch(samples: Sequence[tuple[Sequence[int], Sequence[int]]], pad_id: in
         ids_out[b, :n] = torch.tensor(list(ids[:n]), dtype=torch.long)
         mask_out[b, :n] = torch.tensor(list(mask[:n]), dtype=torch.long)
     return {"ids": ids_out, "mask": mask_out}
+
+
+# --------------------------------------------------------------------------- built-in templates
+
+# For GGUF files that carry no tokenizer.chat_template (gemma-3-270m has none): the
+# formats their families were trained on, used only when the vocabulary has the turn
+# markers. Content is a plain string here (toy's chat JSONL), so these are the official
+# templates without their multimodal branches.
+BUILTIN_TEMPLATES = {
+    "chatml": (
+        "{%- for message in messages %}"
+        "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+        "{%- endfor %}"
+        "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}"
+    ),
+    # Gemma: roles user/model; a system message becomes the head of the first user turn.
+    "gemma": (
+        "{{ bos_token }}"
+        "{%- if messages[0]['role'] == 'system' -%}"
+        "{%- set first_user_prefix = messages[0]['content'] + '\\n\\n' -%}"
+        "{%- set loop_messages = messages[1:] -%}"
+        "{%- else -%}{%- set first_user_prefix = '' -%}{%- set loop_messages = messages -%}{%- endif -%}"
+        "{%- for message in loop_messages -%}"
+        "{%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}"
+        "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+        "{%- endif -%}"
+        "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}"
+        "{{ '<start_of_turn>' + role + '\\n' + (first_user_prefix if loop.first else '') }}"
+        "{{ message['content'] | trim }}"
+        "{{ '<end_of_turn>\\n' }}"
+        "{%- endfor -%}"
+        "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\\n' }}{%- endif -%}"
+    ),
+}
+# The tokens a vocabulary must have for a built-in template to make sense.
+_TEMPLATE_MARKERS = {"chatml": ("<|im_start|>", "<|im_end|>"), "gemma": ("<start_of_turn>", "<end_of_turn>")}
+
+
+def resolve_chat_template(file_template: str | None, tokens: Sequence[str], family_format: str | None,
+                          override: str | Path | None, source: str) -> tuple[str, str | None]:
+    """(template, note): `override` (--chat-template FILE.jinja) if given, else the
+    GGUF's own template, else the built-in one of the model's family when its vocabulary
+    has that format's turn markers (with a note saying so). InputError when none fits."""
+    if override:
+        path = Path(override)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise InputError(f"--chat-template {path}: no such file; give a jinja chat template file")
+        except (OSError, UnicodeDecodeError) as e:
+            raise InputError(f"--chat-template {path}: cannot read it as UTF-8 text ({e})")
+        _compile_checked(text, f"--chat-template {path}")
+        return text, f"chat template from {path} (--chat-template)"
+    if file_template:
+        return file_template, None
+    vocab = set(tokens)
+    candidates = [family_format] if family_format else []
+    candidates += [k for k in _TEMPLATE_MARKERS if k not in candidates]
+    for name in candidates:
+        if all(m in vocab for m in _TEMPLATE_MARKERS[name]):
+            return BUILTIN_TEMPLATES[name], (f"{source} has no chat template; using toy's built-in {name} template "
+                                             "(its vocabulary has the turn markers); --chat-template FILE.jinja "
+                                             "overrides")
+    raise InputError(f"{source}: has no chat template (tokenizer.chat_template) and its vocabulary has no known "
+                     "turn markers; pass --chat-template FILE.jinja, or train on a token file with --corpus")
+
+
+def _compile_checked(template: str, where: str) -> None:
+    try:
+        _compile(template)
+    except TemplateSyntaxError as e:
+        raise InputError(f"{where}: line {e.lineno}: syntax error: {_one_line(e)}")
+    except TemplateError as e:
+        raise InputError(f"{where}: does not compile: {_one_line(e)}")

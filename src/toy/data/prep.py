@@ -1,11 +1,17 @@
 """Text -> token files: read .txt / .jsonl, train or load a tokenizer, hold back a
-validation split, write `<out>.bin` + `<out>.val.bin` (+ `tokenizer.json`)."""
+validation split, write `NAME.bin` + `NAME.val.bin` + `NAME.tokenizer.json`.
+
+Each prepared corpus owns its tokenizer (`NAME.tokenizer.json`, whether trained here,
+copied from a tokenizer.json or taken out of a GGUF), so two corpora prepared into one
+folder never overwrite each other's, and a corpus is always usable from scratch and
+with `toy infer` (training finds it with `toy.data.tokens.tokenizer_beside`)."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import os
+import shutil
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -14,8 +20,9 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from toy import tokenizer as toktools
-from toy.data.tokens import val_path_for, write_tokens
+from toy.data.tokens import tokenizer_beside, tokenizer_path_for, val_path_for, write_tokens
 from toy.errors import InputError, UsageError
+from toy.runs import write_file_atomic
 
 DEFAULT_VOCAB = 4096
 
@@ -84,26 +91,34 @@ def prep(paths: list[Path], out: Path, vocab_size: int | None = None, tokenizer:
     if not out.parent.is_dir():
         raise UsageError(f"--out {out}: directory {out.parent} does not exist")
     docs = read_texts(paths)
-    tok_path = None
     if tokenizer is None:
         tokenizer = toktools.train_bpe(docs, vocab_size)
-        tok_path = out.parent / "tokenizer.json"
-        tmp = tok_path.with_name(".tokenizer.json.tmp")
-        tokenizer.save(str(tmp))
-        os.replace(tmp, tok_path)
-    elif tokenizer_src is not None and tokenizer_src.suffix == ".json":
-        tok_path = tokenizer_src
     ids = encode_documents(tokenizer, docs)
     vocab = tokenizer.get_vocab_size(with_added_tokens=True)
     n_val = int(len(ids) * val_fraction)
     train, val = ids[: len(ids) - n_val], ids[len(ids) - n_val :]
     h = toktools.tokenizer_hash(tokenizer)
+    tok_path = save_tokenizer_beside(out, tokenizer, tokenizer_src)  # first: no token file without its tokenizer
     write_tokens(out, train, vocab, h)
     val_path = None
     if n_val:
         val_path = val_path_for(out)
         write_tokens(val_path, val, vocab, h)
     return PrepResult(out, val_path, tok_path, len(train), len(val), vocab, len(docs))
+
+
+def save_tokenizer_beside(out: Path, tokenizer: Tokenizer, src: Path | None = None) -> Path:
+    """Write the tokenizer that made the token file `out` as `NAME.tokenizer.json` beside
+    it: a copy of `src` when that is a tokenizer.json (its bytes as they are), else the
+    tokenizer serialised (a trained one, or a GGUF's). Returns the path."""
+    path = tokenizer_path_for(out)
+    if src is not None and src.suffix == ".json":
+        if path.exists() and path.resolve() == src.resolve():
+            return path  # --tokenizer names this very file
+        write_file_atomic(path, lambda tmp: shutil.copyfile(src, tmp))
+    else:
+        write_file_atomic(path, lambda tmp: tokenizer.save(str(tmp)))
+    return path
 
 
 def encode_documents(tok: Tokenizer, docs: list[str]) -> np.ndarray:
@@ -129,15 +144,19 @@ def cache_dir() -> Path:
 
 
 def bundled_corpus(vocab_size: int = DEFAULT_VOCAB) -> Path:
-    """The bundled plays, tokenized once into the user cache (keyed by content and vocab)."""
+    """The bundled plays, tokenized once into the user cache (keyed by content, vocab
+    and tokenizer-hash scheme)."""
     paths = bundled_text_paths()
     h = hashlib.sha256()
     for p in paths:
         h.update(p.read_bytes())
-    h.update(f"bpe-{vocab_size}".encode())
+    # The hash scheme too: a cache from before a change of `tokenizer_hash` holds token
+    # files whose header no longer matches their tokenizer.json; a new key re-tokenizes.
+    h.update(f"bpe-{vocab_size}-{toktools.TOKENIZER_HASH_SCHEME}".encode())
     d = cache_dir() / "bundled" / h.hexdigest()[:16]
     out = d / "corpus.bin"
-    if out.is_file() and (d / "tokenizer.json").is_file() and val_path_for(out).is_file():
+    # corpus.tokenizer.json, or the tokenizer.json of a cache made before per-corpus tokenizers.
+    if out.is_file() and tokenizer_beside(out) is not None and val_path_for(out).is_file():
         return out
     d.mkdir(parents=True, exist_ok=True)
     prep(paths, out, vocab_size=vocab_size)

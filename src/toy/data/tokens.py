@@ -18,7 +18,6 @@ The headerless packed-int32 form (the seed system's `ts_seqs.bin`) is read with
 
 from __future__ import annotations
 
-import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +26,7 @@ import numpy as np
 import torch
 
 from toy.errors import InputError
+from toy.runs import write_file_atomic
 
 MAGIC = b"TOYTOK\x00\x01"
 VERSION = 1
@@ -52,13 +52,13 @@ def write_tokens(path: Path, tokens: np.ndarray, vocab_size: int, tok_hash: byte
     if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= vocab_size):
         raise InputError(f"{path}: token id {int(arr.max())} out of range for vocab size {vocab_size}")
     arr = arr.astype(dtype, copy=False)
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as fh:
-        fh.write(HEADER.pack(MAGIC, VERSION, arr.dtype.itemsize, vocab_size, 0, arr.size, tok_hash))
-        fh.write(arr.tobytes())
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+
+    def fill(tmp: Path) -> None:
+        with open(tmp, "wb") as fh:
+            fh.write(HEADER.pack(MAGIC, VERSION, arr.dtype.itemsize, vocab_size, 0, arr.size, tok_hash))
+            fh.write(arr.tobytes())
+
+    write_file_atomic(path, fill)
 
 
 def read_tokens(path: Path, raw_i32: bool = False, vocab_size: int | None = None,
@@ -113,6 +113,23 @@ def _check_ids(tf: TokenFile) -> None:
             pos = i + int(np.argmax(part == bad))
             raise InputError(f"{tf.path}: token id {bad} at position {pos} is outside the vocabulary "
                              f"(size {tf.vocab_size}); the file was made with another tokenizer, re-run `toy prep`")
+
+
+def tokenizer_path_for(path: Path) -> Path:
+    """`mine.bin` -> `mine.tokenizer.json`: where `toy prep` puts the tokenizer it trains,
+    so each prepared corpus owns its tokenizer and two corpora in one folder never
+    overwrite each other's."""
+    return path.with_name(path.stem + ".tokenizer.json")
+
+
+def tokenizer_beside(path: Path) -> Path | None:
+    """The tokenizer that made the corpus at `path`: `NAME.tokenizer.json`, else a plain
+    `tokenizer.json` in the same folder (projects made before per-corpus tokenizers, and
+    `toy new`'s data/), else None."""
+    for p in (tokenizer_path_for(path), path.with_name("tokenizer.json")):
+        if p.is_file():
+            return p
+    return None
 
 
 def val_path_for(path: Path) -> Path:

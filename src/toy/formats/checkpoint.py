@@ -5,7 +5,7 @@ A checkpoint is a directory `step-NNNNNN/` holding
 
     model.safetensors      trainable tensors (the whole model, or just the adapter)
     optimizer.safetensors  AdamW moments, `state.<i>.<name>` by parameter index
-    rng.safetensors        torch CPU (and CUDA) generator states
+    rng.safetensors        every process's torch CPU (and CUDA) generator state
     state.json             step, optimizer hyper-parameters, python/numpy RNG, data position
 
 It is written under a temporary name, every file fsynced, then renamed into place:
@@ -20,9 +20,8 @@ import json
 import os
 import random
 import shutil
-import tempfile
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -30,6 +29,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from toy.errors import InputError
+from toy.runs import write_file_atomic  # formats' writers import it from here too
 
 STEP_FMT = "step-{:06d}"
 
@@ -46,9 +46,10 @@ def _fsync_dir(d: Path) -> None:
 
 
 def save_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
-    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(path), metadata=metadata)
-    with open(path, "rb+") as fh:
-        os.fsync(fh.fileno())
+    # Through write_file_atomic: fsynced and given 0666 less the umask (safetensors creates
+    # its files 0600, which would hide a model or checkpoint from the machine's other users).
+    flat = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
+    write_file_atomic(path, lambda tmp: save_file(flat, str(tmp), metadata=metadata))
 
 
 def load_tensors(path: Path) -> dict[str, torch.Tensor]:
@@ -58,25 +59,6 @@ def load_tensors(path: Path) -> dict[str, torch.Tensor]:
         raise InputError(f"{path} not found")
     except (SafetensorError, OSError, ValueError) as e:
         raise InputError(f"{path}: not a readable safetensors file ({str(e).splitlines()[0]})")
-
-
-def write_file_atomic(path: Path, fill: Callable[[Path], None]) -> None:
-    """`fill(tmp)` writes a temp file beside `path`; it is fsynced, then renamed over
-    `path`: a reader sees the old file or the whole new one, never half of one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        fill(Path(tmp))
-        with open(tmp, "rb+") as fh:
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
 
 
 def write_json(path: Path, obj: Any) -> None:
@@ -165,46 +147,56 @@ def load_optimizer(opt: torch.optim.Optimizer, tensors: dict[str, torch.Tensor],
 
 # ------------------------------------------------------------------ RNG
 
-def rng_state() -> tuple[dict[str, torch.Tensor], dict]:
-    tensors = {"torch_cpu": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        for i, s in enumerate(torch.cuda.get_rng_state_all()):
-            tensors[f"torch_cuda_{i}"] = s
+def local_rng_state(device: torch.device | None = None) -> dict[str, torch.Tensor]:
+    """This process's torch generators: the CPU one, and its own CUDA device's."""
+    out = {"cpu": torch.get_rng_state()}
+    if device is not None and device.type == "cuda":
+        out["cuda"] = torch.cuda.get_rng_state(device)
+    return out
+
+
+def _host_rng_meta() -> dict:
     py = random.getstate()
     np_state = np.random.get_state()
-    meta = {
+    return {
         "python": [py[0], list(py[1]), py[2]],
         "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])],
     }
-    return tensors, meta
 
 
-def set_rng_state(tensors: dict[str, torch.Tensor], meta: dict, rank: int = 0) -> None:
-    torch.set_rng_state(tensors.get(f"torch_cpu_rank{rank}", tensors["torch_cpu"]))
-    cuda = [tensors[k] for k in sorted(tensors) if k.startswith("torch_cuda_")]
-    if cuda and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(cuda)
+def set_rng_state(tensors: dict[str, torch.Tensor], meta: dict, rank: int = 0) -> bool:
+    """Restore this rank's generators; False when the checkpoint has none for this rank
+    (the run had fewer processes), and the caller seeds a stream of its own."""
+    cpu = tensors.get(f"torch_cpu_rank{rank}")
+    if cpu is None and rank == 0:
+        cpu = tensors.get("torch_cpu")  # checkpoints written before per-rank states
+    if cpu is None:
+        return False
+    torch.set_rng_state(cpu)
+    cuda = tensors.get(f"torch_cuda_rank{rank}")
+    if cuda is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(cuda, torch.cuda.current_device())
     v, state, gauss = meta["python"]
     random.setstate((v, tuple(state), gauss))
     n = meta["numpy"]
     np.random.set_state((n[0], np.asarray(n[1], dtype=np.uint32), n[2], n[3], n[4]))
+    return True
 
 
 # ------------------------------------------------------------------ checkpoints
 
 def save_checkpoint(ckpt_root: Path, step: int, model_state: dict[str, torch.Tensor],
                     opt_state: tuple[dict[str, torch.Tensor], dict], state: dict,
-                    rank_rng: list[torch.Tensor] | None = None) -> Path:
-    """opt_state: from optimizer_tensors; rank_rng: each process's torch generator
-    state in a distributed run."""
+                    rank_rng: list[dict[str, torch.Tensor]]) -> Path:
+    """opt_state: from optimizer_tensors; rank_rng: each process's generators, in rank
+    order (local_rng_state of every rank), saved as torch_cpu_rank<r> / torch_cuda_rank<r>."""
     final = ckpt_root / STEP_FMT.format(step)
     with atomic_dir(final) as d:
         save_tensors(d / "model.safetensors", model_state)
         opt_t, opt_meta = opt_state
         save_tensors(d / "optimizer.safetensors", opt_t)
-        rng_t, rng_meta = rng_state()
-        for r, t in enumerate(rank_rng or []):
-            rng_t[f"torch_cpu_rank{r}"] = t
+        rng_t = {f"torch_{kind}_rank{r}": t for r, states in enumerate(rank_rng) for kind, t in states.items()}
+        rng_meta = _host_rng_meta()
         save_tensors(d / "rng.safetensors", rng_t)
         write_json(d / "state.json", {**state, "step": step, "optimizer": opt_meta, "rng": rng_meta})
     return final

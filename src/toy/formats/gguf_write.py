@@ -51,8 +51,8 @@ from tokenizers import Tokenizer
 
 from toy.errors import InputError, UsageError
 from toy.formats.checkpoint import write_file_atomic
-from toy.formats.gguf import (GGUFModel, _load_tensor, config_from_header, permute_qk, read_gguf_header,
-                              tensor_name_map, unpermute_qk)
+from toy.formats.gguf import (FAMILIES, GGUFModel, Planned, _load_tensor, _map, check_tensors, config_from_header,
+                              family_of, permute_qk, read_gguf_header, tensor_name_map, unpermute_qk)
 from toy.models.gpt2 import GPT2, GPT2Config
 from toy.models.llama import Llama, LlamaConfig
 from toy.tokenizer import EOS_TOKEN, from_gguf_metadata
@@ -125,13 +125,23 @@ def _add_kv(w: gguf.GGUFWriter, key: str, value: Any) -> None:
 
 
 def _write(path: Path, arch: str, kv: dict[str, Any], tensors: list[tuple[str, np.ndarray, GGMLQuantizationType]],
-           general_type: str | None = None) -> None:
+           general_type: str | None = None, kv_types: dict | None = None) -> None:
+    """Write a GGUF atomically. `kv_types` (key -> (value type, array item type), from a
+    header) keeps keys copied from another file in their own types."""
     def fill(tmp: Path) -> None:
         w = gguf.GGUFWriter(str(tmp), arch)  # adds general.architecture
         if general_type:
             w.add_type(general_type)
         for k, v in kv.items():
-            _add_kv(w, k, v)
+            if kv_types and k in kv_types and not (k == "general.type" and general_type):
+                vtype, item = kv_types[k]
+                if vtype == GGUFValueType.ARRAY:
+                    if v:
+                        w.add_key_value(k, list(v), vtype, item)
+                else:
+                    w.add_key_value(k, v, vtype)
+            else:
+                _add_kv(w, k, v)
         for name, data, qtype in tensors:
             if qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
                 w.add_tensor(name, data)  # the numpy dtype says F32/F16
@@ -313,7 +323,7 @@ def write_llama_gguf(path: str | os.PathLike, model: Llama, tokenizer: Tokenizer
 
     sd = model.state_dict()
     tensors = []
-    for gname, (tname, shape) in tensor_name_map(cfg).items():
+    for gname, (tname, shape) in tensor_name_map(cfg, "llama").items():
         t = sd[tname].detach().to("cpu", torch.float32)
         if tuple(t.shape) != shape:
             raise UsageError(f"model tensor {tname} has shape {tuple(t.shape)}, expected {shape}")
@@ -404,39 +414,28 @@ def write_model_gguf(path: str | os.PathLike, model: torch.nn.Module, tokenizer:
 
 # ------------------------------------------------------------------ LoRA adapters
 
-def _toy_to_gguf_names(cfg: LlamaConfig) -> dict[str, str]:
-    """toy module name (`layers.0.self_attn.q_proj`) -> GGUF base tensor name
-    (`blk.0.attn_q.weight`), for every linear layer of the body."""
+def _adaptable(cfg, arch: str) -> dict[str, tuple[str, Planned]]:
+    """toy module name (`layers.0.self_attn.q_proj`) -> (GGUF base tensor name, plan),
+    for every linear layer of the body of `arch`'s family."""
     out = {}
-    for gname, (tname, _) in tensor_name_map(cfg).items():
-        if tname.endswith(".weight") and tname.startswith("layers."):
-            out[tname[: -len(".weight")]] = gname
+    for gname, p in FAMILIES[arch].plan(cfg).items():
+        if p.name.startswith("layers.") and p.name.endswith(".weight") and len(p.shape) == 2:
+            out[p.name[: -len(".weight")]] = (gname, p)
     return out
 
 
-def _qk_heads(gname: str, cfg: LlamaConfig, arch: str) -> int | None:
-    """Heads whose rows llama.cpp permuted in this base tensor, or None."""
-    if arch != "llama":
-        return None
-    if ".attn_q." in gname:
-        return cfg.n_head
-    if ".attn_k." in gname:
-        return cfg.n_kv_head
-    return None
-
-
 def write_lora_gguf(path: str | os.PathLike, lora_sd: dict[str, torch.Tensor], *, alpha: float,
-                    base: LlamaConfig, arch: str = "llama", dtype: str = "f32",
-                    name: str = "toy-lora") -> WriteReport:
+                    base, arch: str = "llama", dtype: str = "f32", name: str = "toy-lora") -> WriteReport:
     """A LoRA adapter in llama.cpp's layout (llama-adapter.cpp): `general.type=adapter`,
     `adapter.type=lora`, `adapter.lora.alpha`, tensors `<base tensor>.lora_a` (r, in)
-    and `.lora_b` (out, r, rows permuted like the base for attn_q/attn_k).
+    and `.lora_b` (out, r, rows permuted like the base where llama.cpp's converter
+    permuted the base: llama's attn_q/attn_k).
 
     `lora_sd` uses toy names (`layers.0.self_attn.q_proj.lora_A`, as
-    `toy.lora.lora_state_dict` and `toy.formats.peft.load_peft_adapter` give);
-    `base` is the config of the model it adapts (for shapes and heads)."""
+    `toy.lora.lora_state_dict` and `toy.formats.peft.load_peft_adapter` give); `base` is
+    the config of the model it adapts and `arch` its GGUF architecture (any family)."""
     _check_dtype(dtype, ADAPTER_DTYPES, "a LoRA adapter (it is small; q8_0 would only lose precision)")
-    names = _toy_to_gguf_names(base)
+    names = _adaptable(base, arch)
     modules: dict[str, dict[str, torch.Tensor]] = {}
     for k, t in lora_sd.items():
         module, _, kind = k.rpartition(".")
@@ -444,7 +443,6 @@ def write_lora_gguf(path: str | os.PathLike, lora_sd: dict[str, torch.Tensor], *
             raise UsageError(f"adapter tensor {k!r} is not <module>.lora_A / .lora_B")
         modules.setdefault(module, {})[kind] = t
     problems = []
-    shapes = tensor_name_map(base)
     tensors = []
     ranks = set()
     for module in sorted(modules, key=_module_order):
@@ -452,24 +450,23 @@ def write_lora_gguf(path: str | os.PathLike, lora_sd: dict[str, torch.Tensor], *
         if module.endswith(("lm_head", "embed_tokens")):
             problems.append(f"{module}: adapters on the (tied) embedding/output are never exported (ANCHORS pitfall 6)")
             continue
-        gname = names.get(module)
-        if gname is None:
+        if module not in names:
             problems.append(f"{module} is not a linear layer of the base model")
             continue
+        gname, plan = names[module]
         if set(ab) != {"lora_A", "lora_B"}:
             problems.append(f"{module} lacks {'lora_B' if 'lora_A' in ab else 'lora_A'}")
             continue
         a = ab["lora_A"].detach().to("cpu", torch.float32)  # (r, in)
         b = ab["lora_B"].detach().to("cpu", torch.float32)  # (out, r)
-        out_f, in_f = shapes[gname][1]
+        out_f, in_f = plan.shape
         if a.dim() != 2 or b.dim() != 2 or a.shape[1] != in_f or b.shape[0] != out_f or a.shape[0] != b.shape[1]:
             problems.append(f"{module}: A {tuple(a.shape)} / B {tuple(b.shape)} do not fit the base's "
                             f"{gname} (out {out_f}, in {in_f})")
             continue
         ranks.add(a.shape[0])
-        heads = _qk_heads(gname, base, arch)
-        if heads is not None:
-            b = permute_qk(b, heads)  # rows of dW = B A follow the base's interleaved rows
+        if plan.qk_heads:
+            b = permute_qk(b, plan.qk_heads)  # rows of dW = B A follow the base's interleaved rows
         notes: list[str] = []
         tensors.append((gname + ".lora_a", *_encode(gname + ".lora_a", a.numpy(), dtype, notes)))
         tensors.append((gname + ".lora_b", *_encode(gname + ".lora_b", b.numpy(), dtype, notes)))
@@ -504,7 +501,7 @@ class LoraGGUF:
     rank: int
 
 
-def read_lora_gguf(path: str | os.PathLike, base: LlamaConfig) -> LoraGGUF:
+def read_lora_gguf(path: str | os.PathLike, base) -> LoraGGUF:
     """Read a llama.cpp LoRA adapter GGUF against the config of its base model, checking
     what llama-adapter.cpp checks (type keys, pairs, shapes)."""
     h = read_gguf_header(path)
@@ -513,57 +510,135 @@ def read_lora_gguf(path: str | os.PathLike, base: LlamaConfig) -> LoraGGUF:
         raise InputError(f"{h.path}: not a LoRA adapter GGUF (general.type={meta.get('general.type')!r}, "
                          f"adapter.type={meta.get('adapter.type')!r})")
     arch = meta.get("general.architecture")
+    if arch not in FAMILIES:
+        raise InputError(f"{h.path}: adapter for architecture {arch!r}, which toy does not read; supported: "
+                         f"{', '.join(FAMILIES)}")
     alpha = meta.get("adapter.lora.alpha")
     if not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
         raise InputError(f"{h.path}: adapter.lora.alpha is missing or not a number")
-    shapes = tensor_name_map(base)
-    to_toy = {g: m for m, g in _toy_to_gguf_names(base).items()}
-    buf = np.memmap(h.path, dtype=np.uint8, mode="r")
+    to_toy = {g: (m, p) for m, (g, p) in _adaptable(base, arch).items()}
+    buf = _map(h)
     found: dict[str, dict[str, torch.Tensor]] = {}
     for name, ti in h.tensors.items():
         stem, _, kind = name.rpartition(".")
         if kind not in ("lora_a", "lora_b") or stem not in to_toy:
             raise InputError(f"{h.path}: unexpected tensor {name!r}; expected <base tensor>.lora_a/.lora_b")
-        found.setdefault(stem, {})[kind] = _load_tensor(buf, ti)
+        found.setdefault(stem, {})[kind] = _load_tensor(buf, ti).clone()
     pairs, sd, ranks = {}, {}, set()
     for stem, ab in found.items():
         if set(ab) != {"lora_a", "lora_b"}:
             raise InputError(f"{h.path}: {stem} has only {', '.join(ab)}")
         a, b = ab["lora_a"], ab["lora_b"]
-        out_f, in_f = shapes[stem][1]
+        module, plan = to_toy[stem]
+        out_f, in_f = plan.shape
         # GGUF ne: a [in, r], b [r, out]; torch order reverses them.
         if a.shape[1] != in_f or b.shape[0] != out_f or a.shape[0] != b.shape[1]:
             raise InputError(f"{h.path}: {stem}: lora_a {tuple(a.shape)} / lora_b {tuple(b.shape)} do not fit the "
                              f"base ({out_f} x {in_f})")
         ranks.add(a.shape[0])
         pairs[stem] = (a, b)
-        heads = _qk_heads(stem, base, arch)
-        module = to_toy[stem]
         sd[module + ".lora_A"] = a
-        sd[module + ".lora_B"] = unpermute_qk(b, heads) if heads is not None else b
+        sd[module + ".lora_B"] = unpermute_qk(b, plan.qk_heads) if plan.qk_heads else b
     if len(ranks) > 1:
         raise InputError(f"{h.path}: mixed ranks {sorted(ranks)}; toy's LoRA has one rank per adapter")
     return LoraGGUF(float(alpha), str(arch), pairs, sd, ranks.pop() if ranks else 0)
 
 
-def base_config(path: str | os.PathLike) -> tuple[LlamaConfig, str, dict[str, Any]]:
+def base_config(path: str | os.PathLike) -> tuple[Any, str, dict[str, Any]]:
     """A base GGUF's (config, architecture, metadata) from its header alone."""
     h = read_gguf_header(path)
     return config_from_header(h), str(h.metadata.get("general.architecture")), h.metadata
 
 
-def write_merged_gguf(path: str | os.PathLike, base: GGUFModel, lora_sd: dict[str, torch.Tensor], *,
-                      rank: int, alpha: float, dtype: str = "f32", name: str = "toy-merged") -> WriteReport:
-    """The base (as read by toy: dequantized to float32, Q/K in toy's order) with the
-    adapter folded in (W += B A * alpha/r), written as a full GGUF with the base's
-    architecture, tokenizer keys and chat template."""
-    from toy.lora import apply_lora, load_lora_state_dict, merge_lora
+# ------------------------------------------------------------------ merged models
 
-    _check_dtype(dtype)
-    model = base.build_model()
-    targets = sorted({k.rsplit(".", 2)[-2] for k in lora_sd})
-    apply_lora(model, targets, rank, alpha, 0.0, seed=0)
-    load_lora_state_dict(model, lora_sd, source=name)
-    merge_lora(model)
-    return write_llama_gguf(path, model, dtype=dtype, tokenizer_kv=gguf_tokenizer_kv(base.metadata),
-                            chat_template=base.chat_template, arch=base.arch, name=name)
+MERGED_DTYPES = ("base",) + DTYPES
+# What llama.cpp must not find twice or stale in a merged file: the writer sets these.
+_OWN_KEYS = ("general.architecture", "general.name", "general.file_type", "general.quantization_version",
+             "general.alignment")
+
+
+def _quantizable(qtype: GGMLQuantizationType) -> bool:
+    """Whether gguf.quants can write this type (it cannot write the K-quants)."""
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    try:
+        gguf.quants.quantize(np.zeros((1, block), dtype=np.float32), qtype)
+        return True
+    except (NotImplementedError, ValueError, TypeError, KeyError):
+        return False
+
+
+def write_merged_gguf(path: str | os.PathLike, base: "GGUFModel | str | os.PathLike", lora_sd: dict[str, torch.Tensor],
+                      *, rank: int, alpha: float, dtype: str = "base", name: str = "toy-merged") -> WriteReport:
+    """The base GGUF with the adapter folded in (W += B A * alpha/r), in the base's own
+    architecture: every key of the base is kept (with its type), and tensors come in
+    the base's order. `dtype`:
+    - "base": each tensor the adapter does not touch is copied byte for byte (nothing
+      lost); each one it changes is requantized to the base's type where `gguf.quants`
+      can write that type, else to q8_0 (or f16 where its rows do not fill q8_0
+      blocks), and the report says which;
+    - f32 / f16 / q8_0: every 2-D tensor in that type (dequantized first)."""
+    _check_dtype(dtype, MERGED_DTYPES, "a merged model")
+    base_path = base.path if isinstance(base, GGUFModel) else Path(base)
+    h = read_gguf_header(base_path)
+    fam = family_of(h)
+    cfg = fam.config(h)
+    plan = check_tensors(h, cfg)
+    targets = _adaptable(cfg, fam.name)
+    scale = alpha / rank
+    deltas: dict[str, torch.Tensor] = {}
+    modules = sorted({k.rsplit(".", 1)[0] for k in lora_sd})
+    for module in modules:
+        if module not in targets:
+            raise InputError(f"adapter module {module} is not a linear layer of {base_path} ({fam.name})")
+        a, b = lora_sd.get(module + ".lora_A"), lora_sd.get(module + ".lora_B")
+        gname, p = targets[module]
+        if a is None or b is None or tuple((b @ a).shape) != p.shape:
+            raise InputError(f"adapter module {module} does not fit {gname} {list(p.shape)} of {base_path}")
+        d = (b.float() @ a.float()) * scale  # toy's layout (half-split Q/K rows)
+        deltas[gname] = permute_qk(d, p.qk_heads) if p.qk_heads else d
+    buf = _map(h)
+    notes: list[str] = []
+    tensors = []
+    fallback = Counter()
+    for gname, ti in h.tensors.items():
+        if gname in deltas:
+            w = _load_tensor(buf, ti) + deltas[gname]  # the file's layout, float32
+            if dtype == "base":
+                if ti.qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+                    data, q = _encode(gname, w.numpy(), "f32" if ti.qtype == GGMLQuantizationType.F32 else "f16", notes)
+                elif _quantizable(ti.qtype) and w.shape[-1] % gguf.GGML_QUANT_SIZES[ti.qtype][0] == 0:
+                    data, q = gguf.quants.quantize(w.numpy(), ti.qtype), ti.qtype
+                else:
+                    fallback[ti.qtype.name] += 1
+                    data, q = _encode(gname, w.numpy(), "q8_0", notes)
+            else:
+                data, q = _encode(gname, w.numpy(), dtype, notes)
+        elif dtype == "base" or len(ti.ne) == 1:
+            raw = np.asarray(buf[ti.offset : ti.offset + ti.nbytes])
+            if ti.qtype == GGMLQuantizationType.F32:
+                data = raw.view(np.float32).reshape(ti.shape)
+            elif ti.qtype == GGMLQuantizationType.F16:
+                data = raw.view(np.float16).reshape(ti.shape)
+            else:
+                block, size = gguf.GGML_QUANT_SIZES[ti.qtype]
+                data = raw.reshape(*ti.shape[:-1], ti.shape[-1] // block * size)
+            q = ti.qtype
+        else:
+            data, q = _encode(gname, _load_tensor(buf, ti).numpy(), dtype, notes)
+        tensors.append((gname, data, q))
+    if fallback:
+        notes.append(f"{sum(fallback.values())} adapted tensors of type {', '.join(fallback)} written as q8_0: "
+                     "gguf cannot quantize that type (the others keep the base's bytes)")
+    kv = {k: v for k, v in h.metadata.items() if k not in _OWN_KEYS}
+    kv["general.name"] = name
+    kv["general.quantization_version"] = GGML_QUANT_VERSION
+    file_type = h.metadata.get("general.file_type") if dtype == "base" else int(_FILE_TYPE[dtype])
+    if isinstance(file_type, int):
+        kv["general.file_type"] = file_type
+    types = {k: t for k, t in h.kv_types.items() if k in kv}
+    _write(Path(path), fam.name, kv, tensors, kv_types=types)
+    counts = Counter(q.name for _, _, q in tensors)
+    n = sum(ti.n_elements for ti in h.tensors.values())
+    notes.insert(0, f"{len(deltas)} tensors of {fam.name} base {Path(base_path).name} merged with the adapter")
+    return WriteReport(Path(path), fam.name, counts, n, notes)

@@ -1,5 +1,6 @@
 """A trained model directory (`final/`): `model.safetensors`, `config.json`,
-`tokenizer.json`. What `toy infer` and `toy export` read."""
+`tokenizer.json`. What `toy infer` and `toy export` read; `final_dir` finds it (or a
+LoRA run's adapter) from whatever directory the user names."""
 
 from __future__ import annotations
 
@@ -35,6 +36,28 @@ def save_model_dir(out: Path, model: nn.Module, extra: dict | None = None,
             tokenizer.save(str(d / "tokenizer.json"))
         elif tokenizer is not None:
             shutil.copyfile(tokenizer, d / "tokenizer.json")
+
+
+def final_dir(path: str | Path, flag: str = "") -> Path:
+    """The directory a user means by PATH: a run directory stands for its `final/` (a
+    model, or a LoRA run's PEFT adapter); any other directory (a final/ itself, a PEFT
+    adapter from elsewhere) is taken as it is. A run with no final/ yet is refused, saying
+    so. `flag` (e.g. "--adapter") prefixes the messages."""
+    d = Path(path)
+    where = f"{flag} {d}" if flag else str(d)
+    if not d.exists():
+        what = "run or adapter directory" if flag == "--adapter" else "run directory"
+        raise InputError(f"{where}: no such {what}; pass a run made by `toy train` (`toy list` shows them) "
+                         "or its final/")
+    if not d.is_dir():
+        raise InputError(f"{where}: not a directory; pass a run directory (or its final/)")
+    if (d / "final").is_dir():
+        return d / "final"
+    if any((d / name).exists() for name in ("run.json", "events.jsonl", "checkpoints")):
+        hint = (f"resume it with `toy train --resume {d}`" if (d / "checkpoints").is_dir()
+                else "it stopped before its first checkpoint: train it again")
+        raise InputError(f"{where}: has no final/ yet (the run did not finish); {hint}")
+    return d
 
 
 def load_model_dir(d: Path, device: torch.device | str = "cpu") -> tuple[nn.Module, dict, Tokenizer | None]:

@@ -14,9 +14,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
-from toy.models.layers import GeluMLP, KVCache
+from toy.models.layers import GeluMLP, KVCache, attend, run_block
 
 
 @dataclass
@@ -53,28 +52,13 @@ class CausalSelfAttention(nn.Module):
         self.c_attn = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=cfg.bias)
         self.c_proj = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None, cache: KVCache | None = None,
-                layer: int = 0) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(C, dim=2)  # 3 x (B, T, C)
         q = q.view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, H, T, D)
         k = k.view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, H, T, D)
         v = v.view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, H, T, D)
-        past = cache.pos if cache is not None else 0
-        if cache is not None:
-            k, v = cache.update(layer, k, v)  # (B, H, past+T, D)
-        if mask is not None:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        elif past > 0:
-            # The T new queries sit at positions past..past+T-1: each sees every cached
-            # key and the new ones up to itself. One query sees everything: no mask.
-            m = None
-            if T > 1:
-                kpos = torch.arange(past + T, device=x.device)
-                m = kpos[None, :] <= (past + torch.arange(T, device=x.device))[:, None]  # (T, past+T)
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=m)
-        else:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1)
+        y = attend(q, k, v, cache, layer)  # (B, H, T, D)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C)
         return self.c_proj(y)
 
@@ -89,9 +73,8 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps, bias=cfg.bias)
         self.mlp = GeluMLP(cfg.d_model, cfg.d_ff, bias=cfg.bias)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None, cache: KVCache | None = None,
-                layer: int = 0) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x), mask, cache, layer)
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), cache, layer)
         x = x + self.mlp(self.ln_2(x))
         return x
 
@@ -105,9 +88,14 @@ class GPT2(nn.Module):
         self.h = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps, bias=cfg.bias)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
-        if cfg.tie_embeddings:
-            self.lm_head.weight = self.wte.weight
+        self.tie_weights()
+        self.checkpointing = False  # activation checkpointing per block (--checkpointing)
         self.reset_parameters()
+
+    def tie_weights(self) -> None:
+        """The head IS the token embedding when the config ties them (one tensor)."""
+        if self.cfg.tie_embeddings:
+            self.lm_head.weight = self.wte.weight
 
     def reset_parameters(self) -> None:
         # GPT-2's init: N(0, 0.02) for matrices and embeddings, and the two projections
@@ -125,29 +113,24 @@ class GPT2(nn.Module):
             else:
                 nn.init.normal_(p, 0.0, std)
 
-    def hidden(self, idx: torch.Tensor, pos: torch.Tensor | None = None, mask: torch.Tensor | None = None,
-               cache: KVCache | None = None) -> torch.Tensor:
-        """Final normalised hidden states (B, T, C) for token ids idx (B, T).
-
-        pos: (T,) or (B, T) positions (packed sequences restart them per document);
-        default: 0..T-1, or continuing from the cache."""
+    def hidden(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        """Final normalised hidden states (B, T, C) for token ids idx (B, T), at positions
+        0..T-1 or continuing from the cache."""
         B, T = idx.shape
-        if pos is None:
-            start = cache.pos if cache is not None else 0
-            pos = torch.arange(start, start + T, device=idx.device)  # (T,)
-        if int(pos.max()) >= self.cfg.max_seq_len:
+        start = cache.pos if cache is not None else 0
+        if start + T > self.cfg.max_seq_len:  # known on the host: no device sync
             # Learned positions stop at max_seq_len: unlike rotary there is nothing to extrapolate.
-            raise ValueError(f"position {int(pos.max())} is past the model's context {self.cfg.max_seq_len}")
-        x = self.wte(idx) + self.wpe(pos)  # (B, T, C) + (T, C) or (B, T, C)
+            raise ValueError(f"position {start + T - 1} is past the model's context {self.cfg.max_seq_len}")
+        pos = torch.arange(start, start + T, device=idx.device)  # (T,)
+        x = self.wte(idx) + self.wpe(pos)  # (B, T, C) + (T, C)
         for i, block in enumerate(self.h):
-            x = block(x, mask, cache, i)
+            x = run_block(block, x, cache, i, checkpointing=self.checkpointing)
         if cache is not None:
             cache.pos += T
         return self.ln_f(x)
 
-    def forward(self, idx: torch.Tensor, pos: torch.Tensor | None = None, mask: torch.Tensor | None = None,
-                cache: KVCache | None = None) -> torch.Tensor:
-        return self.lm_head(self.hidden(idx, pos, mask, cache))  # (B, T, vocab)
+    def forward(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        return self.lm_head(self.hidden(idx, cache))  # (B, T, vocab)
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
         p = self.wte.weight

@@ -38,44 +38,54 @@ class Rotary(nn.Module):
         super().__init__()
         self.head_dim = head_dim
         self.theta = theta
-        self._build(max_seq_len)
+        # The table grows on demand (tables()), so a 32k-context model does not start
+        # with 32k rows it may never use.
+        self._build(min(max_seq_len, 4096))
 
     def _build(self, n: int) -> None:
-        inv_freq = 1.0 / (self.theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float64) / self.head_dim))
-        t = torch.arange(n, dtype=torch.float64)
+        # Always real CPU tensors (moved with the module): a function of the config, never
+        # weights, even when the model is built on the meta device to be loaded.
+        inv_freq = 1.0 / (self.theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float64, device="cpu")
+                                         / self.head_dim))
+        t = torch.arange(n, dtype=torch.float64, device="cpu")
         freqs = torch.outer(t, inv_freq)  # (n, D/2)
         emb = torch.cat([freqs, freqs], dim=-1)  # (n, D)
         # Buffers are not saved with the model: they are a pure function of the config.
         self.register_buffer("cos", emb.cos().float(), persistent=False)
         self.register_buffer("sin", emb.sin().float(), persistent=False)
 
-    def tables(self, start: int, T: int, pos: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin for one forward pass, computed once and shared by every layer.
-
-        pos None: positions start..start+T-1, a slice of the table. pos (T,) or (B, T):
-        explicit positions (packed sequences restart them per document), which must lie
-        below start + T: a token's position never exceeds its place in the stream. That
-        bound is what lets the table grow here, without reading pos back from the device
-        (a host sync, and a graph break under torch.compile).
-        """
+    def tables(self, start: int, T: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin (T, D) for positions start..start+T-1, computed once per forward and
+        shared by every layer; the table grows when a sequence runs past it (no host sync:
+        the bound is known on the host)."""
         if start + T > self.cos.shape[0]:
             device = self.cos.device
             self._build(start + T)
             self.cos, self.sin = self.cos.to(device), self.sin.to(device)
-        if pos is None:
-            cos, sin = self.cos[start : start + T], self.sin[start : start + T]  # (T, D)
-        else:
-            cos, sin = self.cos[pos], self.sin[pos]  # (T, D) or (B, T, D)
-            if pos.dim() == 2:  # per-sample positions: (B, 1, T, D) to broadcast over heads
-                cos, sin = cos[:, None], sin[:, None]
-        return cos, sin
+        return self.cos[start : start + T], self.sin[start : start + T]  # (T, D)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x (B, H, T, D) by the tables from `Rotary.tables` (half-split layout)."""
+    """Rotate x (B, H, T, D) by the tables from `Rotary.tables` (half-split layout). Tables
+    narrower than D (partial rotary, Phi-4-mini) rotate the first dims and pass the rest."""
+    r = cos.shape[-1]
+    if r < x.shape[-1]:
+        return torch.cat([apply_rotary(x[..., :r], cos, sin), x[..., r:]], dim=-1)
     cos, sin = cos.to(x.dtype), sin.to(x.dtype)  # no-op in float32; bf16 under autocast
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+def run_block(block: nn.Module, *args, checkpointing: bool = False):
+    """block(*args), or with activation checkpointing: only the block's input is kept for
+    backward and its inside is recomputed there (about a third more compute for the
+    blocks; activation memory falls from every intermediate of every block to one
+    (B, T, C) tensor per block). RNG state is replayed, so dropout draws the same."""
+    if checkpointing and torch.is_grad_enabled():
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(block, *args, use_reentrant=False)
+    return block(*args)
 
 
 class KVCache:
@@ -98,43 +108,71 @@ class KVCache:
         return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
 
 
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache | None = None,
+           layer: int = 0, window: int = 0, scale: float | None = None,
+           softcap: float = 0.0) -> torch.Tensor:
+    """Causal attention of q (B, H, T, D) over k, v (B, K, T, D) through SDPA, with the KV
+    cache when generating: (B, H, T, D). K divides H (grouped-query attention).
+
+    window > 0: sliding-window attention, a query sees itself and the window - 1 keys
+    before it (Mistral, Gemma's local layers). softcap > 0: scores are capped as
+    softcap * tanh(score / softcap) before the softmax (Gemma 2), which SDPA cannot do,
+    so that path computes the scores itself."""
+    T = q.shape[2]
+    past = cache.pos if cache is not None else 0
+    if cache is not None:
+        k, v = cache.update(layer, k, v)  # (B, K, past+T, D)
+    gqa = k.shape[1] != q.shape[1]
+    S = past + T  # keys
+    if past == 0 and not softcap and (window <= 0 or S <= window):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, enable_gqa=gqa, scale=scale)
+    # The T queries sit at positions past..past+T-1: each sees the keys up to itself
+    # (every cached one after a prefill), and within the window when there is one.
+    qpos = past + torch.arange(T, device=q.device)[:, None]
+    kpos = torch.arange(S, device=q.device)[None, :]
+    m = kpos <= qpos  # (T, S)
+    if window > 0:
+        m = m & (kpos > qpos - window)
+    if softcap:
+        if gqa:
+            k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+            v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+        s = (q @ k.transpose(-2, -1)) * (scale if scale is not None else q.shape[-1] ** -0.5)  # (B, H, T, S)
+        s = softcap * torch.tanh(s / softcap)
+        s = s.masked_fill(~m, float("-inf"))
+        return torch.softmax(s.float(), dim=-1).to(q.dtype) @ v
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=m, enable_gqa=gqa, scale=scale)
+
+
 class Attention(nn.Module):
     """Multi-head attention with grouped-query K/V heads (n_kv_head divides n_head)."""
 
     def __init__(self, d_model: int, n_head: int, n_kv_head: int, head_dim: int, bias: bool = False,
-                 out_bias: bool = False):
+                 out_bias: bool = False, qk_norm: bool = False, norm_eps: float = 1e-6, window: int = 0,
+                 scale: float | None = None, softcap: float = 0.0):
         super().__init__()
-        self.n_head, self.n_kv_head, self.head_dim = n_head, n_kv_head, head_dim
+        self.n_head, self.n_kv_head, self.head_dim, self.window = n_head, n_kv_head, head_dim, window
+        self.scale, self.softcap = scale, softcap  # None: 1/sqrt(head_dim); softcap 0: none
         self.q_proj = nn.Linear(d_model, n_head * head_dim, bias=bias)
         self.k_proj = nn.Linear(d_model, n_kv_head * head_dim, bias=bias)
         self.v_proj = nn.Linear(d_model, n_kv_head * head_dim, bias=bias)
         self.o_proj = nn.Linear(n_head * head_dim, d_model, bias=out_bias)
+        # Qwen3 / Gemma 3: an RMSNorm over each head's queries and keys, before rotary.
+        self.q_norm = RMSNorm(head_dim, norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(head_dim, norm_eps) if qk_norm else None
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
-                mask: torch.Tensor | None = None, cache: KVCache | None = None,
-                layer: int = 0) -> torch.Tensor:
+                cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, H, T, D)
-        k = self.k_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, K, T, D)
+        q = self.q_proj(x).view(B, T, self.n_head, self.head_dim)  # (B, T, H, D)
+        k = self.k_proj(x).view(B, T, self.n_kv_head, self.head_dim)  # (B, T, K, D)
         v = self.v_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, K, T, D)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, H, T, D), (B, K, T, D)
         if rope is not None:  # (cos, sin) from Rotary.tables
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
-        if cache is not None:
-            k, v = cache.update(layer, k, v)  # (B, K, past+T, D)
-        gqa = self.n_kv_head != self.n_head
-        if mask is not None:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
-        elif cache is not None and cache.pos > 0:
-            # After a prefill the T new queries sit at positions past..past+T-1: each
-            # sees every cached key plus the new ones up to itself.
-            past = cache.pos
-            m = None
-            if T > 1:
-                kpos = torch.arange(past + T, device=x.device)
-                m = kpos[None, :] <= (past + torch.arange(T, device=x.device))[:, None]
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=m, enable_gqa=gqa)
-        else:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, enable_gqa=gqa)
+        y = attend(q, k, v, cache, layer, window=self.window, scale=self.scale, softcap=self.softcap)  # (B, H, T, D)
         y = y.transpose(1, 2).contiguous().view(B, T, self.n_head * self.head_dim)  # (B, T, H*D)
         return self.o_proj(y)
 

@@ -1,5 +1,10 @@
 """Llama: RMSNorm, rotary positions, grouped-query attention, SwiGLU, tied embeddings.
 
+Three small explicit variants read from GGUF share this file, each one config field:
+qwen2 (`qkv_bias`), qwen3 (`qk_norm`: an RMSNorm over each head's queries and keys) and
+mistral-style files (`sliding_window`). Families whose math differs more (Phi-3's fused
+projections, Gemma's norms, scaling and local/global layers) have files of their own.
+
 Parameter names follow HF's LlamaForCausalLM minus its `model.` prefix
 (`layers.0.self_attn.q_proj.weight`, ...), so PEFT adapters and HF checkpoints map
 onto it by a fixed rename.
@@ -8,50 +13,25 @@ onto it by a fixed rename.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.nn as nn
 
-from toy.models.layers import Attention, KVCache, RMSNorm, Rotary, SwiGLU
-
-
-@dataclass
-class LlamaConfig:
-    vocab_size: int = 4096
-    n_layer: int = 4
-    d_model: int = 256
-    n_head: int = 8
-    n_kv_head: int = 4
-    d_ff: int = 0  # 0: SwiGLU's usual 8/3 * d_model, rounded up to a multiple of 64
-    max_seq_len: int = 256
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-5
-    tie_embeddings: bool = True
-    qkv_bias: bool = False  # qwen2 has q/k/v biases
-    head_dim: int = 0  # 0: d_model // n_head
-    arch: str = field(default="llama")
-
-    def __post_init__(self) -> None:
-        if self.d_ff == 0:
-            self.d_ff = 64 * math.ceil(8 * self.d_model / 3 / 64)
-        if self.head_dim == 0:
-            self.head_dim = self.d_model // self.n_head
-
-    def to_dict(self) -> dict:
-        return asdict(self)
+from toy.models.configs import LlamaConfig  # noqa: F401  (the config lives with the others, torch-free)
+from toy.models.layers import Attention, KVCache, RMSNorm, Rotary, SwiGLU, run_block
 
 
 class Block(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.self_attn = Attention(cfg.d_model, cfg.n_head, cfg.n_kv_head, cfg.head_dim, bias=cfg.qkv_bias)
+        self.self_attn = Attention(cfg.d_model, cfg.n_head, cfg.n_kv_head, cfg.head_dim, bias=cfg.qkv_bias,
+                                   qk_norm=cfg.qk_norm, norm_eps=cfg.norm_eps, window=cfg.sliding_window)
         self.post_attention_layernorm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = SwiGLU(cfg.d_model, cfg.d_ff)
 
-    def forward(self, x, rope, mask=None, cache=None, layer=0):
-        x = x + self.self_attn(self.input_layernorm(x), rope, mask, cache, layer)
+    def forward(self, x, rope, cache=None, layer=0):
+        x = x + self.self_attn(self.input_layernorm(x), rope, cache, layer)
         x = x + self.mlp(self.post_attention_layernorm(x))
         return x
 
@@ -64,10 +44,15 @@ class Llama(nn.Module):
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
-        if cfg.tie_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
+        self.tie_weights()
         self.rotary = Rotary(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+        self.checkpointing = False  # activation checkpointing per block (--checkpointing)
         self.reset_parameters()
+
+    def tie_weights(self) -> None:
+        """The head IS the token embedding when the config ties them (one tensor)."""
+        if self.cfg.tie_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
 
     def reset_parameters(self) -> None:
         # GPT-2 style: N(0, 0.02) everywhere, and the two projections that write into
@@ -83,25 +68,23 @@ class Llama(nn.Module):
             else:
                 nn.init.normal_(p, 0.0, std)
 
-    def hidden(self, idx: torch.Tensor, pos: torch.Tensor | None = None, mask: torch.Tensor | None = None,
-               cache: KVCache | None = None) -> torch.Tensor:
+    def hidden(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         """Final normalised hidden states (B, T, C) for token ids idx (B, T)."""
         B, T = idx.shape
         start = cache.pos if cache is not None else 0
         x = self.embed_tokens(idx)  # (B, T, C)
-        rope = self.rotary.tables(start, T, pos)  # once for every layer
+        rope = self.rotary.tables(start, T)  # once for every layer
         for i, block in enumerate(self.layers):
-            x = block(x, rope, mask, cache, i)
+            x = run_block(block, x, rope, cache, i, checkpointing=self.checkpointing)
         if cache is not None:
             cache.pos += T
         return self.norm(x)
 
-    def forward(self, idx: torch.Tensor, pos: torch.Tensor | None = None, mask: torch.Tensor | None = None,
-                cache: KVCache | None = None) -> torch.Tensor:
-        return self.lm_head(self.hidden(idx, pos, mask, cache))  # (B, T, vocab)
+    def forward(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        return self.lm_head(self.hidden(idx, cache))  # (B, T, vocab)
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
-        p = self.embed_tokens.weight
+        p = self.norm.weight  # the embedding may be GGUF blocks (uint8): the norm has the float dtype
         return KVCache(self.cfg.n_layer, batch, self.cfg.n_kv_head, max_len, self.cfg.head_dim, p.device, p.dtype)
 
     def num_params(self) -> int:

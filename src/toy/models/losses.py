@@ -12,6 +12,11 @@ is 200 MB per copy, and the biggest tensors of a LoRA step. No work is repeated:
 backward pass only scales the gradients made here by the incoming gradient.
 
 Shapes: h (N, C), W (V, C), targets (N,) with -100 for positions that carry no loss.
+
+A head over GGUF blocks (a QuantLinear: a quantized base's tied or untied output) is
+never dequantized whole: `linear_cross_entropy` then walks the VOCABULARY in chunks
+instead, twice (the log-sum-exp first, then the gradient), dequantizing each chunk of
+rows as it goes. `softcap` (Gemma 2) caps the logits as cap * tanh(z / cap) first.
 """
 
 from __future__ import annotations
@@ -26,7 +31,16 @@ def chunk_rows(vocab: int) -> int:
     return max(16, CHUNK_BYTES // (4 * vocab))
 
 
-def _chunked(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, want_h: bool, want_w: bool):
+def _cap(logits: torch.Tensor, softcap: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Capped logits and d(capped)/d(logits), or the logits as they are."""
+    if not softcap:
+        return logits, None
+    t = torch.tanh(logits / softcap)
+    return t * softcap, 1 - t * t
+
+
+def _chunked(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, want_h: bool, want_w: bool,
+             softcap: float = 0.0):
     """(loss, grad of loss wrt h or None, wrt weight in float32 or None); float64 stays float64."""
     w = weight.to(h.dtype)  # a no-op in float32; the bf16 copy under CUDA autocast
     step = chunk_rows(w.shape[0])
@@ -36,7 +50,7 @@ def _chunked(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, want_
     grad_w = torch.zeros(w.shape, dtype=acc, device=h.device) if want_w else None
     for i in range(0, h.shape[0], step):
         hc, tc = h[i : i + step], targets[i : i + step]
-        logits = (hc @ w.T).to(acc)  # (c, V)
+        logits, dcap = _cap((hc @ w.T).to(acc), softcap)  # (c, V)
         lse = torch.logsumexp(logits, dim=-1)  # (c,)
         valid = tc != IGNORE
         safe = torch.where(valid, tc, 0)
@@ -48,6 +62,8 @@ def _chunked(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, want_
         g = logits.sub_(lse[:, None]).exp_()
         g.scatter_add_(1, safe[:, None], torch.full_like(picked[:, None], -1.0))
         g.mul_(valid[:, None])
+        if dcap is not None:
+            g.mul_(dcap)
         if grad_h is not None:
             grad_h[i : i + step] = (g.to(w.dtype) @ w).to(h.dtype)
         if grad_w is not None:
@@ -55,10 +71,66 @@ def _chunked(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, want_
     return loss, grad_h, grad_w
 
 
+def _vocab_chunked(h: torch.Tensor, head, targets: torch.Tensor, want_h: bool, softcap: float = 0.0):
+    """(loss, grad wrt h or None) for a frozen head whose rows come in chunks
+    (`head.rows(i, j, dtype)`, e.g. dequantized GGUF blocks): pass 1 gathers each row's
+    log-sum-exp over the vocabulary (online, as flash attention does), pass 2 makes the
+    gradient chunk by chunk. The head is read twice, never held whole."""
+    V = head.out_features
+    acc = torch.promote_types(h.dtype, torch.float32)
+    N, C = h.shape
+    # Rows per chunk: the (N, rows) logits and the (rows, C) dequantized weights each
+    # within about CHUNK_BYTES (a wide model's head would otherwise dequantize 100s of MB).
+    step = max(256, min(CHUNK_BYTES // (4 * max(1, N)), CHUNK_BYTES // (4 * C)))
+    valid = targets != IGNORE
+    safe = torch.where(valid, targets, 0)
+    m = torch.full((N,), float("-inf"), dtype=acc, device=h.device)
+    s = torch.zeros(N, dtype=acc, device=h.device)
+    picked = torch.zeros(N, dtype=acc, device=h.device)
+    for v0 in range(0, V, step):
+        w = head.rows(v0, min(V, v0 + step), h.dtype)  # (c, C)
+        logits, _ = _cap((h @ w.T).to(acc), softcap)  # (N, c)
+        inside = (safe >= v0) & (safe < v0 + w.shape[0])
+        picked += torch.where(inside, logits.gather(1, (safe - v0).clamp(0, w.shape[0] - 1)[:, None]).squeeze(1), 0.0)
+        new_m = torch.maximum(m, logits.max(dim=1).values)
+        s = s * torch.exp(m - new_m) + torch.exp(logits - new_m[:, None]).sum(dim=1)
+        m = new_m
+    lse = m + torch.log(s)
+    loss = torch.where(valid, lse - picked, 0.0).sum()
+    if not want_h:
+        return loss, None
+    grad_h = torch.zeros(h.shape, dtype=acc, device=h.device)
+    for v0 in range(0, V, step):
+        w = head.rows(v0, min(V, v0 + step), h.dtype)
+        logits, dcap = _cap((h @ w.T).to(acc), softcap)
+        g = logits.sub_(lse[:, None]).exp_()  # softmax over the whole vocabulary, this chunk of it
+        inside = (safe >= v0) & (safe < v0 + w.shape[0])
+        g.scatter_add_(1, (safe - v0).clamp(0, w.shape[0] - 1)[:, None], -inside.to(acc)[:, None])
+        g.mul_(valid[:, None])
+        if dcap is not None:
+            g.mul_(dcap)
+        grad_h += g.to(w.dtype) @ w
+    return loss, grad_h.to(h.dtype)
+
+
+class _HeadRowsCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h: torch.Tensor, targets: torch.Tensor, head, softcap: float) -> torch.Tensor:
+        loss, grad_h = _vocab_chunked(h, head, targets, ctx.needs_input_grad[0], softcap)
+        ctx.save_for_backward(grad_h if grad_h is not None else torch.empty(0))
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        (grad_h,) = ctx.saved_tensors
+        return (grad_h * grad_out.to(grad_h.dtype) if ctx.needs_input_grad[0] else None), None, None, None
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        loss, grad_h, grad_w = _chunked(h, weight, targets, ctx.needs_input_grad[0], ctx.needs_input_grad[1])
+    def forward(ctx, h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, softcap: float) -> torch.Tensor:
+        loss, grad_h, grad_w = _chunked(h, weight, targets, ctx.needs_input_grad[0], ctx.needs_input_grad[1],
+                                        softcap)
         empty = torch.empty(0)
         ctx.save_for_backward(empty if grad_h is None else grad_h, empty if grad_w is None else grad_w)
         ctx.weight_dtype = weight.dtype
@@ -69,12 +141,17 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_h, grad_w = ctx.saved_tensors
         gh = grad_h * grad_out.to(grad_h.dtype) if ctx.needs_input_grad[0] else None
         gw = (grad_w * grad_out).to(ctx.weight_dtype) if ctx.needs_input_grad[1] else None
-        return gh, gw, None
+        return gh, gw, None, None
 
 
-def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def linear_cross_entropy(h: torch.Tensor, weight, targets: torch.Tensor, softcap: float = 0.0) -> torch.Tensor:
     """Summed next-token cross-entropy of logits h @ weight.T against targets (-100:
-    ignored), in float32, chunked over the rows (see the module docstring)."""
+    ignored), in float32, chunked over the rows (see the module docstring). `weight` is a
+    tensor, or a frozen head that gives its rows in chunks (`.rows(i, j)`, a QuantLinear)."""
+    if hasattr(weight, "rows"):
+        if torch.is_grad_enabled() and h.requires_grad:
+            return _HeadRowsCrossEntropy.apply(h, targets, weight, softcap)
+        return _vocab_chunked(h, weight, targets, False, softcap)[0]
     if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
-        return _LinearCrossEntropy.apply(h, weight, targets)
-    return _chunked(h, weight, targets, False, False)[0]  # evaluation: the loss alone
+        return _LinearCrossEntropy.apply(h, weight, targets, softcap)
+    return _chunked(h, weight, targets, False, False, softcap)[0]  # evaluation: the loss alone

@@ -6,11 +6,15 @@ from typing import Any
 
 import torch.nn as nn
 
+from toy.models.gemma import Gemma, GemmaConfig
 from toy.models.gpt2 import GPT2, GPT2Config
 from toy.models.llama import Llama, LlamaConfig
+from toy.models.phi3 import Phi3, Phi3Config
 from toy.models.vit import ViT, VitConfig
 
-ARCHS = {"llama": (LlamaConfig, Llama), "gpt2": (GPT2Config, GPT2), "vit": (VitConfig, ViT)}
+ARCHS = {"llama": (LlamaConfig, Llama), "gpt2": (GPT2Config, GPT2), "vit": (VitConfig, ViT),
+         # Read from GGUF files only (LoRA bases, donors): no presets, never trained from scratch.
+         "phi3": (Phi3Config, Phi3), "gemma": (GemmaConfig, Gemma)}
 
 # Presets give model shape only; vocab_size comes from the data's tokenizer.
 PRESETS: dict[str, dict[str, dict[str, Any]]] = {
@@ -46,7 +50,8 @@ LM_ARCHS = ("gpt2", "llama")
 
 
 def arch_names() -> list[str]:
-    return sorted(ARCHS)
+    """What `--arch` takes: the architectures with presets."""
+    return sorted(PRESETS)
 
 
 def preset_names(arch: str) -> list[str]:

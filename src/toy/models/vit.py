@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from toy.models.layers import GeluMLP
+from toy.models.layers import GeluMLP, run_block
 
 
 @dataclass
@@ -108,6 +108,7 @@ class ViT(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.norm = nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps)
         self.head = nn.Linear(cfg.d_model, cfg.n_classes)
+        self.checkpointing = False  # activation checkpointing per block (--checkpointing)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -138,7 +139,7 @@ class ViT(nn.Module):
         x = torch.cat([cls, x], dim=1) + self.pos_embed  # (B, N+1, C)
         x = self.drop(x)
         for block in self.blocks:
-            x = block(x)
+            x = run_block(block, x, checkpointing=self.checkpointing)
         return self.norm(x[:, 0])  # (B, C): the class token summarises the image
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:

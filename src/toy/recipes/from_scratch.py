@@ -6,19 +6,18 @@ import torch
 
 from toy.models import registry
 from toy.runs import Project
+from toy.train.config import RunConfig
 from toy.train.job import Built
-# Shared with warm_start.py, so they live one layer down (a recipe never imports another).
-from toy.train.lm import fingerprint, lm_config, lm_job, open_corpus, resolve_corpus  # noqa: F401
+from toy.train.lm import fingerprint, lm_config, lm_job, open_token_data
 
 
-def build(opts: dict, project: Project) -> Built:
-    train, val, tok_path = open_corpus(opts, project)
-    arch = opts["arch"]
-    cfg = lm_config(opts, arch, train)
-    seq_len = opts["seq_len"]
-    torch.manual_seed(opts["seed"])
-    model = registry.build_model(cfg)
-    config = {"recipe": "from-scratch", "arch": arch, "model": cfg.to_dict(), "corpus": str(train.path),
-              "corpus_tokens": len(train), "corpus_sha256": fingerprint(train.path), "seq_len": seq_len}
-    job = lm_job("from-scratch", model, train, val, opts, tok_path, config)
-    return Built(job=job, arch=arch, params=model.num_params())
+def build(cfg: RunConfig, project: Project) -> Built:
+    data = open_token_data(cfg, project)
+    notes: list[str] = []
+    mcfg, seq_len = lm_config(cfg, cfg.arch, data.train, notes)
+    torch.manual_seed(cfg.seed)
+    model = registry.build_model(mcfg)
+    config = {"recipe": "from-scratch", "arch": cfg.arch, "model": mcfg.to_dict(), "corpus": str(data.train.path),
+              "corpus_tokens": len(data.train), "corpus_sha256": fingerprint(data.train.path), "seq_len": seq_len}
+    job = lm_job("from-scratch", model, data, cfg, seq_len, config)
+    return Built(job=job, arch=cfg.arch, params=model.num_params(), notes=notes, derived={"seq_len": seq_len})

@@ -23,6 +23,7 @@ from toy.models import registry
 from toy.models.vit import VitConfig, check_vit_config
 from toy.runs import Project
 from toy.train import dist
+from toy.train.config import RunConfig
 from toy.train.job import Built, Job
 
 NAME = "vit-tiny"
@@ -55,8 +56,8 @@ def add_arguments(group) -> None:
                        "fits faster on a large set and a short budget)")
 
 
-def _int_flag(opts: dict, key: str, problems: list[str]) -> int | None:
-    v = opts.get(key)
+def _int_flag(cfg: RunConfig, key: str, problems: list[str]) -> int | None:
+    v = getattr(cfg, key)
     if v is None:
         return None
     if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -65,72 +66,72 @@ def _int_flag(opts: dict, key: str, problems: list[str]) -> int | None:
     return v
 
 
-def model_config(opts: dict, n_classes: int, channels: int, problems: list[str]) -> VitConfig | None:
+def model_config(cfg: RunConfig, n_classes: int, channels: int, problems: list[str]) -> VitConfig | None:
     """Preset, then flag overrides; shape problems are appended to `problems`."""
-    preset = opts.get("preset") or registry.DEFAULT_PRESET["vit"]
+    preset = cfg.preset or registry.DEFAULT_PRESET["vit"]
     presets = registry.PRESETS["vit"]
     if preset not in presets:
         problems.append(f"--preset {preset!r} is unknown for vit; valid: {', '.join(sorted(presets))}")
         return None
     fields = dict(presets[preset])
     for key in ("image_size", "patch_size", "n_layer", "d_model", "n_head"):
-        v = _int_flag(opts, key, problems)
+        v = _int_flag(cfg, key, problems)
         if v is not None:
             fields[key] = v
-    if opts.get("d_model") is not None:
+    if cfg.d_model is not None:
         fields["d_ff"] = 4 * fields["d_model"]  # ViT's MLP ratio follows the width
-    cfg = VitConfig(**fields, n_classes=n_classes, channels=channels)
-    problems += check_vit_config(cfg)
-    return cfg
+    vcfg = VitConfig(**fields, n_classes=n_classes, channels=channels)
+    problems += check_vit_config(vcfg)
+    return vcfg
 
 
-def build(opts: dict, project: Project) -> Built:
+def build(cfg: RunConfig, project: Project) -> Built:
     problems: list[str] = []
-    if opts.get("arch") not in (None, "vit"):
-        problems.append(f"--arch {opts['arch']}: the {NAME} recipe trains arch vit; leave --arch out")
+    if cfg.arch not in (None, "vit"):
+        problems.append(f"--arch {cfg.arch}: the {NAME} recipe trains arch vit; leave --arch out")
     for key in LM_ONLY:
-        if opts.get(key) is not None:
+        if getattr(cfg, key) is not None:
             flag = "--" + key.replace("_", "-")
             fix = "give --images DIR instead" if key in ("corpus", "val_corpus", "tokenizer") else "leave it out"
             problems.append(f"{flag} does not apply to {NAME} (it is a language-model flag); {fix}")
-    if opts.get("augment") not in AUGMENT:
-        problems.append(f"--augment {opts.get('augment')!r} is unknown; valid: {', '.join(AUGMENT)}")
+    if cfg.augment not in AUGMENT:
+        problems.append(f"--augment {cfg.augment!r} is unknown; valid: {', '.join(AUGMENT)}")
     # Validate the shape flags before decoding any image: a typo should cost nothing.
-    shape = model_config(opts, n_classes=2, channels=3, problems=problems)
+    shape = model_config(cfg, n_classes=2, channels=3, problems=problems)
     if problems:
         raise UsageError("; ".join(problems))
-    images = Path(opts["images"]) if opts.get("images") else bundled_images()
-    val_images = Path(opts["val_images"]) if opts.get("val_images") else None
+    images = Path(cfg.images) if cfg.images else bundled_images()
+    val_images = Path(cfg.val_images) if cfg.val_images else None
     train, val = load_image_folders(images, shape.image_size, val_images)
-    return make_job(train, val, opts, str(images), str(val_images) if val_images else None)
+    return make_job(train, val, cfg, str(images), str(val_images) if val_images else None)
 
 
-def make_job(train: ImageSet, val: ImageSet | None, opts: dict, source: str, val_source: str | None) -> Built:
+def make_job(train: ImageSet, val: ImageSet | None, cfg: RunConfig, source: str, val_source: str | None) -> Built:
     """The job for decoded image sets (what `build` reads from folders; scripts may
     decode other formats, e.g. Fashion-MNIST's IDX files, and call this directly)."""
     problems: list[str] = []
     channels = int(train.images.shape[1])
-    cfg = model_config(opts, len(train.classes), channels, problems)
+    vcfg = model_config(cfg, len(train.classes), channels, problems)
     if problems:
         raise UsageError("; ".join(problems))
-    torch.manual_seed(opts["seed"])
-    model = registry.build_model(cfg)
+    torch.manual_seed(cfg.seed)
+    model = registry.build_model(vcfg)
 
-    augment = opts.get("augment", "crop-flip")
+    augment = cfg.augment or "crop-flip"
     if augment not in AUGMENT:
         raise UsageError(f"--augment {augment!r} is unknown; valid: {', '.join(AUGMENT)}")
-    batches = ImageBatches(train, opts["batch_size"], opts["seed"], augment=augment == "crop-flip",
+    batches = ImageBatches(train, cfg.batch_size, cfg.seed, augment=augment == "crop-flip",
                            rank=dist.info().rank, world=dist.info().world)
-    val_batches = ImageBatches(val, opts["batch_size"], opts["seed"], augment=False) if val is not None else None
+    val_batches = ImageBatches(val, cfg.batch_size, cfg.seed, augment=False) if val is not None else None
     skipped = train.skipped.counts()
-    config = {"recipe": NAME, "arch": "vit", "model": cfg.to_dict(), "images": source, "val_images": val_source,
+    config = {"recipe": NAME, "arch": "vit", "model": vcfg.to_dict(), "images": source, "val_images": val_source,
               "classes": train.classes, "n_train": len(train), "n_val": len(val) if val is not None else 0,
               "images_sha256": fingerprint(train), "skipped": skipped, "augment": augment}
     if val_source is not None and val is not None:
         config["val_skipped"] = val.skipped.counts()
 
     def save_final(d: Path) -> None:
-        save_model_dir(d, model, extra={"recipe": NAME, "classes": train.classes, "image_size": cfg.image_size,
+        save_model_dir(d, model, extra={"recipe": NAME, "classes": train.classes, "image_size": vcfg.image_size,
                                         "channels": channels, "normalize": "x / 127.5 - 1", "train": config})
 
     notes = [f"{len(train)} training images in {len(train.classes)} classes from {source}"
@@ -140,7 +141,7 @@ def make_job(train: ImageSet, val: ImageSet | None, opts: dict, source: str, val
                      f"(e.g. {next(iter(train.skipped.examples.values()))})")
     tally = _Tally()
     job = Job(recipe=NAME, model=model, micro_batch=batches.batch,
-              eval_batches=(lambda: val_batches.eval_batches(opts["eval_batches"])) if val_batches else (lambda: []),
+              eval_batches=(lambda: val_batches.eval_batches(cfg.eval_batches)) if val_batches else (lambda: []),
               save_final=save_final, config=config, loss=tally.loss, count=count, n_items=count,
               items_name="images", eval_metrics=tally.accuracy, params_decay=decays)
     return Built(job=job, arch="vit", params=model.num_params(), notes=notes)

@@ -66,18 +66,18 @@ import torch.nn.functional as F
 from tokenizers import Tokenizer
 
 from toy import tokenizer as toktools
-from toy.data.tokens import TokenFile, read_tokens
 from toy.errors import InputError, UsageError
 from toy.formats.gguf import SUPPORTED_ARCHS, GGUFHeader, read_gguf_header, read_gguf_tensor
 from toy.models import registry
 from toy.runs import Project
+from toy.train.config import RunConfig
 from toy.train.job import Built
-from toy.train.lm import fingerprint, lm_config, lm_job, open_val_corpus
+from toy.train.lm import fingerprint, lm_config, lm_job, open_token_data
 
 NAME = "warm-start"
 INITS = ("scratch", "donor", "pca")
 EMBED = "token_embd.weight"
-GET_DONOR = "scripts/get-smollm2.sh DIR fetches SmolLM2-135M"
+GET_DONOR = "`toy fetch smollm2` fetches SmolLM2-135M"
 INIT_STD = 0.02  # Llama.reset_parameters' std: warmed tables start at this RMS (see Scale above)
 
 # This recipe's flags; the model and optimiser flags are the general ones (as from-scratch).
@@ -85,8 +85,9 @@ FLAGS: dict[str, Any] = dict(donor=None, init="donor", freeze_embed_steps=0)
 
 
 def add_arguments(g) -> None:
-    g.add_argument("--donor", metavar="DONOR.gguf", help="llama-family GGUF whose token_embd.weight warms the "
-                   "embedding and whose tokenizer the corpus must use (`toy prep TEXT --tokenizer DONOR.gguf`)")
+    g.add_argument("--donor", metavar="DONOR.gguf", help="a GGUF model of any supported family whose "
+                   "token_embd.weight warms the embedding and whose tokenizer the corpus must use (`toy prep TEXT "
+                   "--tokenizer DONOR.gguf`) (no default: required)")
     g.add_argument("--init", metavar="{scratch,donor,pca}", help="embedding init: scratch (random, the baseline), "
                    "donor (the donor's rows; a trainable lens when widths differ) or pca (the donor's top "
                    "--d-model principal components) (default donor)")
@@ -94,26 +95,24 @@ def add_arguments(g) -> None:
                    help="keep the warmed embedding (and lens) frozen for the first N steps (default 0)")
 
 
-def check_opts(opts: dict) -> list[str]:
+def check_opts(cfg: RunConfig) -> list[str]:
     """Every problem with this recipe's flags, named by flag (nothing is read yet)."""
     p: list[str] = []
-    init = opts.get("init")
-    if init not in INITS:
-        p.append(f"--init {init!r} is unknown; valid: {', '.join(INITS)}")
-    n = opts.get("freeze_embed_steps")
+    if cfg.init not in INITS:
+        p.append(f"--init {cfg.init!r} is unknown; valid: {', '.join(INITS)}")
+    n = cfg.freeze_embed_steps
     if not isinstance(n, int) or isinstance(n, bool) or n < 0:
         p.append(f"--freeze-embed-steps must be an integer >= 0, got {n!r}")
-    donor = opts.get("donor")
-    if not donor:
+    if not cfg.donor:
         p.append(f"--donor DONOR.gguf is required: it gives the embedding and the tokenizer ({GET_DONOR})")
-    elif not Path(donor).is_file():
-        p.append(f"--donor {donor} not found; pass a llama-family GGUF ({GET_DONOR})")
-    if opts.get("arch") != "llama":
-        p.append(f"--arch {opts.get('arch')}: warm-start builds a llama (its tied embedding is what the donor "
+    elif not Path(cfg.donor).is_file():
+        p.append(f"--donor {cfg.donor} not found; pass a GGUF model ({GET_DONOR})")
+    if cfg.arch != "llama":
+        p.append(f"--arch {cfg.arch}: warm-start builds a llama (its tied embedding is what the donor "
                  "fills); drop --arch")
-    if opts.get("tokenizer"):
+    if cfg.tokenizer:
         p.append("--tokenizer conflicts with --donor: warm-start uses the donor's tokenizer; drop --tokenizer")
-    if opts.get("raw_i32"):
+    if cfg.raw_i32:
         p.append("--raw-i32: a headerless corpus cannot prove it uses the donor's tokenizer; convert it with "
                  "`toy prep FILE --raw-i32 --tokenizer DONOR.gguf --out FILE.bin`")
     return p
@@ -138,14 +137,14 @@ class Donor:
 
 
 def open_donor(path: Path) -> Donor:
-    """Header, llama-family check, embedding shape and tokenizer; no tensor is read yet."""
+    """Header, family check, embedding shape and tokenizer; no tensor is read yet."""
     if not path.is_file():
-        raise InputError(f"--donor {path} not found; pass a llama-family GGUF ({GET_DONOR})")
+        raise InputError(f"--donor {path} not found; pass a GGUF model ({GET_DONOR})")
     h = read_gguf_header(path)
     arch = h.metadata.get("general.architecture")
     if arch not in SUPPORTED_ARCHS:
-        raise InputError(f"--donor {path}: architecture {arch!r} is not llama-family (supported: "
-                         f"{', '.join(SUPPORTED_ARCHS)}); pass a llama-family GGUF")
+        raise InputError(f"--donor {path}: architecture {arch!r} is not one toy reads (supported: "
+                         f"{', '.join(SUPPORTED_ARCHS)}); pass a model of one of those families")
     if h.metadata.get("general.type") == "adapter":
         raise InputError(f"--donor {path}: is a LoRA adapter GGUF, not a model; pass a model GGUF")
     width = h.metadata.get(f"{arch}.embedding_length")
@@ -161,27 +160,6 @@ def open_donor(path: Path) -> Donor:
                          f"({arch}.embedding_length); the file is damaged")
     tok = toktools.from_gguf_metadata(h.metadata, source=str(path))
     return Donor(path, h, arch, width, ti.shape[0], tok, toktools.tokenizer_hash(tok))
-
-
-def open_warm_corpus(opts: dict, project: Project, donor: Donor) -> tuple[TokenFile, TokenFile | None]:
-    """--corpus (else the project's data/corpus.bin), which must carry the donor's tokenizer hash."""
-    if opts.get("corpus"):
-        path = Path(opts["corpus"])
-    elif project.data_dir is not None and (project.data_dir / "corpus.bin").is_file():
-        path = project.data_dir / "corpus.bin"
-    else:  # the bundled corpus uses toy's own 4096-token BPE, never a donor's
-        raise UsageError(f"warm-start needs --corpus FILE.bin tokenized with the donor's tokenizer; make it with "
-                         f"`toy prep TEXT --tokenizer {donor.path} --out FILE.bin`")
-    train = read_tokens(path)
-    if train.tokenizer_hash != donor.tokenizer_hash:
-        what = "has no tokenizer hash" if train.tokenizer_hash == b"\0" * 32 else \
-            f"was tokenized with another tokenizer (hash {train.tokenizer_hash.hex()[:12]})"
-        raise InputError(f"--corpus {path} {what} than --donor {donor.path} (hash {donor.tokenizer_hash.hex()[:12]}); "
-                         f"re-run `toy prep TEXT --tokenizer {donor.path} --out {path}`")
-    if train.vocab_size > donor.rows:
-        raise InputError(f"--corpus {path}: vocabulary {train.vocab_size} is larger than --donor {donor.path}'s "
-                         f"{EMBED} ({donor.rows} rows); the file is damaged")
-    return train, open_val_corpus(opts, train)
 
 
 # ------------------------------------------------------------------ projections
@@ -309,21 +287,27 @@ class EmbedFreeze:
 
 # ------------------------------------------------------------------ build
 
-def build(opts: dict, project: Project) -> Built:
-    init = opts["init"]
-    donor = open_donor(Path(opts["donor"]))
-    train, val = open_warm_corpus(opts, project, donor)
+def build(cfg: RunConfig, project: Project) -> Built:
+    init = cfg.init
+    donor = open_donor(Path(cfg.donor))
+    data = open_token_data(cfg, project, tokenizer=donor.tokenizer, tokenizer_source=str(donor.path),
+                           bundled_ok=False)
+    train = data.train
+    if train.vocab_size > donor.rows:
+        raise InputError(f"--corpus {train.path}: vocabulary {train.vocab_size} is larger than --donor {donor.path}'s "
+                         f"{EMBED} ({donor.rows} rows); the file is damaged")
     vocab = train.vocab_size
-    cfg = lm_config(opts, "llama", train)
-    if init == "pca" and cfg.d_model > donor.width:
-        raise UsageError(f"--init pca: --d-model {cfg.d_model} exceeds --donor {donor.path}'s width {donor.width}; "
+    seq_notes: list[str] = []
+    mcfg, seq_len = lm_config(cfg, "llama", train, seq_notes)
+    if init == "pca" and mcfg.d_model > donor.width:
+        raise UsageError(f"--init pca: --d-model {mcfg.d_model} exceeds --donor {donor.path}'s width {donor.width}; "
                          f"PCA gives at most {donor.width} components: lower --d-model or use --init donor "
                          "(a trainable lens)")
     # The same seed and the same model class as --init scratch: only the embedding differs.
-    torch.manual_seed(opts["seed"])
-    model = registry.build_model(cfg)
-    notes: list[str] = []
-    lens = init == "donor" and donor.width != cfg.d_model
+    torch.manual_seed(cfg.seed)
+    model = registry.build_model(mcfg)
+    notes: list[str] = list(seq_notes)
+    lens = init == "donor" and donor.width != mcfg.d_model
     frozen = ["embed_tokens.weight"]  # tied: lm_head.weight is the same tensor
     qtype = donor.header.tensors[EMBED].qtype.name
     src = f"{donor.path.name}'s {EMBED} ({donor.rows} x {donor.width}, {qtype})"
@@ -336,37 +320,36 @@ def build(opts: dict, project: Project) -> Built:
                 model.embed_tokens.weight.copy_(table)
             notes.append(f"embedding: {src}, first {vocab} rows copied as they are")
         elif lens:
-            install_lens(model, table, lens_init(table, cfg.d_model, opts["seed"]))
+            install_lens(model, table, lens_init(table, mcfg.d_model, cfg.seed))
             frozen = ["embed_tokens.lens.weight"]  # the table is a buffer, never trained
-            notes.append(f"embedding: {src} (frozen) @ a trainable lens {donor.width} -> {cfg.d_model} "
+            notes.append(f"embedding: {src} (frozen) @ a trainable lens {donor.width} -> {mcfg.d_model} "
                          f"(product starts at RMS {INIT_STD}); the tied head uses the same product")
         else:
-            proj, var = pca_project(table, cfg.d_model)
+            proj, var = pca_project(table, mcfg.d_model)
             with torch.no_grad():
                 model.embed_tokens.weight.copy_(rescale(proj))
             total = float(table.double().var(0, unbiased=False).sum())
-            notes.append(f"embedding: {src}, centred, top {cfg.d_model} principal components "
+            notes.append(f"embedding: {src}, centred, top {mcfg.d_model} principal components "
                          f"({float(var.sum()) / total:.1%} of its variance), scaled to RMS {INIT_STD}")
         del table
     else:
         notes.append(f"embedding: random N(0, 0.02) (the baseline); tokenizer from {donor.path.name}")
     if donor.rows > vocab and init != "scratch":
         notes.append(f"{donor.rows - vocab} padding rows of the donor table beyond the vocabulary are unused")
-    n_embed = vocab * cfg.d_model
+    n_embed = vocab * mcfg.d_model
     n_params = sum(p.numel() for p in model.parameters())
-    n_folded = n_params - (donor.width * cfg.d_model if lens else 0) + (n_embed if lens else 0)
+    n_folded = n_params - (donor.width * mcfg.d_model if lens else 0) + (n_embed if lens else 0)
     notes.append(f"vocabulary {vocab}: the embedding is {n_embed:,} of the final model's {n_folded:,} parameters "
                  f"({n_embed / n_folded:.0%})")
     freeze = None
-    n_freeze = int(opts["freeze_embed_steps"])
+    n_freeze = int(cfg.freeze_embed_steps)
     if n_freeze > 0:
         freeze = EmbedFreeze(frozen, n_freeze)
         notes.append(f"{'lens' if lens else 'embedding'} frozen for steps 1..{n_freeze}")
-    config = {"recipe": NAME, "arch": "llama", "model": cfg.to_dict(), "corpus": str(train.path),
-              "corpus_tokens": len(train), "corpus_sha256": fingerprint(train.path), "seq_len": opts["seq_len"],
+    config = {"recipe": NAME, "arch": "llama", "model": mcfg.to_dict(), "corpus": str(train.path),
+              "corpus_tokens": len(train), "corpus_sha256": fingerprint(train.path), "seq_len": seq_len,
               "init": init, "donor": str(donor.path), "donor_sha256": fingerprint(donor.path),
               "donor_arch": donor.arch, "donor_width": donor.width, "donor_rows": donor.rows, "lens": lens,
               "freeze_embed_steps": n_freeze}
-    job = lm_job(NAME, model, train, val, opts, donor.tokenizer, config, export=lambda: fold(model),
-                 frozen=freeze)
-    return Built(job=job, arch="llama", params=n_params, notes=notes)
+    job = lm_job(NAME, model, data, cfg, seq_len, config, export=lambda: fold(model), frozen=freeze)
+    return Built(job=job, arch="llama", params=n_params, notes=notes, derived={"seq_len": seq_len})

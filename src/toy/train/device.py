@@ -41,3 +41,14 @@ def device_info(device: torch.device) -> dict:
     if device.type == "cuda":
         info["name"] = torch.cuda.get_device_name(device)
     return info
+
+
+def peak_memory(device: torch.device) -> int:
+    """Peak memory of the run so far, in bytes: the process's peak RSS on cpu and mps
+    (what the machine had to give), torch's peak allocation on cuda."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)  # bytes on macOS, KiB on Linux

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from toy.errors import UsageError
+from toy.formats.checkpoint import local_rng_state
 
 
 @dataclass(frozen=True)
@@ -93,12 +94,14 @@ def broadcast_object(obj):
     return box[0]
 
 
-def gather_rng_states() -> list[torch.Tensor] | None:
-    """Every rank's torch CPU generator state, on every rank (None with one process)."""
+def gather_rng_states(device: torch.device | None = None) -> list[dict[str, torch.Tensor]]:
+    """Every rank's generators (CPU, and its own CUDA device's), in rank order, on
+    every rank: a checkpoint restores each rank's own stream."""
+    mine = local_rng_state(device)
     if not _INFO.enabled:
-        return None
+        return [mine]
     out: list = [None] * _INFO.world
-    dist.all_gather_object(out, torch.get_rng_state())
+    dist.all_gather_object(out, {k: v.cpu() for k, v in mine.items()})
     return out
 
 

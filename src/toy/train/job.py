@@ -82,7 +82,9 @@ def lm_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Ten
         h, tgt = h.flatten(0, 1), targets.flatten()
     else:
         h, tgt = h[sup], targets[sup]  # (N, C) for the N supervised tokens
-    return linear_cross_entropy(h, head.weight, tgt), sup.sum()
+    # A head over GGUF blocks gives its rows in chunks (never dequantized whole).
+    w = head if hasattr(head, "rows") else head.weight
+    return linear_cross_entropy(h, w, tgt, getattr(model, "final_softcap", 0.0) or 0.0), sup.sum()
 
 
 def lm_count(batch: dict[str, torch.Tensor]) -> int:
@@ -91,9 +93,13 @@ def lm_count(batch: dict[str, torch.Tensor]) -> int:
 
 @dataclass
 class Built:
-    """What a recipe's `build(opts, project)` returns to the CLI."""
+    """What a recipe's `build(cfg, project)` returns to the CLI. `derived` holds what the
+    recipe worked out from the data (RunConfig field -> value: the step count of
+    --epochs, the sequence length a preset or a GGUF's context gives); the CLI folds it
+    into the resolved config once (the recipe never writes the config)."""
 
     job: Job
     arch: str
     params: int
     notes: list[str] = field(default_factory=list)
+    derived: dict[str, Any] = field(default_factory=dict)

@@ -1,13 +1,15 @@
-"""What the decoder-LM recipes share: finding and opening the corpus, the model
-config from flags, a cheap file fingerprint, and the Job that trains on token windows.
+"""What the decoder-LM recipes share: the token data (corpus, validation split and the
+tokenizer that made them, resolved and checked in ONE place), the model config from
+flags, a cheap file fingerprint, and the Job that trains on token windows.
 
 It lives here, below the recipes, because a recipe never imports another recipe:
-from_scratch.py and warm_start.py both build on it.
+from_scratch.py, warm_start.py and lora.py (token streams) all build on it.
 """
 
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -17,52 +19,89 @@ from tokenizers import Tokenizer
 
 from toy import tokenizer as toktools
 from toy.data.prep import bundled_corpus
-from toy.data.tokens import TokenFile, Windows, read_tokens, val_path_for
+from toy.data.tokens import TokenFile, Windows, read_tokens, tokenizer_beside, val_path_for
 from toy.errors import InputError, UsageError
 from toy.formats.model_dir import save_model_dir
 from toy.models import registry
 from toy.runs import Project
 from toy.train import dist
+from toy.train.config import RunConfig
 from toy.train.job import Job
 
-
-def resolve_corpus(opts: dict, project: Project) -> tuple[Path, bool]:
-    """--corpus, else the project's data/corpus.bin, else the bundled plays.
-    The flag says whether the bundled corpus was chosen."""
-    if opts.get("corpus"):
-        return Path(opts["corpus"]), False
-    if project.data_dir is not None and (project.data_dir / "corpus.bin").is_file():
-        return project.data_dir / "corpus.bin", False
-    return bundled_corpus(), True
+NO_HASH = b"\0" * 32
 
 
-def open_corpus(opts: dict, project: Project) -> tuple[TokenFile, TokenFile | None, Path | None]:
-    """The training and validation token files, and the tokenizer.json that made them
-    (--tokenizer, else the one beside the corpus), checked against each other."""
-    path, _ = resolve_corpus(opts, project)
-    tok_path = Path(opts["tokenizer"]) if opts.get("tokenizer") else path.parent / "tokenizer.json"
-    tok = toktools.load(tok_path) if tok_path.is_file() else None
-    if opts.get("tokenizer") and tok is None:
-        raise InputError(f"--tokenizer {tok_path} not found")
-    vocab = tok.get_vocab_size(with_added_tokens=True) if tok is not None else opts.get("vocab_size")
-    train = read_tokens(path, raw_i32=bool(opts.get("raw_i32")), vocab_size=vocab)
-    if tok is not None and train.tokenizer_hash != b"\0" * 32 and train.tokenizer_hash != toktools.tokenizer_hash(tok):
-        raise InputError(f"{path} was tokenized with a different tokenizer than {tok_path}; "
-                         "re-run `toy prep` or pass the matching --tokenizer")
-    val = open_val_corpus(opts, train)
-    return train, val, tok_path if tok is not None else None
+@dataclass
+class TokenData:
+    train: TokenFile
+    val: TokenFile | None
+    tokenizer: Tokenizer | None
+    tokenizer_path: Path | None  # the tokenizer.json it came from, when it came from a file
+    bundled: bool  # the bundled plays (no --corpus, no project corpus)
 
 
-def open_val_corpus(opts: dict, train: TokenFile) -> TokenFile | None:
-    """--val-corpus, else CORPUS.val.bin beside the corpus when `toy prep` wrote one;
-    it must come from the same tokenizer as `train`."""
-    val_path = Path(opts["val_corpus"]) if opts.get("val_corpus") else val_path_for(train.path)
-    if not (opts.get("val_corpus") or val_path.is_file()):
+def open_token_data(cfg: RunConfig, project: Project, tokenizer: Tokenizer | None = None,
+                    tokenizer_source: str | None = None, bundled_ok: bool = True) -> TokenData:
+    """The training corpus, its validation split and their tokenizer, checked together.
+
+    Corpus: --corpus, else the project's data/corpus.bin, else (when `bundled_ok`) the
+    bundled plays. Tokenizer: `tokenizer` when the recipe brings its own (a GGUF base's or
+    a donor's: `tokenizer_source` names it in errors), else --tokenizer, else the one
+    beside the corpus (`NAME.tokenizer.json`, or `tokenizer.json`). A corpus whose header
+    records a tokenizer hash must match it; with a recipe's own tokenizer the hash is
+    required (a headerless corpus cannot prove which tokenizer made it). Validation:
+    --val-corpus, else NAME.val.bin beside the corpus when `toy prep` wrote one; it must
+    come from the same tokenizer.
+    """
+    if cfg.corpus:
+        path, bundled = Path(cfg.corpus), False
+    elif project.data_dir is not None and (project.data_dir / "corpus.bin").is_file():
+        path, bundled = project.data_dir / "corpus.bin", False
+    elif bundled_ok:
+        path, bundled = bundled_corpus(), True
+    else:
+        raise UsageError(f"{cfg.recipe} needs --corpus FILE.bin tokenized with {tokenizer_source}'s tokenizer; make it with "
+                         f"`toy prep TEXT --tokenizer {tokenizer_source} --out FILE.bin`")
+    tok_path: Path | None = None
+    if tokenizer is None:
+        tok_path = Path(cfg.tokenizer) if cfg.tokenizer else tokenizer_beside(path)
+        if cfg.tokenizer and not tok_path.is_file():
+            raise InputError(f"--tokenizer {tok_path} not found")
+        tokenizer = toktools.load(tok_path) if tok_path is not None and tok_path.is_file() else None
+        if tokenizer is None:
+            tok_path = None
+        tokenizer_source = str(tok_path)
+    vocab = tokenizer.get_vocab_size(with_added_tokens=True) if tokenizer is not None else cfg.vocab_size
+    train = read_tokens(path, raw_i32=bool(cfg.raw_i32), vocab_size=vocab)
+    if tokenizer is not None:
+        own = tok_path is None  # the recipe's tokenizer (a model's), not a file beside the corpus
+        if (own or train.tokenizer_hash != NO_HASH) and not toktools.hash_matches(tokenizer, train.tokenizer_hash):
+            if cfg.raw_i32:
+                raise InputError(f"--raw-i32 {path}: a headerless corpus cannot prove it was tokenized with "
+                                 f"{tokenizer_source}'s tokenizer; convert it with `toy prep {path} --raw-i32 "
+                                 f"--tokenizer {tokenizer_source} --out FILE.bin`")
+            what = ("has no tokenizer hash" if train.tokenizer_hash == NO_HASH
+                    else f"was tokenized with another tokenizer (vocabulary {train.vocab_size})")
+            raise InputError(f"{path} {what} than {tokenizer_source} (vocabulary {vocab}); re-run "
+                             f"`toy prep TEXT --tokenizer {tokenizer_source} --out {path}`")
+    val_path = Path(cfg.val_corpus) if cfg.val_corpus else val_path_for(path)
+    val = None
+    if cfg.val_corpus or val_path.is_file():
+        val = read_tokens(val_path, raw_i32=bool(cfg.raw_i32), vocab_size=train.vocab_size)
+        if val.vocab_size != train.vocab_size or val.tokenizer_hash != train.tokenizer_hash:
+            raise InputError(f"{val_path} and {path} were made with different tokenizers; prep them together")
+    return TokenData(train, val, tokenizer, tok_path, bundled)
+
+
+def val_windows(val: TokenFile | None, seq_len: int, rows: int, seed: int) -> Windows | None:
+    """Fixed validation windows; a validation file too short for one window is an error,
+    never silently dropped."""
+    if val is None:
         return None
-    val = read_tokens(val_path, raw_i32=bool(opts.get("raw_i32")), vocab_size=train.vocab_size)
-    if val.vocab_size != train.vocab_size or val.tokenizer_hash != train.tokenizer_hash:
-        raise InputError(f"{val_path} and {train.path} were made with different tokenizers; prep them together")
-    return val
+    if len(val) < seq_len + 1:
+        raise InputError(f"{val.path}: {len(val)} validation tokens, fewer than --seq-len {seq_len} + 1; "
+                         "raise --val-fraction in `toy prep`, give a longer --val-corpus or lower --seq-len")
+    return Windows(val, seq_len, rows, seed)
 
 
 def fingerprint(path: Path, limit: int = 1 << 22) -> str:
@@ -73,56 +112,54 @@ def fingerprint(path: Path, limit: int = 1 << 22) -> str:
     return h.hexdigest()[:16]
 
 
-def lm_config(opts: dict, arch: str, train: TokenFile):
-    """The model config from --preset and the shape flags, with vocab_size from the corpus.
-    Sets opts["seq_len"] (default: the preset's context). Every shape problem is reported
-    at once as a UsageError naming its flag."""
+def lm_config(cfg: RunConfig, arch: str, train: TokenFile, notes: list[str] | None = None):
+    """The model config from --preset and the shape flags, with vocab_size from the
+    corpus, and the training sequence length (--seq-len, else the preset's context).
+    Every shape problem is reported at once as a UsageError naming its flag."""
     if arch not in registry.LM_ARCHS:
         hint = "; train images with --recipe vit-tiny" if arch == "vit" else ""
         raise UsageError(f"--arch {arch!r} is not a language model; valid: {', '.join(registry.LM_ARCHS)}{hint}")
-    if arch == "gpt2" and opts.get("n_kv_head"):
+    if arch == "gpt2" and cfg.n_kv_head:
         raise UsageError("--n-kv-head applies to llama (grouped-query attention); gpt2 has one kv head per head")
     try:
-        cfg = registry.build_config(arch, opts.get("preset"), train.vocab_size, n_layer=opts.get("n_layer"),
-                                    d_model=opts.get("d_model"), n_head=opts.get("n_head"),
-                                    **({"n_kv_head": opts.get("n_kv_head")} if arch == "llama" else {}))
+        mcfg = registry.build_config(arch, cfg.preset, train.vocab_size, n_layer=cfg.n_layer,
+                                     d_model=cfg.d_model, n_head=cfg.n_head,
+                                     **({"n_kv_head": cfg.n_kv_head} if arch == "llama" else {}))
     except KeyError as e:
         raise UsageError(str(e.args[0]))
     except TypeError as e:
         raise UsageError(f"--arch {arch}: {e}")
-    seq_len = opts.get("seq_len") or cfg.max_seq_len
-    opts["seq_len"] = seq_len
-    cfg.max_seq_len = max(cfg.max_seq_len, seq_len)
-    problems = registry.check_config(cfg)
+    seq_len = cfg.seq_len or mcfg.max_seq_len
+    if notes is not None and seq_len > mcfg.max_seq_len:
+        notes.append(f"warning: --seq-len {seq_len} is beyond the preset's context {mcfg.max_seq_len}: attention "
+                     f"costs grow with its square ({(seq_len / mcfg.max_seq_len) ** 2:,.0f}x the preset's per "
+                     "sequence), expect slow steps; a preset with a longer context (--preset) is the usual choice")
+    mcfg.max_seq_len = max(mcfg.max_seq_len, seq_len)
+    problems = registry.check_config(mcfg)
     if len(train) < seq_len + 1:
         problems.append(f"--seq-len {seq_len} is longer than the corpus {train.path} ({len(train)} tokens); "
                         "lower it or prep more text")
     if problems:
         raise UsageError("; ".join(problems))
-    return cfg
+    return mcfg, seq_len
 
 
-def lm_job(recipe: str, model: nn.Module, train: TokenFile, val: TokenFile | None, opts: dict,
-           tokenizer: Tokenizer | Path | None, config: dict[str, Any],
-           export: Callable[[], nn.Module] | None = None, **job_fields: Any) -> Job:
-    """Next-token training on random windows of `train`, validation on fixed windows of
-    `val`. `final/` gets `export()` (default: the model itself) as a plain model
-    directory with the tokenizer; `job_fields` go to Job as they are."""
-    seq_len = opts["seq_len"]
+def lm_job(recipe: str, model: nn.Module, data: TokenData, cfg: RunConfig, seq_len: int,
+           config: dict[str, Any], export: Callable[[], nn.Module] | None = None, **job_fields: Any) -> Job:
+    """Next-token training on random windows of the corpus, validation on fixed windows
+    of its validation split. `final/` gets `export()` (default: the model itself) as a
+    plain model directory with the tokenizer; `job_fields` go to Job as they are."""
     d = dist.info()
-    win = Windows(train, seq_len, opts["batch_size"], opts["seed"], world=d.world, rank=d.rank,
-                  accum=int(opts.get("grad_accum") or 1))
-    if val is not None and len(val) < seq_len + 1:
-        raise InputError(f"{val.path}: {len(val)} validation tokens, fewer than --seq-len {seq_len} + 1; "
-                         "raise --val-fraction in `toy prep` or lower --seq-len")
+    win = Windows(data.train, seq_len, cfg.batch_size, cfg.seed, world=d.world, rank=d.rank, accum=cfg.grad_accum)
     # Every rank evaluates the same global set: eval_batches batches of the global batch size.
-    val_win = Windows(val, seq_len, opts["batch_size"] * d.world, opts["seed"]) if val is not None else None
+    val_win = val_windows(data.val, seq_len, cfg.batch_size * d.world, cfg.seed)
+    tokenizer = data.tokenizer_path or data.tokenizer
 
-    def save_final(d: Path) -> None:
+    def save_final(out: Path) -> None:
         with torch.no_grad():
-            out = export() if export is not None else model
-        save_model_dir(d, out, extra={"recipe": recipe, "train": config}, tokenizer=tokenizer)
+            m = export() if export is not None else model
+        save_model_dir(out, m, extra={"recipe": recipe, "train": config}, tokenizer=tokenizer)
 
     return Job(recipe=recipe, model=model, micro_batch=win.batch,
-               eval_batches=(lambda: val_win.eval_batches(opts["eval_batches"])) if val_win else (lambda: []),
+               eval_batches=(lambda: val_win.eval_batches(cfg.eval_batches)) if val_win else (lambda: []),
                save_final=save_final, config=config, **job_fields)

@@ -6,23 +6,25 @@ checkpoints, resume, events, signals and throughput figures.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import math
 import os
 import signal
+import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import torch
 
 from toy.errors import Interrupted, RunFailed
 from toy.formats import checkpoint as ckpt
-from toy.runs import EventLog
+from toy.runs import MMAP_THRESHOLD_LOW_MEMORY, EventLog, plural, tune_malloc
 from toy.train import dist
-from toy.train.device import autocast
+from toy.train.device import autocast, peak_memory
 from toy.train.job import Job
 from toy.train.progress import Reporter
-from toy.train.schedule import lr_at, make_adamw
+from toy.train.schedule import Schedule, make_adamw
 
 
 @dataclass
@@ -40,12 +42,17 @@ class TrainConfig:
     save_every: int = 0
     keep_last: int = 2
     seed: int = 0
-    fused_adamw: bool = False
     fsdp: bool = False  # shard parameters, grads and AdamW state (FSDP2) instead of DDP
     compile: bool = False  # torch.compile each block (inductor); eager where it cannot
+    checkpointing: bool = False  # recompute each block in backward instead of keeping its activations
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    @classmethod
+    def from_run(cls, run) -> "TrainConfig":
+        """The loop's part of a resolved RunConfig (toy.train.config)."""
+        return cls(**{f.name: getattr(run, f.name) for f in fields(cls)})
 
 
 @dataclass
@@ -56,6 +63,7 @@ class TrainResult:
     items_per_s: float | None = None
     wall_s: float = 0.0
     final_step: int = 0
+    peak_mem_bytes: int | None = None
 
 
 class _LossModule(torch.nn.Module):
@@ -107,7 +115,7 @@ def compile_blocks(model: torch.nn.Module, device: torch.device) -> str:
     torch._dynamo.config.suppress_errors = True  # a graph inductor cannot build runs eagerly
     for b in found:
         b.compile(dynamic=False)
-    return f"--compile: {len(found)} blocks compiled with inductor (the first steps include compile time)"
+    return f"--compile: {plural(len(found), 'block')} compiled with inductor (the first steps include compile time)"
 
 
 def _no_buffer_sync() -> dict:
@@ -122,10 +130,14 @@ def _no_buffer_sync() -> dict:
 
 class _Signals:
     """Turn SIGINT/SIGTERM into a flag checked between steps: the step in flight
-    finishes, a checkpoint is written, then the run stops."""
+    finishes, a checkpoint is written, then the run stops. The first signal says so at
+    once (a slow step can take a while); a second SIGINT stops at once, without a
+    checkpoint for the step in flight."""
 
-    def __init__(self):
+    def __init__(self, announce: bool):
         self.signum: int | None = None
+        self.step = 0  # the step in flight, for the message
+        self._announce = announce
         self._old = {}
 
     def __enter__(self):
@@ -137,7 +149,12 @@ class _Signals:
         return self
 
     def _handle(self, signum, frame):
+        if self.signum is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # the second Ctrl-C: stop now
         self.signum = signum
+        if self._announce:
+            print(f"{signal.Signals(signum).name}: finishing step {self.step}, then checkpointing... "
+                  "(Ctrl-C again stops at once, without that checkpoint)", file=sys.stderr, flush=True)
 
     def __exit__(self, *exc):
         for s, h in self._old.items():
@@ -145,166 +162,249 @@ class _Signals:
         return False
 
 
-def train(job: Job, cfg: TrainConfig, run_dir: Path | None, device: torch.device, events: EventLog,
-          reporter: Reporter | None = None, resume: Path | None = None) -> TrainResult:
-    reporter = reporter or Reporter()
-    d = dist.info()
-    model = job.model.to(device)
-    if cfg.compile:
-        reporter.message(compile_blocks(model, device))
-    ddp = fsdp = None
-    if d.enabled and cfg.fsdp:
-        from torch.distributed.fsdp import fully_shard
+def rank_seed(seed: int, rank: int) -> int:
+    """The torch generator seed of one process: each rank draws its own dropout stream,
+    and the same (seed, rank) always draws the same one."""
+    digest = hashlib.sha256(f"toy-train/{seed}/{rank}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
 
-        # One FSDP unit per block (its weights are gathered just for its forward and
-        # backward), and the root for the rest (embedding, final norm, tied head).
-        fsdp = _LossModule(job)
-        for block in blocks(model):
-            fully_shard(block)
-        fully_shard(fsdp)
-    elif d.enabled:
+
+class _Throughput:
+    """Items per second of training, skipping the first steps (allocator warm-up, lazy
+    init) when the run is long enough, and never counting evaluation time."""
+
+    def __init__(self, steps_to_run: int):
+        self.warm = 3 if steps_to_run > 3 else 0
+        self.t_mark: float | None = None
+        self.items = 0
+        self.eval_time = 0.0
+        self.eval_mark = 0.0
+        self.done = 0
+
+    def begin_step(self) -> None:
+        if self.warm == 0 and self.t_mark is None:
+            self.t_mark, self.eval_mark = time.perf_counter(), self.eval_time
+
+    def end_step(self, n_items: int) -> float | None:
+        self.done += 1
+        now = time.perf_counter()
+        if self.t_mark is not None:
+            self.items += n_items
+        elif self.done == self.warm:
+            self.t_mark, self.eval_mark = now, self.eval_time
+        if self.t_mark is None or not self.items:
+            return None
+        return self.items / max(1e-9, now - self.t_mark - (self.eval_time - self.eval_mark))
+
+
+class Trainer:
+    """One run of the loop over a Job. `run()` is the whole of it; each method below is
+    one part, in the order a step meets them."""
+
+    def __init__(self, job: Job, cfg: TrainConfig, run_dir: Path | None, device: torch.device,
+                 events: EventLog, reporter: Reporter):
+        self.job, self.cfg, self.run_dir, self.device = job, cfg, run_dir, device
+        self.events, self.reporter = events, reporter
+        self.d = dist.info()
+        self.ckpt_root = run_dir / "checkpoints" if run_dir is not None else None
+        self.model = job.model.to(device)
+        if cfg.checkpointing:
+            if not hasattr(self.model, "checkpointing"):
+                raise RunFailed(f"--checkpointing: {type(self.model).__name__} has no blocks to checkpoint")
+            self.model.checkpointing = True
+            tune_malloc(MMAP_THRESHOLD_LOW_MEMORY)  # the low-memory mode: freed blocks go back at once
+        if cfg.compile:
+            reporter.message(compile_blocks(self.model, device))
+        self.ddp, self.fsdp = self._wrap()
+        self.named = job.trainable()  # after sharding: FSDP replaces parameters with DTensors
+        self.names = {id(p): n for n, p in self.named}
+        self.by_name = dict(self.named)
+        self.opt = make_adamw(self.named, cfg.lr, cfg.weight_decay, job.params_decay)
+        self.schedule = Schedule(cfg.lr, cfg.min_lr, cfg.warmup, cfg.steps)
+        self.res = TrainResult()
+        self.saved_step = -1
+        self.evals: list = []
+
+    # ---------------------------------------------------------------- setup
+
+    def _wrap(self):
+        """DDP (default) or FSDP2 over several processes; nothing with one."""
+        if not self.d.enabled:
+            return None, None
+        if self.cfg.fsdp:
+            from torch.distributed.fsdp import fully_shard
+
+            # One FSDP unit per block (its weights are gathered just for its forward and
+            # backward), and the root for the rest (embedding, final norm, tied head).
+            root = _LossModule(self.job)
+            for block in blocks(self.model):
+                fully_shard(block)
+            fully_shard(root)
+            return None, root
         from torch.nn.parallel import DistributedDataParallel
 
         # Buffers (rotary tables) are a function of the config: no need to broadcast them.
-        ddp = DistributedDataParallel(_LossModule(job), device_ids=[d.local_rank] if device.type == "cuda" else None,
-                                      **_no_buffer_sync())
-    forward = ddp or fsdp  # None: call the job's loss directly
-    named = job.trainable()  # after sharding: FSDP replaces parameters with DTensors
-    names = {id(p): n for n, p in named}
-    by_name = dict(named)
-    opt = make_adamw(named, cfg.lr, cfg.weight_decay, job.params_decay, fused=cfg.fused_adamw)
-    res = TrainResult()
-    start_step = 0
-    ckpt_root = run_dir / "checkpoints" if run_dir is not None else None
-    if resume is not None:
-        start_step = _restore(job, opt, resume, res, names)
-    evals = job.eval_batches()
+        ids = [self.d.local_rank] if self.device.type == "cuda" else None
+        return DistributedDataParallel(_LossModule(self.job), device_ids=ids, **_no_buffer_sync()), None
 
-    def run_eval(step: int) -> None:
-        if not evals:
+    def _start(self, resume: Path | None) -> int:
+        """The step to continue from: 0, or the checkpoint's (everything restored)."""
+        if resume is None:
+            torch.manual_seed(rank_seed(self.cfg.seed, self.d.rank))
+            return 0
+        done, schedule = _restore(self.job, self.opt, resume, self.res, self.names, self.cfg.seed)
+        self.saved_step = done
+        base = schedule or Schedule(self.cfg.lr, self.cfg.min_lr, self.cfg.warmup, self.cfg.steps)
+        self.schedule = base.extended(done, self.cfg.steps)
+        if self.schedule != base:
+            self.reporter.message(f"  LR schedule {self.schedule.describe()} (docs/reliability.md: resume)")
+        return done
+
+    # ---------------------------------------------------------------- one step
+
+    def step(self, step: int) -> tuple[float, int, float]:
+        """Optimizer step `step` (1-based): the loss over its whole global batch, the
+        items (tokens, images) it fed, and its LR."""
+        cfg, job, d = self.cfg, self.job, self.d
+        lr = self.schedule.at(step - 1)
+        for g in self.opt.param_groups:
+            g["lr"] = lr
+        self.model.train()
+        # Fetch the whole accumulation step first: its supervised-token count
+        # normalises every micro-batch, so accumulation never changes the objective.
+        micro = [job.micro_batch((step - 1) * cfg.grad_accum + m) for m in range(cfg.grad_accum)]
+        n_sup = sum(job.count(b) for b in micro)
+        if d.enabled:  # normalise by the supervised tokens of the whole global step
+            n_sup = int(dist.all_sum(torch.tensor(float(n_sup), device=self.device)).item())
+        if n_sup == 0:
+            raise RunFailed(f"step {step}: the batch has no supervised tokens; check the data's loss mask", step=step)
+        loss_sum = torch.zeros((), device=self.device)
+        n_items = 0
+        forward = self.ddp or self.fsdp
+        for i, b in enumerate(micro):
+            b = {k: v.to(self.device, non_blocking=True) for k, v in b.items()}
+            # Gradients are all-reduced once per step, on the last micro-batch.
+            last = i == len(micro) - 1
+            sync = self.ddp.no_sync() if self.ddp is not None and not last else contextlib.nullcontext()
+            if self.fsdp is not None:
+                self.fsdp.set_requires_gradient_sync(last)
+            with sync:
+                with autocast(self.device):
+                    ls, _ = forward(b) if forward is not None else job.loss(self.model, b)
+                # DDP averages gradients over ranks; the objective is the sum over the
+                # global batch divided by its supervised tokens, hence * world.
+                (ls * (d.world / n_sup)).backward()
+            loss_sum += ls.detach().float()
+            n_items += job.n_items(b) * d.world
+        if job.frozen is not None:  # after backward and the gradient all-reduce: AdamW skips None grads
+            for n in job.frozen(step):
+                self.by_name[n].grad = None
+        if cfg.clip > 0:
+            torch.nn.utils.clip_grad_norm_([p for _, p in self.named], cfg.clip)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        loss = dist.all_sum(loss_sum).item() / n_sup  # one host sync per step
+        if not math.isfinite(loss):
+            raise RunFailed(f"loss became {loss} at step {step}; lower --lr or check the data "
+                            f"(the last good checkpoint, if any, stays under {self.ckpt_root})", step=step)
+        return loss, n_items, lr
+
+    # ---------------------------------------------------------------- eval, save
+
+    def evaluate(self, step: int, timer: _Throughput) -> None:
+        if not self.evals:
             return
-        metrics = evaluate(job, evals, device, fsdp)
-        res.val_losses.append({"step": step, "loss": metrics["val_loss"]})
+        t0 = time.perf_counter()
+        metrics = evaluate(self.job, self.evals, self.device, self.fsdp,
+                           progress=lambda i, n: self.reporter.eval_progress(step, i, n, time.perf_counter() - t0))
+        timer.eval_time += time.perf_counter() - t0
+        self.res.val_losses.append({"step": step, "loss": metrics["val_loss"]})
         extra = {k: v for k, v in metrics.items() if k != "val_loss"}
         if extra:
-            res.metrics.append({"step": step, **extra})
-        events.emit("eval", step=step, **metrics)
-        reporter.eval(step, metrics)
+            self.res.metrics.append({"step": step, **extra})
+        self.events.emit("eval", step=step, **metrics)
+        self.reporter.eval(step, metrics)
 
-    def save(step: int) -> None:
-        if ckpt_root is None:
+    def save(self, step: int) -> None:
+        """Checkpoint `step`: a collective (every rank takes part), rank 0 writes."""
+        if self.ckpt_root is None or step == self.saved_step:
             return
-        state = {"losses": res.losses, "val_losses": res.val_losses, "metrics": res.metrics,
-                 "data_position": step * cfg.grad_accum, "config": job.config, "world_size": d.world}
-        # Every rank's torch generator (dropout) goes into rank 0's checkpoint; sharded
-        # tensors are gathered whole (collectives: every rank takes part).
-        rank_rng = dist.gather_rng_states()
-        model_state = {n: _full(t) for n, t in job.trainable_state().items()}
-        opt_state = ckpt.optimizer_tensors(opt, names, _full)
-        if not d.is_main:
+        self.saved_step = step
+        state = {"losses": self.res.losses, "val_losses": self.res.val_losses, "metrics": self.res.metrics,
+                 "data_position": step * self.cfg.grad_accum, "config": self.job.config,
+                 "world_size": self.d.world, "schedule": self.schedule.to_dict()}
+        rank_rng = dist.gather_rng_states(self.device)  # every rank's generators
+        model_state = {n: _full(t) for n, t in self.job.trainable_state().items()}
+        opt_state = ckpt.optimizer_tensors(self.opt, self.names, _full)
+        if not self.d.is_main:
             dist.barrier()
             return
         try:
-            path = ckpt.save_checkpoint(ckpt_root, step, model_state, opt_state, state, rank_rng)
+            path = ckpt.save_checkpoint(self.ckpt_root, step, model_state, opt_state, state, rank_rng)
         except OSError as e:
             # The temp directory is gone (atomic_dir removed it): no partial checkpoint
             # can pass for a valid one, and the previous checkpoint is untouched.
-            raise RunFailed(f"cannot write the step-{step} checkpoint under {ckpt_root}: {e.strerror or e}; "
+            raise RunFailed(f"cannot write the step-{step} checkpoint under {self.ckpt_root}: {e.strerror or e}; "
                             "free disk space or train with another --out", step=step)
-        ckpt.prune_checkpoints(ckpt_root, cfg.keep_last)
-        events.emit("checkpoint", step=step, path=str(path.relative_to(run_dir)))
+        ckpt.prune_checkpoints(self.ckpt_root, self.cfg.keep_last)
+        self.events.emit("checkpoint", step=step, path=str(path.relative_to(self.run_dir)))
         dist.barrier()
 
-    t_start = time.perf_counter()
-    # Throughput skips the first 3 steps (allocator warm-up, lazy init) when the run is
-    # longer than that; eval time is never counted.
-    warm = 3 if cfg.steps - start_step > 3 else 0
-    t_mark, items_since_mark, eval_time, eval_time_mark = None, 0, 0.0, 0.0
-    reporter.start(cfg.steps, start_step)
-    step = start_step
-    with _Signals() as sig:
-        if start_step == 0:
-            t0 = time.perf_counter()
-            run_eval(0)
-            eval_time += time.perf_counter() - t0
-        for step in range(start_step + 1, cfg.steps + 1):
-            lr = lr_at(step - 1, cfg.steps, cfg.lr, cfg.min_lr, cfg.warmup)
-            for g in opt.param_groups:
-                g["lr"] = lr
-            if warm == 0 and t_mark is None:
-                t_mark, eval_time_mark = time.perf_counter(), eval_time
-            model.train()
-            # Fetch the whole accumulation step first: its supervised-token count
-            # normalises every micro-batch, so accumulation never changes the objective.
-            micro = [job.micro_batch((step - 1) * cfg.grad_accum + m) for m in range(cfg.grad_accum)]
-            n_sup = sum(job.count(b) for b in micro)
-            if d.enabled:  # normalise by the supervised tokens of the whole global step
-                n_sup = int(dist.all_sum(torch.tensor(float(n_sup), device=device)).item())
-            if n_sup == 0:
-                raise RunFailed(f"step {step}: the batch has no supervised tokens; check the data's loss mask", step=step)
-            loss_sum = torch.zeros((), device=device)
-            n_items = 0
-            for i, b in enumerate(micro):
-                b = {k: v.to(device, non_blocking=True) for k, v in b.items()}
-                # Gradients are all-reduced once per step, on the last micro-batch.
-                last = i == len(micro) - 1
-                sync = ddp.no_sync() if ddp is not None and not last else contextlib.nullcontext()
-                if fsdp is not None:
-                    fsdp.set_requires_gradient_sync(last)
-                with sync:
-                    with autocast(device):
-                        ls, _ = forward(b) if forward is not None else job.loss(model, b)
-                    # DDP averages gradients over ranks; the objective is the sum over the
-                    # global batch divided by its supervised tokens, hence * world.
-                    (ls * (d.world / n_sup)).backward()
-                loss_sum += ls.detach().float()
-                n_items += job.n_items(b) * d.world
-            if job.frozen is not None:  # after backward and the gradient all-reduce: AdamW skips None grads
-                for n in job.frozen(step):
-                    by_name[n].grad = None
-            if cfg.clip > 0:
-                torch.nn.utils.clip_grad_norm_([p for _, p in named], cfg.clip)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            loss = dist.all_sum(loss_sum).item() / n_sup  # one host sync per step
-            if not math.isfinite(loss):
-                raise RunFailed(f"loss became {loss} at step {step}; lower --lr or check the data "
-                                f"(the last good checkpoint, if any, stays under {ckpt_root})", step=step)
-            now = time.perf_counter()
-            if t_mark is not None:
-                items_since_mark += n_items
-            elif step - start_step == warm:
-                t_mark, eval_time_mark = now, eval_time
-            ips = None
-            if t_mark is not None and items_since_mark:
-                ips = items_since_mark / max(1e-9, now - t_mark - (eval_time - eval_time_mark))
-                res.items_per_s = ips
-            res.losses.append({"step": step, "loss": loss})
-            events.emit("step", step=step, loss=loss, lr=lr, items=n_items,
-                        **({f"{job.items_name}_per_s": round(ips, 2)} if ips else {}))
-            reporter.step(step, loss, ips)
-            if cfg.eval_every and step % cfg.eval_every == 0 and step != cfg.steps:
-                t0 = time.perf_counter()
-                run_eval(step)
-                eval_time += time.perf_counter() - t0
-            if cfg.save_every and step % cfg.save_every == 0:
-                save(step)
-            if dist.any_flag(sig.signum is not None, device):  # a signal on one rank stops all
-                signum = sig.signum or signal.SIGTERM
-                if not (cfg.save_every and step % cfg.save_every == 0):
-                    save(step)
-                events.emit("interrupted", step=step, signal=signal.Signals(signum).name)
-                reporter.close()
-                raise Interrupted(f"interrupted by {signal.Signals(signum).name} after step {step}; "
-                                  f"resume with `toy train --resume {run_dir}`", signum)
-        run_eval(cfg.steps)
-    if fsdp is not None:
-        fsdp.reshard()  # the root keeps its gathered weights after backward: shard them back first
-        materialize(model)  # whole tensors on every rank, so rank 0 saves a plain model
-    reporter.close()
-    res.wall_s = time.perf_counter() - t_start
-    res.final_step = cfg.steps
-    return res
+    # ---------------------------------------------------------------- the run
+
+    def run(self, resume: Path | None = None) -> TrainResult:
+        cfg = self.cfg
+        start = self._start(resume)
+        self.evals = self.job.eval_batches()
+        t_start = time.perf_counter()
+        timer = _Throughput(cfg.steps - start)
+        self.reporter.start(cfg.steps, start)
+        with _Signals(announce=self.d.is_main) as sig:
+            if start == 0:
+                self.evaluate(0, timer)
+            for step in range(start + 1, cfg.steps + 1):
+                sig.step = step
+                timer.begin_step()
+                loss, n_items, lr = self.step(step)
+                ips = timer.end_step(n_items)
+                if ips:
+                    self.res.items_per_s = ips
+                self.res.losses.append({"step": step, "loss": loss})
+                peak = self.res.peak_mem_bytes = peak_memory(self.device)
+                self.events.emit("step", step=step, loss=loss, lr=lr, items=n_items, peak_mem_bytes=peak,
+                                 **({f"{self.job.items_name}_per_s": round(ips, 2)} if ips else {}))
+                self.reporter.step(step, loss, ips, peak)
+                if cfg.eval_every and step % cfg.eval_every == 0 and step != cfg.steps:
+                    self.evaluate(step, timer)
+                if cfg.save_every and step % cfg.save_every == 0:
+                    self.save(step)
+                if dist.any_flag(sig.signum is not None, self.device):  # a signal on one rank stops all
+                    self._interrupted(step, sig.signum or signal.SIGTERM)
+            self.evaluate(cfg.steps, timer)
+            # The last step is always checkpointed: a finished run can be extended with
+            # `--resume RUN --steps N`, and a resumed one keeps its newest state.
+            self.save(cfg.steps)
+        if self.fsdp is not None:
+            self.fsdp.reshard()  # the root keeps its gathered weights after backward: shard them back first
+            materialize(self.model)  # whole tensors on every rank, so rank 0 saves a plain model
+        self.reporter.close()
+        self.res.wall_s = time.perf_counter() - t_start
+        self.res.final_step = cfg.steps
+        return self.res
+
+    def _interrupted(self, step: int, signum: int) -> None:
+        self.save(step)
+        name = signal.Signals(signum).name
+        self.events.emit("interrupted", step=step, signal=name)
+        self.reporter.close()
+        raise Interrupted(f"interrupted by {name} after step {step} (checkpointed); "
+                          f"resume with `toy train --resume {self.run_dir}`", signum)
+
+
+def train(job: Job, cfg: TrainConfig, run_dir: Path | None, device: torch.device, events: EventLog,
+          reporter: Reporter | None = None, resume: Path | None = None) -> TrainResult:
+    """Run the loop: `resume` is a checkpoint directory to continue from."""
+    return Trainer(job, cfg, run_dir, device, events, reporter or Reporter()).run(resume)
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -342,19 +442,24 @@ def materialize(model: torch.nn.Module) -> None:
         for name, p in list(mod.named_parameters(recurse=False)):
             if id(p) in whole:
                 setattr(mod, name, whole[id(p)])
-    cfg = getattr(model, "cfg", None)
-    if cfg is not None and getattr(cfg, "tie_embeddings", False) and hasattr(model, "lm_head"):
-        model.lm_head.weight = model.embed_tokens.weight
+    # Whole tensors were made per parameter object, so a tied head now holds its own
+    # copy: tie it again, the model's own way (llama's embed_tokens, GPT-2's wte).
+    tie = getattr(model, "tie_weights", None)
+    if tie is not None:
+        tie()
 
 
 @torch.no_grad()
 def evaluate(job: Job, batches: list[dict[str, torch.Tensor]], device: torch.device,
-             forward: torch.nn.Module | None = None) -> dict[str, float]:
+             forward: torch.nn.Module | None = None, progress=None) -> dict[str, float]:
+    """Validation loss (and the job's metrics) over `batches`; `progress(i, n)` after each."""
     model = job.model
     was_training = model.training
     model.eval()
     total, count = 0.0, 0
-    for b in batches:
+    for i, b in enumerate(batches):
+        if progress is not None and i:
+            progress(i, len(batches))
         b = {k: v.to(device) for k, v in b.items()}
         with autocast(device):
             ls, n = forward(b) if forward is not None else job.loss(model, b)
@@ -367,7 +472,9 @@ def evaluate(job: Job, batches: list[dict[str, torch.Tensor]], device: torch.dev
     return out
 
 
-def _restore(job: Job, opt: torch.optim.Optimizer, ckpt_dir: Path, res: TrainResult, names: dict[int, str]) -> int:
+def _restore(job: Job, opt: torch.optim.Optimizer, ckpt_dir: Path, res: TrainResult, names: dict[int, str],
+             seed: int) -> tuple[int, Schedule | None]:
+    """Load a checkpoint into the job and optimizer; (its step, its LR schedule)."""
     model_sd, opt_t, rng_t, state = ckpt.load_checkpoint(ckpt_dir)
     params = dict(job.trainable())
     missing = set(params) - set(model_sd)
@@ -377,8 +484,14 @@ def _restore(job: Job, opt: torch.optim.Optimizer, ckpt_dir: Path, res: TrainRes
         for n, p in params.items():
             p.copy_(_shard_like(model_sd[n].to(p.dtype), p))
     ckpt.load_optimizer(opt, opt_t, state["optimizer"], names, _shard_like)
-    ckpt.set_rng_state(rng_t, state["rng"], rank=dist.info().rank)
+    step = int(state["step"])
+    rank = dist.info().rank
+    if not ckpt.set_rng_state(rng_t, state["rng"], rank=rank):
+        # A rank the run did not have (resumed on more processes): a stream of its own,
+        # still a pure function of (seed, rank, step).
+        torch.manual_seed(rank_seed(seed, rank) ^ step)
     res.losses = state.get("losses", [])
     res.val_losses = state.get("val_losses", [])
     res.metrics = state.get("metrics", [])
-    return int(state["step"])
+    sched = state.get("schedule")
+    return step, Schedule.from_dict(sched) if sched else None

@@ -1,5 +1,7 @@
 """What a run shows while it trains: `step N loss X` lines (byte-stable for a seed),
-and on a terminal a rich progress bar with loss, tokens/s and ETA."""
+and on a terminal a rich progress bar with loss, tokens/s, peak memory and ETA. The
+figures that vary between runs (speed, memory) stay out of the step lines, so those
+compare byte for byte; events.jsonl and --json carry them."""
 
 from __future__ import annotations
 
@@ -11,14 +13,15 @@ class Reporter:
     """Quiet base: --json mode and non-zero ranks use it as is."""
 
     def start(self, total_steps: int, first_step: int) -> None: ...
-    def step(self, step: int, loss: float, items_per_s: float | None) -> None: ...
+    def step(self, step: int, loss: float, items_per_s: float | None, peak_mem: int | None = None) -> None: ...
     def eval(self, step: int, metrics: dict[str, float]) -> None: ...
+    def eval_progress(self, step: int, done: int, total: int, elapsed: float) -> None: ...
     def message(self, text: str) -> None: ...
     def close(self) -> None: ...
 
 
 class TextReporter(Reporter):
-    """Plain lines on stdout; a rich bar on stderr only when stdout is a terminal."""
+    """Plain lines on stdout; on a terminal, a rich bar drawn below them (transient)."""
 
     def __init__(self, out: TextIO | None = None, items_name: str = "tokens", bar: bool | None = None):
         self.out = out or sys.stdout
@@ -37,8 +40,9 @@ class TextReporter(Reporter):
         self._progress = Progress(
             TextColumn("step {task.completed}/{task.total}"), BarColumn(),
             TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[speed]}"),
-            TimeRemainingColumn(), console=console, transient=True)
-        self._task = self._progress.add_task("train", total=total_steps, completed=first_step, loss="-", speed="")
+            TextColumn("{task.fields[mem]}"), TimeRemainingColumn(), console=console, transient=True)
+        self._task = self._progress.add_task("train", total=total_steps, completed=first_step, loss="-", speed="",
+                                             mem="")
         self._progress.start()
 
     def _print(self, line: str) -> None:
@@ -47,11 +51,22 @@ class TextReporter(Reporter):
         else:
             print(line, file=self.out, flush=True)
 
-    def step(self, step: int, loss: float, items_per_s: float | None) -> None:
+    def step(self, step: int, loss: float, items_per_s: float | None, peak_mem: int | None = None) -> None:
         self._print(f"step {step} loss {loss:.6f}")
         if self._progress is not None:
             speed = f"{items_per_s:,.0f} {self.items_name}/s" if items_per_s else ""
-            self._progress.update(self._task, completed=step, loss=f"{loss:.4f}", speed=speed)
+            mem = f"peak {peak_mem / 1e9:.2f} GB" if peak_mem else ""
+            self._progress.update(self._task, completed=step, loss=f"{loss:.4f}", speed=speed, mem=mem)
+
+    def eval_progress(self, step: int, done: int, total: int, elapsed: float) -> None:
+        """A long evaluation says where it is (on stderr, so step lines stay byte-stable):
+        once it has run 5 s, then every 5 s."""
+        if elapsed < 5.0 or elapsed - getattr(self, "_eval_said", 0.0) < 5.0:
+            if done == 1:
+                self._eval_said = 0.0
+            return
+        self._eval_said = elapsed
+        print(f"  evaluating (step {step}): {done}/{total} batches, {elapsed:.0f} s", file=sys.stderr, flush=True)
 
     def eval(self, step: int, metrics: dict[str, float]) -> None:
         parts = " ".join(f"{k} {v:.6f}" for k, v in metrics.items())

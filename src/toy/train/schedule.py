@@ -1,30 +1,98 @@
-"""Learning-rate schedule and optimizer construction."""
+"""Learning-rate schedule and optimizer construction.
+
+The schedule, and what a resume does to it, are defined here and nowhere else:
+
+- A run of `total` steps: linear warmup over `warmup` steps, then a cosine from `lr` to
+  `min_lr`, reached at the last step.
+- Resumed with the same `--steps`: the same schedule, so the same losses as an
+  unbroken run.
+- Extended (`--resume RUN --steps N` with N above the run's total), resumed at step d:
+  - if d is still inside the warmup, the warmup finishes as planned and the cosine runs
+    to the new total: every step already taken had the LR it would have had in an
+    unbroken N-step run, so the result equals one;
+  - otherwise the LR continues from the LR of step d (the one restored with the
+    optimizer) and decays by a cosine to `min_lr` at step N. Re-warming a trained model
+    would throw away what the decay bought; a finished run, whose last LR was min_lr,
+    therefore continues at min_lr.
+  The extension is stored in each checkpoint, so resuming an extension again continues
+  the same curve, and extending it again starts a new segment from where it is.
+"""
 
 from __future__ import annotations
 
 import math
+from dataclasses import asdict, dataclass
 
 import torch
 
 
+@dataclass(frozen=True)
+class Schedule:
+    lr: float
+    min_lr: float
+    warmup: int
+    total: int
+    # An extension: from `start` (steps already taken) the LR goes from start_lr to
+    # min_lr at `total`; the steps before it followed `previous`. None: the plain
+    # warmup + cosine schedule.
+    start: int | None = None
+    start_lr: float | None = None
+    previous: "Schedule | None" = None
+
+    def at(self, step: int) -> float:
+        """The LR of step `step` (counting from 0: the step about to be taken)."""
+        if self.start is not None:
+            if step < self.start:
+                return self.previous.at(step)
+            return _cosine(step - self.start, self.total - self.start, self.start_lr, self.min_lr)
+        if self.warmup > 0 and step < self.warmup:
+            return self.lr * (step + 1) / self.warmup
+        return _cosine(step - self.warmup, self.total - self.warmup, self.lr, self.min_lr)
+
+    def extended(self, done: int, total: int) -> "Schedule":
+        """This schedule resumed after `done` steps with a new, larger `total` (see the
+        module docstring). The same total gives the same schedule."""
+        if total == self.total:
+            return self
+        if self.start is None and done < self.warmup:
+            return Schedule(self.lr, self.min_lr, self.warmup, total)
+        last = self.at(done - 1) if done > 0 else self.lr
+        return Schedule(self.lr, self.min_lr, self.warmup, total, start=done, start_lr=last, previous=self)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Schedule":
+        prev = d.get("previous")
+        return cls(**{**d, "previous": cls.from_dict(prev) if prev else None})
+
+    def describe(self) -> str:
+        if self.start is None:
+            return f"warmup {self.warmup}, cosine {self.lr:g} -> {self.min_lr:g} at step {self.total}"
+        return (f"extended at step {self.start}: cosine from its LR {self.start_lr:.3g} to --min-lr "
+                f"{self.min_lr:g} at step {self.total}")
+
+
+def _cosine(i: int, n: int, hi: float, lo: float) -> float:
+    """Step i of a cosine from hi (i = 0) to lo (i = n - 1)."""
+    progress = min(1.0, max(0, i) / max(1, n - 1))
+    return lo + 0.5 * (hi - lo) * (1.0 + math.cos(math.pi * progress))
+
+
 def lr_at(step: int, total: int, lr: float, min_lr: float, warmup: int) -> float:
-    """Linear warmup over `warmup` steps, then cosine decay to `min_lr` at the last step.
-    `step` counts from 0 (the step about to be taken)."""
-    if warmup > 0 and step < warmup:
-        return lr * (step + 1) / warmup
-    span = max(1, total - warmup - 1)
-    progress = min(1.0, (step - warmup) / span)
-    return min_lr + 0.5 * (lr - min_lr) * (1.0 + math.cos(math.pi * progress))
+    """The plain schedule's LR at `step` (0-based): Schedule(...).at(step)."""
+    return Schedule(lr, min_lr, warmup, total).at(step)
 
 
-def make_adamw(named_params, lr: float, weight_decay: float, decay_rule, betas=(0.9, 0.95), eps=1e-8,
-               fused: bool | None = None) -> torch.optim.AdamW:
+def make_adamw(named_params, lr: float, weight_decay: float, decay_rule, betas=(0.9, 0.95),
+               eps=1e-8) -> torch.optim.AdamW:
     """AdamW with two groups: weights that decay (matrices, embeddings) and those that
-    don't (biases, norm gains), as in GPT-2/nanoGPT."""
+    don't (biases, norm gains), as in GPT-2/nanoGPT. foreach: measured as fast as fused
+    on CPU (docs/performance.md)."""
     decay, no_decay = [], []
     for name, p in named_params:
         (decay if decay_rule(name, p) else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     groups = [g for g in groups if g["params"]]
-    kw = {"fused": True} if fused else {"foreach": True}
-    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, **kw)
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, foreach=True)

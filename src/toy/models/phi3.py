@@ -1,0 +1,106 @@
+"""Phi-3 (and Phi-4-mini, which GGUF files also call phi3): llama's math with the
+projections fused as the files and HF store them.
+
+- `self_attn.qkv_proj` (H*D + 2*K*D rows: queries, then keys, then values) instead of
+  q/k/v projections, and `mlp.gate_up_proj` (2*F rows: gate, then up) instead of two:
+  kept fused so a LoRA adapter on them is what HF PEFT (`qkv_proj`, `gate_up_proj`) and
+  llama.cpp (`attn_qkv`, `ffn_up`) load;
+- rotary in the half-split layout on the first `rope_dim` dims of each head (all of them
+  for Phi-3; three quarters for Phi-4-mini);
+- an untied output head (Phi-4-mini ties it).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from toy.models.configs import Phi3Config
+from toy.models.layers import KVCache, RMSNorm, Rotary, apply_rotary, attend, run_block
+
+
+class Phi3Attention(nn.Module):
+    def __init__(self, cfg: Phi3Config):
+        super().__init__()
+        self.n_head, self.n_kv_head, self.head_dim, self.window = cfg.n_head, cfg.n_kv_head, cfg.head_dim, \
+            cfg.sliding_window
+        self.qkv_proj = nn.Linear(cfg.d_model, (cfg.n_head + 2 * cfg.n_kv_head) * cfg.head_dim, bias=False)
+        self.o_proj = nn.Linear(cfg.n_head * cfg.head_dim, cfg.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor, rope, cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
+        B, T, _ = x.shape
+        H, K, D = self.n_head, self.n_kv_head, self.head_dim
+        q, k, v = self.qkv_proj(x).split([H * D, K * D, K * D], dim=-1)
+        q = q.view(B, T, H, D).transpose(1, 2)  # (B, H, T, D)
+        k = k.view(B, T, K, D).transpose(1, 2)  # (B, K, T, D)
+        v = v.view(B, T, K, D).transpose(1, 2)  # (B, K, T, D)
+        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        y = attend(q, k, v, cache, layer, window=self.window)  # (B, H, T, D)
+        return self.o_proj(y.transpose(1, 2).contiguous().view(B, T, H * D))
+
+
+class Phi3MLP(nn.Module):
+    """down(silu(gate) * up), gate and up from one fused projection."""
+
+    def __init__(self, cfg: Phi3Config):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(cfg.d_model, 2 * cfg.d_ff, bias=False)
+        self.down_proj = nn.Linear(cfg.d_ff, cfg.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: Phi3Config):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.self_attn = Phi3Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mlp = Phi3MLP(cfg)
+
+    def forward(self, x, rope, cache=None, layer=0):
+        x = x + self.self_attn(self.input_layernorm(x), rope, cache, layer)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Phi3(nn.Module):
+    def __init__(self, cfg: Phi3Config):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.tie_weights()
+        self.rotary = Rotary(cfg.rope_dim, cfg.max_seq_len, cfg.rope_theta)
+        self.checkpointing = False
+        for name, p in self.named_parameters():  # only for a model not loaded from a file
+            nn.init.ones_(p) if p.dim() == 1 else nn.init.normal_(p, 0.0, 0.02)
+
+    def tie_weights(self) -> None:
+        if self.cfg.tie_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def hidden(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        B, T = idx.shape
+        start = cache.pos if cache is not None else 0
+        x = self.embed_tokens(idx)  # (B, T, C)
+        rope = self.rotary.tables(start, T)
+        for i, block in enumerate(self.layers):
+            x = run_block(block, x, rope, cache, i, checkpointing=self.checkpointing)
+        if cache is not None:
+            cache.pos += T
+        return self.norm(x)
+
+    def forward(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        return self.lm_head(self.hidden(idx, cache))
+
+    def new_cache(self, batch: int, max_len: int) -> KVCache:
+        p = self.norm.weight
+        return KVCache(self.cfg.n_layer, batch, self.cfg.n_kv_head, max_len, self.cfg.head_dim, p.device, p.dtype)
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())

@@ -1,0 +1,413 @@
+"""GGUF block dequantization in plain torch, bit-identical to `gguf.quants.dequantize`.
+
+`dequantize(raw, qtype, n_cols)` turns the bytes of a GGUF tensor, a uint8 tensor of
+shape (rows, row_bytes), into (rows, n_cols) floats on whatever device `raw` lives on.
+Only elementwise torch ops are used (shifts, masks, dtype views, mul/add), vectorised
+over all blocks at once, so the same code runs on cpu, cuda and mps.
+
+A row is n_cols / block_size blocks laid end to end. Block layouts (f16 = one IEEE half,
+QK_K = 256; "q" below is the unpacked integer, "sub" a sub-block of the block):
+
+    Q4_0  (32, 18)   d:f16 qs[16]                 x = d * (q - 8)     low nibbles first
+    Q4_1  (32, 20)   d:f16 m:f16 qs[16]           x = d * q + m
+    Q5_0  (32, 22)   d:f16 qh[4] qs[16]           x = d * (q - 16)    bit 4 of q in qh
+    Q5_1  (32, 24)   d:f16 m:f16 qh[4] qs[16]     x = d * q + m
+    Q8_0  (32, 34)   d:f16 qs[32] int8            x = q * d
+    Q2_K  (256, 84)  scales[16] qs[64] d dmin     x = (d*sc) * q - (dmin*m)  16 subs of 16
+    Q3_K  (256, 110) hmask[32] qs[64] scales[12] d  x = (d*(sc-32)) * q    q = 2 bits - 4*!hbit
+    Q4_K  (256, 144) d dmin scales[12] qs[128]    x = (d*sc) * q - (dmin*m)  8 subs of 32
+    Q5_K  (256, 176) d dmin scales[12] qh[32] qs[128]   as Q4_K with a 5th bit from qh
+    Q6_K  (256, 210) ql[128] qh[64] scales[16] int8 d   x = (d*sc) * (q - 32)  16 subs of 16
+
+Packed fields of a byte are unpacked lowest bits first, and the j-th field of every byte
+of a group comes as one run (`_fields`): e.g. Q4_0's 16 bytes give the 16 low nibbles,
+then the 16 high ones.
+
+Bit-exactness: every product here is exact in float32. An f16 scale has at most 11
+significant bits and the integers it meets at most 12 together (Q6_K: an int8 sub-scale
+times q - 32), and the results stay far from float32's overflow and subnormals. So only
+the one addition per element (`+ m`, `- dmin*m`) rounds, as in gguf-py, and for the same
+reason an FMA (which torch.compile may fuse the two into) gives the same bits. The
+grouping of the products is still kept as gguf-py has it ((d * sc) * q, not d * (sc * q))
+because it decides the sign of a zero: with sc = 0 and q < 0, gguf gives (d * 0.0) * q =
+-0.0 for d > 0, where an integer sc * q = 0 would give +0.0. Only NaN payloads may differ
+(scales that are inf or NaN; signalling f16 NaNs come out quieted).
+
+Other output dtypes (bf16/f16 compute) are made by dequantizing in float32 then casting
+once, so they equal `gguf` rounded to that dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from toy.models.quant_types import (BF16, F16, F32, OTHER_TYPE_NAMES, Q2_K, Q3_K, Q4_0, Q4_1, Q4_K,  # noqa: F401
+                                    Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, QK_K, QUANT_TYPES)
+
+
+def _check_type(qtype: int) -> tuple[int, int, str]:
+    if qtype not in QUANT_TYPES:
+        name = OTHER_TYPE_NAMES.get(qtype, "unknown")
+        known = ", ".join(name for _, _, name in QUANT_TYPES.values())
+        raise ValueError(f"unsupported GGUF tensor type {name} (id {qtype}); toy dequantizes {known}")
+    return QUANT_TYPES[qtype]
+
+
+def row_bytes(qtype: int, n_cols: int) -> int:
+    """Bytes one row of n_cols elements takes in type qtype."""
+    block_size, type_size, name = _check_type(qtype)
+    if n_cols % block_size:
+        raise ValueError(f"a {name} row holds whole blocks of {block_size}; {n_cols} columns is not one")
+    return n_cols // block_size * type_size
+
+
+def dequantize(raw: torch.Tensor, qtype: int, n_cols: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """(rows, row_bytes) uint8 GGUF data of type `qtype` -> (rows, n_cols) in `dtype`.
+
+    Any leading shape works: (..., row_bytes) -> (..., n_cols). The float32 result equals
+    `gguf.quants.dequantize` bit for bit; other dtypes are that result cast once. An F32
+    tensor asked for in float32 comes back as a view of `raw` (no copy).
+    """
+    block_size, type_size, name = _check_type(qtype)
+    if raw.dtype != torch.uint8:
+        raise ValueError(f"raw GGUF data must be uint8, got {raw.dtype}")
+    if raw.dim() == 0 or raw.shape[-1] != row_bytes(qtype, n_cols):
+        raise ValueError(f"a {name} row of {n_cols} columns takes {row_bytes(qtype, n_cols)} bytes; "
+                         f"raw has shape {tuple(raw.shape)}")
+    lead = raw.shape[:-1]
+    raw = raw.contiguous()
+    if not torch.compiler.is_compiling() and raw.storage_offset() % 4:
+        raw = raw.clone()  # the f16 / int32 views need an aligned start, as GGUF tensors have
+    if block_size == 1:  # plain floats: reinterpret the bytes
+        x = raw.view(_FLOATS[qtype])
+    else:
+        x = _KERNELS[qtype](raw.view(-1, type_size))
+    return x.reshape(*lead, n_cols).to(dtype)
+
+
+_FLOATS = {F32: torch.float32, F16: torch.float16, BF16: torch.bfloat16}
+
+
+# ---- helpers ----------------------------------------------------------------------------
+# Speed (CPU, one thread): ops on contiguous uint8 tensors are several times cheaper than
+# float ops, and ops over short strided runs several times slower than flat ones. So the
+# quants are unpacked with flat uint8 ops, offsets included (uint8 arithmetic wraps, so
+# q - 8 read as int8 is the signed value; high bits are joined by add(lo, hi, alpha=16),
+# one op where lo | (hi << 4) is two), converted to float once, then scaled in place. The
+# few bytes of sub-block scales are unpacked four at a time as int32 words with byte-wise
+# masks, as ggml's own C code does.
+
+def _view(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Bytes x read as dtype, copied first only where the block size is not a multiple of
+    the new item size (Q3_K's 110-byte blocks read as int32)."""
+    if x.stride(0) % dtype.itemsize:
+        x = x.contiguous()
+    return x.view(dtype)
+
+
+def _f16(blocks: torch.Tensor, at: int) -> torch.Tensor:
+    """The f16 at byte `at` of every block, as float32 of shape (n_blocks, 1)."""
+    return _view(blocks[:, at : at + 2], torch.float16).float()
+
+
+def _words(blocks: torch.Tensor, at: int, count: int) -> torch.Tensor:
+    """`count` little-endian int32 words (every torch host is little-endian) from byte `at`
+    of every block: (n_blocks, count)."""
+    return _view(blocks[:, at : at + 4 * count], torch.int32)
+
+
+def _fields(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """(..., k) bytes -> (..., 8 // bits, k) uint8: field j (bits j*bits and up) of every byte.
+
+    The j-th fields of the k bytes form one run, which is how ggml orders them.
+    """
+    packed = packed.contiguous()
+    mask = (1 << bits) - 1
+
+    def field(shift: int) -> torch.Tensor:
+        x = packed >> shift if shift else packed
+        return x & mask if shift + bits < 8 else x  # the top field needs no mask
+
+    return torch.stack([field(shift) for shift in range(0, 8, bits)], dim=-2)
+
+
+def _signed(q: torch.Tensor, offset: int) -> torch.Tensor:
+    """uint8 q (consumed) -> float32 q - offset, via int8: q - offset fits in int8 here."""
+    return q.sub_(offset).view(torch.int8).float()
+
+
+# ---- 32-element blocks: one f16 scale (and minimum) per block -------------------------------
+
+def _q4_0(b: torch.Tensor) -> torch.Tensor:
+    q = _fields(b[:, 2:], 4).view(-1, 32)
+    return _signed(q, 8).mul_(_f16(b, 0))  # gguf: d * float(q - 8)
+
+
+def _q4_1(b: torch.Tensor) -> torch.Tensor:
+    q = _fields(b[:, 4:], 4).view(-1, 32).float()
+    return q.mul_(_f16(b, 0)).add_(_f16(b, 2))  # (d * q) + m
+
+
+def _q5_0(b: torch.Tensor) -> torch.Tensor:
+    # bit j of the little-endian uint32 qh is the 5th bit of q[j]: bit j % 8 of byte j // 8
+    qh = _fields(b[:, 2:6].reshape(-1, 4, 1), 1).view(-1, 32)
+    q = torch.add(_fields(b[:, 6:], 4).view(-1, 32), qh, alpha=16)
+    return _signed(q, 16).mul_(_f16(b, 0))
+
+
+def _q5_1(b: torch.Tensor) -> torch.Tensor:
+    qh = _fields(b[:, 4:8].reshape(-1, 4, 1), 1).view(-1, 32)
+    q = torch.add(_fields(b[:, 8:], 4).view(-1, 32), qh, alpha=16)
+    return q.float().mul_(_f16(b, 0)).add_(_f16(b, 2))
+
+
+def _q8_0(b: torch.Tensor) -> torch.Tensor:
+    return b[:, 2:].view(torch.int8).float().mul_(_f16(b, 0))
+
+
+# ---- K-quants: 256-element super-blocks of 8 or 16 sub-blocks, each with its own scale -----
+
+def _q2_k(b: torch.Tensor) -> torch.Tensor:
+    n = b.shape[0]
+    sc = b[:, :16].contiguous()  # low nibble: sub-block scale, high nibble: its minimum
+    dl = (_f16(b, 80) * (sc & 0xF).float()).unsqueeze(-1)  # (n, 16, 1)
+    ml = (_f16(b, 82) * (sc >> 4).float()).unsqueeze(-1)
+    q = _fields(b[:, 16:80].view(n, 2, 32), 2).view(n, 16, 16)  # 2 halves x 4 shifts x 32
+    return q.float().mul_(dl).sub_(ml).view(n, QK_K)  # (d * sc) * q - dmin * m
+
+
+def _q3_k_scales(b: torch.Tensor) -> torch.Tensor:
+    """Q3_K's 16 6-bit scales (uint8, offset 32) from bytes 96..107 (three words a0 a1 t).
+
+    Scales 0-7 take their low 4 bits from the low nibbles of a0 a1, scales 8-15 from the
+    high nibbles; the top 2 bits of scales 4k..4k+3 are bits 2k, 2k+1 of t's four bytes.
+    """
+    w = _words(b, 96, 3)
+    a, t = w[:, :2], w[:, 2:]
+    low = torch.cat([a & 0x0F0F0F0F, (a >> 4) & 0x0F0F0F0F], dim=1)  # (n, 4) words
+    top = torch.cat([t, t >> 2, t >> 4, t >> 6], dim=1) & 0x03030303
+    return (low | (top << 4)).view(torch.uint8)  # (n, 16)
+
+
+def _q3_k(b: torch.Tensor) -> torch.Tensor:
+    n = b.shape[0]
+    dl = (_f16(b, 108) * _signed(_q3_k_scales(b), 32)).unsqueeze(-1)  # (n, 16, 1)
+    ql = _fields(b[:, 32:96].view(n, 2, 32), 2).view(n, 16, 16)
+    hbit = _fields(b[:, :32], 1).view(n, 16, 16)  # bit j of the 32 bytes: elements 32j..32j+31
+    # q = ql - 4 where the hmask bit is 0 (sic: a set bit means no offset), that is
+    # (ql + 4*hbit) - 4
+    return _signed(torch.add(ql, hbit, alpha=4), 4).mul_(dl).view(n, QK_K)  # (d * sc) * q
+
+
+def _k_scale_min(b: torch.Tensor) -> torch.Tensor:
+    """Q4_K/Q5_K: bytes 4..15 -> (n, 2, 8) uint8, eight 6-bit scales then eight minimums.
+
+    Word 0 holds scales 0-3 in the low 6 bits of its bytes and the top 2 bits of scales
+    4-7 in the high 2; word 1 the same for the minimums; word 2 the low 4 bits of scales
+    4-7 (low nibbles) and of minimums 4-7 (high nibbles).
+    """
+    w = _words(b, 4, 3)
+    sm, md = w[:, :2], w[:, 2:]  # (n, 2): scales, minimums; (n, 1)
+    first = sm & 0x3F3F3F3F
+    last = torch.cat([md & 0x0F0F0F0F, (md >> 4) & 0x0F0F0F0F], dim=1) | ((sm >> 2) & 0x30303030)
+    return torch.stack([first, last], dim=-1).view(torch.uint8)  # (n, 2, 2) words -> (n, 2, 8)
+
+
+def _q4_k(b: torch.Tensor) -> torch.Tensor:
+    n = b.shape[0]
+    sc, mn = _k_scale_min(b).float().unbind(1)  # (n, 8) each
+    dl = (_f16(b, 0) * sc).unsqueeze(-1)  # (n, 8, 1)
+    ml = (_f16(b, 2) * mn).unsqueeze(-1)
+    q = _fields(b[:, 16:].view(n, 4, 32), 4).view(n, 8, 32)  # 4 x (low, high) x 32
+    return q.float().mul_(dl).sub_(ml).view(n, QK_K)
+
+
+def _q5_k(b: torch.Tensor) -> torch.Tensor:
+    n = b.shape[0]
+    sc, mn = _k_scale_min(b).float().unbind(1)
+    dl = (_f16(b, 0) * sc).unsqueeze(-1)
+    ml = (_f16(b, 2) * mn).unsqueeze(-1)
+    ql = _fields(b[:, 48:].view(n, 4, 32), 4).view(n, 8, 32)
+    qh = _fields(b[:, 16:48], 1).view(n, 8, 32)  # bit j of the 32 bytes: sub-block j
+    return torch.add(ql, qh, alpha=16).float().mul_(dl).sub_(ml).view(n, QK_K)
+
+
+def _q6_k(b: torch.Tensor) -> torch.Tensor:
+    n = b.shape[0]
+    sc = b[:, 192:208].view(torch.int8).float()
+    dl = (_f16(b, 208) * sc).unsqueeze(-1)  # (n, 16, 1)
+    ql = _fields(b[:, :128].view(n, 2, 64), 4).view(n, QK_K)  # 2 halves x (low, high) x 64
+    qh = _fields(b[:, 128:192].view(n, 2, 32), 2).view(n, QK_K)  # 2 halves x 4 shifts x 32
+    q = _signed(torch.add(ql, qh, alpha=16), 32).view(n, 16, 16)
+    return q.mul_(dl).view(n, QK_K)  # (d * sc) * (q - 32)
+
+
+_KERNELS = {Q4_0: _q4_0, Q4_1: _q4_1, Q5_0: _q5_0, Q5_1: _q5_1, Q8_0: _q8_0,
+            Q2_K: _q2_k, Q3_K: _q3_k, Q4_K: _q4_k, Q5_K: _q5_k, Q6_K: _q6_k}
+
+
+# ---- frozen layers over the blocks ------------------------------------------------------
+# A LoRA base stays in the GGUF's own blocks: a uint8 tensor (out, row_bytes), zero-copy
+# over the file's memory map (nothing is read until used), dequantized inside forward
+# and again inside backward for the input gradient; the float weight is never kept.
+
+class QuantSpec:
+    """What turns a block tensor back into its float weight: the type, the float shape
+    (out, in), and `qk_heads`: when llama.cpp's converter interleaved the rows of each
+    head for its rope (llama Q/K), the heads to un-interleave at dequantization time,
+    so the file's bytes are used as they are."""
+
+    __slots__ = ("qtype", "shape", "qk_heads")
+
+    def __init__(self, qtype: int, shape: tuple[int, int], qk_heads: int = 0):
+        self.qtype, self.shape, self.qk_heads = int(qtype), (int(shape[0]), int(shape[1])), int(qk_heads)
+
+    @property
+    def name(self) -> str:
+        return QUANT_TYPES[self.qtype][2]
+
+    def __repr__(self) -> str:
+        return f"QuantSpec({self.name}, {self.shape}, qk_heads={self.qk_heads})"
+
+
+def half_split_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Rows of each head from llama.cpp's interleaved order (2i, 2i+1 = HF's i, i + D/2)
+    back to HF's half-split order, which toy's rotary uses."""
+    d = w.shape[0] // n_head
+    return w.reshape(n_head, d // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def dequantize_weight(blocks: torch.Tensor, spec: QuantSpec, dtype: torch.dtype = torch.float32,
+                      rows: slice | None = None) -> torch.Tensor:
+    """The float weight (out, in) of a block tensor, or the rows `rows` of it (a slice of
+    whole rows: GGUF rows are independent, so a slice of the blocks is a slice of W).
+    Labelled `toy::dequantize` for the profiler (bench/profile_step.py sums it)."""
+    with torch.profiler.record_function("toy::dequantize"):
+        if rows is not None:
+            if spec.qk_heads:
+                raise ValueError("row slices of Q/K weights are not supported (their rows are interleaved per head)")
+            return dequantize(blocks[rows], spec.qtype, spec.shape[1], dtype)
+        w = dequantize(blocks, spec.qtype, spec.shape[1], dtype)
+        return half_split_rows(w, spec.qk_heads) if spec.qk_heads else w
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
+
+
+class _QuantLinearFn(torch.autograd.Function):
+    """y = x W^T (+ b) with W dequantized here and again in backward: what is saved for
+    backward is the block tensor (already resident), never a float copy of W."""
+
+    @staticmethod
+    def forward(ctx, x, blocks, bias, spec):
+        w = dequantize_weight(blocks, spec, x.dtype)
+        ctx.save_for_backward(blocks)
+        ctx.spec = spec
+        return torch.nn.functional.linear(x, w, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (blocks,) = ctx.saved_tensors
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            grad_x = grad @ dequantize_weight(blocks, ctx.spec, grad.dtype)
+        return grad_x, None, None, None
+
+
+def frozen_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                  spec: QuantSpec | None) -> torch.Tensor:
+    """A frozen base linear: plain F.linear for a float weight, the block path for a
+    quantized one (in the autocast dtype where autocast is on)."""
+    if spec is None:
+        return torch.nn.functional.linear(x, weight, bias)
+    dtype = _compute_dtype(x)
+    with torch.autocast(x.device.type, enabled=False):
+        b = bias.to(dtype) if bias is not None else None
+        return _QuantLinearFn.apply(x.to(dtype), weight, b, spec)
+
+
+class QuantLinear(torch.nn.Module):
+    """A frozen nn.Linear whose `weight` is a GGUF block tensor (uint8, (out, row_bytes)).
+
+    The state_dict keys are the float layer's (`weight`, `bias`), so LoRA and PEFT names
+    do not change; `weight` holds the file's blocks, and `dequantized()` the float weight."""
+
+    def __init__(self, blocks: torch.Tensor, spec: QuantSpec, bias: torch.Tensor | None = None):
+        super().__init__()
+        self.spec = spec
+        self.out_features, self.in_features = spec.shape
+        self.register_buffer("weight", blocks)
+        if bias is not None:
+            self.bias = torch.nn.Parameter(bias, requires_grad=False)
+        else:
+            self.bias = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return frozen_linear(x, self.weight, self.bias, self.spec)
+
+    def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return dequantize_weight(self.weight, self.spec, dtype)
+
+    def rows(self, start: int, end: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Rows start..end of the float weight (a chunk of the vocabulary, for a head)."""
+        return dequantize_weight(self.weight, self.spec, dtype, rows=slice(start, end))
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.spec.name}"
+
+
+class QuantEmbedding(torch.nn.Module):
+    """A frozen token embedding over GGUF blocks: each lookup dequantizes just the rows of
+    the tokens asked for (rows are independent blocks). A tied output head reads the same
+    blocks (`rows(i, j)` for a chunk of the vocabulary)."""
+
+    def __init__(self, blocks: torch.Tensor, spec: QuantSpec):
+        super().__init__()
+        self.spec = spec
+        self.num_embeddings, self.embedding_dim = spec.shape
+        self.register_buffer("weight", blocks)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        dtype = _compute_dtype(torch.empty(0, device=idx.device)) if torch.is_autocast_enabled(idx.device.type) \
+            else torch.float32
+        with torch.profiler.record_function("toy::dequantize"):
+            flat = dequantize(self.weight[idx.reshape(-1)], self.spec.qtype, self.embedding_dim, dtype)
+        return flat.view(*idx.shape, self.embedding_dim)
+
+    def rows(self, start: int, end: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return dequantize_weight(self.weight, self.spec, dtype, rows=slice(start, end))
+
+    def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return dequantize_weight(self.weight, self.spec, dtype)
+
+
+def count_params(model: torch.nn.Module) -> int:
+    """Parameters of a model whose base may sit in GGUF blocks: float parameters, plus
+    the weights each block tensor stands for (a tied head's blocks counted once)."""
+    seen: set[int] = set()
+    n = 0
+    for m in model.modules():
+        spec = getattr(m, "spec", None)
+        w = getattr(m, "weight", None)
+        if spec is not None and isinstance(w, torch.Tensor) and w.dtype == torch.uint8:
+            key = w.untyped_storage().data_ptr() + w.storage_offset()
+            if key not in seen:
+                seen.add(key)
+                n += spec.shape[0] * spec.shape[1]
+    return n + sum(p.numel() for p in model.parameters())
+
+
+def resident_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the model's tensors (parameters and buffers, each storage once): for a
+    quantized base, the blocks as they sit in the file's map."""
+    seen, total = set(), 0
+    for t in [*model.parameters(), *model.buffers()]:
+        key = (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+        if t.device.type == "meta" or key in seen:
+            continue
+        seen.add(key)
+        total += t.untyped_storage().nbytes()
+    return total

@@ -1,0 +1,124 @@
+"""The run's configuration: one typed, frozen record, resolved once and read by everyone.
+
+    flags > toy.toml [train.<recipe>] > toy.toml [train] > the recipe's FLAGS > the defaults here
+
+`toy train` resolves the flags into a `RunConfig` before any work. A recipe reads it and
+never writes it: what a recipe works out from the data (the step count of `--epochs`,
+a `--seq-len` that defaults to the preset's context or is clamped to a GGUF's) comes
+back in `Built.derived`, and the CLI applies it once with `RunConfig.with_derived`. The
+result is the resolved config that `run.json` records under "config" and that
+`--resume` reads back: a resumed run rebuilds its job from exactly that record.
+
+Every flag of every recipe is a field here (a recipe's FLAGS only changes defaults), so
+a typo in code is an AttributeError at once, not a silent `opts.get(...)` of None.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, fields
+from typing import Any
+
+from toy.errors import InputError
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    # ---- run
+    recipe: str = "from-scratch"
+    arch: str = "llama"
+    steps: int | None = 5  # None only while --epochs has not been turned into steps
+    epochs: int | None = None
+    seed: int = 0
+    device: str = "cpu"
+    fsdp: bool = False
+    compile: bool = False
+    checkpointing: bool = False
+    # ---- data (token streams)
+    corpus: str | None = None
+    val_corpus: str | None = None
+    tokenizer: str | None = None
+    raw_i32: bool = False
+    vocab_size: int | None = None
+    # ---- model shape
+    preset: str | None = None
+    n_layer: int | None = None
+    d_model: int | None = None
+    n_head: int | None = None
+    n_kv_head: int | None = None
+    seq_len: int | None = None
+    # ---- optimiser and schedule
+    batch_size: int = 16
+    grad_accum: int = 1
+    lr: float = 1e-3
+    min_lr: float = 1e-4
+    warmup: int = 10
+    weight_decay: float = 0.1
+    clip: float = 1.0
+    eval_every: int = 0
+    eval_batches: int = 8
+    save_every: int = 0
+    keep_last: int = 2
+    # ---- lora
+    model: str | None = None
+    data: str | None = None
+    val_data: str | None = None
+    rank: int | None = None
+    alpha: float | None = None
+    dropout: float | None = None
+    targets: str | None = None
+    output: str | None = None
+    strict: bool = False
+    base_dtype: str | None = None
+    chat_template: str | None = None
+    # ---- warm-start
+    donor: str | None = None
+    init: str | None = None
+    freeze_embed_steps: int | None = None
+    # ---- vit-tiny
+    images: str | None = None
+    val_images: str | None = None
+    image_size: int | None = None
+    patch_size: int | None = None
+    augment: str | None = None
+
+    # ------------------------------------------------------------------ building
+
+    @classmethod
+    def keys(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
+
+    @classmethod
+    def defaults(cls) -> dict[str, Any]:
+        return {f.name: f.default for f in fields(cls)}
+
+    @classmethod
+    def for_recipe(cls, recipe: str, flags: dict[str, Any] | None = None, **overrides: Any) -> "RunConfig":
+        """Defaults, then a recipe's FLAGS, then overrides: how scripts and tests build one."""
+        return cls(**{**cls.defaults(), **(flags or {}), "recipe": recipe, **overrides})
+
+    @classmethod
+    def from_record(cls, record: dict[str, Any], source: str = "run.json") -> "RunConfig":
+        """The config a run recorded (run.json "config"). Keys this toy does not know mean
+        the run came from another version: refuse rather than guess."""
+        unknown = sorted(set(record) - set(cls.keys()))
+        if unknown:
+            raise InputError(f"{source}: unknown config key(s) {', '.join(unknown)}; the run was made by another "
+                             "toy version: resume it with that version or start a new run")
+        return cls(**record)
+
+    def with_derived(self, derived: dict[str, Any]) -> "RunConfig":
+        """The config with what the recipe worked out (Built.derived) filled in."""
+        return dataclasses.replace(self, **derived) if derived else self
+
+    def replace(self, **changes: Any) -> "RunConfig":
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    # ------------------------------------------------------------------ reading
+
+    @property
+    def target_list(self) -> list[str]:
+        return [t.strip() for t in str(self.targets or "").split(",") if t.strip()]
