@@ -162,9 +162,15 @@ def test_end_to_end_new_prep_train_infer(tmp_path):
     r = run_toy("new", proj)
     assert r.returncode == 0, r.stderr
     assert (proj / "toy.toml").is_file() and (proj / "data" / "corpus.bin").is_file()
-    assert sorted(p.name for p in (proj / "data").iterdir()) == ["corpus.bin", "corpus.tokenizer.json",
+    assert sorted(p.name for p in (proj / "data").iterdir()) == ["chat.jsonl", "corpus.bin", "corpus.tokenizer.json",
                                                                   "corpus.val.bin"]
     assert (proj / "runs").is_dir()
+    # data/chat.jsonl, for the README's first LoRA run: conversations from the plays that
+    # the chat reader takes whole (every line valid, each with an assistant reply).
+    from toy.data.chat import read_chat_jsonl
+
+    chats = read_chat_jsonl(proj / "data" / "chat.jsonl", strict=True)
+    assert len(chats.conversations) == 240 and chats.n_skipped == 0
     txt = tmp_path / "t.txt"
     txt.write_text(bundled_text_paths()[0].read_text()[:60000])
     r = run_toy("prep", txt, "--out", proj / "data" / "small.bin", "--tokenizer",

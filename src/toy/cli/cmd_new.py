@@ -1,13 +1,16 @@
 """`toy new DIR`: a project with toy.toml, runs/, and under data/ the bundled plays
 tokenized: corpus.bin, corpus.val.bin and corpus.tokenizer.json (the tokenizer that made
-them). `toy train` uses data/corpus.bin when no --corpus is given."""
+them), plus chat.jsonl: conversations made from the plays' dialogue, for a first LoRA
+run (`toy train --recipe lora --data data/chat.jsonl`). `toy train` uses data/corpus.bin
+when no --corpus is given."""
 
 from __future__ import annotations
 
 import shutil
 from pathlib import Path
 
-from toy.data.prep import DEFAULT_VOCAB, bundled_corpus
+from toy.data import dialogue
+from toy.data.prep import DEFAULT_VOCAB, bundled_corpus, bundled_text_paths
 from toy.data.tokens import tokenizer_beside, tokenizer_path_for, val_path_for
 from toy.errors import UsageError
 from toy.runs import DEFAULT_RUN_ID_TEMPLATE
@@ -33,6 +36,11 @@ eval_batches = 8
 """
 
 
+# Conversations in data/chat.jsonl: one epoch of LoRA on SmolLM2 over them is a couple of
+# minutes on 2 cores, long enough for the held-out loss to fall visibly.
+CHATS = 240
+
+
 def add_parser(sub) -> None:
     p = sub.add_parser("new", help="create a project directory", description=__doc__)
     p.add_argument("dir", help="project directory to create (must not exist, or be empty)")
@@ -54,7 +62,10 @@ def run(args) -> int:
     # into data/ never touches this one's tokenizer.
     for a, b in ((src, dst), (val_path_for(src), val_path_for(dst)), (tokenizer_beside(src), tokenizer_path_for(dst))):
         shutil.copyfile(a, b)
+    chats = dialogue.conversations(bundled_text_paths(), CHATS, seed=0, turns=(1, 2), max_chars=400)
+    dialogue.write_jsonl(chats, d / "data" / "chat.jsonl")
     (d / "toy.toml").write_text(TOML.format(template=DEFAULT_RUN_ID_TEMPLATE))
-    print(f"created project {d}: toy.toml, data/corpus.bin (bundled Shakespeare, BPE {DEFAULT_VOCAB}), runs/")
+    print(f"created project {d}: toy.toml, data/corpus.bin (bundled Shakespeare, BPE {DEFAULT_VOCAB}), "
+          f"data/chat.jsonl ({len(chats)} conversations from the plays), runs/")
     print(f"next: cd {d} && toy train --recipe from-scratch")
     return 0

