@@ -39,35 +39,51 @@ def _cap(logits: torch.Tensor, softcap: float) -> tuple[torch.Tensor, torch.Tens
     return t * softcap, 1 - t * t
 
 
+def compute_dtype(h: torch.Tensor) -> torch.dtype:
+    """The dtype the head's matmuls run in: autocast's (bf16 on CUDA) when it is on,
+    else h's own."""
+    dev = h.device.type
+    if torch.is_autocast_enabled(dev):
+        return torch.get_autocast_dtype(dev)
+    return h.dtype
+
+
 def _chunked(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, want_h: bool, want_w: bool,
              softcap: float = 0.0):
-    """(loss, grad of loss wrt h or None, wrt weight in float32 or None); float64 stays float64."""
-    w = weight.to(h.dtype)  # a no-op in float32; the bf16 copy under CUDA autocast
+    """(loss, grad of loss wrt h or None, wrt weight in float32 or None); float64 stays float64.
+
+    Under autocast the vocabulary matrix is cast to the compute dtype ONCE, here, and the
+    matmuls run with autocast off: autocast does not cache the casts of a view (`w.T`) or
+    of a frozen tensor, so each chunk's `hc @ w.T` and `g @ w` would cast all of it again
+    (a 49k x 576 head is 57 MB a cast, tens of chunks a step)."""
+    dt = compute_dtype(h)
+    w = weight.to(dt)  # the one cast (a no-op without autocast)
     step = chunk_rows(w.shape[0])
     acc = torch.promote_types(h.dtype, torch.float32)  # float32, or float64 for gradcheck
     loss = torch.zeros((), dtype=acc, device=h.device)
     grad_h = torch.empty_like(h) if want_h else None
     grad_w = torch.zeros(w.shape, dtype=acc, device=h.device) if want_w else None
-    for i in range(0, h.shape[0], step):
-        hc, tc = h[i : i + step], targets[i : i + step]
-        logits, dcap = _cap((hc @ w.T).to(acc), softcap)  # (c, V)
-        lse = torch.logsumexp(logits, dim=-1)  # (c,)
-        valid = tc != IGNORE
-        safe = torch.where(valid, tc, 0)
-        picked = logits.gather(1, safe[:, None]).squeeze(1)
-        loss += torch.where(valid, lse - picked, 0.0).sum()
-        if not (want_h or want_w):
-            continue
-        # d loss / d logits = softmax - onehot(target), zero on ignored rows; in place.
-        g = logits.sub_(lse[:, None]).exp_()
-        g.scatter_add_(1, safe[:, None], torch.full_like(picked[:, None], -1.0))
-        g.mul_(valid[:, None])
-        if dcap is not None:
-            g.mul_(dcap)
-        if grad_h is not None:
-            grad_h[i : i + step] = (g.to(w.dtype) @ w).to(h.dtype)
-        if grad_w is not None:
-            grad_w.addmm_(g.T, hc.to(acc))
+    with torch.autocast(h.device.type, enabled=False):
+        for i in range(0, h.shape[0], step):
+            hc, tc = h[i : i + step], targets[i : i + step]
+            logits, dcap = _cap((hc.to(dt) @ w.T).to(acc), softcap)  # (c, V)
+            lse = torch.logsumexp(logits, dim=-1)  # (c,)
+            valid = tc != IGNORE
+            safe = torch.where(valid, tc, 0)
+            picked = logits.gather(1, safe[:, None]).squeeze(1)
+            loss += torch.where(valid, lse - picked, 0.0).sum()
+            if not (want_h or want_w):
+                continue
+            # d loss / d logits = softmax - onehot(target), zero on ignored rows; in place.
+            g = logits.sub_(lse[:, None]).exp_()
+            g.scatter_add_(1, safe[:, None], torch.full_like(picked[:, None], -1.0))
+            g.mul_(valid[:, None])
+            if dcap is not None:
+                g.mul_(dcap)
+            if grad_h is not None:
+                grad_h[i : i + step] = (g.to(dt) @ w).to(h.dtype)
+            if grad_w is not None:
+                grad_w.addmm_(g.T, hc.to(acc))  # float32 (TF32 on CUDA): the head's own gradient
     return loss, grad_h, grad_w
 
 
@@ -77,6 +93,7 @@ def _vocab_chunked(h: torch.Tensor, head, targets: torch.Tensor, want_h: bool, s
     log-sum-exp over the vocabulary (online, as flash attention does), pass 2 makes the
     gradient chunk by chunk. The head is read twice, never held whole."""
     V = head.out_features
+    dt = compute_dtype(h)
     acc = torch.promote_types(h.dtype, torch.float32)
     N, C = h.shape
     # Rows per chunk: the (N, rows) logits and the (rows, C) dequantized weights each
@@ -84,12 +101,15 @@ def _vocab_chunked(h: torch.Tensor, head, targets: torch.Tensor, want_h: bool, s
     step = max(256, min(CHUNK_BYTES // (4 * max(1, N)), CHUNK_BYTES // (4 * C)))
     valid = targets != IGNORE
     safe = torch.where(valid, targets, 0)
+    hd = h.to(dt)  # once; each chunk of rows is dequantized straight into dt, autocast off
+    off = torch.autocast(h.device.type, enabled=False)
     m = torch.full((N,), float("-inf"), dtype=acc, device=h.device)
     s = torch.zeros(N, dtype=acc, device=h.device)
     picked = torch.zeros(N, dtype=acc, device=h.device)
     for v0 in range(0, V, step):
-        w = head.rows(v0, min(V, v0 + step), h.dtype)  # (c, C)
-        logits, _ = _cap((h @ w.T).to(acc), softcap)  # (N, c)
+        w = head.rows(v0, min(V, v0 + step), dt)  # (c, C)
+        with off:
+            logits, _ = _cap((hd @ w.T).to(acc), softcap)  # (N, c)
         inside = (safe >= v0) & (safe < v0 + w.shape[0])
         picked += torch.where(inside, logits.gather(1, (safe - v0).clamp(0, w.shape[0] - 1)[:, None]).squeeze(1), 0.0)
         new_m = torch.maximum(m, logits.max(dim=1).values)
@@ -101,15 +121,17 @@ def _vocab_chunked(h: torch.Tensor, head, targets: torch.Tensor, want_h: bool, s
         return loss, None
     grad_h = torch.zeros(h.shape, dtype=acc, device=h.device)
     for v0 in range(0, V, step):
-        w = head.rows(v0, min(V, v0 + step), h.dtype)
-        logits, dcap = _cap((h @ w.T).to(acc), softcap)
+        w = head.rows(v0, min(V, v0 + step), dt)
+        with off:
+            logits, dcap = _cap((hd @ w.T).to(acc), softcap)
         g = logits.sub_(lse[:, None]).exp_()  # softmax over the whole vocabulary, this chunk of it
         inside = (safe >= v0) & (safe < v0 + w.shape[0])
         g.scatter_add_(1, (safe - v0).clamp(0, w.shape[0] - 1)[:, None], -inside.to(acc)[:, None])
         g.mul_(valid[:, None])
         if dcap is not None:
             g.mul_(dcap)
-        grad_h += g.to(w.dtype) @ w
+        with off:
+            grad_h += g.to(dt) @ w
     return loss, grad_h.to(h.dtype)
 
 

@@ -36,6 +36,7 @@ FLAGS = dict(model=None, data=None, val_data=None, rank=8, alpha=16.0, dropout=0
              epochs=None, output=None, strict=False, base_dtype=None, chat_template=None,
              lr=2e-4, min_lr=2e-5, seq_len=512, batch_size=4, warmup=10, weight_decay=0.0)
 BASE_DTYPES = ("quantized", "bfloat16", "float32")
+CHAT_BUCKET = 64  # --compile: chat batch lengths are padded up to a multiple of this
 
 
 def add_arguments(g) -> None:
@@ -205,11 +206,22 @@ def _encode_all(items, path, model, encode, strict, warn) -> tuple[list, int, in
     return samples, dropped, len(failed)
 
 
-def _to_batch(samples: list[tuple[list[int], list[int]]], pad: int) -> dict[str, torch.Tensor]:
+def _to_batch(samples: list[tuple[list[int], list[int]]], pad: int, bucket: int = 1,
+              seq_len: int | None = None) -> dict[str, torch.Tensor]:
     """Right-pad samples to their longest; shift: position t predicts token t+1, a
     target where mask[t+1] says so. Padding comes after every real token, so plain
-    causal attention keeps each conversation to itself."""
-    b = pad_batch(samples, pad)  # ids, mask: (n, L)
+    causal attention keeps each conversation to itself.
+
+    `bucket` > 1 (under --compile) pads the length up to a multiple of it (at most
+    seq_len), so the compiled blocks meet a handful of shapes instead of one per batch:
+    each new shape is a recompile, and past dynamo's limit it silently runs eagerly."""
+    longest = max(len(ids) for ids, _ in samples)
+    width = None
+    if bucket > 1:
+        width = -(-(longest - 1) // bucket) * bucket + 1  # inputs are width - 1 long
+        if seq_len is not None:
+            width = min(width, max(longest, seq_len + 1))
+    b = pad_batch(samples, pad, width)  # ids, mask: (n, L)
     ids, mask = b["ids"], b["mask"]
     targets = torch.where(mask[:, 1:] > 0, ids[:, 1:], torch.full_like(ids[:, 1:], IGNORE))
     return {"ids": ids[:, :-1], "targets": targets}
@@ -265,6 +277,7 @@ def chat_stream(cfg: RunConfig, tok, base, seq_len, notes):
     epochs = {0: length_batches(lengths, budget, seed, 0)}
     n = len(epochs[0])  # the same count every epoch
     d = dist.info()
+    bucket = CHAT_BUCKET if cfg.compile else 1
 
     def micro(k: int) -> dict[str, torch.Tensor]:
         # Global micro-batch k is `world` batches; this rank takes its own. Batch j of the
@@ -273,10 +286,10 @@ def chat_stream(cfg: RunConfig, tok, base, seq_len, notes):
         if epoch not in epochs:
             epochs.clear()
             epochs[epoch] = length_batches(lengths, budget, seed, epoch)
-        return _to_batch([samples[j] for j in epochs[epoch][i]], pad)
+        return _to_batch([samples[j] for j in epochs[epoch][i]], pad, bucket, seq_len)
 
     val_lengths = [len(ids) for ids, _ in val_samples]
-    evals = [_to_batch([val_samples[j] for j in batch], pad)
+    evals = [_to_batch([val_samples[j] for j in batch], pad, bucket, seq_len)
              for batch in length_batches(val_lengths, budget, seed, 0)] if val_samples else []
     sup = sum(int(sum(m)) for _, m in samples)
     info = {"data": str(cfg.data), "data_sha256": fingerprint(Path(cfg.data)),

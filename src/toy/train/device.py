@@ -24,6 +24,10 @@ def resolve_device(name: str) -> torch.device:
     if name == "cuda":
         if not torch.cuda.is_available():
             raise UsageError("--device cuda: no CUDA device is available here; use --device cpu")
+        # The float32 matmuls left under bf16 autocast (the head's weight gradient, the
+        # optimizer's) run on tensor cores as TF32 instead of at a fraction of their speed.
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
         return torch.device("cuda")
     return torch.device("cpu")
 

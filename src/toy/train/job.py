@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Collection
 
+import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -45,8 +46,13 @@ class Job:
     # decoupled weight decay (a zero gradient would still decay them). It must be a pure
     # function of the step, so a resumed run freezes the same steps.
     frozen: Callable[[int], Collection[str]] | None = None
+    # Host-side work on a batch before it is copied to the device (the LM loss: the
+    # indices of the supervised positions, so the device is never asked for a count).
+    prepare: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None
 
     def __post_init__(self) -> None:
+        if self.prepare is None:
+            self.prepare = lm_prepare if self.loss in (None, lm_loss) else (lambda b: b)
         self.loss = self.loss or lm_loss
         self.count = self.count or lm_count
         self.n_items = self.n_items or (lambda b: int(b["ids"].numel()))
@@ -78,7 +84,10 @@ def lm_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Ten
         loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE, reduction="sum")
         return loss, sup.sum()
     h = hidden(batch["ids"])  # (B, T, C)
-    if bool(sup.all()):
+    idx = batch.get("sup_idx")
+    if idx is not None:  # lm_prepare's indices: a gather of known size, no host sync
+        h, tgt = h.flatten(0, 1).index_select(0, idx), targets.flatten().index_select(0, idx)
+    elif bool(sup.all()):  # a batch that did not go through lm_prepare (direct callers)
         h, tgt = h.flatten(0, 1), targets.flatten()
     else:
         h, tgt = h[sup], targets[sup]  # (N, C) for the N supervised tokens
@@ -88,7 +97,24 @@ def lm_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Ten
 
 
 def lm_count(batch: dict[str, torch.Tensor]) -> int:
-    return int((batch["targets"] != IGNORE).sum())
+    """Supervised positions of a batch still on the host (numpy: no device, no sync)."""
+    t = batch["targets"]
+    if t.device.type == "cpu":
+        return int(np.count_nonzero(t.numpy() != IGNORE))
+    return int((t != IGNORE).sum())
+
+
+def lm_prepare(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """On the host, before the copy to the device: `sup_idx`, the flat indices of the
+    supervised positions. The loss gathers them with index_select, whose size the host
+    already knows, instead of a boolean mask, whose size the device must be asked for
+    (one host sync per micro-step on CUDA). Gathering every row when all are supervised
+    copies them in order: the same values, the same loss."""
+    t = batch["targets"]
+    if "sup_idx" in batch or t.device.type != "cpu":
+        return batch
+    idx = np.flatnonzero(t.numpy().reshape(-1) != IGNORE)
+    return {**batch, "sup_idx": torch.from_numpy(idx)}
 
 
 @dataclass

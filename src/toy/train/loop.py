@@ -224,6 +224,7 @@ class Trainer:
         self.res = TrainResult()
         self.saved_step = -1
         self.evals: list = []
+        self._next: tuple[int, list] | None = None  # (step, its batches), made during the step before
 
     # ---------------------------------------------------------------- setup
 
@@ -262,6 +263,23 @@ class Trainer:
 
     # ---------------------------------------------------------------- one step
 
+    def _fetch(self, step: int) -> list[dict[str, torch.Tensor]]:
+        """Step `step`'s micro-batches, prepared on the host (job.prepare) and, for CUDA,
+        in pinned memory so the copies with non_blocking=True really are asynchronous."""
+        cfg, job = self.cfg, self.job
+        micro = [job.prepare(job.micro_batch((step - 1) * cfg.grad_accum + m)) for m in range(cfg.grad_accum)]
+        if self.device.type == "cuda":
+            micro = [{k: v.pin_memory() for k, v in b.items()} for b in micro]
+        return micro
+
+    def _take_batches(self, step: int) -> list[dict[str, torch.Tensor]]:
+        """The batches prefetched for `step` by the step before, or fetched now. Batches
+        are a pure function of the step, so prefetching never changes them."""
+        nxt, self._next = self._next, None
+        if nxt is not None and nxt[0] == step:
+            return nxt[1]
+        return self._fetch(step)
+
     def step(self, step: int) -> tuple[float, int, float]:
         """Optimizer step `step` (1-based): the loss over its whole global batch, the
         items (tokens, images) it fed, and its LR."""
@@ -272,16 +290,22 @@ class Trainer:
         self.model.train()
         # Fetch the whole accumulation step first: its supervised-token count
         # normalises every micro-batch, so accumulation never changes the objective.
-        micro = [job.micro_batch((step - 1) * cfg.grad_accum + m) for m in range(cfg.grad_accum)]
-        n_sup = sum(job.count(b) for b in micro)
-        if d.enabled:  # normalise by the supervised tokens of the whole global step
-            n_sup = int(dist.all_sum(torch.tensor(float(n_sup), device=self.device)).item())
-        if n_sup == 0:
+        micro = self._take_batches(step)
+        n_sup = sum(job.count(b) for b in micro)  # on the host, before any copy
+        if d.enabled:
+            # Normalise by the supervised tokens of the whole global step: summed on the
+            # device and used there (no host read); checked with the loss at the end.
+            n_global = dist.all_sum(torch.tensor(float(n_sup), device=self.device))
+            scale = d.world / n_global.clamp_min(1.0)
+        elif n_sup == 0:
             raise RunFailed(f"step {step}: the batch has no supervised tokens; check the data's loss mask", step=step)
+        else:
+            n_global, scale = None, 1.0 / n_sup
         loss_sum = torch.zeros((), device=self.device)
         n_items = 0
         forward = self.ddp or self.fsdp
         for i, b in enumerate(micro):
+            n_items += job.n_items(b) * d.world
             b = {k: v.to(self.device, non_blocking=True) for k, v in b.items()}
             # Gradients are all-reduced once per step, on the last micro-batch.
             last = i == len(micro) - 1
@@ -293,9 +317,8 @@ class Trainer:
                     ls, _ = forward(b) if forward is not None else job.loss(self.model, b)
                 # DDP averages gradients over ranks; the objective is the sum over the
                 # global batch divided by its supervised tokens, hence * world.
-                (ls * (d.world / n_sup)).backward()
+                (ls * scale).backward()
             loss_sum += ls.detach().float()
-            n_items += job.n_items(b) * d.world
         if job.frozen is not None:  # after backward and the gradient all-reduce: AdamW skips None grads
             for n in job.frozen(step):
                 self.by_name[n].grad = None
@@ -303,7 +326,18 @@ class Trainer:
             torch.nn.utils.clip_grad_norm_([p for _, p in self.named], cfg.clip)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
-        loss = dist.all_sum(loss_sum).item() / n_sup  # one host sync per step
+        if step < cfg.steps:
+            # The next step's batches are made (and pinned) now, on the host, while the
+            # device still works through this step's queue: the read below waits for it.
+            self._next = (step + 1, self._fetch(step + 1))
+        if d.enabled:
+            total, n_sup = torch.stack([dist.all_sum(loss_sum), n_global]).tolist()  # one host sync per step
+            if n_sup == 0:
+                raise RunFailed(f"step {step}: the batch has no supervised tokens; check the data's loss mask",
+                                step=step)
+            loss = total / n_sup
+        else:
+            loss = loss_sum.item() / n_sup  # one host sync per step
         if not math.isfinite(loss):
             raise RunFailed(f"loss became {loss} at step {step}; lower --lr or check the data "
                             f"(the last good checkpoint, if any, stays under {self.ckpt_root})", step=step)
@@ -456,16 +490,17 @@ def evaluate(job: Job, batches: list[dict[str, torch.Tensor]], device: torch.dev
     model = job.model
     was_training = model.training
     model.eval()
-    total, count = 0.0, 0
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    count = 0
     for i, b in enumerate(batches):
         if progress is not None and i:
             progress(i, len(batches))
-        b = {k: v.to(device) for k, v in b.items()}
+        count += job.count(b)  # on the host
+        b = {k: v.to(device, non_blocking=True) for k, v in job.prepare(b).items()}
         with autocast(device):
-            ls, n = forward(b) if forward is not None else job.loss(model, b)
-        total += float(ls)
-        count += int(n)
-    out = {"val_loss": total / max(1, count)}
+            ls, _ = forward(b) if forward is not None else job.loss(model, b)
+        total += ls.detach().double()
+    out = {"val_loss": float(total) / max(1, count)}
     if job.eval_metrics is not None:
         out.update(job.eval_metrics(model, batches))
     model.train(was_training)
