@@ -398,3 +398,38 @@ def test_quick_commands_never_import_torch(argv, tmp_path):
             "print('TORCH' if 'torch' in sys.modules else 'NO-TORCH', file=sys.stderr)\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
     assert "NO-TORCH" in r.stderr, r.stderr[-2000:]
+
+
+def test_fit_schedule_caps_the_warmup_and_warns_of_runs_too_short_to_learn():
+    from toy.cli.cmd_train import SHORT_RUN, fit_schedule
+    from toy.recipes import lora
+    from toy.train.config import RunConfig
+
+    lora_cfg = RunConfig.for_recipe("lora", lora.FLAGS)
+    default_lr = lora_cfg.lr
+    # README's first LoRA line once ran 2 steps inside a 10-step warmup and learned nothing.
+    notes = []
+    cfg = fit_schedule(lora_cfg.replace(steps=2), notes, default_lr)
+    assert cfg.warmup == 0 and "--warmup 10 cut to 0" in notes[0]
+    assert notes[1].startswith("warning: 2 optimizer steps is too short") and "--epochs" in notes[1]
+    # Long enough: the warmup keeps its 10%, nothing to warn of.
+    notes = []
+    cfg = fit_schedule(lora_cfg.replace(steps=200), notes, default_lr)
+    assert cfg.warmup == 10 and notes == []
+    # Short, but with a raised --lr (the README example): a choice, not a mistake.
+    notes = []
+    fit_schedule(lora_cfg.replace(steps=SHORT_RUN - 5, lr=1e-3), notes, default_lr)
+    assert not any(n.startswith("warning:") for n in notes), notes
+    notes = []
+    fit_schedule(RunConfig.for_recipe("from-scratch").replace(steps=5), notes, RunConfig.for_recipe("from-scratch").lr)
+    assert notes[-1].startswith("warning: 5 optimizer steps") and "--epochs" not in notes[-1]
+
+
+def test_a_short_run_warns_on_stderr_even_with_json(tmp_path):
+    from toy.data.prep import bundled_corpus
+
+    r = run_toy("train", "--corpus", bundled_corpus(), "--preset", "tiny", "--seq-len", "16", "--steps", "2",
+                "--batch-size", "2", "--eval-batches", "1", "--json", "--out", tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "warning: 2 optimizer steps is too short" in r.stderr
+    assert json.loads(r.stdout)["format"] == "toy/train-v1"

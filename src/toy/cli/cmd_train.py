@@ -245,7 +245,8 @@ def _run(args) -> int:
             raise UsageError(f"--run-id {args.run_id}: {runs_dir / args.run_id} already exists; pick another id")
     built = load_recipe(cfg.recipe).build(cfg, project)  # all input checks happen here, before the run dir exists
     cfg = cfg.with_derived(built.derived)
-    cfg = fit_schedule(cfg, built.notes)  # the resolved config, read-only from here on
+    default_lr = RunConfig.for_recipe(cfg.recipe, getattr(load_recipe(cfg.recipe), "FLAGS", None)).lr
+    cfg = fit_schedule(cfg, built.notes, default_lr)  # the resolved config, read-only from here on
     run_dir = None
     if d.is_main:  # rank 0 alone names and makes the run directory, then tells the others
         run_id = args.run_id or make_run_id(project.run_id_template, runs_dir, recipe=cfg.recipe, arch=built.arch)
@@ -277,15 +278,17 @@ WARMUP_SHARE = 0.1  # the warmup is at most this share of the run
 SHORT_RUN = 20  # fewer optimizer steps than this rarely move a loss: say so
 
 
-def fit_schedule(cfg: RunConfig, notes: list[str]) -> RunConfig:
+def fit_schedule(cfg: RunConfig, notes: list[str], default_lr: float | None = None) -> RunConfig:
     """Keep the warmup within 10% of the run (a 2-step run spent entirely warming up
-    learns nothing), and warn about runs too short to learn. Notes say what changed."""
+    learns nothing), and warn about runs too short to learn at the recipe's default
+    learning rate (a short run with a raised --lr, as README's LoRA example, is a
+    choice, not a mistake). Notes say what changed."""
     cap = int(cfg.steps * WARMUP_SHARE)
     if cfg.warmup > cap:
         notes.append(f"--warmup {cfg.warmup} cut to {cap}: at most {WARMUP_SHARE:.0%} of the run's "
                      f"{plural(cfg.steps, 'step')}")
         cfg = cfg.replace(warmup=cap)
-    if cfg.steps < SHORT_RUN:
+    if cfg.steps < SHORT_RUN and (default_lr is None or cfg.lr <= default_lr):
         notes.append(f"warning: {plural(cfg.steps, 'optimizer step')} is too short for the loss to move much; "
                      f"raise --steps{' or --epochs' if cfg.recipe == 'lora' else ''} (or --lr) to see learning")
     return cfg
