@@ -237,6 +237,17 @@ def test_augment_none_trains_on_the_images_as_they_are(tmp_path, toy_cli):
     assert len(r["losses"]) == 1
 
 
+def test_eval_batches_sample_the_whole_set_not_its_first_classes():
+    train, _ = load_image_folders(bundled_images(), 28)  # 270 images stored class by class
+    sample = ImageBatches(train, 8, seed=0, augment=False).eval_batches(4)
+    labels = torch.cat([b["labels"] for b in sample])
+    assert len(labels) == 32 and len(set(labels.tolist())) >= 8  # the first 32 are 1-2 classes
+    again = ImageBatches(train, 8, seed=5, augment=False).eval_batches(4)
+    assert all(torch.equal(a["images"], b["images"]) for a, b in zip(sample, again))  # every seed: same images
+    whole = ImageBatches(train, 8, seed=0, augment=False).eval_batches()
+    assert torch.equal(torch.cat([b["labels"] for b in whole]), train.labels)  # all of them, in order
+
+
 def test_augmentation_is_crop_and_flip_of_the_original():
     train, _ = load_image_folders(bundled_images(), 28)
     aug = ImageBatches(train, 8, seed=0).batch(0)
