@@ -16,7 +16,7 @@ from conftest import assert_every_parameter_learns
 from toy.data.images import (ImageBatches, MAX_PIXELS, bundled_images, load_image_folders, read_idx,
                              split_holdout, scan_folder)
 from toy.errors import InputError
-from toy.models.vit import ViT, VitConfig
+from toy.models.vit import ViT, VitConfig, sincos_2d
 
 TINY = ["--recipe", "vit-tiny", "--preset", "tiny", "--batch-size", "16", "--json"]
 
@@ -55,6 +55,34 @@ def test_every_parameter_gets_a_finite_gradient():
     x, y = torch.randn(4, 1, 28, 28), torch.randint(0, 10, (4,))
     torch.nn.functional.cross_entropy(m(x), y).backward()
     assert_every_parameter_learns(m)
+
+
+def test_block_linears_start_fan_in_scaled_and_the_head_small():
+    """Not timm's 0.02 inside the blocks: at 0.02 attention starts flat and learns slowly
+    (docs/results.md, Fashion-MNIST ViT)."""
+    m = tiny_vit()
+    linears = [(n, x) for n, x in m.blocks.named_modules() if isinstance(x, torch.nn.Linear)]
+    assert len(linears) == 2 * 4  # qkv, proj, c_fc, c_proj in each block
+    for name, lin in linears:
+        want = lin.in_features ** -0.5
+        assert abs(float(lin.weight.detach().std()) / want - 1) < 0.15, name
+        assert not lin.bias.detach().any()
+    assert abs(float(m.head.weight.detach().std()) / 0.02 - 1) < 0.15
+
+
+def test_positions_start_as_a_2d_sincos_table():
+    """Positions start at the scale of a patch's embedding, not N(0, 0.02): where a patch
+    is must be visible from step 1 (docs/results.md, Fashion-MNIST ViT)."""
+    m = tiny_vit()
+    pos = m.pos_embed.detach()[0]  # (1 + 16, 64)
+    assert torch.equal(pos[0], torch.zeros(64))  # the class token has no place
+    assert torch.equal(pos[1:], sincos_2d(4, 64)) and m.pos_embed.requires_grad
+    assert 0.6 < float(pos[1:].pow(2).mean().sqrt()) < 0.8  # sin/cos: RMS 1/sqrt(2)
+    # Row-major 4 x 4 grid: patch 5 is (1, 1); its neighbour (1, 2) is closer than (3, 3).
+    d = torch.cdist(pos[1:], pos[1:])
+    assert d[5, 6] < d[5, 15] and d[5, 9] < d[5, 15]
+    assert (d + torch.eye(16)).min() > 0.5  # every patch has a place of its own
+    assert sincos_2d(3, 6).shape == (9, 6)  # widths not divisible by 4 are cut, not refused
 
 
 def test_non_causal_every_patch_reaches_the_class_token():
