@@ -100,7 +100,7 @@ def test_registry_rebuilds_vit():
     m = tiny_vit()
     cfg = registry.config_from_dict(json.loads(json.dumps(m.cfg.to_dict())))
     assert isinstance(registry.build_model(cfg), ViT) and cfg == m.cfg
-    assert {"vit-tiny", "tiny"} <= set(registry.preset_names("vit"))
+    assert {"vit-tiny", "vit-tiny-6", "tiny"} <= set(registry.preset_names("vit"))
 
 
 # ---------------------------------------------------------------- image folders
@@ -218,7 +218,7 @@ def test_folder_errors_exit_2_with_one_line(setup, needle, tmp_path, toy_cli):
      ["--patch-size must be an integer >= 1", "--d-model 30 must be divisible"]),
     (["--seq-len", "8", "--n-kv-head", "2"], ["--seq-len does not apply to vit-tiny", "--n-kv-head does not"]),
     (["--arch", "llama", "--augment", "mixup"], ["trains arch vit", "--augment 'mixup' is unknown"]),
-    (["--preset", "gpt2-124m"], ["valid: tiny, vit-tiny"]),
+    (["--preset", "gpt2-124m"], ["valid: tiny, vit-tiny, vit-tiny-6"]),
 ])
 def test_flag_problems_reported_together(argv, needles, tmp_path, toy_cli, monkeypatch):
     monkeypatch.chdir(tmp_path)
@@ -263,6 +263,40 @@ def test_augment_none_trains_on_the_images_as_they_are(tmp_path, toy_cli):
     r = train_json(toy_cli, tmp_path, "--steps", "1", "--augment", "none", "--run-id", "n")
     assert json.loads((tmp_path / "n" / "run.json").read_text())["job"]["augment"] == "none"
     assert len(r["losses"]) == 1
+
+
+def test_augment_auto_follows_the_passes_over_the_data(tmp_path, toy_cli):
+    from toy.recipes import vit_tiny
+    from toy.train.config import RunConfig
+
+    def mode(steps, batch, n):
+        return vit_tiny.choose_augment(RunConfig.for_recipe("vit-tiny", vit_tiny.FLAGS, steps=steps,
+                                                            batch_size=batch), n)
+
+    assert vit_tiny.FLAGS["augment"] == "auto"
+    assert mode(400, 64, 12000)[0] == "none"  # 2.1 passes: the Fashion-MNIST run
+    assert mode(200, 16, 270)[0] == "crop-flip"  # 11.9 passes over the smoke set
+    assert "2.1 times" in mode(400, 64, 12000)[1]
+    code, out, err = toy_cli("train", *[a for a in TINY if a != "--json"], "--steps", "2", "--out", tmp_path,
+                             "--run-id", "a")
+    assert code == 0 and "augment none (auto: the run sees each of its 270 training images" in out, err
+    info = json.loads((tmp_path / "a" / "run.json").read_text())
+    assert info["job"]["augment"] == info["config"]["augment"] == "none"  # resolved once, recorded
+
+
+def test_preset_follows_the_training_set_size(tmp_path, toy_cli):
+    from toy.models import registry
+    from toy.recipes import vit_tiny
+
+    assert vit_tiny.choose_preset(12_000)[0] == "vit-tiny-6"  # the Fashion-MNIST folder
+    assert vit_tiny.choose_preset(60_000)[0] == "vit-tiny"
+    assert registry.PRESETS["vit"]["vit-tiny-6"] == {**registry.PRESETS["vit"]["vit-tiny"], "n_layer": 6}
+    # No --preset: the smoke set's 270 images get the half-depth shape (at 28 px, to stay small).
+    code, out, err = toy_cli("train", "--recipe", "vit-tiny", "--image-size", "28", "--patch-size", "7",
+                             "--batch-size", "4", "--steps", "1", "--out", tmp_path, "--run-id", "p")
+    assert code == 0 and "preset vit-tiny-6 (auto: 270 training images, under 50,000" in out, err
+    info = json.loads((tmp_path / "p" / "run.json").read_text())
+    assert info["config"]["preset"] == "vit-tiny-6" and info["job"]["model"]["n_layer"] == 6
 
 
 def test_eval_batches_sample_the_whole_set_not_its_first_classes():
