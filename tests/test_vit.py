@@ -299,6 +299,18 @@ def test_preset_follows_the_training_set_size(tmp_path, toy_cli):
     assert info["config"]["preset"] == "vit-tiny-6" and info["job"]["model"]["n_layer"] == 6
 
 
+def test_recipe_schedule_defaults_and_help(toy_cli, capsys):
+    """The defaults docs/results.md measured (Fashion-MNIST ViT), and --help shows them."""
+    from toy.recipes import vit_tiny
+
+    f = vit_tiny.FLAGS
+    assert (f["lr"], f["warmup"], f["min_lr"], f["batch_size"], f["augment"]) == (1e-3, 40, 1e-5, 64, "auto")
+    with pytest.raises(SystemExit) as e:
+        toy_cli("train", "--help")
+    flat = " ".join(capsys.readouterr().out.split())
+    assert e.value.code == 0 and "vit-tiny 40" in flat and "vit-tiny-6 under 50,000 training images" in flat
+
+
 def test_eval_batches_sample_the_whole_set_not_its_first_classes():
     train, _ = load_image_folders(bundled_images(), 28)  # 270 images stored class by class
     sample = ImageBatches(train, 8, seed=0, augment=False).eval_batches(4)

@@ -38,8 +38,10 @@ NAME = "vit-tiny"
 FLAGS: dict[str, Any] = dict(
     arch="vit", images=None, val_images=None, image_size=None, patch_size=None, augment="auto",
     # From-scratch ViTs want a gentler decay than a decoder LM's 0.1, and a batch of
-    # images is cheap next to a batch of 256-token sequences.
-    lr=1e-3, min_lr=1e-5, warmup=20, batch_size=64, weight_decay=0.05, eval_batches=16,
+    # images is cheap next to a batch of 256-token sequences. Warmup 40 (the 10% cap at
+    # 400 steps): on 12,000 Fashion-MNIST images, 6 x 192, 400 steps, 82.0% test accuracy
+    # against 79.9% with 20 (and 5 was worse than 20 on 4 x 128); docs/results.md.
+    lr=1e-3, min_lr=1e-5, warmup=40, batch_size=64, weight_decay=0.05, eval_batches=16,
 )
 
 # Without --preset: ViT-Tiny's width at half its depth below this many training images
