@@ -16,7 +16,7 @@ from conftest import assert_every_parameter_learns
 from toy.data.images import (ImageBatches, MAX_PIXELS, bundled_images, load_image_folders, read_idx,
                              split_holdout, scan_folder)
 from toy.errors import InputError
-from toy.models.vit import ViT, VitConfig
+from toy.models.vit import ViT, VitConfig, sincos_2d
 
 TINY = ["--recipe", "vit-tiny", "--preset", "tiny", "--batch-size", "16", "--json"]
 
@@ -57,6 +57,34 @@ def test_every_parameter_gets_a_finite_gradient():
     assert_every_parameter_learns(m)
 
 
+def test_block_linears_start_fan_in_scaled_and_the_head_small():
+    """Not timm's 0.02 inside the blocks: at 0.02 attention starts flat and learns slowly
+    (docs/results.md, Fashion-MNIST ViT)."""
+    m = tiny_vit()
+    linears = [(n, x) for n, x in m.blocks.named_modules() if isinstance(x, torch.nn.Linear)]
+    assert len(linears) == 2 * 4  # qkv, proj, c_fc, c_proj in each block
+    for name, lin in linears:
+        want = lin.in_features ** -0.5
+        assert abs(float(lin.weight.detach().std()) / want - 1) < 0.15, name
+        assert not lin.bias.detach().any()
+    assert abs(float(m.head.weight.detach().std()) / 0.02 - 1) < 0.15
+
+
+def test_positions_start_as_a_2d_sincos_table():
+    """Positions start at the scale of a patch's embedding, not N(0, 0.02): where a patch
+    is must be visible from step 1 (docs/results.md, Fashion-MNIST ViT)."""
+    m = tiny_vit()
+    pos = m.pos_embed.detach()[0]  # (1 + 16, 64)
+    assert torch.equal(pos[0], torch.zeros(64))  # the class token has no place
+    assert torch.equal(pos[1:], sincos_2d(4, 64)) and m.pos_embed.requires_grad
+    assert 0.6 < float(pos[1:].pow(2).mean().sqrt()) < 0.8  # sin/cos: RMS 1/sqrt(2)
+    # Row-major 4 x 4 grid: patch 5 is (1, 1); its neighbour (1, 2) is closer than (3, 3).
+    d = torch.cdist(pos[1:], pos[1:])
+    assert d[5, 6] < d[5, 15] and d[5, 9] < d[5, 15]
+    assert (d + torch.eye(16)).min() > 0.5  # every patch has a place of its own
+    assert sincos_2d(3, 6).shape == (9, 6)  # widths not divisible by 4 are cut, not refused
+
+
 def test_non_causal_every_patch_reaches_the_class_token():
     m = tiny_vit().eval()
     x = torch.randn(1, 1, 28, 28)
@@ -72,7 +100,7 @@ def test_registry_rebuilds_vit():
     m = tiny_vit()
     cfg = registry.config_from_dict(json.loads(json.dumps(m.cfg.to_dict())))
     assert isinstance(registry.build_model(cfg), ViT) and cfg == m.cfg
-    assert {"vit-tiny", "tiny"} <= set(registry.preset_names("vit"))
+    assert {"vit-tiny", "vit-tiny-6", "tiny"} <= set(registry.preset_names("vit"))
 
 
 # ---------------------------------------------------------------- image folders
@@ -190,7 +218,7 @@ def test_folder_errors_exit_2_with_one_line(setup, needle, tmp_path, toy_cli):
      ["--patch-size must be an integer >= 1", "--d-model 30 must be divisible"]),
     (["--seq-len", "8", "--n-kv-head", "2"], ["--seq-len does not apply to vit-tiny", "--n-kv-head does not"]),
     (["--arch", "llama", "--augment", "mixup"], ["trains arch vit", "--augment 'mixup' is unknown"]),
-    (["--preset", "gpt2-124m"], ["valid: tiny, vit-tiny"]),
+    (["--preset", "gpt2-124m"], ["valid: tiny, vit-tiny, vit-tiny-6"]),
 ])
 def test_flag_problems_reported_together(argv, needles, tmp_path, toy_cli, monkeypatch):
     monkeypatch.chdir(tmp_path)
@@ -235,6 +263,63 @@ def test_augment_none_trains_on_the_images_as_they_are(tmp_path, toy_cli):
     r = train_json(toy_cli, tmp_path, "--steps", "1", "--augment", "none", "--run-id", "n")
     assert json.loads((tmp_path / "n" / "run.json").read_text())["job"]["augment"] == "none"
     assert len(r["losses"]) == 1
+
+
+def test_augment_auto_follows_the_passes_over_the_data(tmp_path, toy_cli):
+    from toy.recipes import vit_tiny
+    from toy.train.config import RunConfig
+
+    def mode(steps, batch, n):
+        return vit_tiny.choose_augment(RunConfig.for_recipe("vit-tiny", vit_tiny.FLAGS, steps=steps,
+                                                            batch_size=batch), n)
+
+    assert vit_tiny.FLAGS["augment"] == "auto"
+    assert mode(400, 64, 12000)[0] == "none"  # 2.1 passes: the issue's Fashion-MNIST run
+    assert mode(200, 16, 270)[0] == "crop-flip"  # 11.9 passes over the smoke set
+    assert "2.1 times" in mode(400, 64, 12000)[1]
+    code, out, err = toy_cli("train", *[a for a in TINY if a != "--json"], "--steps", "2", "--out", tmp_path,
+                             "--run-id", "a")
+    assert code == 0 and "augment none (auto: the run sees each of its 270 training images" in out, err
+    info = json.loads((tmp_path / "a" / "run.json").read_text())
+    assert info["job"]["augment"] == info["config"]["augment"] == "none"  # resolved once, recorded
+
+
+def test_preset_follows_the_training_set_size(tmp_path, toy_cli):
+    from toy.models import registry
+    from toy.recipes import vit_tiny
+
+    assert vit_tiny.choose_preset(12_000)[0] == "vit-tiny-6"  # the issue's Fashion-MNIST folder
+    assert vit_tiny.choose_preset(60_000)[0] == "vit-tiny"
+    assert registry.PRESETS["vit"]["vit-tiny-6"] == {**registry.PRESETS["vit"]["vit-tiny"], "n_layer": 6}
+    # No --preset: the smoke set's 270 images get the half-depth shape (at 28 px, to stay small).
+    code, out, err = toy_cli("train", "--recipe", "vit-tiny", "--image-size", "28", "--patch-size", "7",
+                             "--batch-size", "4", "--steps", "1", "--out", tmp_path, "--run-id", "p")
+    assert code == 0 and "preset vit-tiny-6 (auto: 270 training images, under 50,000" in out, err
+    info = json.loads((tmp_path / "p" / "run.json").read_text())
+    assert info["config"]["preset"] == "vit-tiny-6" and info["job"]["model"]["n_layer"] == 6
+
+
+def test_recipe_schedule_defaults_and_help(toy_cli, capsys):
+    """The defaults docs/results.md measured (Fashion-MNIST ViT), and --help shows them."""
+    from toy.recipes import vit_tiny
+
+    f = vit_tiny.FLAGS
+    assert (f["lr"], f["warmup"], f["min_lr"], f["batch_size"], f["augment"]) == (1e-3, 40, 1e-5, 64, "auto")
+    with pytest.raises(SystemExit) as e:
+        toy_cli("train", "--help")
+    flat = " ".join(capsys.readouterr().out.split())
+    assert e.value.code == 0 and "vit-tiny 40" in flat and "vit-tiny-6 under 50,000 training images" in flat
+
+
+def test_eval_batches_sample_the_whole_set_not_its_first_classes():
+    train, _ = load_image_folders(bundled_images(), 28)  # 270 images stored class by class
+    sample = ImageBatches(train, 8, seed=0, augment=False).eval_batches(4)
+    labels = torch.cat([b["labels"] for b in sample])
+    assert len(labels) == 32 and len(set(labels.tolist())) >= 8  # the first 32 are 1-2 classes
+    again = ImageBatches(train, 8, seed=5, augment=False).eval_batches(4)
+    assert all(torch.equal(a["images"], b["images"]) for a, b in zip(sample, again))  # every seed: same images
+    whole = ImageBatches(train, 8, seed=0, augment=False).eval_batches()
+    assert torch.equal(torch.cat([b["labels"] for b in whole]), train.labels)  # all of them, in order
 
 
 def test_augmentation_is_crop_and_flip_of_the_original():

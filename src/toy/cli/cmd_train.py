@@ -92,8 +92,9 @@ def add_parser(sub) -> None:
     d.add_argument("--vocab-size", type=positive_int("--vocab-size"),
                    help="vocabulary size of a --raw-i32 corpus without --tokenizer (default: the tokenizer's)")
     m = p.add_argument_group("model")
-    m.add_argument("--preset", help=f"named model shape: {_presets()} (default: llama small, gpt2 small, "
-                   "vit vit-tiny)")
+    vit = load_recipe("vit-tiny")
+    m.add_argument("--preset", help=f"named model shape: {_presets()} (default: llama small, gpt2 small; vit "
+                   f"{vit.SMALL_PRESET} under {vit.SMALL_SET:,} training images, else vit-tiny)")
     m.add_argument("--n-layer", type=positive_int("--n-layer"), help="transformer blocks (default: the preset's)")
     m.add_argument("--d-model", type=positive_int("--d-model"), help="model width (default: the preset's)")
     m.add_argument("--n-head", type=positive_int("--n-head"), help="attention (query) heads (default: the preset's)")

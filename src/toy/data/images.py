@@ -362,12 +362,20 @@ class ImageBatches:
         return out
 
     def eval_batches(self, max_batches: int | None = None) -> list[dict[str, torch.Tensor]]:
-        """Every image once, in order, unaugmented (max_batches None: all of them)."""
+        """Unaugmented batches: every image once, in order (max_batches None, or enough
+        batches for the whole set), else a fixed sample of max_batches * B images.
+
+        The sample is the same for every seed and run (drawn with a constant seed) and
+        spread over the whole set: images are stored class by class, so the first
+        max_batches * B of them would be the first classes alone (the 16 default batches
+        of a 10,000-image Fashion-MNIST test folder were its first two classes)."""
         n = len(self.data)
-        if max_batches is not None:
-            n = min(n, max_batches * self.B)
-        return [{"images": self.data.images[i : i + self.B], "labels": self.data.labels[i : i + self.B]}
-                for i in range(0, n, self.B)]
+        idx = torch.arange(n)
+        if max_batches is not None and max_batches * self.B < n:
+            pick = np.sort(np.random.default_rng(0).permutation(n)[: max_batches * self.B])
+            idx = torch.from_numpy(pick)
+        return [{"images": self.data.images[idx[i : i + self.B]], "labels": self.data.labels[idx[i : i + self.B]]}
+                for i in range(0, len(idx), self.B)]
 
 
 def read_idx(path: Path) -> np.ndarray:

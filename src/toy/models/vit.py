@@ -1,7 +1,7 @@
 """Vision Transformer (ViT, Dosovitskiy et al. 2020): non-overlapping patches embedded
-by a strided Conv2d, a class token, learned positions, pre-norm blocks (LayerNorm,
-non-causal multi-head attention through SDPA, GELU MLP), and a linear head read off
-the class token.
+by a strided Conv2d, a class token, learned positions (starting as a 2-D sin-cos
+table), pre-norm blocks (LayerNorm, non-causal multi-head attention through SDPA, GELU
+MLP), and a linear head read off the class token.
 
 Defaults are ViT-Tiny/16 at 224 px: 14 x 14 = 196 patches, 12 layers, width 192, 3 heads.
 
@@ -59,6 +59,18 @@ def check_vit_config(cfg: VitConfig) -> list[str]:
     return p
 
 
+def sincos_2d(grid: int, dim: int, base: float = 10000.0) -> torch.Tensor:
+    """(grid * grid, dim) position codes of a grid x grid patch layout, row-major: a
+    quarter of the channels are sin(row * w), cos(row * w), sin(col * w), cos(col * w)
+    over geometric frequencies w. Channels beyond a multiple of 4 are cut off."""
+    q = -(-dim // 4)  # frequencies per (axis, sin|cos): ceil(dim / 4)
+    omega = base ** -(torch.arange(q, dtype=torch.float64) / q)  # (q,)
+    ys, xs = torch.meshgrid(torch.arange(grid), torch.arange(grid), indexing="ij")
+    y = ys.flatten()[:, None] * omega  # (grid^2, q)
+    x = xs.flatten()[:, None] * omega
+    return torch.cat([y.sin(), y.cos(), x.sin(), x.cos()], dim=1)[:, :dim].float()
+
+
 class SelfAttention(nn.Module):
     """Every token sees every token (no causal mask): an image has no order."""
 
@@ -112,12 +124,18 @@ class ViT(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        # timm's ViT init: truncated normal 0.02 for positions, class token and Linear
-        # weights (the head included: a zero head would leave every other parameter
-        # without a gradient on step 1); zero biases; LayerNorm at identity.
+        # Linear layers inside the blocks: truncated normal, fan-in scaled (lecun normal,
+        # as the patch embedding below), not timm's 0.02. At 0.02 (width 192: a quarter of
+        # 1/sqrt(192)) q and k are each a few times smaller than their input, so the logits
+        # q.k start near zero: attention is flat (every token the average of all), and
+        # each map's gradient is scaled by the other, so the first tens of steps barely move. Measured on 12,000 Fashion-MNIST
+        # images, 4 x 128, 200 steps: 70.7% test accuracy with 0.02, 76.1% fan-in scaled
+        # (docs/results.md). The head keeps 0.02 (a zero head would leave every other
+        # parameter without a gradient on step 1); zero biases; LayerNorm at identity.
+        in_blocks = {id(m) for m in self.blocks.modules()}
         for m in self.modules():
             if isinstance(m, nn.Linear):
-                nn.init.trunc_normal_(m.weight, std=0.02)
+                nn.init.trunc_normal_(m.weight, std=m.in_features ** -0.5 if id(m) in in_blocks else 0.02)
                 nn.init.zeros_(m.bias)
             elif isinstance(m, nn.LayerNorm):
                 nn.init.ones_(m.weight)
@@ -127,7 +145,16 @@ class ViT(nn.Module):
         fan_in = self.cfg.channels * self.cfg.patch_size ** 2
         nn.init.trunc_normal_(self.patch_embed.weight, std=fan_in ** -0.5)
         nn.init.zeros_(self.patch_embed.bias)
-        nn.init.trunc_normal_(self.pos_embed, std=0.02)
+        # Positions start as a 2-D sin-cos table (MAE; Beyer et al. 2022, "Better plain ViT
+        # baselines"), still trained. timm's N(0, 0.02) positions are 50x smaller than a
+        # patch's embedding (RMS ~1), so at first every background patch looks the same
+        # wherever it is and the model spends its first epoch finding out where things are:
+        # measured on 12,000 Fashion-MNIST images, 4 x 128, 200 steps: 62% test accuracy
+        # from N(0, 0.02), 71% from sin-cos (docs/results.md).
+        g = self.cfg.image_size // self.cfg.patch_size
+        with torch.no_grad():
+            self.pos_embed.zero_()  # the class token's position: none
+            self.pos_embed[0, 1:] = sincos_2d(g, self.cfg.d_model)
         nn.init.trunc_normal_(self.cls_token, std=0.02)
 
     def features(self, images: torch.Tensor) -> torch.Tensor:
