@@ -68,6 +68,8 @@ def test_template_cannot_reach_the_os(tmp_path):
 def test_full_disk_during_checkpoint_keeps_the_last_good_one(tmp_path, monkeypatch, toy_cli):
     from toy.data.prep import bundled_text_paths
     from toy.formats import checkpoint as ckpt
+    from toy.formats import model_dir  # noqa: F401  imported now, so it binds the real save_tensors, not
+    # the flaky one below (the CLI imports modules lazily: the patch would outlive this test)
 
     code, _, err = toy_cli("prep", bundled_text_paths()[0], "--out", tmp_path / "c.bin", "--vocab-size", "300")
     assert code == 0, err
