@@ -40,6 +40,8 @@ class Job:
     eval_metrics: Callable[[nn.Module, list[dict[str, torch.Tensor]]], dict[str, float]] | None = None
     # Modules whose weights decay; default: every trainable tensor with 2+ dims.
     params_decay: Callable[[str, torch.Tensor], bool] | None = None
+    # LR multiplier by parameter name (as in trainable()); default 1 for every parameter.
+    lr_scale: Callable[[str], float] | None = None
     # Names (as in trainable()) of parameters to hold still during step s (1-based). The
     # loop drops their gradients (sets them to None) after backward and after the DDP/FSDP
     # reduction, so clipping ignores them and AdamW skips them: no moment update and no
