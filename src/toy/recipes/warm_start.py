@@ -8,22 +8,38 @@ from-scratch recipe's, with the same seed, so `--init scratch|donor|pca` compare
 Init modes (the donor's width W is `<arch>.embedding_length`, the model's is d_model):
 
 - `scratch`: the plain N(0, 0.02) init, through this same path (same model class, same
-  seed, same batches): the baseline.
+  seed, same batches, same embedding LR): the baseline.
 - `donor`: the donor's rows. At W == d_model they are copied exactly as they are.
   Otherwise a trainable lens (W -> d_model, no bias) sits between the donor table, which
-  stays frozen, and the model: embedding = table @ lens^T. The lens starts as a random
-  semi-orthogonal map (the donor's inner products kept up to one factor) scaled so the
-  product starts at the init's RMS, 0.02; then the model learns which directions of the
-  donor's space to use. The table is frozen because the donor's 49152 x 576 table would be
-  the largest tensor of a small model, and because a lens moves every token coherently,
-  including tokens the corpus never shows (they keep their place relative to the rest,
-  which is the point of borrowing a table).
-- `pca`: the donor rows, centred, projected on their top d_model principal axes (largest
-  variance first), scaled by one factor to RMS 0.02, then trained like any embedding.
-  Needs d_model <= W. At d_model == W the map is an orthogonal rotation of the centred
-  table (pairwise distances kept up to the one factor). Centring drops the mean row, a
-  direction every token shares (about half of SmolLM2's row energy), which only shifts
-  every logit of the tied head by the same amount.
+  is centred and stays frozen, and the model: embedding = table @ lens^T. The lens starts
+  as a random semi-orthogonal map (the donor's inner products kept up to one factor)
+  scaled so the product starts at the init's RMS, 0.02; then the model learns which
+  directions of the donor's space to use. The table is frozen because the donor's
+  49152 x 576 table would be the largest tensor of a small model, and because a lens moves
+  every token coherently, including tokens the corpus never shows (they keep their place
+  relative to the rest, which is the point of borrowing a table).
+- `pca`: the same frozen, centred table and trainable lens, but the lens starts on the
+  table's top d_model principal axes (largest variance first): the starting embedding is
+  the table's PCA coordinates, scaled by one factor to RMS 0.02. Needs d_model <= W; at
+  d_model == W the start is a rotation of the centred table (pairwise distances kept up
+  to the one factor).
+
+Why a frozen table and a lens for `pca` too (docs/results.md, "Warm start"): with a tied
+head the embedding must grow during training (at RMS 0.02 its logits are too small to be
+confident), and Adam grows a trainable table by about one LR per entry per step, the
+same for every row: within tens of steps that swamps the donor's 0.02-sized differences
+between rows, and a trained PCA table ended no better than scratch. A lens grows the
+whole table at once and keeps its geometry.
+
+Centring. The table's mean row, a direction every token shares, is about half of
+SmolLM2's row energy: uncentred, every input embedding carries the same large component
+and the blocks see tokens as much alike as they are different (measured: the PCA lens on
+the uncentred table ended 0.21 nats worse). In the tied head it would only shift every
+logit by the same amount.
+
+Embedding LR. The embedding (or the lens) trains at `--embed-lr-scale` (3) times --lr,
+whatever --init, so the baseline gets the same treatment: the tied head needs the
+embedding to grow, and the lens, the one matrix every token goes through, gains most.
 
 Scale. The lens and PCA start at the random init's RMS (0.02), not the donor's (SmolLM2:
 0.136): with a tied head and fresh (near-identity) blocks, the final hidden state of a
@@ -56,6 +72,7 @@ The donor is read once, with bounded memory: its header, then just `token_embd.w
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -81,7 +98,8 @@ GET_DONOR = "`toy fetch smollm2` fetches SmolLM2-135M"
 INIT_STD = 0.02  # Llama.reset_parameters' std: warmed tables start at this RMS (see Scale above)
 
 # This recipe's flags; the model and optimiser flags are the general ones (as from-scratch).
-FLAGS: dict[str, Any] = dict(donor=None, init="donor", freeze_embed_steps=0)
+EMBED_LR_SCALE = 3.0  # the embedding (or lens) trains at this times --lr: docs/results.md, "Warm start"
+FLAGS: dict[str, Any] = dict(donor=None, init="donor", freeze_embed_steps=0, embed_lr_scale=EMBED_LR_SCALE)
 
 
 def add_arguments(g) -> None:
@@ -93,6 +111,9 @@ def add_arguments(g) -> None:
                    "--d-model principal components) (default donor)")
     g.add_argument("--freeze-embed-steps", type=int, metavar="N",
                    help="keep the warmed embedding (and lens) frozen for the first N steps (default 0)")
+    g.add_argument("--embed-lr-scale", type=float, metavar="X",
+                   help="the embedding (the lens, with a donor table) trains at X times --lr, with every --init, "
+                   f"scratch included (default {EMBED_LR_SCALE:g})")
 
 
 def check_opts(cfg: RunConfig) -> list[str]:
@@ -103,6 +124,9 @@ def check_opts(cfg: RunConfig) -> list[str]:
     n = cfg.freeze_embed_steps
     if not isinstance(n, int) or isinstance(n, bool) or n < 0:
         p.append(f"--freeze-embed-steps must be an integer >= 0, got {n!r}")
+    x = cfg.embed_lr_scale
+    if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or x <= 0:
+        p.append(f"--embed-lr-scale must be a number > 0, got {x!r}")
     if not cfg.donor:
         p.append(f"--donor DONOR.gguf is required: it gives the embedding and the tokenizer ({GET_DONOR})")
     elif not Path(cfg.donor).is_file():
@@ -164,44 +188,56 @@ def open_donor(path: Path) -> Donor:
 
 # ------------------------------------------------------------------ projections
 
-def pca_project(table: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Coordinates of the centred rows of `table` (n, W) on its top-k principal axes,
-    largest variance first, and the variance along each axis: ((n, k), (k,)), float32.
-    Computed in float64 (a 576 x 576 covariance); each axis's sign is fixed (its largest
-    entry positive) so the result does not depend on the LAPACK build."""
+def centre(table: torch.Tensor) -> torch.Tensor:
+    """The rows of `table` minus their mean row (the mean taken in float64), float32."""
+    x = table.double()
+    return (x - x.mean(0)).float()
+
+
+def principal_axes(table: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The top-k principal axes of the rows of `table` (n, W), largest variance first, and
+    the variance along each: ((W, k) float64, (k,) float32). Computed in float64 (a
+    576 x 576 covariance); each axis's sign is fixed (its largest entry positive) so the
+    result does not depend on the LAPACK build."""
     n, w = table.shape
     if not 1 <= k <= w:
         raise UsageError(f"--d-model {k}: PCA of a width-{w} table gives 1..{w} components")
     x = table.double()
     x = x - x.mean(0)
-    cov = x.T @ x / n  # (W, W)
-    evals, evecs = torch.linalg.eigh(cov)  # ascending
+    evals, evecs = torch.linalg.eigh(x.T @ x / n)  # ascending
     order = torch.argsort(evals, descending=True)[:k]
-    axes = evecs[:, order]  # (W, k)
+    axes = evecs[:, order]
     lead = axes.abs().argmax(0)
     axes = axes * torch.sign(axes[lead, torch.arange(k)])
-    return (x @ axes).float(), evals[order].clamp_min(0).float()
+    return axes, evals[order].clamp_min(0).float()
+
+
+def pca_project(table: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Coordinates of the centred rows of `table` on its top-k principal axes and the
+    variance along each: ((n, k), (k,)), float32."""
+    axes, var = principal_axes(table, k)
+    return (centre(table).double() @ axes).float(), var
+
+
+def scaled_lens(table: torch.Tensor, w: torch.Tensor, std: float = INIT_STD) -> torch.Tensor:
+    """The lens weight `w` (d_model, W) times the one factor that gives table @ w^T an RMS
+    of `std`, float32."""
+    w = w.double()
+    rms = float((table.double() @ w.T).pow(2).mean().sqrt())
+    return (w * (std / max(rms, 1e-12))).float()
 
 
 def lens_init(table: torch.Tensor, d_model: int, seed: int, std: float = INIT_STD) -> torch.Tensor:
-    """The lens's starting weight (d_model, W) for a donor table (vocab, W): a random
-    semi-orthogonal map (orthogonal rows when W >= d_model, orthogonal columns otherwise),
-    times the one factor that gives table @ lens^T an RMS of `std`. It draws from its own
-    generator, so the rest of the model's init is the same as with --init scratch."""
+    """`--init donor`'s lens (d_model, W) for a table (vocab, W): a random semi-orthogonal
+    map (orthogonal rows when W >= d_model, orthogonal columns otherwise) at the scale that
+    gives table @ lens^T an RMS of `std`. It draws from its own generator, so the rest of
+    the model's init is the same as with --init scratch."""
     width = table.shape[1]
     g = torch.Generator().manual_seed(seed)
     a = torch.randn(max(width, d_model), min(width, d_model), generator=g, dtype=torch.float64)
     q, r = torch.linalg.qr(a)  # orthonormal columns
     q = q * torch.sign(torch.diagonal(r))  # QR's signs are arbitrary: fix them
-    w = q.T if width >= d_model else q  # (d_model, W)
-    rms = float((table.double() @ w.T).pow(2).mean().sqrt())
-    return (w * (std / max(rms, 1e-12))).float()
-
-
-def rescale(t: torch.Tensor, std: float = INIT_STD) -> torch.Tensor:
-    """`t` times the one factor that makes its RMS `std`."""
-    rms = float(t.double().pow(2).mean().sqrt())
-    return t * (std / max(rms, 1e-12))
+    return scaled_lens(table, q.T if width >= d_model else q, std)
 
 
 class LensEmbedding(nn.Module):
@@ -307,30 +343,31 @@ def build(cfg: RunConfig, project: Project) -> Built:
     torch.manual_seed(cfg.seed)
     model = registry.build_model(mcfg)
     notes: list[str] = list(seq_notes)
-    lens = init == "donor" and donor.width != mcfg.d_model
-    frozen = ["embed_tokens.weight"]  # tied: lm_head.weight is the same tensor
+    lens = init == "pca" or (init == "donor" and donor.width != mcfg.d_model)
+    frozen = ["embed_tokens.lens.weight" if lens else "embed_tokens.weight"]  # tied: lm_head shares it
     qtype = donor.header.tensors[EMBED].qtype.name
     src = f"{donor.path.name}'s {EMBED} ({donor.rows} x {donor.width}, {qtype})"
     if init != "scratch":
         table = donor.table(vocab)
         if not torch.isfinite(table).all():
             raise InputError(f"--donor {donor.path}: '{EMBED}' holds NaN or inf values; the file is damaged")
-        if init == "donor" and not lens:
+        if not lens:
             with torch.no_grad():
                 model.embed_tokens.weight.copy_(table)
             notes.append(f"embedding: {src}, first {vocab} rows copied as they are")
-        elif lens:
-            install_lens(model, table, lens_init(table, mcfg.d_model, cfg.seed))
-            frozen = ["embed_tokens.lens.weight"]  # the table is a buffer, never trained
-            notes.append(f"embedding: {src} (frozen) @ a trainable lens {donor.width} -> {mcfg.d_model} "
-                         f"(product starts at RMS {INIT_STD}); the tied head uses the same product")
         else:
-            proj, var = pca_project(table, mcfg.d_model)
-            with torch.no_grad():
-                model.embed_tokens.weight.copy_(rescale(proj))
-            total = float(table.double().var(0, unbiased=False).sum())
-            notes.append(f"embedding: {src}, centred, top {mcfg.d_model} principal components "
-                         f"({float(var.sum()) / total:.1%} of its variance), scaled to RMS {INIT_STD}")
+            table = centre(table)  # the mean row, shared by every token, would swamp the inputs
+            if init == "donor":
+                install_lens(model, table, lens_init(table, mcfg.d_model, cfg.seed))
+                notes.append(f"embedding: {src}, centred (frozen) @ a trainable random lens {donor.width} -> "
+                             f"{mcfg.d_model} (product starts at RMS {INIT_STD}); the tied head uses the same product")
+            else:
+                axes, var = principal_axes(table, mcfg.d_model)
+                install_lens(model, table, scaled_lens(table, axes.T))  # rows: the axes, largest variance first
+                share = float(var.sum()) / float(table.double().var(0, unbiased=False).sum())
+                notes.append(f"embedding: {src}, centred (frozen) @ a trainable lens {donor.width} -> {mcfg.d_model} "
+                             f"that starts on its top {mcfg.d_model} principal axes ({share:.1%} of its variance; "
+                             f"product at RMS {INIT_STD}); the tied head uses the same product")
         del table
     else:
         notes.append(f"embedding: random N(0, 0.02) (the baseline); tokenizer from {donor.path.name}")
@@ -351,5 +388,10 @@ def build(cfg: RunConfig, project: Project) -> Built:
               "init": init, "donor": str(donor.path), "donor_sha256": fingerprint(donor.path),
               "donor_arch": donor.arch, "donor_width": donor.width, "donor_rows": donor.rows, "lens": lens,
               "freeze_embed_steps": n_freeze}
-    job = lm_job(NAME, model, data, cfg, seq_len, config, export=lambda: fold(model), frozen=freeze)
+    scale = float(cfg.embed_lr_scale)
+    if scale != 1.0:
+        notes.append(f"{'lens' if lens else 'embedding'} LR: {scale:g} x --lr (--embed-lr-scale)")
+    config["embed_lr_scale"] = scale
+    job = lm_job(NAME, model, data, cfg, seq_len, config, export=lambda: fold(model), frozen=freeze,
+                 lr_scale=lambda name: scale if name.startswith("embed_tokens.") else 1.0)
     return Built(job=job, arch="llama", params=n_params, notes=notes, derived={"seq_len": seq_len})

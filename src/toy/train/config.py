@@ -75,6 +75,7 @@ class RunConfig:
     donor: str | None = None
     init: str | None = None
     freeze_embed_steps: int | None = None
+    embed_lr_scale: float | None = None
     # ---- vit-tiny
     images: str | None = None
     val_images: str | None = None
