@@ -18,6 +18,15 @@ step() { printf '== [%3ds] %s\n' "$((SECONDS - T0))" "$*"; }
 fail() { echo "newcomer: $*" >&2; exit 1; }
 # expect PATTERN FILE: the step's output holds PATTERN (a grep -E regex).
 expect() { grep -Eq -- "$1" "$2" || { cat "$2" >&2; fail "expected /$1/ in the output above ($2)"; }; }
+# falls FIRST_LINE LAST_LINE FIELD FILE WHAT: the number in FIELD fell by more than 0.5 from
+# the first line matching FIRST_LINE to the one matching LAST_LINE.
+falls() {
+  local a b
+  a=$(grep -Em1 -- "$1" "$4" | awk -v f="$3" '{print $f}')
+  b=$(grep -E -- "$2" "$4" | tail -1 | awk -v f="$3" '{print $f}')
+  $PY -c "import sys; a, b = map(float, sys.argv[1:]); assert b < a - 0.5, f'{a} -> {b}'" "$a" "$b" \
+    || fail "$5 did not fall: $a -> $b"
+}
 
 cd "$WORK"
 step "toy --help answers at once, without torch"
@@ -37,10 +46,7 @@ step "toy train --recipe from-scratch --steps $STEPS"
 $TOY train --recipe from-scratch --steps "$STEPS" --run-id scratch > scratch.txt 2>&1
 expect "^step $STEPS loss [0-9.]+" scratch.txt
 expect "^done: loss .* model in .*runs/scratch/final" scratch.txt
-first=$(grep -Em1 "^step 1 loss" scratch.txt | awk '{print $4}')
-last=$(grep -E "^step $STEPS loss" scratch.txt | awk '{print $4}')
-$PY -c "import sys; a, b = map(float, sys.argv[1:]); assert b < a - 0.5, f'loss {a} -> {b}'" "$first" "$last" \
-  || fail "the from-scratch loss did not fall: $first -> $last"
+falls "^step 1 loss" "^step $STEPS loss" 4 scratch.txt "the from-scratch loss"
 
 step "toy infer --run runs/scratch --prompt ROMEO."
 $TOY infer --run runs/scratch --prompt "ROMEO." --temperature 0.8 --top-k 50 --max-new-tokens 24 --seed 0 > infer.txt
@@ -92,13 +98,23 @@ $TOY export runs/lora --format peft >> export.txt
 ls runs/lora/export/*.gguf > /dev/null || fail "no GGUF adapter under runs/lora/export"
 [ -s runs/lora/export/peft/adapter_model.safetensors ] || ls -R runs/lora/export >&2
 
+step "toy prep --tokenizer the donor; toy train --recipe warm-start --init pca"
+$TOY prep my.txt --tokenizer data/smollm2-135m.gguf --out data/smol.bin > prep-smol.txt 2>&1
+[ -s data/smol.bin ] || { cat prep-smol.txt >&2; fail "toy prep --tokenizer data/smollm2-135m.gguf wrote no data/smol.bin"; }
+$TOY train --recipe warm-start --donor data/smollm2-135m.gguf --corpus data/smol.bin --init pca \
+  --n-layer 2 --d-model 128 --n-head 4 --n-kv-head 2 --seq-len 128 --batch-size 8 --steps "$STEPS" \
+  --run-id warm > warm.txt 2>&1 || { cat warm.txt >&2; fail "the warm-start run failed"; }
+expect "principal axes" warm.txt
+expect "^done: loss .* model in .*runs/warm/final" warm.txt
+falls "^eval step 0 val_loss" "^eval step $STEPS val_loss" 5 warm.txt "the warm-start validation loss"
+
 step "toy describe the adapter; toy list; toy runs"
 $TOY describe runs/lora/export/*.gguf > describe-adapter.txt
 expect "adapter" describe-adapter.txt
 $TOY list > list.txt
 expect "smollm2-135m.gguf" list.txt
 $TOY runs > runs.txt
-for id in scratch mine lora; do expect "^$id " runs.txt; done
+for id in scratch mine lora warm; do expect "^$id " runs.txt; done
 
 step "a mistake is one line, exit 2, with the fix"
 set +e
