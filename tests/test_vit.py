@@ -277,6 +277,7 @@ def test_augment_auto_follows_the_passes_over_the_data(tmp_path, toy_cli):
     assert mode(400, 64, 12000)[0] == "none"  # 2.1 passes: the Fashion-MNIST run
     assert mode(200, 16, 270)[0] == "crop-flip"  # 11.9 passes over the smoke set
     assert "2.1 times" in mode(400, 64, 12000)[1]
+    assert "0.0053 times" in mode(1, 64, 12000)[1]  # a one-step run does not read "0.0 times"
     code, out, err = toy_cli("train", *[a for a in TINY if a != "--json"], "--steps", "2", "--out", tmp_path,
                              "--run-id", "a")
     assert code == 0 and "augment none (auto: the run sees each of its 270 training images" in out, err

@@ -196,7 +196,8 @@ def choose_augment(cfg: RunConfig, n_train: int) -> tuple[str, str]:
     epochs = seen / max(1, n_train)
     mode = "crop-flip" if epochs >= AUGMENT_EPOCHS else "none"
     other = "none" if mode == "crop-flip" else "crop-flip"
-    return mode, (f"augment {mode} (auto: the run sees each of its {n_train:,} training images {epochs:.1f} times, "
+    times = f"{epochs:.1f}" if epochs >= 0.1 else f"{epochs:.2g}"  # a short run: 0.0053, not 0.0
+    return mode, (f"augment {mode} (auto: the run sees each of its {n_train:,} training images {times} times, "
                   f"{'at least' if mode == 'crop-flip' else 'under'} {AUGMENT_EPOCHS}; --augment {other} overrides)")
 
 
