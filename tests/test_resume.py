@@ -101,3 +101,27 @@ def test_resume_refuses_a_changed_config(corpus, tmp_path, toy_cli):
     code, out, err = toy_cli("train", "--resume", tmp_path / "r", "--steps", "6", "--json")
     assert code == 0, err
     assert [x["step"] for x in json.loads(out)["losses"]] == [1, 2, 3, 4, 5, 6]
+
+
+def test_optimizer_groups_must_match_by_their_parameters():
+    # Group settings (weight decay, LR multiplier) are restored by position: a checkpoint
+    # whose groups hold other parameters is refused, not half-applied.
+    import torch
+
+    from toy.errors import InputError
+    from toy.formats.checkpoint import load_optimizer, optimizer_tensors
+    from toy.train.schedule import make_adamw
+
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 4))
+    named = list(model.named_parameters())
+    names = {id(p): n for n, p in named}
+    decay = lambda n, p: p.dim() >= 2  # noqa: E731
+    split = make_adamw(named, 1e-3, 0.1, decay, lr_scale=lambda n: 3.0 if n.startswith("0.") else 1.0)
+    plain = make_adamw(named, 1e-3, 0.1, decay)
+    assert [g["lr_scale"] for g in split.param_groups] == [1.0, 3.0, 1.0]  # decay x1, decay x3, no decay
+    assert [g["weight_decay"] for g in split.param_groups] == [0.1, 0.1, 0.0]
+    tensors, meta = optimizer_tensors(split, names)
+    load_optimizer(make_adamw(named, 1e-3, 0.1, decay, lr_scale=lambda n: 3.0 if n.startswith("0.") else 1.0),
+                   tensors, meta, names)  # the same layout loads
+    with pytest.raises(InputError, match="optimizer groups"):
+        load_optimizer(plain, tensors, meta, names)

@@ -265,8 +265,12 @@ def test_freeze_holds_under_ddp(donor, tmp_path):
     assert not torch.equal(ck[3]["embed_tokens.weight"], start)
 
 
-def test_freeze_is_resume_safe(donor, toy_cli, tmp_path):
-    args = ("--steps", "4", "--freeze-embed-steps", "2", "--save-every", "1", "--keep-last", "0", "--json")
+@pytest.mark.parametrize("shape", [(), ("--init", "pca", "--d-model", "32", "--n-head", "4", "--n-kv-head", "2")],
+                         ids=["donor-equal-width", "pca-lens"])
+def test_freeze_is_resume_safe(donor, toy_cli, tmp_path, shape):
+    # Also resume with --embed-lr-scale's groups (3 x on the embedding or the lens): a
+    # resumed run that lost the multiplier would train steps 2..4 differently.
+    args = ("--steps", "4", "--freeze-embed-steps", "2", "--save-every", "1", "--keep-last", "0", "--json", *shape)
     code, out, err = train(toy_cli, donor, tmp_path, *args, "--run-id", "full")
     assert code == 0, err
     full = json.loads(out)["losses"]

@@ -133,7 +133,14 @@ def optimizer_tensors(opt: torch.optim.Optimizer, names: dict[int, str],
 
 def load_optimizer(opt: torch.optim.Optimizer, tensors: dict[str, torch.Tensor], meta: dict,
                    names: dict[int, str], shard=lambda t, p: t) -> None:
-    """Inverse of optimizer_tensors; `shard(full_tensor, param)` re-shards for FSDP."""
+    """Inverse of optimizer_tensors; `shard(full_tensor, param)` re-shards for FSDP. The
+    saved groups must hold the same parameters as this optimizer's, group by group: their
+    settings (weight decay, LR multiplier) are matched by position."""
+    saved = [set(g["params"]) for g in meta["param_groups"]]
+    ours = [{names[id(p)] for p in g["params"]} for g in opt.param_groups]
+    if saved != ours:
+        raise InputError(f"checkpoint optimizer groups ({len(saved)}) do not match this run's ({len(ours)}): it was "
+                         "made by another toy version or another run; resume it with that version or start a new run")
     by_name = {names[id(p)]: p for g in opt.param_groups for p in g["params"]}
     for key, t in tensors.items():
         name, k = key[len("state."):].rsplit(".", 1)

@@ -37,9 +37,11 @@ and the blocks see tokens as much alike as they are different (measured: the PCA
 the uncentred table ended 0.21 nats worse). In the tied head it would only shift every
 logit by the same amount.
 
-Embedding LR. The embedding (or the lens) trains at `--embed-lr-scale` (3) times --lr,
-whatever --init, so the baseline gets the same treatment: the tied head needs the
-embedding to grow, and the lens, the one matrix every token goes through, gains most.
+Embedding LR. The embedding (or the lens) trains at `--embed-lr-scale` (3) times the
+scheduled LR, whatever --init, so the baseline gets the same treatment: the tied head
+needs the embedding to grow, and the lens, the one matrix every token goes through, gains
+most. The multiplier applies all along the schedule (its floor is 3 x --min-lr), and
+AdamW's decoupled weight decay, lr x decay, is 3 times as strong on it too.
 
 Scale. The lens and PCA start at the random init's RMS (0.02), not the donor's (SmolLM2:
 0.136): with a tied head and fresh (near-identity) blocks, the final hidden state of a
@@ -125,7 +127,7 @@ def check_opts(cfg: RunConfig) -> list[str]:
     if not isinstance(n, int) or isinstance(n, bool) or n < 0:
         p.append(f"--freeze-embed-steps must be an integer >= 0, got {n!r}")
     x = cfg.embed_lr_scale
-    if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or x <= 0:
+    if x is not None and (isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or x <= 0):
         p.append(f"--embed-lr-scale must be a number > 0, got {x!r}")
     if not cfg.donor:
         p.append(f"--donor DONOR.gguf is required: it gives the embedding and the tokenizer ({GET_DONOR})")
@@ -388,7 +390,9 @@ def build(cfg: RunConfig, project: Project) -> Built:
               "init": init, "donor": str(donor.path), "donor_sha256": fingerprint(donor.path),
               "donor_arch": donor.arch, "donor_width": donor.width, "donor_rows": donor.rows, "lens": lens,
               "freeze_embed_steps": n_freeze}
-    scale = float(cfg.embed_lr_scale)
+    # None: a run recorded before the flag existed (its embedding trained at 1 x --lr);
+    # resume then reports the changed job config instead of failing here.
+    scale = 1.0 if cfg.embed_lr_scale is None else float(cfg.embed_lr_scale)
     if scale != 1.0:
         notes.append(f"{'lens' if lens else 'embedding'} LR: {scale:g} x --lr (--embed-lr-scale)")
     config["embed_lr_scale"] = scale
