@@ -173,3 +173,40 @@ def test_corpus_from_another_tokenizer_exits_2(base, toy_cli, tmp_path):
     assert code == 0, err
     code, _, err = train(toy_cli, base, tmp_path / "runs", "--corpus", tmp_path / "o.bin")
     assert code == 2 and "another tokenizer" in err
+
+
+def test_infer_holds_a_quantized_model_quantized_with_the_same_text(base, toy_cli, tmp_path, monkeypatch, capsys):
+    # `toy infer --base-dtype quantized` keeps the file's blocks (the memory of a big GGUF);
+    # its weights dequantize to exactly the float32 copy's, so greedy text is the same,
+    # with an adapter too. auto picks quantized only where float32 would not fit.
+    from toy.cli import cmd_infer
+
+    from toy.formats.gguf import read_gguf_tokenizer
+
+    tok = read_gguf_tokenizer(base["gguf"])
+    model = tiny_model(seed=5, vocab_size=tok.get_vocab_size(with_added_tokens=True), max_seq_len=256)
+    q = {f"blk.{i}.{n}.weight": "Q8_0" for i in range(2)
+         for n in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")}
+    gguf = write_llama_gguf(tmp_path / "q8.gguf", model, tok, qtypes={**q, "token_embd.weight": "Q8_0"})
+    code, _, err = toy_cli("train", "--recipe", "lora", "--model", gguf, "--out", tmp_path, *COMMON,
+                           "--data", base["chat"], "--steps", "2", "--run-id", "q")
+    assert code == 0, err
+    texts = {}
+    for dtype in ("float32", "quantized"):
+        for adapter in ((), ("--adapter", tmp_path / "q")):
+            code, out, err = toy_cli("infer", "--model", gguf, *adapter, "--prompt", "ROMEO.", "--max-new-tokens", "8",
+                                     "--temperature", "0", "--base-dtype", dtype)
+            assert code == 0, err
+            texts[dtype, bool(adapter)] = out
+    assert texts["float32", False] == texts["quantized", False]
+    assert texts["float32", True] == texts["quantized", True]
+    # auto: float32 where it fits, quantized (with a note) where it does not, bfloat16 on cuda.
+    assert cmd_infer.choose_base_dtype("auto", "cpu", 10**9, 4 * 10**9) == ("float32", "")
+    dtype, note = cmd_infer.choose_base_dtype("auto", "cpu", 28 * 10**9, 16 * 10**9)
+    assert dtype == "quantized" and "28.0 GB" in note and "--base-dtype float32 overrides" in note
+    assert cmd_infer.choose_base_dtype("auto", "cuda", 28 * 10**9, 16 * 10**9)[0] == "bfloat16"
+    assert cmd_infer.choose_base_dtype("float32", "cpu", 28 * 10**9, 16 * 10**9)[0] == "float32"
+    monkeypatch.setattr(cmd_infer, "available_memory", lambda: 1000)  # nothing fits: auto holds it quantized
+    code, out, err = toy_cli("infer", "--model", gguf, "--prompt", "ROMEO.", "--max-new-tokens", "8",
+                             "--temperature", "0")
+    assert code == 0 and "holding the model quantized" in err and out == texts["quantized", False], err

@@ -17,6 +17,10 @@ from toy.models.generate import generate
 from toy.tokenizer import eos_id
 
 
+INFER_BASE_DTYPES = ("auto", "quantized", "bfloat16", "float32")
+FIT = 0.8  # auto holds a float32 copy only where it takes at most this share of the available memory
+
+
 def add_parser(sub) -> None:
     p = sub.add_parser("infer", help="generate text from a trained model (or chat with it)", description=__doc__)
     p.add_argument("--run", metavar="RUN_DIR", help="run directory (or its final/) of a trained model; a LoRA run "
@@ -41,6 +45,11 @@ def add_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     p.add_argument("--device", choices=("cpu", "cuda", "metal"), default="cpu",
                    help="cpu, cuda or metal (macOS) (default cpu)")
+    p.add_argument("--base-dtype", choices=INFER_BASE_DTYPES, default="auto",
+                   help="how a GGUF model is held: float32 or bfloat16 (dequantized once: fast per token) or "
+                   "quantized (the file's own blocks, each layer dequantized as it runs: the least memory, slower per "
+                   "token) (default auto: bfloat16 on cuda; on cpu and metal float32 where that fits in "
+                   f"{FIT:.0%} of the available memory, else quantized)")
     p.add_argument("--image", metavar="PATH", help="classify this PNG/JPEG with an image-classifier run "
                    "(prints the top 5 classes; --prompt is not needed) (default: none)")
     p.set_defaults(func=run)
@@ -101,7 +110,39 @@ def load_lm(args, device) -> LM:
                 raise InputError(f"{d}: has no tokenizer.json (the corpus it trained on had no NAME.tokenizer.json "
                                  f"beside it); copy that corpus's tokenizer into {d / 'tokenizer.json'}")
             return LM(model, tok, stop={eos_id(tok)} - {None}, source=str(d))
-    return load_gguf_lm(model_path, adapter, device)
+    return load_gguf_lm(model_path, adapter, device, getattr(args, "base_dtype", "auto"))
+
+
+def available_memory() -> int | None:
+    """Bytes of memory available to a new allocation (Linux: MemAvailable), else the
+    machine's physical memory, else None when neither can be read."""
+    import os
+
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def choose_base_dtype(requested: str, device_type: str, float32_bytes: int, available: int | None) -> tuple[str, str]:
+    """The --base-dtype to load a GGUF with, and a note when auto chose to save memory."""
+    if requested != "auto":
+        return requested, ""
+    if device_type == "cuda":
+        return "bfloat16", ""
+    if available is None or float32_bytes <= FIT * available:
+        return "float32", ""
+    gb = 1e9
+    return "quantized", (f"--base-dtype auto: a float32 copy ({float32_bytes / gb:.1f} GB) would not fit in {FIT:.0%} "
+                         f"of the available memory ({available / gb:.1f} GB); holding the model quantized instead "
+                         "(slower per token; --base-dtype float32 overrides)")
 
 
 def _refuse_image_classifier(d: Path, run: str) -> None:
@@ -117,19 +158,25 @@ def _refuse_image_classifier(d: Path, run: str) -> None:
                          f"or --chat: classify an image with `toy infer --run {run} --image PATH`")
 
 
-def load_gguf_lm(model_path: Path, adapter: Path | None, device) -> LM:
+def load_gguf_lm(model_path: Path, adapter: Path | None, device, base_dtype: str = "auto") -> LM:
     import torch
 
     from toy import tokenizer as toktools
-    from toy.formats.gguf import read_gguf
+    from toy.formats.gguf import read_gguf, read_gguf_header
+    from toy.formats.gguf_describe import resident_size
     from toy.formats.peft import load_peft_adapter
     from toy.lora import apply_lora, load_lora_state_dict, merge_lora
 
     if not model_path.is_file():
         raise InputError(f"--model {model_path} not found; get SmolLM2 with `toy fetch smollm2` or pass a GGUF file")
-    # Float weights for generation: one token at a time is matmul-light, and dequantizing
-    # every layer for every token would cost more than the matmuls.
-    base = read_gguf(model_path, "bfloat16" if torch.device(device).type == "cuda" else "float32")
+    # Float weights where they fit: one token at a time is matmul-light, and dequantizing
+    # every layer for every token costs more than the matmuls. Quantized where they do not
+    # (a 7B Q4 file is 4 GB, its float32 copy 28 GB).
+    dtype, note = choose_base_dtype(base_dtype, torch.device(device).type,
+                                    resident_size(read_gguf_header(model_path), "float32"), available_memory())
+    if note:
+        print(f"note: {note}", file=sys.stderr)
+    base = read_gguf(model_path, dtype)
     tok = toktools.from_gguf_metadata(base.metadata, source=str(model_path))
     model = base.build_model(device)
     if adapter is not None:
@@ -138,7 +185,7 @@ def load_gguf_lm(model_path: Path, adapter: Path | None, device) -> LM:
         targets = sorted({k.rsplit(".", 2)[-2] for k in sd})
         apply_lora(model, targets, int(cfg["r"]), float(cfg["lora_alpha"]), 0.0, seed=0)
         load_lora_state_dict(model, sd, source=str(adapter))
-        merge_lora(model)  # one weight per projection: generation costs what the base costs
+        merge_lora(model)  # one weight per projection (float32 where the base is quantized)
     special = toktools.gguf_special_ids(base.metadata)
     bos = tok.id_to_token(special.bos) if special.bos is not None else ""
     eos = tok.id_to_token(special.eos) if special.eos is not None else ""
