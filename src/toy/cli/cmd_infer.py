@@ -49,7 +49,7 @@ def add_parser(sub) -> None:
                    help="how a GGUF model is held: float32 or bfloat16 (dequantized once: fast per token) or "
                    "quantized (the file's own blocks, each layer dequantized as it runs: the least memory, slower per "
                    "token) (default auto: bfloat16 on cuda; on cpu and metal float32 where that fits in "
-                   f"{FIT:.0%} of the available memory, else quantized)")
+                   f"{FIT * 100:.0f}%% of the available memory, else quantized)")  # %%: argparse formats help
     p.add_argument("--image", metavar="PATH", help="classify this PNG/JPEG with an image-classifier run "
                    "(prints the top 5 classes; --prompt is not needed) (default: none)")
     p.set_defaults(func=run)
