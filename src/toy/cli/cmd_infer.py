@@ -172,11 +172,12 @@ def load_gguf_lm(model_path: Path, adapter: Path | None, device, base_dtype: str
     # Float weights where they fit: one token at a time is matmul-light, and dequantizing
     # every layer for every token costs more than the matmuls. Quantized where they do not
     # (a 7B Q4 file is 4 GB, its float32 copy 28 GB).
-    dtype, note = choose_base_dtype(base_dtype, torch.device(device).type,
-                                    resident_size(read_gguf_header(model_path), "float32"), available_memory())
+    h = read_gguf_header(model_path)
+    dtype, note = choose_base_dtype(base_dtype, torch.device(device).type, resident_size(h, "float32"),
+                                    available_memory())
     if note:
         print(f"note: {note}", file=sys.stderr)
-    base = read_gguf(model_path, dtype)
+    base = read_gguf(h, dtype)
     tok = toktools.from_gguf_metadata(base.metadata, source=str(model_path))
     model = base.build_model(device)
     if adapter is not None:

@@ -190,12 +190,13 @@ class GGUFModel:
         return model.to(device).eval()
 
 
-def read_gguf(path: str | os.PathLike, base_dtype: str = "float32") -> GGUFModel:
+def read_gguf(source: str | os.PathLike | GGUFHeader, base_dtype: str = "float32") -> GGUFModel:
     """Read a model GGUF of a supported family: config, weights in the form `base_dtype`
-    asks (module docstring), metadata and chat template. Raises InputError on bad input."""
+    asks (module docstring), metadata and chat template. Raises InputError on bad input.
+    Pass a header from `read_gguf_header` to avoid parsing the file twice."""
     if base_dtype not in BASE_DTYPES:
         raise ValueError(f"base_dtype must be one of {BASE_DTYPES}, got {base_dtype!r}")
-    h = read_gguf_header(path)
+    h = source if isinstance(source, GGUFHeader) else read_gguf_header(source)
     fam = family_of(h)
     cfg = fam.config(h)
     plan = check_tensors(h, cfg)

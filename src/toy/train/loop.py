@@ -220,7 +220,6 @@ class Trainer:
         self.names = {id(p): n for n, p in self.named}
         self.by_name = dict(self.named)
         self.opt = make_adamw(self.named, cfg.lr, cfg.weight_decay, job.params_decay, lr_scale=job.lr_scale)
-        self.lr_scales = [g["lr_scale"] for g in self.opt.param_groups]  # kept: a resumed state replaces the dicts
         self.schedule = Schedule(cfg.lr, cfg.min_lr, cfg.warmup, cfg.steps)
         self.res = TrainResult()
         self.saved_step = -1
@@ -286,8 +285,8 @@ class Trainer:
         items (tokens, images) it fed, and its LR."""
         cfg, job, d = self.cfg, self.job, self.d
         lr = self.schedule.at(step - 1)
-        for g, k in zip(self.opt.param_groups, self.lr_scales):
-            g["lr"] = lr * k
+        for g in self.opt.param_groups:
+            g["lr"] = lr * g["lr_scale"]
         self.model.train()
         # Fetch the whole accumulation step first: its supervised-token count
         # normalises every micro-batch, so accumulation never changes the objective.

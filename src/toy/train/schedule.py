@@ -89,9 +89,9 @@ def make_adamw(named_params, lr: float, weight_decay: float, decay_rule, betas=(
                eps=1e-8, lr_scale=None) -> torch.optim.AdamW:
     """AdamW with a group for weights that decay (matrices, embeddings) and one for those
     that don't (biases, norm gains), as in GPT-2/nanoGPT; `lr_scale(name)` (default 1)
-    splits further: each group's "lr_scale" multiplies the schedule's LR (the loop reads
-    it once, before any resume replaces the groups' dicts). foreach: measured as fast as
-    fused on CPU (docs/performance.md)."""
+    splits further: each group's "lr_scale" multiplies the schedule's LR (a resume keeps
+    it: checkpoint.load_optimizer checks the saved groups hold the same parameters).
+    foreach: measured as fast as fused on CPU (docs/performance.md)."""
     groups: dict[tuple[bool, float], list] = {}
     for name, p in named_params:
         key = (bool(decay_rule(name, p)), float(lr_scale(name)) if lr_scale is not None else 1.0)
