@@ -210,14 +210,16 @@ def save_checkpoint(ckpt_root: Path, step: int, model_state: dict[str, torch.Ten
 
 
 def list_checkpoints(ckpt_root: Path) -> list[Path]:
-    """Valid checkpoints (complete, not temp), oldest first."""
+    """Valid checkpoints (complete, not temp), oldest first: ordered by the step number,
+    not the name (past step 999999 the names grow a digit and sort wrongly as text)."""
     if not ckpt_root.is_dir():
         return []
     out = []
     for d in ckpt_root.iterdir():
-        if d.name.startswith("step-") and (d / "state.json").is_file():
-            out.append(d)
-    return sorted(out)
+        num = d.name.removeprefix("step-")
+        if d.name.startswith("step-") and num.isdigit() and (d / "state.json").is_file():
+            out.append((int(num), d))
+    return [d for _, d in sorted(out)]
 
 
 def prune_checkpoints(ckpt_root: Path, keep_last: int) -> None:
