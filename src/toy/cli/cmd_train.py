@@ -57,6 +57,9 @@ def add_parser(sub) -> None:
     g.add_argument("--recipe", help=f"what to train: {', '.join(recipe_names())} (default from-scratch)")
     g.add_argument("--arch", help=f"architecture: {', '.join(registry.arch_names())} {dflt('arch')}")
     g.add_argument("--steps", type=positive_int("--steps"), help=f"optimizer steps {dflt('steps')}")
+    g.add_argument("--epochs", type=positive_int("--epochs"),
+                   help="passes over the training data (token windows, images or chat batches); sets --steps from "
+                        "the data, conflicts with --steps (default: none, --steps counts)")
     g.add_argument("--seed", type=int, help="seed for init, data order and sampling (default 0)")
     g.add_argument("--out", help="directory that holds run directories (default: the project's runs/)")
     g.add_argument("--run-id", help="run directory name (default from toy.toml's template "
@@ -291,7 +294,7 @@ def fit_schedule(cfg: RunConfig, notes: list[str], default_lr: float | None = No
         cfg = cfg.replace(warmup=cap)
     if cfg.steps < SHORT_RUN and (default_lr is None or cfg.lr <= default_lr):
         notes.append(f"warning: {plural(cfg.steps, 'optimizer step')} is too short for the loss to move much; "
-                     f"raise --steps{' or --epochs' if cfg.recipe == 'lora' else ''} (or --lr) to see learning")
+                     "raise --steps or --epochs (or --lr) to see learning")
     return cfg
 
 

@@ -8,7 +8,7 @@ from toy.models import registry
 from toy.runs import Project
 from toy.train.config import RunConfig
 from toy.train.job import Built
-from toy.train.lm import fingerprint, lm_config, lm_job, open_token_data
+from toy.train.lm import fingerprint, lm_config, lm_derived, lm_job, open_token_data
 
 
 def build(cfg: RunConfig, project: Project) -> Built:
@@ -20,4 +20,4 @@ def build(cfg: RunConfig, project: Project) -> Built:
     config = {"recipe": "from-scratch", "arch": cfg.arch, "model": mcfg.to_dict(), "corpus": str(data.train.path),
               "corpus_tokens": len(data.train), "corpus_sha256": fingerprint(data.train.path), "seq_len": seq_len}
     job = lm_job("from-scratch", model, data, cfg, seq_len, config)
-    return Built(job=job, arch=cfg.arch, params=model.num_params(), notes=notes, derived={"seq_len": seq_len})
+    return Built(job=job, arch=cfg.arch, params=model.num_params(), notes=notes, derived=lm_derived(cfg, data.train, seq_len, notes))

@@ -3,7 +3,6 @@ token stream. Only the adapters train; the output is a PEFT adapter directory.""
 
 from __future__ import annotations
 
-import math
 import shutil
 import sys
 from pathlib import Path
@@ -55,8 +54,6 @@ def add_arguments(g) -> None:
                         "once at load) (default quantized on cpu and metal, bfloat16 on cuda)")
     g.add_argument("--chat-template", metavar="FILE.jinja", help="chat template for --data (default: the GGUF's "
                    "own; for a file without one, toy's built-in template of its family: Gemma turns, ChatML)")
-    g.add_argument("--epochs", type=int,
-                   help="passes over the data; sets --steps (conflicts with --steps) (default: none, --steps counts)")
     g.add_argument("--output", help="also copy the final adapter directory to PATH (default: only RUN_DIR/final)")
     g.add_argument("--strict", action="store_true", default=None, help="an invalid chat line is fatal (default: warn, skip, count)")
     g.add_argument("--max-seq-len", dest="seq_len", type=int, help="alias of --seq-len (default 512 for LoRA)")
@@ -140,10 +137,9 @@ def build(cfg: RunConfig, project: Project) -> Built:
         unit, per_step = "rows", cfg.batch_size * d.world * cfg.grad_accum
     config.update(info)
     derived: dict = {"seq_len": seq_len, "targets": ",".join(targets), "base_dtype": dtype}
-    if cfg.steps is None:  # --epochs: the step count follows from the data (a resumed run keeps its own)
-        derived["steps"] = cfg.epochs * math.ceil(n_units / per_step)
-        notes.append(f"{plural(cfg.epochs, 'epoch')} of {n_units} {unit}, {per_step} a step = "
-                     f"{plural(derived['steps'], 'step')}")
+    epochs, note = cfg.epoch_steps(n_units, per_step, unit)
+    derived.update(epochs)
+    notes += [note] if note else []
 
     def save_final(out: Path) -> None:
         save_peft_adapter(out, lora_state_dict(model), rank=int(cfg.rank), alpha=float(cfg.alpha),

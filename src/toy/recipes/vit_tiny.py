@@ -156,6 +156,11 @@ def make_job(train: ImageSet, val: ImageSet | None, cfg: RunConfig, source: str,
     torch.manual_seed(cfg.seed)
     model = registry.build_model(vcfg)
 
+    epochs, note = cfg.epoch_steps(len(train), cfg.batch_size * cfg.grad_accum * dist.info().world, "images")
+    if epochs:
+        notes.append(note)
+        derived.update(epochs)
+        cfg = cfg.replace(**epochs)  # choose_augment counts the run's passes
     augment = cfg.augment or "auto"
     if augment not in AUGMENT:
         raise UsageError(f"--augment {augment!r} is unknown; valid: {', '.join(AUGMENT)}")

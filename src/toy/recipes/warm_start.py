@@ -91,7 +91,7 @@ from toy.models import registry
 from toy.runs import Project
 from toy.train.config import RunConfig
 from toy.train.job import Built
-from toy.train.lm import fingerprint, lm_config, lm_job, open_token_data
+from toy.train.lm import fingerprint, lm_config, lm_derived, lm_job, open_token_data
 
 NAME = "warm-start"
 INITS = ("scratch", "donor", "pca")
@@ -398,4 +398,4 @@ def build(cfg: RunConfig, project: Project) -> Built:
     config["embed_lr_scale"] = scale
     job = lm_job(NAME, model, data, cfg, seq_len, config, export=lambda: fold(model), frozen=freeze,
                  lr_scale=lambda name: scale if name.startswith("embed_tokens.") else 1.0)
-    return Built(job=job, arch="llama", params=n_params, notes=notes, derived={"seq_len": seq_len})
+    return Built(job=job, arch="llama", params=n_params, notes=notes, derived=lm_derived(cfg, train, seq_len, notes))

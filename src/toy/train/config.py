@@ -16,6 +16,7 @@ a typo in code is an AttributeError at once, not a silent `opts.get(...)` of Non
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -117,6 +118,17 @@ class RunConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def epoch_steps(self, n_units: int, per_step: int, unit: str) -> tuple[dict[str, Any], str | None]:
+        """--epochs as a step count: each epoch is one pass over the `n_units` training
+        units (token windows, images, chat batches), `per_step` of them a step (the global
+        batch). Returns (derived, note); nothing when --steps counts (a resumed run keeps its
+        own count)."""
+        if self.steps is not None or self.epochs is None:
+            return {}, None
+        steps = self.epochs * math.ceil(max(1, n_units) / per_step)
+        return {"steps": steps}, (f"{self.epochs} epoch{'s' if self.epochs != 1 else ''} of {n_units:,} {unit}, "
+                                  f"{per_step} a step = {steps} step{'s' if steps != 1 else ''}")
 
     # ------------------------------------------------------------------ reading
 

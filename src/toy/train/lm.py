@@ -144,6 +144,15 @@ def lm_config(cfg: RunConfig, arch: str, train: TokenFile, notes: list[str] | No
     return mcfg, seq_len
 
 
+def lm_derived(cfg: RunConfig, train: TokenFile, seq_len: int, notes: list[str]) -> dict[str, Any]:
+    """What an LM recipe works out from the data: the sequence length, and the steps of
+    --epochs (one epoch: every non-overlapping window of the corpus once, in rows)."""
+    windows = max(1, (len(train) - 1) // seq_len)
+    epochs, note = cfg.epoch_steps(windows, cfg.batch_size * cfg.grad_accum * dist.info().world, "token windows")
+    notes += [note] if note else []
+    return {"seq_len": seq_len, **epochs}
+
+
 def lm_job(recipe: str, model: nn.Module, data: TokenData, cfg: RunConfig, seq_len: int,
            config: dict[str, Any], export: Callable[[], nn.Module] | None = None, **job_fields: Any) -> Job:
     """Next-token training on random windows of the corpus, validation on fixed windows
