@@ -22,7 +22,7 @@ from toy.train import dist
 from toy.train.device import DEVICES, device_info, resolve_device
 from toy.train.config import RunConfig
 from toy.train.loop import TrainConfig, train
-from toy.train.progress import Reporter, TextReporter
+from toy.train.progress import Reporter, TextReporter, stdout_closed
 
 # Built-in defaults: RunConfig's (toy.toml [train] and then flags override them).
 DEFAULTS = RunConfig.defaults()
@@ -437,6 +437,14 @@ def _execute(args, run_cfg: RunConfig, built, cfg: TrainConfig, run_dir, run_id,
     events.close()
     if not main_rank:
         return 0
+    try:
+        _print_result(args, run_cfg, built, cfg, res, run_dir, run_id, device, ips_key, acc, last_loss, last_val)
+    except BrokenPipeError:
+        stdout_closed()  # the run finished: a reader that went away does not change that
+    return 0
+
+
+def _print_result(args, run_cfg, built, cfg, res, run_dir, run_id, device, ips_key, acc, last_loss, last_val):
     if args.json:
         out = {"format": "toy/train-v1", "run_id": run_id, "run_dir": str(run_dir), "recipe": run_cfg.recipe,
                "arch": built.arch, "device": device.type, "seed": cfg.seed, "steps": cfg.steps,
@@ -453,7 +461,7 @@ def _execute(args, run_cfg: RunConfig, built, cfg: TrainConfig, run_dir, run_id,
         val += f", val accuracy {acc[-1]['accuracy']:.4f}" if acc else ""
         mem = f", peak memory {res.peak_mem_bytes / 1e9:.2f} GB" if res.peak_mem_bytes else ""
         print(f"done: loss {last_loss:.4f}{val}{speed}{mem}, {res.wall_s:.1f}s; model in {run_dir / 'final'}")
-    return 0
+    sys.stdout.flush()
 
 
 def _cpu_count() -> int:

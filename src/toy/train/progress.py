@@ -5,8 +5,21 @@ compare byte for byte; events.jsonl and --json carry them."""
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import TextIO
+
+
+def stdout_closed() -> None:
+    """The reader of stdout went away (`toy train ... | head`): send the rest of the
+    run's output to /dev/null. The run itself goes on: a closed pipe is not a failure.
+    Whatever sits in stdout's buffer is flushed there too, so nothing raises again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):  # stdout is not a real file (tests): nothing to redirect
+        pass
 
 
 class Reporter:
@@ -46,10 +59,13 @@ class TextReporter(Reporter):
         self._progress.start()
 
     def _print(self, line: str) -> None:
-        if self._progress is not None:
-            self._progress.console.print(line, markup=False, highlight=False)
-        else:
-            print(line, file=self.out, flush=True)
+        try:
+            if self._progress is not None:
+                self._progress.console.print(line, markup=False, highlight=False)
+            else:
+                print(line, file=self.out, flush=True)
+        except BrokenPipeError:
+            stdout_closed()
 
     def step(self, step: int, loss: float, items_per_s: float | None, peak_mem: int | None = None) -> None:
         self._print(f"step {step} loss {loss:.6f}")
