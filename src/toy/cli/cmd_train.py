@@ -51,7 +51,7 @@ def _presets() -> str:
     return "; ".join(out)
 
 
-def add_parser(sub) -> None:
+def add_parser(sub, recipes: bool = True) -> None:
     p = sub.add_parser("train", help="train a model (from-scratch, warm-start, lora, vit-tiny)", description=__doc__)
     g = p.add_argument_group("run")
     g.add_argument("--recipe", help=f"what to train: {', '.join(recipe_names())} (default from-scratch)")
@@ -127,7 +127,7 @@ def add_parser(sub) -> None:
                    "checkpointed (default 0: only the last)")
     o.add_argument("--keep-last", type=nonneg_int, help="checkpoints to keep, 0 keeps all (default 2)")
     # Each recipe adds its own flags in a group of its own (recipe modules own them).
-    for name in recipe_names():
+    for name in recipe_names() if recipes else ():
         mod = load_recipe(name)
         if hasattr(mod, "add_arguments"):
             mod.add_arguments(p.add_argument_group(f"{name} recipe"))
@@ -138,11 +138,53 @@ def flag_keys() -> list[str]:
     return RunConfig.keys()
 
 
+def own_flags() -> dict[str, dict[str, str]]:
+    """recipe -> {config key: flag} of the flags only that recipe takes (its own group,
+    less the general flags it merely aliases, such as LoRA's --max-seq-len)."""
+    import argparse
+
+    general = {a.dest for a in build_general_parser()._actions}
+    owned = {}
+    for name in recipe_names():
+        mod = load_recipe(name)
+        scratch = argparse.ArgumentParser(add_help=False)
+        if hasattr(mod, "add_arguments"):
+            mod.add_arguments(scratch.add_argument_group(name))
+        owned[name] = {a.dest: a.option_strings[0] for a in scratch._actions if a.dest not in general}
+    return owned
+
+
+def check_recipe_flags(recipe: str, cli: dict) -> None:
+    """A flag of another recipe given on this one's run is a mistake, not a no-op: say
+    which recipe takes it."""
+    problems = []
+    owned = own_flags()
+    for name, flags in owned.items():
+        if name == recipe:
+            continue
+        for key, flag in flags.items():
+            if cli.get(key) is not None and key not in owned.get(recipe, {}):
+                problems.append(f"{flag} is a {name} recipe flag; the {recipe} recipe does not take it "
+                                f"(drop it, or train with --recipe {name})")
+    if problems:
+        raise UsageError("; ".join(problems))
+
+
+def build_general_parser():
+    """A parser with `toy train`'s general flags only (no recipe groups)."""
+    from toy.cli.args import Parser
+
+    p = Parser(prog="toy train", add_help=False)
+    sub = p.add_subparsers()
+    add_parser(sub, recipes=False)
+    return sub.choices["train"]
+
+
 def validate(c: RunConfig) -> None:
     """Every problem with the resolved config at once, each naming its flag."""
     problems = []
     if c.recipe not in recipe_names():
-        problems.append(f"--recipe {c.recipe!r} is unknown; valid: {', '.join(recipe_names())}")
+        problems.append(unknown_recipe(c.recipe))
     if c.arch not in registry.arch_names():
         problems.append(f"--arch {c.arch!r} is unknown; valid: {', '.join(registry.LM_ARCHS)} "
                         "(vit via --recipe vit-tiny)")
@@ -176,6 +218,14 @@ def validate(c: RunConfig) -> None:
             problems += check(c)
     if problems:
         raise UsageError("; ".join(problems))
+
+
+def unknown_recipe(name: str) -> str:
+    import difflib
+
+    close = difflib.get_close_matches(str(name), recipe_names(), n=1, cutoff=0.5)
+    return (f"--recipe {name!r} is unknown; valid: {', '.join(recipe_names())}"
+            + (f"; did you mean {close[0]!r}?" if close else ""))
 
 
 # What `--resume` may change; everything else must match the run's recorded config.
@@ -217,7 +267,8 @@ def resolve_config(cli: dict, project) -> RunConfig:
     defaults, checked (every problem at once, by flag)."""
     recipe_name = cli.get("recipe") or project.train_defaults.get("recipe") or DEFAULTS["recipe"]
     if recipe_name not in recipe_names():
-        raise UsageError(f"--recipe {recipe_name!r} is unknown; valid: {', '.join(recipe_names())}")
+        raise UsageError(unknown_recipe(recipe_name))
+    check_recipe_flags(recipe_name, cli)
     if cli.get("epochs") is not None and cli.get("steps") is not None:
         raise UsageError("--epochs and --steps conflict: give one (--epochs sets the step count)")
     recipe = load_recipe(recipe_name)
