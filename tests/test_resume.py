@@ -84,6 +84,11 @@ def test_sigint_checkpoints_records_and_exits_130(corpus, tmp_path):
     events = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()]
     assert events[-1]["event"] == "interrupted" and events[-1]["signal"] == "SIGINT"
     step = events[-1]["step"]
+    # Stopping on request is not an error: the last line says the step, where the
+    # checkpoint is and how to resume, without "error:".
+    last = err.strip().splitlines()[-1]
+    assert "error" not in last and f"after step {step}" in last and f"step-{step:06d}" in last, last
+    assert f"toy train --resume {run_dir}" in last, last
     assert (run_dir / "checkpoints" / f"step-{step:06d}" / "state.json").is_file()
     assert step_lines(out)[-1].startswith(f"step {step} ")
 

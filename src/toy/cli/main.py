@@ -8,7 +8,7 @@ import sys
 import traceback
 
 from toy.cli.args import Parser
-from toy.errors import ToyError
+from toy.errors import Interrupted, ToyError
 
 
 
@@ -68,6 +68,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return int(args.func(args) or 0)
+    except Interrupted as e:  # stopped on request (Ctrl-C, SIGTERM): not an error
+        print(f"toy {args.command}: {e.message}", file=sys.stderr)
+        return e.exit_code
     except ToyError as e:
         print(f"toy {args.command}: error: {e.message}", file=sys.stderr)
         return e.exit_code

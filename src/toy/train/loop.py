@@ -431,7 +431,8 @@ class Trainer:
         name = signal.Signals(signum).name
         self.events.emit("interrupted", step=step, signal=name)
         self.reporter.close()
-        raise Interrupted(f"interrupted by {name} after step {step} (checkpointed); "
+        where = self.ckpt_root / ckpt.STEP_FMT.format(step) if self.ckpt_root is not None else None
+        raise Interrupted(f"interrupted by {name} after step {step}; checkpoint saved in {where}; "
                           f"resume with `toy train --resume {self.run_dir}`", signum)
 
 
