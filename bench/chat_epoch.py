@@ -44,7 +44,7 @@ def run_toy(a) -> dict:
     from toy.recipes import lora
     from toy.runs import EventLog, Project
     from toy.train.config import RunConfig
-    from toy.train.loop import TrainConfig, train
+    from toy.train.loop import train
 
     with tempfile.TemporaryDirectory() as d:
         # A separate --val-data, so toy trains on all of --data as the peer does (without
@@ -61,7 +61,7 @@ def run_toy(a) -> dict:
     job.eval_batches = list  # no eval batches: time training only
     epoch_steps = built.derived["steps"]
     steps = min(epoch_steps, a.limit_steps or epoch_steps)
-    cfg = TrainConfig(steps=steps, batch_size=a.batch, lr=LR, min_lr=LR, warmup=0, weight_decay=0.0, compile=a.compile)
+    cfg = RunConfig(steps=steps, batch_size=a.batch, lr=LR, min_lr=LR, warmup=0, weight_decay=0.0, compile=a.compile)
     t0 = time.perf_counter()
     res = train(job, cfg, None, torch.device("cpu"), EventLog(None))
     epoch_s = time.perf_counter() - t0

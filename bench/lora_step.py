@@ -26,7 +26,7 @@ def run_toy(a) -> tuple[float, float]:
     from toy.recipes import lora
     from toy.runs import EventLog, Project
     from toy.train.config import RunConfig
-    from toy.train.loop import TrainConfig, train
+    from toy.train.loop import train
 
     opts = RunConfig.for_recipe("lora", lora.FLAGS, model=str(a.model), corpus=str(a.corpus), seed=0, seq_len=a.seq,
                                 batch_size=a.batch, eval_batches=1, base_dtype=a.base_dtype)
@@ -34,7 +34,7 @@ def run_toy(a) -> tuple[float, float]:
     built = lora.build(opts, Project(root=None))
     load_s = time.perf_counter() - t0
     built.job.eval_batches = lambda: []  # time training only
-    cfg = TrainConfig(steps=3 + a.steps, batch_size=a.batch, lr=1e-4, min_lr=1e-5, warmup=0, weight_decay=0.0,
+    cfg = RunConfig(steps=3 + a.steps, batch_size=a.batch, lr=1e-4, min_lr=1e-5, warmup=0, weight_decay=0.0,
                       compile=a.compile, checkpointing=a.checkpointing)
     res = train(built.job, cfg, None, torch.device("cpu"), EventLog(None))
     return load_s, res.items_per_s  # measured after 3 warm-up steps, as `toy train` reports it

@@ -43,14 +43,14 @@ def run_toy(a, path: Path) -> dict:
     from toy.recipes import from_scratch
     from toy.runs import EventLog, Project
     from toy.train.config import RunConfig
-    from toy.train.loop import TrainConfig, train
+    from toy.train.loop import train
 
     opts = RunConfig.for_recipe("from-scratch", corpus=str(path), arch=a.arch, preset="small", n_layer=L, d_model=D,
                                 n_head=H, n_kv_head=H if a.arch == "llama" else None, seq_len=T, batch_size=B,
                                 seed=0, eval_batches=1)
     built = from_scratch.build(opts, Project(root=None))
     built.job.eval_batches = lambda: []
-    cfg = TrainConfig(steps=3 + a.steps, batch_size=B, lr=1e-3, warmup=0, compile=a.compile)
+    cfg = RunConfig(steps=3 + a.steps, batch_size=B, lr=1e-3, warmup=0, compile=a.compile)
     res = train(built.job, cfg, None, torch.device("cpu"), EventLog(None))
     m = built.job.model
     emb = m.embed_tokens.weight.numel() if hasattr(m, "embed_tokens") else m.wte.weight.numel()

@@ -31,7 +31,7 @@ from toy.data.images import ImageSet, Skipped, read_idx
 from toy.recipes import vit_tiny
 from toy.runs import EventLog
 from toy.train.config import RunConfig
-from toy.train.loop import TrainConfig, train
+from toy.train.loop import train
 from toy.train.progress import Reporter
 
 SRC = Path("/usr/share/datasets/fashion-mnist")
@@ -104,7 +104,7 @@ def main() -> None:
                                 n_layer=a.n_layer, d_model=a.d_model, n_head=a.n_head, seed=a.seed,
                                 batch_size=a.batch_size, eval_batches=10**6, augment=a.augment)
     built = vit_tiny.make_job(train_set, test_set, opts, str(SRC / "train-*"), str(SRC / "t10k-*"))
-    cfg = TrainConfig(steps=a.steps, batch_size=a.batch_size, lr=a.lr, min_lr=a.min_lr, warmup=a.warmup,
+    cfg = RunConfig(steps=a.steps, batch_size=a.batch_size, lr=a.lr, min_lr=a.min_lr, warmup=a.warmup,
                       weight_decay=a.weight_decay, clip=1.0, eval_every=a.eval_every, eval_batches=10**6,
                       seed=a.seed)
     machine = {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),

@@ -39,7 +39,7 @@ from toy.models import vit  # noqa: E402
 from toy.recipes import vit_tiny  # noqa: E402
 from toy.runs import EventLog  # noqa: E402
 from toy.train.config import RunConfig  # noqa: E402
-from toy.train.loop import TrainConfig, train  # noqa: E402
+from toy.train.loop import train  # noqa: E402
 from toy.train.progress import Reporter  # noqa: E402
 
 
@@ -128,7 +128,7 @@ def main() -> None:
     opts = opts.with_derived(built.derived)
     for note in built.notes:
         print(f"  {note}", flush=True)
-    cfg = TrainConfig.from_run(opts)
+    cfg = opts
     t0 = time.perf_counter()
     res = train(built.job, cfg, None, torch.device("cpu"), EventLog(None), Losses())
     args = " ".join(sys.argv[1:])

@@ -104,3 +104,14 @@ def test_checker_catches_a_wrong_way_import(tmp_path):
 @pytest.mark.parametrize("layer", LAYERS)
 def test_every_layer_exists(layer):
     assert (SRC / f"{layer}.py").is_file() or (SRC / layer).is_dir(), layer
+
+
+def test_cli_holds_no_training_policy():
+    """`toy train` is argparse and a call into train.run: the loop, the schedule, jobs and
+    checkpoints are the run's business, not the command line's."""
+    policy = ("toy.train.loop", "toy.train.schedule", "toy.train.job", "toy.formats.checkpoint")
+    bad = [f"{p.name}:{line} imports {imp}" for p in sorted((SRC / "cli").glob("*.py"))
+           for line, imp in toy_imports(p) if imp.startswith(policy) and (p.name == "cmd_train.py"
+                                                                          or not imp.startswith(policy[-1]))]
+    assert bad == []
+    assert any(imp == "toy.train.run" for _, imp in toy_imports(SRC / "cli" / "cmd_train.py"))

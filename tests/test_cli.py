@@ -401,7 +401,7 @@ def test_quick_commands_never_import_torch(argv, tmp_path):
 
 
 def test_fit_schedule_caps_the_warmup_and_warns_of_runs_too_short_to_learn():
-    from toy.cli.cmd_train import SHORT_RUN, fit_schedule
+    from toy.train.run import SHORT_RUN, fit_schedule
     from toy.recipes import lora
     from toy.train.config import RunConfig
 

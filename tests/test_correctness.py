@@ -164,7 +164,7 @@ def test_every_recipe_flag_is_a_config_field():
     from toy.recipes import load_recipe, recipe_names
 
     for name in recipe_names():
-        assert set(getattr(load_recipe(name), "FLAGS", {})) <= set(RunConfig.keys()), name
+        assert set(load_recipe(name).defaults) <= set(RunConfig.keys()), name
 
 
 # ---------------------------------------------------------------- 7. RNG per rank
@@ -174,7 +174,7 @@ def test_lora_dropout_follows_the_seed_not_the_process_state(base, tmp_path):
     (here: other draws from torch's generator) must not change the losses."""
     from toy.recipes import lora
     from toy.runs import EventLog, Project
-    from toy.train.loop import TrainConfig, train
+    from toy.train.loop import train
 
     def losses(noise: int) -> list[float]:
         torch.manual_seed(noise)
@@ -182,7 +182,7 @@ def test_lora_dropout_follows_the_seed_not_the_process_state(base, tmp_path):
         cfg = RunConfig.for_recipe("lora", lora.FLAGS, model=str(base["gguf"]), data=str(base["chat"]), seed=3,
                                    seq_len=128, batch_size=2, dropout=0.3, steps=3, warmup=0, lr=1e-2)
         built = lora.build(cfg, Project(root=None))
-        tc = TrainConfig.from_run(cfg.with_derived(built.derived))
+        tc = cfg.with_derived(built.derived)
         return [x["loss"] for x in train(built.job, tc, None, torch.device("cpu"), EventLog(None)).losses]
 
     assert losses(1) == losses(12345)
@@ -196,7 +196,7 @@ def test_each_rank_seeds_its_own_stream(monkeypatch):
     for rank in (0, 1):
         monkeypatch.setattr(dist, "_INFO", dist.DistInfo(rank=rank, world=1))
         t = loop.Trainer.__new__(loop.Trainer)
-        t.cfg, t.d = loop.TrainConfig(seed=5), dist.info()
+        t.cfg, t.d = RunConfig(seed=5), dist.info()
         t._start(None)
         seen[rank] = torch.initial_seed()
     assert seen == {0: loop.rank_seed(5, 0), 1: loop.rank_seed(5, 1)}

@@ -17,7 +17,8 @@ from toy.models.llama import Llama, LlamaConfig
 from toy.recipes.lora import _to_batch
 from toy.runs import EventLog
 from toy.train.job import Job, lm_loss, lm_prepare
-from toy.train.loop import TrainConfig, Trainer
+from toy.train.config import RunConfig
+from toy.train.loop import Trainer
 from toy.train.progress import Reporter
 
 V, C = 96, 32
@@ -139,7 +140,7 @@ def test_a_training_step_reads_the_device_once():
     m = tiny()
     job = Job(recipe="t", model=m, micro_batch=lambda k: batch(k), eval_batches=lambda: [],
               save_final=lambda p: None)
-    tr = Trainer(job, TrainConfig(steps=3, grad_accum=2, warmup=0), None, torch.device("cpu"), EventLog(None),
+    tr = Trainer(job, RunConfig(steps=3, grad_accum=2, warmup=0), None, torch.device("cpu"), EventLog(None),
                  Reporter())
     tr.step(1)
     steps = [s["step"] for s in tr.opt.state.values()]
@@ -160,7 +161,7 @@ def test_prefetch_never_changes_the_batches():
         return batch(k)
 
     job = Job(recipe="t", model=m, micro_batch=micro, eval_batches=lambda: [], save_final=lambda p: None)
-    tr = Trainer(job, TrainConfig(steps=3, grad_accum=2, warmup=0), None, torch.device("cpu"), EventLog(None),
+    tr = Trainer(job, RunConfig(steps=3, grad_accum=2, warmup=0), None, torch.device("cpu"), EventLog(None),
                  Reporter())
     tr.step(1)
     assert seen == [0, 1, 2, 3] and tr._next[0] == 2  # step 2's micro-batches 2, 3 already made

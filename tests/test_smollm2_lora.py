@@ -77,7 +77,7 @@ def test_quantized_base_trains_as_the_float32_base(smollm2_gguf, tmp_path):
     from toy.recipes import lora
     from toy.runs import EventLog, Project
     from toy.train.config import RunConfig
-    from toy.train.loop import TrainConfig, train
+    from toy.train.loop import train
 
     assert main(["prep", str(bundled_text_paths()[0]), "--out", str(tmp_path / "c.bin"), "--tokenizer",
                  str(smollm2_gguf)]) == 0
@@ -87,7 +87,7 @@ def test_quantized_base_trains_as_the_float32_base(smollm2_gguf, tmp_path):
                                    seq_len=64, batch_size=2, steps=5, warmup=0, lr=1e-3, base_dtype=dtype,
                                    eval_batches=1, checkpointing=ck, dropout=0.1)
         b = lora.build(cfg, Project(root=None))
-        res = train(b.job, TrainConfig.from_run(cfg.with_derived(b.derived)), None, torch.device("cpu"),
+        res = train(b.job, cfg.with_derived(b.derived), None, torch.device("cpu"),
                     EventLog(None))
         return [x["loss"] for x in res.losses]
 

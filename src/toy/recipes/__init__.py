@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from importlib import import_module
 
-# name -> module under toy.recipes; each module has `build(opts, project) -> Built`.
+# name -> module under toy.recipes; each module declares its `RECIPE` (toy.train.recipe.Recipe).
 RECIPES = {
     "from-scratch": "from_scratch",
     "vit-tiny": "vit_tiny",
@@ -19,4 +19,5 @@ def recipe_names() -> list[str]:
 
 
 def load_recipe(name: str):
-    return import_module(f"toy.recipes.{RECIPES[name]}")
+    """The Recipe named `name` (a KeyError for an unknown one: callers check the names)."""
+    return import_module(f"toy.recipes.{RECIPES[name]}").RECIPE

@@ -7,6 +7,7 @@ import torch
 from toy.models import registry
 from toy.runs import Project
 from toy.train.config import RunConfig
+from toy.train.recipe import Recipe
 from toy.train.job import Built
 from toy.train.lm import fingerprint, lm_config, lm_derived, lm_job, open_token_data
 
@@ -21,3 +22,6 @@ def build(cfg: RunConfig, project: Project) -> Built:
               "corpus_tokens": len(data.train), "corpus_sha256": fingerprint(data.train.path), "seq_len": seq_len}
     job = lm_job("from-scratch", model, data, cfg, seq_len, config)
     return Built(job=job, arch=cfg.arch, params=model.num_params(), notes=notes, derived=lm_derived(cfg, data.train, seq_len, notes))
+
+
+RECIPE = Recipe("from-scratch", build)

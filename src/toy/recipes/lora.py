@@ -22,6 +22,7 @@ from toy.models.quant import count_params, resident_bytes
 from toy.runs import Project, plural
 from toy.train import dist
 from toy.train.config import RunConfig
+from toy.train.recipe import Recipe
 from toy.train.job import IGNORE, Built, Job
 from toy.train.lm import fingerprint, open_token_data, val_windows
 
@@ -308,3 +309,7 @@ def token_stream(cfg: RunConfig, project: Project, tok, model_path: Path, seq_le
     n_rows = max(1, len(data.train) // seq_len)
     info = {"corpus": str(data.train.path), "corpus_tokens": len(data.train)}
     return win.batch, evals, n_rows, info
+
+
+RECIPE = Recipe("lora", build, defaults=FLAGS, add_arguments=add_arguments, check=check_opts,
+                batch_unit=batch_unit)

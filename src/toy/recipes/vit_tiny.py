@@ -30,6 +30,7 @@ from toy.models.vit import VitConfig, check_vit_config
 from toy.runs import Project
 from toy.train import dist
 from toy.train.config import RunConfig
+from toy.train.recipe import Recipe
 from toy.train.job import Built, Job
 
 NAME = "vit-tiny"
@@ -258,3 +259,6 @@ def accuracy_pass(model: nn.Module, batches: list[dict[str, torch.Tensor]]) -> t
         correct += int((logits.argmax(-1).cpu() == b["labels"]).sum())
         total += int(b["labels"].numel())
     return correct, total
+
+
+RECIPE = Recipe("vit-tiny", build, defaults=FLAGS, add_arguments=add_arguments)

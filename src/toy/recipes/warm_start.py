@@ -90,6 +90,7 @@ from toy.formats.gguf import SUPPORTED_ARCHS, GGUFHeader, read_gguf_header, read
 from toy.models import registry
 from toy.runs import Project
 from toy.train.config import RunConfig
+from toy.train.recipe import Recipe
 from toy.train.job import Built
 from toy.train.lm import fingerprint, lm_config, lm_derived, lm_job, open_token_data
 
@@ -399,3 +400,6 @@ def build(cfg: RunConfig, project: Project) -> Built:
     job = lm_job(NAME, model, data, cfg, seq_len, config, export=lambda: fold(model), frozen=freeze,
                  lr_scale=lambda name: scale if name.startswith("embed_tokens.") else 1.0)
     return Built(job=job, arch="llama", params=n_params, notes=notes, derived=lm_derived(cfg, train, seq_len, notes))
+
+
+RECIPE = Recipe("warm-start", build, defaults=FLAGS, add_arguments=add_arguments, check=check_opts)

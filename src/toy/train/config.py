@@ -20,7 +20,7 @@ import math
 from dataclasses import dataclass, fields
 from typing import Any
 
-from toy.errors import InputError
+from toy.errors import InputError, UsageError
 
 
 @dataclass(frozen=True)
@@ -135,3 +135,68 @@ class RunConfig:
     @property
     def target_list(self) -> list[str]:
         return [t.strip() for t in str(self.targets or "").split(",") if t.strip()]
+
+
+# What `--resume` may change; everything else must match the run's recorded config.
+RESUME_MAY_CHANGE = ("steps", "device", "compile")
+
+
+def resolve(cli: dict[str, Any], toml: dict[str, Any], recipe: str, recipe_defaults: dict[str, Any]) -> RunConfig:
+    """flags (`cli`, None = not given) > toy.toml [train.<recipe>] > [train] > the recipe's
+    defaults > RunConfig's. An unknown toy.toml key is an error naming it."""
+    if cli.get("epochs") is not None and cli.get("steps") is not None:
+        raise UsageError("--epochs and --steps conflict: give one (--epochs sets the step count)")
+    out = {**RunConfig.defaults(), **recipe_defaults}
+    table = {k: v for k, v in toml.items() if not isinstance(v, dict)}
+    table.update(toml.get(recipe, {}) if isinstance(toml.get(recipe), dict) else {})
+    for k, v in table.items():
+        key = k.replace("-", "_")
+        if key not in out:
+            raise UsageError(f"toy.toml [train] has unknown key {k!r}; valid: {', '.join(sorted(out))}")
+        out[key] = v
+    out.update({k: v for k, v in cli.items() if v is not None})
+    out["recipe"] = recipe
+    if out.get("epochs") is not None and cli.get("steps") is None:
+        out["steps"] = None  # the recipe counts the steps of --epochs from the data
+    return RunConfig(**out)
+
+
+def _flag(key: str) -> str:
+    return "--" + key.replace("_", "-")
+
+
+def problems(c: RunConfig, archs: list[str], presets: list[str] | None) -> list[str]:
+    """Every problem with the general flags of a resolved config at once, each naming its
+    flag (a recipe checks its own). `archs`: the valid --arch names; `presets`: --arch's
+    presets (None when --arch is unknown)."""
+    p = []
+    if c.arch not in archs:
+        p.append(f"--arch {c.arch!r} is unknown; valid: {', '.join(a for a in archs if a != 'vit')} "
+                 "(vit via --recipe vit-tiny)")
+    elif c.preset is not None and presets is not None and c.preset not in presets:
+        p.append(f"--preset {c.preset!r} is unknown for {c.arch}; valid: {', '.join(presets)}")
+    for k in ("batch_size", "grad_accum", "eval_batches") + (("steps",) if c.steps is not None else ()):
+        v = getattr(c, k)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            p.append(f"{_flag(k)} must be an integer >= 1, got {v!r}")
+    if c.epochs is not None and (not isinstance(c.epochs, int) or c.epochs < 1):
+        p.append(f"--epochs must be an integer >= 1, got {c.epochs!r}")
+    if not (isinstance(c.lr, (int, float)) and c.lr > 0):
+        p.append(f"--lr must be > 0, got {c.lr!r}")
+    elif not (isinstance(c.min_lr, (int, float)) and 0 <= c.min_lr <= c.lr):
+        p.append(f"--min-lr must be between 0 and --lr ({c.lr}), got {c.min_lr!r}")
+    if not isinstance(c.weight_decay, (int, float)) or c.weight_decay < 0:
+        p.append(f"--weight-decay must be >= 0, got {c.weight_decay!r}")
+    if not isinstance(c.clip, (int, float)) or c.clip < 0:
+        p.append(f"--clip must be >= 0 (0 disables), got {c.clip!r}")
+    for k in ("warmup", "eval_every", "save_every", "keep_last"):
+        v = getattr(c, k)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            p.append(f"{_flag(k)} must be an integer >= 0, got {v!r}")
+    if c.corpus:
+        from pathlib import Path
+
+        if not Path(c.corpus).is_file():
+            p.append(f"--corpus {c.corpus} not found; make one with `toy prep TEXT --out FILE.bin` "
+                     "or start a project with `toy new DIR`")
+    return p

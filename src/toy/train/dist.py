@@ -116,3 +116,21 @@ def shard(rows: int, rank: int | None = None, world: int | None = None) -> slice
     w = _INFO.world if world is None else world
     per = rows // w
     return slice(r * per, (r + 1) * per)
+
+
+def launch(nproc: int, argv: list[str]) -> int:
+    """`toy train --nproc N ...` = `python -m torch.distributed.run --standalone
+    --nproc-per-node N -m toy train ...` (the same arguments less --nproc)."""
+    import subprocess
+    import sys
+
+    rest, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--nproc":
+            skip = True
+        elif not a.startswith("--nproc="):
+            rest.append(a)
+    return subprocess.call([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                            str(nproc), "-m", "toy", *rest])

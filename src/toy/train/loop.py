@@ -12,7 +12,7 @@ import os
 import signal
 import sys
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -21,38 +21,11 @@ from toy.errors import Interrupted, RunFailed
 from toy.formats import checkpoint as ckpt
 from toy.runs import MMAP_THRESHOLD_LOW_MEMORY, EventLog, plural, tune_malloc
 from toy.train import dist
+from toy.train.config import RunConfig
 from toy.train.device import autocast, peak_memory
 from toy.train.job import Job
 from toy.train.progress import Reporter
 from toy.train.schedule import Schedule, make_adamw
-
-
-@dataclass
-class TrainConfig:
-    steps: int = 5
-    batch_size: int = 16
-    grad_accum: int = 1
-    lr: float = 1e-3
-    min_lr: float = 1e-4
-    warmup: int = 10
-    weight_decay: float = 0.1
-    clip: float = 1.0
-    eval_every: int = 0  # 0: only before the first step and at the end
-    eval_batches: int = 8
-    save_every: int = 0
-    keep_last: int = 2
-    seed: int = 0
-    fsdp: bool = False  # shard parameters, grads and AdamW state (FSDP2) instead of DDP
-    compile: bool = False  # torch.compile each block (inductor); eager where it cannot
-    checkpointing: bool = False  # recompute each block in backward instead of keeping its activations
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_run(cls, run) -> "TrainConfig":
-        """The loop's part of a resolved RunConfig (toy.train.config)."""
-        return cls(**{f.name: getattr(run, f.name) for f in fields(cls)})
 
 
 @dataclass
@@ -201,7 +174,7 @@ class Trainer:
     """One run of the loop over a Job. `run()` is the whole of it; each method below is
     one part, in the order a step meets them."""
 
-    def __init__(self, job: Job, cfg: TrainConfig, run_dir: Path | None, device: torch.device,
+    def __init__(self, job: Job, cfg: RunConfig, run_dir: Path | None, device: torch.device,
                  events: EventLog, reporter: Reporter):
         self.job, self.cfg, self.run_dir, self.device = job, cfg, run_dir, device
         self.events, self.reporter = events, reporter
@@ -436,7 +409,7 @@ class Trainer:
                           f"resume with `toy train --resume {self.run_dir}`", signum)
 
 
-def train(job: Job, cfg: TrainConfig, run_dir: Path | None, device: torch.device, events: EventLog,
+def train(job: Job, cfg: RunConfig, run_dir: Path | None, device: torch.device, events: EventLog,
           reporter: Reporter | None = None, resume: Path | None = None) -> TrainResult:
     """Run the loop: `resume` is a checkpoint directory to continue from."""
     return Trainer(job, cfg, run_dir, device, events, reporter or Reporter()).run(resume)

@@ -1,0 +1,278 @@
+"""A run's life, start to end: resolve and check the config, build the recipe's job, make
+the run directory and run.json, run the loop, and close the run with one event whatever
+happens. A resumed run is the same life continued: its recorded config, the global batch
+kept on another number of processes, the LR schedule extended.
+
+    outcome = new_run(cli_flags, project, RECIPES)            # `toy train ...`
+    outcome = resume_run(run_dir, cli_flags, project, RECIPES)  # `toy train --resume RUN`
+
+`toy train` (cli/cmd_train.py) parses flags into `cli_flags` (None = not given), calls
+one of these and prints the outcome.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from toy import __version__
+from toy.errors import Interrupted, RunFailed, ToyError, UsageError
+from toy.formats.checkpoint import list_checkpoints, read_json
+from toy.models import registry
+from toy.runs import EventLog, Project, check_run_id, create_run_dir, make_run_id, plural, write_json_atomic
+from toy.train import dist
+from toy.train.config import RESUME_MAY_CHANGE, RunConfig, problems, resolve
+from toy.train.device import device_info, resolve_device
+from toy.train.job import Built
+from toy.train.loop import TrainResult, train
+from toy.train.progress import Reporter, TextReporter
+from toy.train.recipe import Recipe
+
+WARMUP_SHARE = 0.1  # the warmup is at most this share of the run
+SHORT_RUN = 20  # fewer optimizer steps than this rarely move a loss: say so
+
+
+@dataclass
+class Outcome:
+    """A finished run, for the command line to print."""
+
+    run_id: str
+    run_dir: Path
+    cfg: RunConfig
+    built: Built
+    device: torch.device
+    res: TrainResult
+    main: bool  # rank 0: the process that speaks
+
+
+# ------------------------------------------------------------------ the config
+
+def unknown_recipe(name: str, recipes: dict[str, Recipe]) -> str:
+    import difflib
+
+    close = difflib.get_close_matches(str(name), sorted(recipes), n=1, cutoff=0.5)
+    return (f"--recipe {name!r} is unknown; valid: {', '.join(sorted(recipes))}"
+            + (f"; did you mean {close[0]!r}?" if close else ""))
+
+
+def resolve_config(cli: dict[str, Any], project: Project, recipes: dict[str, Recipe]) -> RunConfig:
+    """The resolved config (flags > toy.toml [train.<recipe>] > [train] > the recipe's
+    defaults > RunConfig's), checked: every problem at once, by flag."""
+    name = cli.get("recipe") or project.train_defaults.get("recipe") or RunConfig.recipe
+    if name not in recipes:
+        raise UsageError(unknown_recipe(name, recipes))
+    recipe = recipes[name]
+    cfg = resolve(cli, project.train_defaults, name, recipe.defaults)
+    archs = registry.arch_names()
+    found = problems(cfg, archs, registry.preset_names(cfg.arch) if cfg.arch in archs else None) + recipe.check(cfg)
+    if found:
+        raise UsageError("; ".join(found))
+    return cfg
+
+
+def fit_schedule(cfg: RunConfig, notes: list[str], default_lr: float | None = None) -> RunConfig:
+    """Keep the warmup within 10% of the run (a 2-step run spent entirely warming up
+    learns nothing), and warn of a run too short to learn at the recipe's default LR (a
+    short run with a raised --lr, as README's LoRA example, is a choice, not a mistake)."""
+    cap = int(cfg.steps * WARMUP_SHARE)
+    if cfg.warmup > cap:
+        notes.append(f"--warmup {cfg.warmup} cut to {cap}: at most {WARMUP_SHARE:.0%} of the run's "
+                     f"{plural(cfg.steps, 'step')}")
+        cfg = cfg.replace(warmup=cap)
+    if cfg.steps < SHORT_RUN and (default_lr is None or cfg.lr <= default_lr):
+        notes.append(f"warning: {plural(cfg.steps, 'optimizer step')} is too short for the loss to move much; "
+                     "raise --steps or --epochs (or --lr) to see learning")
+    return cfg
+
+
+def rescale_for_world(cfg: RunConfig, saved_world: int, world: int, unit: str) -> RunConfig:
+    """The same global batch on another number of processes. Token windows and images
+    are rows, split over processes (per-process batch rescaled); chat batches are whole
+    length-grouped batches, so the micro-steps per process are rescaled instead."""
+    if world == saved_world:
+        return cfg
+    if unit == "batches":
+        units = cfg.grad_accum * saved_world
+        if units % world:
+            raise UsageError(f"--resume: each step of the run takes {units} chat batches, which do not split over "
+                             f"{world} processes; resume on a number of processes that divides {units}")
+        return cfg.replace(grad_accum=units // world)
+    rows = cfg.batch_size * saved_world
+    if rows % world:
+        raise UsageError(f"--resume: the run's global batch of {rows} rows does not split over {world} "
+                         f"processes; resume with a world size that divides {rows}")
+    return cfg.replace(batch_size=rows // world)
+
+
+# ------------------------------------------------------------------ a new run
+
+def new_run(cli: dict[str, Any], project: Project, recipes: dict[str, Recipe], *, run_id: str | None = None,
+            out: str | None = None, json_mode: bool = False) -> Outcome:
+    """`toy train`: everything checked before the run directory exists."""
+    cfg = resolve_config(cli, project, recipes)
+    recipe = recipes[cfg.recipe]
+    device = resolve_device(cfg.device)  # before any work: metal off macOS exits 2 here
+    d = dist.init(device.type)
+    runs_dir = Path(out) if out else project.runs_dir
+    if run_id and d.is_main:
+        check_run_id(run_id)
+        if (runs_dir / run_id).exists():
+            raise UsageError(f"--run-id {run_id}: {runs_dir / run_id} already exists; pick another id")
+    built = recipe.build(cfg, project)  # every input check happens here, before the run dir exists
+    cfg = cfg.with_derived(built.derived)
+    default_lr = RunConfig.for_recipe(cfg.recipe, recipe.defaults).lr
+    cfg = fit_schedule(cfg, built.notes, default_lr)  # the resolved config, read-only from here on
+    run_dir = None
+    if d.is_main:  # rank 0 alone names and makes the run directory, then tells the others
+        rid = run_id or make_run_id(project.run_id_template, runs_dir, recipe=cfg.recipe, arch=built.arch)
+        run_dir = create_run_dir(runs_dir, rid)
+    run_dir = Path(dist.broadcast_object(str(run_dir)))
+    distributed = {"world_size": d.world, "backend": d.backend if d.enabled else "none",
+                   "global_batch": cfg.batch_size * cfg.grad_accum * d.world, "fsdp": bool(cfg.fsdp and d.enabled)}
+    info = {
+        "run_id": run_dir.name, "recipe": cfg.recipe, "arch": built.arch, "seed": cfg.seed,
+        "params": built.params, "config": cfg.to_dict(), "job": built.job.config,
+        "device": device_info(device),
+        "versions": {"toy": __version__, "torch": torch.__version__, "python": platform.python_version()},
+        "machine": {"platform": platform.platform(), "cpu_count": _cpu_count()},
+        "command": sys.argv, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "distributed": distributed,
+        "segments": [{"from_step": 0, "steps": cfg.steps, "world_size": d.world, "started": time.time()}],
+    }
+    if d.is_main:
+        write_json_atomic(run_dir / "run.json", info)
+    events = EventLog(run_dir / "events.jsonl", enabled=d.is_main)
+    events.emit("run_started", run_id=run_dir.name, recipe=cfg.recipe, arch=built.arch, params=built.params,
+                steps=cfg.steps, seed=cfg.seed, device=device.type, world_size=d.world,
+                global_batch=distributed["global_batch"])
+    return _execute(cfg, built, run_dir, device, events, None, json_mode)
+
+
+# ------------------------------------------------------------------ a resumed run
+
+def _saved_config(info: dict, run_dir: Path) -> RunConfig:
+    """The resolved config run.json recorded (runs made before it was recorded kept their
+    flags under "flags")."""
+    if "config" in info:
+        return RunConfig.from_record(info["config"], source=str(run_dir / "run.json"))
+    known = set(RunConfig.keys())
+    return RunConfig(**{k: v for k, v in info["flags"].items() if k in known})
+
+
+def resume_run(run_dir: Path, cli: dict[str, Any], project: Project, recipes: dict[str, Recipe], *,
+               json_mode: bool = False) -> Outcome:
+    """`toy train --resume RUN`: its recorded config (only --steps may be raised, and the
+    device and --compile changed), from its latest checkpoint, in place."""
+    if not (run_dir / "run.json").is_file():
+        raise UsageError(f"--resume {run_dir}: no run.json there; give a run directory made by `toy train`")
+    info = read_json(run_dir / "run.json")
+    saved = _saved_config(info, run_dir)
+    for k, v in cli.items():
+        if v is None or k in RESUME_MAY_CHANGE:
+            continue
+        if getattr(saved, k) != v:
+            flag = "--" + k.replace("_", "-")
+            raise UsageError(f"--resume: {flag} {v!r} differs from the run's {getattr(saved, k)!r}; "
+                             "a resumed run keeps its config (only --steps may be raised)")
+    ckpts = list_checkpoints(run_dir / "checkpoints")
+    if not ckpts:
+        raise UsageError(f"--resume {run_dir}: no checkpoint to resume from; train with --save-every N")
+    last = ckpts[-1]
+    done = int(read_json(last / "state.json")["step"])
+    cfg = saved
+    if cli.get("steps") is not None:
+        if cli["steps"] < saved.steps:
+            raise UsageError(f"--steps {cli['steps']} is below the run's {saved.steps}; it may only be raised")
+        cfg = cfg.replace(steps=cli["steps"])
+    for k in ("device", "compile"):
+        if cli.get(k) is not None:
+            cfg = cfg.replace(**{k: cli[k]})
+    if done >= cfg.steps:
+        raise UsageError(f"--resume {run_dir}: its checkpoint is at step {done} of {cfg.steps}; "
+                         "raise --steps to train further")
+    device = resolve_device(cfg.device)
+    d = dist.init(device.type)
+    saved_world = int(info.get("distributed", {}).get("world_size", 1))
+    recipe = recipes[cfg.recipe]
+    run_cfg = rescale_for_world(cfg, saved_world, d.world, recipe.batch_unit(cfg))
+    built = recipe.build(run_cfg, project)
+    for k in sorted(set(built.job.config) | set(info["job"])):
+        a, b = info["job"].get(k), json.loads(json.dumps(built.job.config.get(k)))
+        if a != b:
+            raise UsageError(f"--resume {run_dir}: {k} changed since the run started ({a!r} -> {b!r}); "
+                             "restore the original input or start a new run")
+    run_cfg = run_cfg.with_derived(built.derived)
+    if d.is_main:  # run.json tells the truth about the run as it now stands
+        info["config"] = cfg.to_dict()
+        info.setdefault("segments", []).append({"from_step": done, "steps": cfg.steps, "world_size": d.world,
+                                                "started": time.time()})
+        write_json_atomic(run_dir / "run.json", info)
+    events = EventLog(run_dir / "events.jsonl", enabled=d.is_main)
+    events.emit("run_resumed", from_step=done, steps=run_cfg.steps, checkpoint=str(last.relative_to(run_dir)),
+                world_size=d.world)
+    return _execute(run_cfg, built, run_dir, device, events, last, json_mode)
+
+
+# ------------------------------------------------------------------ the loop, and closing the run
+
+def _execute(cfg: RunConfig, built: Built, run_dir: Path, device: torch.device, events: EventLog,
+             resume: Path | None, json_mode: bool) -> Outcome:
+    """Run the loop and close the run with exactly one event: run_finished, run_failed
+    (exit 1; an unexpected error also leaves its traceback in error.log) or interrupted."""
+    main_rank = dist.info().is_main
+    reporter = Reporter() if json_mode or not main_rank else TextReporter(items_name=built.job.items_name)
+    if not json_mode:
+        what = f"resuming {run_dir.name} from {resume.name}" if resume else f"run {run_dir.name}"
+        reporter.message(f"{what}: {cfg.recipe} {built.arch}, {plural(built.params, 'parameter')}, "
+                         f"{plural(cfg.steps, 'step')} on {device.type} "
+                         f"({plural(torch.get_num_threads(), 'thread')}) -> {run_dir}")
+        for note in built.notes:
+            reporter.message(f"  {note}")
+    elif main_rank:  # --json: stdout is the one object; warnings still reach the user
+        for note in built.notes:
+            if note.startswith("warning:"):
+                print(note, file=sys.stderr)
+
+    def close(event: str, **fields: Any) -> None:
+        reporter.close()
+        if event:
+            events.emit(event, **fields)
+        events.close()
+
+    try:
+        res = train(built.job, cfg, run_dir, device, events, reporter, resume=resume)
+        if main_rank:
+            built.job.save_final(run_dir / "final")
+        dist.barrier()
+    except Interrupted:
+        close("")  # the loop recorded the interruption and its checkpoint
+        raise
+    except KeyboardInterrupt:  # a second Ctrl-C: stop now, no checkpoint for the step in flight
+        close("interrupted", signal="SIGINT", checkpoint=False)
+        raise Interrupted(f"stopped at once by a second Ctrl-C; no checkpoint for the step in flight; resume "
+                          f"from the last checkpoint with `toy train --resume {run_dir}`", 2)
+    except ToyError as e:
+        close("run_failed", step=getattr(e, "step", None), error=e.message)
+        raise e if isinstance(e, RunFailed) else RunFailed(e.message)
+    except Exception as e:
+        log = run_dir / ("error.log" if main_rank else f"error-rank{dist.info().rank}.log")
+        log.write_text(traceback.format_exc())
+        close("run_failed", error=f"{type(e).__name__}: {e}")
+        raise RunFailed(f"{type(e).__name__}: {e} (traceback in {log})")
+    last = res.losses[-1]["loss"] if res.losses else None
+    last_val = res.val_losses[-1]["loss"] if res.val_losses else None
+    close("run_finished", step=res.final_step, loss=last, val_loss=last_val, wall_s=round(res.wall_s, 3),
+          peak_mem_bytes=res.peak_mem_bytes, **{f"{built.job.items_name}_per_s": res.items_per_s})
+    return Outcome(run_dir.name, run_dir, cfg, built, device, res, main_rank)
+
+
+def _cpu_count() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
