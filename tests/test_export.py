@@ -395,9 +395,9 @@ def test_cli_export_lora_run_all_formats(lora_run, toy_cli, tmp_path, tok):
     code, out, err = toy_cli("export", run, "--format", "gguf", "--merge", "--json")
     assert code == 0, err
     r = json.loads(out)
-    # --merge defaults to the base's own types (this base is f32, so the merged file is too)
-    assert r["format"] == "toy/export-v1" and r["dtype"] == "base" and r["merged"]
-    assert Path(r["path"]) == run / "export" / "l1-merged-base.gguf" and r["tensor_types"] == {"F32": 20}
+    # --merge defaults to keep: the base's bytes, adapted tensors f32 on this f32 base (f16 on others)
+    assert r["format"] == "toy/export-v1" and r["dtype"] == "keep" and r["merged"]
+    assert Path(r["path"]) == run / "export" / "l1-merged-keep.gguf" and r["tensor_types"] == {"F32": 20}
     merged = read_gguf(r["path"])
     # Merging rounds W + s*B@A once in float32: agreement to float32 rounding, not bits.
     torch.testing.assert_close(_logits(merged.build_model(), ids), _logits(ref, ids), rtol=1e-5, atol=1e-5)

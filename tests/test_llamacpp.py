@@ -225,6 +225,7 @@ def smol(tmp_path_factory, smollm2_gguf):
     assert main(["export", str(run), "--format", "gguf-lora", "--out", str(d / "adapter.gguf")]) == 0
     assert main(["export", str(run), "--format", "gguf", "--merge", "--dtype", "f32",
                  "--out", str(d / "merged.gguf")]) == 0
+    assert main(["export", str(run), "--format", "gguf", "--merge", "--out", str(d / "merged-keep.gguf")]) == 0
     base = read_gguf(smollm2_gguf)
     write_llama_gguf(d / "base-f32.gguf", base.build_model(), tokenizer_kv=gguf_tokenizer_kv(base.metadata),
                      name="SmolLM2-135M-Instruct (f32 from Q4_1)")
@@ -270,27 +271,32 @@ def test_smollm2_adapter_changes_toys_text(smol_toy):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["lora-on-f32-base", "merged-f32", "lora-on-q4_1-base"])
+@pytest.mark.parametrize("case", ["lora-on-f32-base", "merged-f32", "lora-on-q4_1-base", "merged-keep"])
 def test_smollm2_with_adapter_greedy_text_matches(smol, smol_toy, case):
+    """merged-keep is `toy export --merge`'s default: the Q4_1 base's untouched tensors
+    as they are, the adapted ones f16 (the old default requantized them to Q4_1, and
+    llama.cpp answered with the base model's text word for word)."""
     t = smol_toy
     d = smol["dir"]
     model_path, lora = {"lora-on-f32-base": (d / "base-f32.gguf", d / "adapter.gguf"),
                         "merged-f32": (d / "merged.gguf", None),
-                        "lora-on-q4_1-base": (smol["base"], d / "adapter.gguf")}[case]
+                        "lora-on-q4_1-base": (smol["base"], d / "adapter.gguf"),
+                        "merged-keep": (d / "merged-keep.gguf", None)}[case]
     llm = _llama(model_path, lora)
     want = _toy_greedy(t["adapted"], t["prompt"], N_NEW, t["stop"])
     got = _cpp_greedy(llm, t["prompt"], N_NEW, t["stop"])
     margin = _teacher_forced_margin(t["adapted"], t["prompt"], got)
     _show(f"SmolLM2 + adapter, {case}", t["tok"], t["prompt"], want, got, margin)
-    if case == "lora-on-q4_1-base":
-        # llama.cpp quantizes activations to 8 bits for Q4_1 dot products: toy's f32 math
-        # is not what it computes, so ask only that each of its choices is (nearly) toy's.
+    if case in ("lora-on-q4_1-base", "merged-keep"):
+        # llama.cpp quantizes activations to 8 bits for Q4_1 dot products (f16 for f16
+        # ones): toy's f32 math is not what it computes, so ask only that each of its
+        # choices is (nearly) toy's.
         assert margin < 0.5
     else:
         assert got == want
     # The adapter is really applied: llama.cpp's text is not the base's.
     if case != "merged-f32":
-        base_llm = _llama(model_path)
+        base_llm = _llama(smol["base"] if case == "merged-keep" else model_path)
         assert _cpp_greedy(base_llm, t["prompt"], N_NEW, t["stop"]) != got
 
 

@@ -58,9 +58,11 @@ FAMILY_NOTES = {
             "(llama.cpp disables phi3 SWA anyway); untied",
     "gemma3": "arch gemma3; every norm weight stored +1; no layer-type list in the file: llama.cpp "
               "takes every 6th layer as global (i % 6 == 5), hence 6 layers here (5 local, 1 global); "
-              "query_pre_attn_scalar not stored (llama.cpp uses head_dim), so it is head_dim here",
+              "query_pre_attn_scalar not stored (llama.cpp uses head_dim, d_model / n_head for the 62-layer 27B: "
+              "tests/test_gemma_query_scale.py), so it is head_dim here",
     "gemma2": "arch gemma2; every norm weight stored +1; layers alternate local/global (even = local); "
-              "soft-capping stored; query_pre_attn_scalar not stored (head_dim here, as llama.cpp)",
+              "soft-capping stored; query_pre_attn_scalar not stored (head_dim here, as llama.cpp for all but the "
+              "46-layer 27B)",
 }
 
 

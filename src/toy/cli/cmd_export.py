@@ -26,10 +26,13 @@ def add_parser(sub) -> None:
     p.add_argument("--out", help="output file, or a directory to put it in (a directory for peft) "
                    "(default RUN_DIR/export/<name>)")
     p.add_argument("--dtype", choices=MERGED_DTYPES, help="tensor type for GGUF: f32 (lossless, the default for "
-                   "models and adapters), f16 or q8_0 (norms and other 1-D tensors stay f32; q8_0 falls back to f16 for "
-                   "rows not a multiple of 32); base, with --merge only and its default: every tensor the adapter "
-                   "does not change keeps the base's bytes, the changed ones are requantized to the base's type where "
-                   "gguf can write it (else q8_0)")
+                   "models and adapters), f16 or q8_0 (norms and other 1-D tensors stay f32; q8_0 falls back to f16 "
+                   "for rows not a multiple of 32). With --merge only: keep (its default) copies every tensor the "
+                   "adapter does not change byte for byte and writes the changed ones as f16 (f32 on an f32 base), "
+                   "which keeps the fine-tune, as llama.cpp's export-lora does; base requantizes the changed ones to "
+                   "the base's own type (else q8_0): the smallest file, but lossy: a 4-bit base rounds most of a LoRA "
+                   "update away and llama.cpp then answers much as the base model does (the export notes how much of "
+                   "the update it kept)")
     p.add_argument("--merge", action="store_true", help="with --format gguf on a LoRA run: fold the adapter into "
                    "its base and write the full model")
     p.add_argument("--model", metavar="BASE.gguf", help="a LoRA run's base model (default: the path in its "
@@ -97,10 +100,10 @@ def _check_request(r: _Run, args) -> str:
         if args.dtype:
             raise UsageError("--dtype applies to GGUF exports; a PEFT adapter is copied as trained: drop --dtype")
         return ""
-    if args.dtype == "base" and not args.merge:
-        raise UsageError("--dtype base keeps a base model's own tensor types: it applies to --merge only; "
+    if args.dtype in ("keep", "base") and not args.merge:
+        raise UsageError(f"--dtype {args.dtype} keeps a base model's own tensors: it applies to --merge only; "
                          "use f32, f16 or q8_0")
-    dtype = args.dtype or ("base" if args.merge else "f32")
+    dtype = args.dtype or ("keep" if args.merge else "f32")
     if fmt == "gguf-lora" and dtype == "q8_0":
         raise UsageError("--dtype q8_0 is not offered for --format gguf-lora: an adapter is small and its B "
                          "matrices (r columns) rarely fill q8_0's 32-wide blocks; use f16 or f32")
@@ -260,7 +263,9 @@ def _report(args, r: _Run, rep, dtype: str) -> int:
         print(json.dumps({"format": "toy/export-v1", "run_dir": str(r.dir), "kind": r.kind,
                           "export_format": args.format, "merged": bool(args.merge), "path": str(rep.path),
                           "arch": rep.arch, "dtype": dtype, "file_size": size, "n_params": rep.n_params,
-                          "tensor_types": dict(rep.tensor_types.most_common()), "notes": rep.notes}))
+                          "tensor_types": dict(rep.tensor_types.most_common()), "notes": rep.notes,
+                          **({"update_kept": rep.update_kept, "update_error": rep.update_error}
+                             if rep.update_kept is not None else {})}))
         return 0
     what = {"gguf": "merged model" if args.merge else "model", "gguf-lora": "LoRA adapter"}[args.format]
     types = ", ".join(f"{k} x{v}" for k, v in rep.tensor_types.most_common())

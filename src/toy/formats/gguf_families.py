@@ -218,6 +218,10 @@ def _phi3_plan(cfg: Phi3Config) -> dict[str, Planned]:
 
 # ------------------------------------------------------------------ gemma2, gemma3
 
+# llama.cpp's LLM_TYPE_27B for each family (src/models/gemma2.cpp, gemma3.cpp).
+GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+
+
 def _gemma_config(h: GGUFHeader, arch: str) -> GemmaConfig:
     c = _common(h, arch, eps_default=1e-6)
     if _rope_dims(h, c) != c.head_dim:
@@ -228,6 +232,11 @@ def _gemma_config(h: GGUFHeader, arch: str) -> GemmaConfig:
                          "layers need it")
     g3 = arch == "gemma3"
     theta = meta_float(h, arch + ".rope.freq_base", 1_000_000.0 if g3 else 10000.0)
+    # The 27B models scale queries by d_model / n_head, not by the head size. The file does
+    # not say so (llama.cpp's converter drops query_pre_attn_scalar): llama.cpp takes it from
+    # the layer count that marks the 27B model (46 for gemma2, 62 for gemma3), and so does
+    # toy, to give the same model llama.cpp runs.
+    scalar = c.d_model // c.n_head if c.n_layer == GEMMA_27B_LAYERS[arch] else c.head_dim
     return GemmaConfig(
         vocab_size=c.vocab, n_layer=c.n_layer, d_model=c.d_model, n_head=c.n_head, n_kv_head=c.n_kv_head,
         head_dim=c.head_dim, d_ff=c.d_ff, max_seq_len=c.context, rope_theta=theta,
@@ -236,7 +245,8 @@ def _gemma_config(h: GGUFHeader, arch: str) -> GemmaConfig:
         rope_local_theta=meta_float(h, arch + ".rope.freq_base_swa", 10000.0) if g3 else theta,
         sliding_window=window, global_every=6 if g3 else 2, norm_eps=c.eps, qk_norm=g3,
         attn_softcap=meta_float_or(h, arch + ".attn_logit_softcapping", 0.0),
-        final_softcap=meta_float_or(h, arch + ".final_logit_softcapping", 0.0), tie_embeddings=c.tied)
+        final_softcap=meta_float_or(h, arch + ".final_logit_softcapping", 0.0), tie_embeddings=c.tied,
+        query_pre_attn_scalar=scalar)
 
 
 GEMMA_TARGETS = LLAMA_TARGETS

@@ -25,7 +25,10 @@ Layouts, at each point (the reason LoRA export is easy to get wrong, ANCHORS pit
 
 dtypes: f32, f16, q8_0. 1-D tensors (norms, biases) stay f32 as llama.cpp's converter
 keeps them; q8_0 packs rows in blocks of 32, so a matrix whose rows (ne[0]) are not a
-multiple of 32 falls back to f16, and the report says which.
+multiple of 32 falls back to f16, and the report says which. A merged model also takes
+keep (its default: the base's bytes where the adapter does not reach, f16 where it does)
+and base (the adapted tensors requantized to the base's types: lossy, see
+write_merged_gguf).
 
 Tokenizer: a byte-level BPE from HF `tokenizers` is written as llama.cpp's `gpt2`
 tokenizer model. The `tokenizer.ggml.pre` name decides how llama.cpp splits text
@@ -78,6 +81,12 @@ class WriteReport:
     tensor_types: Counter = field(default_factory=Counter)
     n_params: int = 0
     notes: list[str] = field(default_factory=list)
+    # A merged model, over its adapted tensors (W the base's, dW the adapter's update, V
+    # what was written): the share of the update kept, <V - W, dW> / ||dW||^2 (1: all
+    # of it, 0: rounded away), and the error, ||V - (W + dW)|| / ||dW|| (rounding noise
+    # and lost update together). None for other files.
+    update_kept: float | None = None
+    update_error: float | None = None
 
 
 # ------------------------------------------------------------------ writing
@@ -552,7 +561,7 @@ def base_config(path: str | os.PathLike) -> tuple[Any, str, dict[str, Any]]:
 
 # ------------------------------------------------------------------ merged models
 
-MERGED_DTYPES = ("base",) + DTYPES
+MERGED_DTYPES = ("keep", "base") + DTYPES
 # What llama.cpp must not find twice or stale in a merged file: the writer sets these.
 _OWN_KEYS = ("general.architecture", "general.name", "general.file_type", "general.quantization_version",
              "general.alignment")
@@ -568,16 +577,38 @@ def _quantizable(qtype: GGMLQuantizationType) -> bool:
         return False
 
 
+def _kept_type(qtype: GGMLQuantizationType) -> str:
+    """--dtype keep: the type an adapted tensor is written in, as llama.cpp's own
+    export-lora writes merged tensors: f32 where the base's is f32, else f16. A LoRA
+    update is far below a 4-bit (even an 8-bit) quantization step of the base, so only a
+    float type keeps it; f16 keeps it to ~0.1%."""
+    return "f32" if qtype == GGMLQuantizationType.F32 else "f16"
+
+
+def _as_written(data: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
+    """The float32 values a reader gets back from tensor data `data` of type `qtype`."""
+    if qtype == GGMLQuantizationType.F32:
+        return data
+    if qtype == GGMLQuantizationType.F16:
+        return data.astype(np.float32)
+    return gguf.quants.dequantize(data, qtype)
+
+
 def write_merged_gguf(path: str | os.PathLike, base: "GGUFModel | str | os.PathLike", lora_sd: dict[str, torch.Tensor],
-                      *, rank: int, alpha: float, dtype: str = "base", name: str = "toy-merged") -> WriteReport:
+                      *, rank: int, alpha: float, dtype: str = "keep", name: str = "toy-merged") -> WriteReport:
     """The base GGUF with the adapter folded in (W += B A * alpha/r), in the base's own
     architecture: every key of the base is kept (with its type), and tensors come in
     the base's order. `dtype`:
-    - "base": each tensor the adapter does not touch is copied byte for byte (nothing
-      lost); each one it changes is requantized to the base's type where `gguf.quants`
-      can write that type, else to q8_0 (or f16 where its rows do not fill q8_0
-      blocks), and the report says which;
-    - f32 / f16 / q8_0: every 2-D tensor in that type (dequantized first)."""
+    - "keep" (the default): each tensor the adapter does not touch is copied byte for
+      byte; each one it changes is written as f16 (f32 where the base's is f32), which
+      keeps the update: what llama.cpp's export-lora does;
+    - "base": untouched tensors copied as for keep; each changed one requantized to the
+      base's type where `gguf.quants` can write that type, else to q8_0 (or f16 where its
+      rows do not fill q8_0 blocks). The smallest file, but a 4-bit type rounds most of
+      a LoRA update away (SmolLM2's Q4_1: 6% kept; the report says how much, with a note);
+    - f32 / f16 / q8_0: every 2-D tensor in that type (dequantized first).
+    The report's `update_kept` and `update_error` say what the written adapted tensors
+    kept of the update (see WriteReport)."""
     _check_dtype(dtype, MERGED_DTYPES, "a merged model")
     base_path = base.path if isinstance(base, GGUFModel) else Path(base)
     h = read_gguf_header(base_path)
@@ -601,10 +632,14 @@ def write_merged_gguf(path: str | os.PathLike, base: "GGUFModel | str | os.PathL
     notes: list[str] = []
     tensors = []
     fallback = Counter()
+    adapted_types = Counter()
+    err2 = upd2 = dot = 0.0
     for gname, ti in h.tensors.items():
         if gname in deltas:
             w = _load_tensor(buf, ti) + deltas[gname]  # the file's layout, float32
-            if dtype == "base":
+            if dtype == "keep":
+                data, q = _encode(gname, w.numpy(), _kept_type(ti.qtype), notes)
+            elif dtype == "base":
                 if ti.qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
                     data, q = _encode(gname, w.numpy(), "f32" if ti.qtype == GGMLQuantizationType.F32 else "f16", notes)
                 elif _quantizable(ti.qtype) and w.shape[-1] % gguf.GGML_QUANT_SIZES[ti.qtype][0] == 0:
@@ -614,7 +649,13 @@ def write_merged_gguf(path: str | os.PathLike, base: "GGUFModel | str | os.PathL
                     data, q = _encode(gname, w.numpy(), "q8_0", notes)
             else:
                 data, q = _encode(gname, w.numpy(), dtype, notes)
-        elif dtype == "base" or len(ti.ne) == 1:
+            adapted_types[q.name] += 1
+            d64 = deltas[gname].double().numpy()
+            off = _as_written(data, q).astype(np.float64) - w.numpy()  # V - (W + dW)
+            err2 += float(np.square(off).sum())
+            upd2 += float(np.square(d64).sum())
+            dot += float(((off + d64) * d64).sum())  # <V - W, dW>
+        elif dtype in ("keep", "base") or len(ti.ne) == 1:
             raw = np.asarray(buf[ti.offset : ti.offset + ti.nbytes])
             if ti.qtype == GGMLQuantizationType.F32:
                 data = raw.view(np.float32).reshape(ti.shape)
@@ -633,12 +674,21 @@ def write_merged_gguf(path: str | os.PathLike, base: "GGUFModel | str | os.PathL
     kv = {k: v for k, v in h.metadata.items() if k not in _OWN_KEYS}
     kv["general.name"] = name
     kv["general.quantization_version"] = GGML_QUANT_VERSION
-    file_type = h.metadata.get("general.file_type") if dtype == "base" else int(_FILE_TYPE[dtype])
+    file_type = h.metadata.get("general.file_type") if dtype in ("keep", "base") else int(_FILE_TYPE[dtype])
     if isinstance(file_type, int):
         kv["general.file_type"] = file_type
     types = {k: t for k, t in h.kv_types.items() if k in kv}
     _write(Path(path), fam.name, kv, tensors, kv_types=types)
     counts = Counter(q.name for _, _, q in tensors)
     n = sum(ti.n_elements for ti in h.tensors.values())
-    notes.insert(0, f"{len(deltas)} tensors of {fam.name} base {Path(base_path).name} merged with the adapter")
-    return WriteReport(Path(path), fam.name, counts, n, notes)
+    kept, error = (dot / upd2, (err2 / upd2) ** 0.5) if upd2 > 0 else (1.0, 0.0)
+    written = ", ".join(f"{k} x{v}" for k, v in adapted_types.most_common())
+    notes.insert(0, f"{len(deltas)} tensors of {fam.name} base {Path(base_path).name} merged with the adapter, "
+                    f"written as {written}: {kept:.0%} of its update kept, error {error:.0%} of it"
+                 + ("; every other tensor is the base's own bytes" if dtype in ("keep", "base") else ""))
+    lossy = sorted(k for k in adapted_types if k not in ("F32", "F16", "BF16"))
+    if dtype == "base" and lossy:
+        notes.insert(1, f"--dtype base: the adapted tensors requantized to {', '.join(lossy)} keep {kept:.0%} of the "
+                        "adapter's update (a 4-bit step is far above a LoRA update: llama.cpp may answer as the base "
+                        "model does); the default --dtype keep writes them as f16")
+    return WriteReport(Path(path), fam.name, counts, n, notes, update_kept=kept, update_error=error)

@@ -76,7 +76,14 @@ class GemmaConfig:
     attn_softcap: float = 0.0  # Gemma 2: 50
     final_softcap: float = 0.0  # Gemma 2: 30
     tie_embeddings: bool = True
+    # Queries are scaled by 1/sqrt(query_pre_attn_scalar): the head size, except in the 27B
+    # models (d_model / n_head: 144 for Gemma 2, 168 for Gemma 3, where heads are 128 wide).
+    query_pre_attn_scalar: int = 0  # 0: head_dim
     arch: str = field(default="gemma")
+
+    def __post_init__(self) -> None:
+        if self.query_pre_attn_scalar == 0:
+            self.query_pre_attn_scalar = self.head_dim
 
     def is_global(self, layer: int) -> bool:
         return layer % self.global_every == self.global_every - 1

@@ -10,7 +10,9 @@ What differs from llama, top to bottom:
   one layer in `global_every` is global (Gemma 3: every 6th, Gemma 2: every 2nd);
 - Gemma 3 normalises each head's queries and keys (RMSNorm, as Qwen 3);
 - Gemma 2 soft-caps attention scores and final logits: cap * tanh(x / cap); Gemma 3
-  files may declare the final one.
+  files may declare the final one;
+- queries are scaled by 1/sqrt(query_pre_attn_scalar), which is the head size except in
+  the 27B models (d_model / n_head).
 
 Norm weights: HF's Gemma computes x * (1 + w); llama.cpp's converter stores 1 + w, and
 toy keeps the file's convention, so every norm here is the plain RMSNorm x * w. Names
@@ -46,9 +48,11 @@ class Block(nn.Module):
         super().__init__()
         self.is_global = cfg.is_global(layer)
         self.input_layernorm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        # None where the scalar is the head size: SDPA's own default, the same bits as before.
+        scale = None if cfg.query_pre_attn_scalar == cfg.head_dim else cfg.query_pre_attn_scalar ** -0.5
         self.self_attn = Attention(cfg.d_model, cfg.n_head, cfg.n_kv_head, cfg.head_dim, qk_norm=cfg.qk_norm,
                                    norm_eps=cfg.norm_eps, window=0 if self.is_global else cfg.sliding_window,
-                                   softcap=cfg.attn_softcap)
+                                   scale=scale, softcap=cfg.attn_softcap)
         self.post_attention_layernorm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.pre_feedforward_layernorm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = GeluGated(cfg.d_model, cfg.d_ff)

@@ -101,6 +101,22 @@ def _no_buffer_sync() -> dict:
     return {"forward_sync_buffers": False} if "forward_sync_buffers" in params else {"broadcast_buffers": False}
 
 
+def _ddp_ignore_frozen(module: torch.nn.Module) -> list[str]:
+    """Leave every frozen parameter and every buffer out of DDP: its start-up broadcast
+    (which torch 2.13 does even with forward_sync_buffers=False) copies rank 0's tensors
+    into every rank's, and a quantized base's blocks are views of the GGUF's copy-on-write
+    map, so that write gives each rank a private copy of the whole base. Every rank reads
+    the same file, the buffers (rotary tables, quantized blocks, a donor's table) are a
+    function of the config and the files, and a frozen parameter gets no gradient to
+    reduce: nothing of them needs syncing. Returns the names left out."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    names = [n for n, p in module.named_parameters() if not p.requires_grad]
+    names += [n for n, _ in module.named_buffers()]
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, names)
+    return names
+
+
 class _Signals:
     """Turn SIGINT/SIGTERM into a flag checked between steps: the step in flight
     finishes, a checkpoint is written, then the run stops. The first signal says so at
@@ -217,9 +233,10 @@ class Trainer:
             return None, root
         from torch.nn.parallel import DistributedDataParallel
 
-        # Buffers (rotary tables) are a function of the config: no need to broadcast them.
         ids = [self.d.local_rank] if self.device.type == "cuda" else None
-        return DistributedDataParallel(_LossModule(self.job), device_ids=ids, **_no_buffer_sync()), None
+        root = _LossModule(self.job)
+        _ddp_ignore_frozen(root)  # only the trainable parameters are broadcast and reduced
+        return DistributedDataParallel(root, device_ids=ids, **_no_buffer_sync()), None
 
     def _start(self, resume: Path | None) -> int:
         """The step to continue from: 0, or the checkpoint's (everything restored)."""
