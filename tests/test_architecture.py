@@ -115,3 +115,17 @@ def test_cli_holds_no_training_policy():
                                                                           or not imp.startswith(policy[-1]))]
     assert bad == []
     assert any(imp == "toy.train.run" for _, imp in toy_imports(SRC / "cli" / "cmd_train.py"))
+
+
+def test_no_probing_of_recipes_or_models_in_train():
+    """The loop, the job and a run's life use the Recipe and model contracts as declared:
+    no hasattr/getattr guessing at a named attribute that an object might have (reading a
+    dataclass field by a variable name is not guessing)."""
+    bad = []
+    for p in sorted((SRC / "train").glob("*.py")):
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("hasattr", "getattr"):
+                target, attr = node.args[0], node.args[1]
+                if isinstance(attr, ast.Constant) and ast.unparse(target) != "os":
+                    bad.append(f"train/{p.name}:{node.lineno} {ast.unparse(node)}")
+    assert bad == []

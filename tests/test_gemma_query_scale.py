@@ -77,11 +77,11 @@ def input_ids(n: int = 40) -> torch.Tensor:
 @pytest.mark.parametrize("family", list(LAYERS_27B))
 def test_the_file_is_read_with_the_27b_query_scalar(family, tiny27b):
     from toy.formats.gguf_header import read_gguf_header
-    from toy.formats.gguf_families import FAMILIES
+    from toy.formats.gguf_plan import family_of
 
     h = read_gguf_header(tiny27b[family][0])
     assert h.metadata[f"{family}.attention.key_length"] == HEAD_DIM  # the file's head size, not the scalar
-    cfg = FAMILIES[family].config(h)
+    cfg = family_of(h).config(h)
     assert cfg.head_dim == HEAD_DIM and cfg.query_pre_attn_scalar == SCALAR
 
 

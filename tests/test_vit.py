@@ -291,7 +291,7 @@ def test_preset_follows_the_training_set_size(tmp_path, toy_cli):
 
     assert vit_tiny.choose_preset(12_000)[0] == "vit-tiny-6"  # the Fashion-MNIST folder
     assert vit_tiny.choose_preset(60_000)[0] == "vit-tiny"
-    assert registry.PRESETS["vit"]["vit-tiny-6"] == {**registry.PRESETS["vit"]["vit-tiny"], "n_layer": 6}
+    assert registry.preset("vit", "vit-tiny-6") == {**registry.preset("vit", "vit-tiny"), "n_layer": 6}
     # No --preset: the smoke set's 270 images get the half-depth shape (at 28 px, to stay small).
     code, out, err = toy_cli("train", "--recipe", "vit-tiny", "--image-size", "28", "--patch-size", "7",
                              "--batch-size", "4", "--steps", "1", "--out", tmp_path, "--run-id", "p")

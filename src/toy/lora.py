@@ -31,11 +31,11 @@ import torch.nn.functional as F
 
 from toy.errors import InputError, UsageError
 from toy.models.quant import QuantLinear, QuantSpec, dequantize_weight, frozen_linear
+from toy.models.registry import lora_targets
 
-# Every family's linear layers (llama-style, and Phi-3's fused ones); a model takes the
-# ones it has (apply_lora says which, when a target matches nothing).
-VALID_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj",
-                 "gate_up_proj")
+# Every family's linear layers (llama-style, and Phi-3's fused ones), as the families
+# declare them; a model takes the ones it has (apply_lora says which, when one matches nothing).
+VALID_TARGETS = lora_targets()
 
 
 class LoRALinear(nn.Module):

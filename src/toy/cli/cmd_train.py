@@ -37,7 +37,7 @@ def _presets() -> str:
     out = []
     for arch in registry.arch_names():
         for name in registry.preset_names(arch):
-            f = registry.PRESETS[arch][name]
+            f = registry.preset(arch, name)
             shape = (f"{f['image_size']}px/{f['patch_size']}, " if "image_size" in f else "") + \
                 f"{f['n_layer']}x{f['d_model']}, {f['n_head']} heads" + \
                 (f", context {f['max_seq_len']}" if "max_seq_len" in f else "")

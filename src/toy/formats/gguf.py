@@ -8,7 +8,8 @@ tokenizer metadata and the chat template.
     describe_gguf("model.gguf")                  # header only: any GGUF, even one toy cannot train
 
 The header is parsed by formats/gguf_header.py (bounded, every count checked); which
-tensors a family needs and what toy calls them comes from formats/gguf_families.py.
+tensors a family needs and what toy calls them comes from the family's own file in
+models/, through formats/gguf_plan.py.
 
 The base's weights come in one of three forms (`--base-dtype`):
 - `quantized`: each 2-D weight stays in the file's own blocks, a uint8 tensor over the
@@ -41,10 +42,10 @@ from tokenizers import Tokenizer
 from toy.errors import InputError
 from toy.formats.gguf_describe import (BASE_DTYPES, check_tensors, config_from_header, describe_gguf,  # noqa: F401
                                        resident_size, tensor_name_map, tensor_plan)
-from toy.formats.gguf_families import FAMILIES, SUPPORTED_ARCHS, Family, Planned, check_plan, family_of  # noqa: F401
+from toy.formats.gguf_plan import GGUFFamily, Planned, check_plan, family_of, gguf_families, supported_archs  # noqa: F401
 from toy.formats.gguf_header import (GGUFHeader, TensorInfo, _show, read_gguf_header,  # noqa: F401
                                      SUPPORTED_VERSIONS)
-from toy.models import quant, registry
+from toy.models import quant
 from toy.models.quant import QuantEmbedding, QuantLinear, QuantSpec, half_split_rows
 from toy.tokenizer import from_gguf_metadata
 
@@ -152,15 +153,15 @@ class GGUFModel:
     notes: list[str] = field(default_factory=list)
 
     @property
-    def family(self) -> Family:
-        return FAMILIES[self.arch]
+    def family(self) -> GGUFFamily:
+        return gguf_families()[self.arch]
 
     def build_model(self, device: torch.device | str = "cpu") -> nn.Module:
         """toy's model of the file's family with these weights, in eval mode. Built on the
         meta device (no random init to throw away), then each tensor is put in place: a
         float one as the parameter itself (so the base exists once), a quantized one as
         a QuantLinear / QuantEmbedding over its blocks. A tied head shares the embedding."""
-        cls = registry.ARCHS[self.family.model][1]
+        cls = self.family.model
         with torch.device("meta"), _no_init():
             model = cls(self.config)
         tied = getattr(self.config, "tie_embeddings", False)

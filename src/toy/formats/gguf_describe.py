@@ -1,5 +1,5 @@
-"""What a GGUF holds and whether toy can load it, from its header alone and without
-torch: `toy describe` and `toy list` answer in a fraction of a second.
+"""What a GGUF holds and whether toy can load it, from its header alone (nothing is read
+or dequantized): `toy describe` and `toy list`.
 
 - `config_from_header(h)`: toy's model config for the file's family;
 - `check_tensors(h)`: the header's tensors are exactly the family's, with their shapes;
@@ -15,11 +15,9 @@ from collections import Counter
 from typing import Any
 
 from toy.errors import InputError
-from toy.formats.gguf_families import FAMILIES, Planned, check_plan, family_of
 from toy.formats.gguf_header import GGUFHeader, read_gguf_header
-from toy.models.quant_types import QUANT_TYPES
-
-BASE_DTYPES = ("quantized", "bfloat16", "float32")
+from toy.formats.gguf_plan import Planned, check_plan, family_of, gguf_families
+from toy.models.quant_types import BASE_DTYPES, QUANT_TYPES  # noqa: F401  (BASE_DTYPES: importers take it here)
 
 
 def config_from_header(h: GGUFHeader):
@@ -36,7 +34,7 @@ def tensor_plan(h: GGUFHeader, cfg=None) -> dict[str, Planned]:
 
 def tensor_name_map(cfg, arch: str = "llama") -> dict[str, tuple[str, tuple[int, ...]]]:
     """GGUF tensor name -> (toy parameter name, torch shape), for `arch`'s family."""
-    return {g: (p.name, p.shape) for g, p in FAMILIES[arch].plan(cfg).items()}
+    return {g: (p.name, p.shape) for g, p in gguf_families()[arch].plan(cfg).items()}
 
 
 def check_tensors(h: GGUFHeader, cfg=None) -> dict[str, Planned]:

@@ -1,7 +1,7 @@
 """The GGUF header: key/values and tensor infos, parsed with every count, length and
 offset checked against the file's size before anything is read, so a hostile or
-truncated file fails in bounded time and memory with an `InputError`; and the typed
-readers of `<arch>.*` keys the families use (formats/gguf_families.py).
+truncated file fails in bounded time and memory with an `InputError`. (The families read
+their `<arch>.*` keys through models/family.py's `Keys`, via formats/gguf_plan.py.)
 
 Why not `gguf.GGUFReader` for the header: it trusts the counts it reads (an array
 claiming 2**60 elements at the end of the file makes it loop for ever, growing a list),
@@ -302,38 +302,3 @@ def read_gguf_header(path: str | os.PathLike) -> GGUFHeader:
                              f"but the file has {size}; {_TRUNCATED_FIX}")
         tensors[name] = TensorInfo(name, ne, qtype, start, nbytes)
     return GGUFHeader(path, version, size, metadata, tensors, alignment, data_start, kv_types)
-
-
-# ------------------------------------------------------------------ typed keys
-
-def meta_int(h: GGUFHeader, key: str, default: int | None = None) -> int:
-    v = h.metadata.get(key)
-    if v is None:
-        if default is None:
-            raise InputError(f"{h.path}: GGUF key {key!r} is missing; the file is not a complete "
-                             f"{h.metadata.get('general.architecture')} model")
-        return default
-    if isinstance(v, list):  # per-layer values (some archs): toy needs them all equal
-        if not v or any(x != v[0] for x in v):
-            raise InputError(f"{h.path}: GGUF key {key!r} varies per layer ({v[:8]}...); toy needs one value")
-        v = v[0]
-    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-        raise InputError(f"{h.path}: GGUF key {key!r} is {v!r}; expected a positive integer")
-    return v
-
-
-def meta_float(h: GGUFHeader, key: str, default: float) -> float:
-    v = h.metadata.get(key, default)
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not (v > 0 and v < float("inf")):
-        raise InputError(f"{h.path}: GGUF key {key!r} is {v!r}; expected a positive number")
-    return float(v)
-
-
-def meta_float_or(h: GGUFHeader, key: str, default: float) -> float:
-    """A float key that may be 0 or absent (soft-capping, sliding windows): default then."""
-    v = h.metadata.get(key, default)
-    if v is None:
-        return default
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0 <= v < float("inf")):
-        raise InputError(f"{h.path}: GGUF key {key!r} is {v!r}; expected a number >= 0")
-    return float(v)

@@ -54,8 +54,8 @@ from tokenizers import Tokenizer
 
 from toy.errors import InputError, UsageError
 from toy.formats.checkpoint import write_file_atomic
-from toy.formats.gguf import (FAMILIES, GGUFModel, Planned, _load_tensor, _map, check_tensors, config_from_header,
-                              family_of, permute_qk, read_gguf_header, tensor_name_map, unpermute_qk)
+from toy.formats.gguf import (GGUFModel, Planned, _load_tensor, _map, check_tensors, config_from_header, family_of,
+                              gguf_families, permute_qk, read_gguf_header, tensor_name_map, unpermute_qk)
 from toy.models.gpt2 import GPT2, GPT2Config
 from toy.models.llama import Llama, LlamaConfig
 from toy.tokenizer import EOS_TOKEN, from_gguf_metadata
@@ -427,7 +427,7 @@ def _adaptable(cfg, arch: str) -> dict[str, tuple[str, Planned]]:
     """toy module name (`layers.0.self_attn.q_proj`) -> (GGUF base tensor name, plan),
     for every linear layer of the body of `arch`'s family."""
     out = {}
-    for gname, p in FAMILIES[arch].plan(cfg).items():
+    for gname, p in gguf_families()[arch].plan(cfg).items():
         if p.name.startswith("layers.") and p.name.endswith(".weight") and len(p.shape) == 2:
             out[p.name[: -len(".weight")]] = (gname, p)
     return out
@@ -519,9 +519,9 @@ def read_lora_gguf(path: str | os.PathLike, base) -> LoraGGUF:
         raise InputError(f"{h.path}: not a LoRA adapter GGUF (general.type={meta.get('general.type')!r}, "
                          f"adapter.type={meta.get('adapter.type')!r})")
     arch = meta.get("general.architecture")
-    if arch not in FAMILIES:
+    if arch not in gguf_families():
         raise InputError(f"{h.path}: adapter for architecture {arch!r}, which toy does not read; supported: "
-                         f"{', '.join(FAMILIES)}")
+                         f"{', '.join(gguf_families())}")
     alpha = meta.get("adapter.lora.alpha")
     if not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
         raise InputError(f"{h.path}: adapter.lora.alpha is missing or not a number")

@@ -22,12 +22,49 @@ follow HF's Gemma{2,3}ForCausalLM minus `model.`, so PEFT adapters map onto it.
 from __future__ import annotations
 
 import math
+from dataclasses import asdict, dataclass, field
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from toy.models.configs import GemmaConfig
+from toy.models.family import Arch, BadConfig, Family, Keys, Planned, gguf_common, gguf_top, rope_dims
 from toy.models.layers import Attention, KVCache, RMSNorm, Rotary, run_block
+
+
+@dataclass
+class GemmaConfig:
+    vocab_size: int = 4096
+    n_layer: int = 6
+    d_model: int = 256
+    n_head: int = 4
+    n_kv_head: int = 1
+    head_dim: int = 64
+    d_ff: int = 1024
+    max_seq_len: int = 2048
+    rope_theta: float = 1_000_000.0  # global layers
+    rope_local_theta: float = 10_000.0  # local (sliding-window) layers
+    sliding_window: int = 512
+    global_every: int = 6  # layer i is global when i % global_every == global_every - 1
+    norm_eps: float = 1e-6
+    qk_norm: bool = True  # Gemma 3
+    attn_softcap: float = 0.0  # Gemma 2: 50
+    final_softcap: float = 0.0  # Gemma 2: 30
+    tie_embeddings: bool = True
+    # Queries are scaled by 1/sqrt(query_pre_attn_scalar): the head size, except in the 27B
+    # models (d_model / n_head: 144 for Gemma 2, 168 for Gemma 3, where heads are 128 wide).
+    query_pre_attn_scalar: int = 0  # 0: head_dim
+    arch: str = field(default="gemma")
+
+    def __post_init__(self) -> None:
+        if self.query_pre_attn_scalar == 0:
+            self.query_pre_attn_scalar = self.head_dim
+
+    def is_global(self, layer: int) -> bool:
+        return layer % self.global_every == self.global_every - 1
+
+    def to_dict(self) -> dict:
+        return asdict(self)
 
 
 class GeluGated(nn.Module):
@@ -81,6 +118,10 @@ class Gemma(nn.Module):
         self.final_softcap = cfg.final_softcap
         self.reset_parameters()
 
+    @property
+    def blocks(self) -> nn.ModuleList:
+        return self.layers
+
     def tie_weights(self) -> None:
         if self.cfg.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
@@ -119,3 +160,71 @@ class Gemma(nn.Module):
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
+
+
+# ------------------------------------------------------------------ GGUF: gemma2, gemma3
+
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# llama.cpp's LLM_TYPE_27B for each architecture (src/models/gemma2.cpp, gemma3.cpp).
+GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+
+
+def gguf_config(k: Keys, arch: str) -> GemmaConfig:
+    c = gguf_common(k, arch, eps_default=1e-6)
+    if rope_dims(k, c) != c.head_dim:
+        raise BadConfig(f"partial rotary is not supported for {arch}")
+    window = int(k.float_or(arch + ".attention.sliding_window", 0))
+    if window < 1:
+        raise BadConfig(f"GGUF key '{arch}.attention.sliding_window' is missing or 0; {arch}'s local layers need it")
+    g3 = arch == "gemma3"
+    theta = k.float(arch + ".rope.freq_base", 1_000_000.0 if g3 else 10000.0)
+    # The 27B models scale queries by d_model / n_head, not by the head size. The file does
+    # not say so (llama.cpp's converter drops query_pre_attn_scalar): llama.cpp takes it from
+    # the layer count that marks the 27B model, and so does toy, to run the model llama.cpp runs.
+    scalar = c.d_model // c.n_head if c.n_layer == GEMMA_27B_LAYERS[arch] else c.head_dim
+    return GemmaConfig(
+        vocab_size=c.vocab, n_layer=c.n_layer, d_model=c.d_model, n_head=c.n_head, n_kv_head=c.n_kv_head,
+        head_dim=c.head_dim, d_ff=c.d_ff, max_seq_len=c.context, rope_theta=theta,
+        # Gemma 3's local layers rotate with their own base (10000 unless the file says);
+        # Gemma 2 has one base for all.
+        rope_local_theta=k.float(arch + ".rope.freq_base_swa", 10000.0) if g3 else theta,
+        sliding_window=window, global_every=6 if g3 else 2, norm_eps=c.eps, qk_norm=g3,
+        attn_softcap=k.float_or(arch + ".attn_logit_softcapping", 0.0),
+        final_softcap=k.float_or(arch + ".final_logit_softcapping", 0.0), tie_embeddings=c.tied,
+        query_pre_attn_scalar=scalar)
+
+
+def gguf_plan(cfg: GemmaConfig) -> dict[str, Planned]:
+    D, H, K, C, F = cfg.head_dim, cfg.n_head, cfg.n_kv_head, cfg.d_model, cfg.d_ff
+    m = gguf_top(cfg, cfg.tie_embeddings)
+    for i in range(cfg.n_layer):
+        b, t = f"blk.{i}.", f"layers.{i}."
+        m.update({
+            b + "attn_norm.weight": Planned(t + "input_layernorm.weight", (C,)),
+            b + "attn_q.weight": Planned(t + "self_attn.q_proj.weight", (H * D, C)),
+            b + "attn_k.weight": Planned(t + "self_attn.k_proj.weight", (K * D, C)),
+            b + "attn_v.weight": Planned(t + "self_attn.v_proj.weight", (K * D, C)),
+            b + "attn_output.weight": Planned(t + "self_attn.o_proj.weight", (C, H * D)),
+            b + "post_attention_norm.weight": Planned(t + "post_attention_layernorm.weight", (C,)),
+            b + "ffn_norm.weight": Planned(t + "pre_feedforward_layernorm.weight", (C,)),
+            b + "ffn_gate.weight": Planned(t + "mlp.gate_proj.weight", (F, C)),
+            b + "ffn_up.weight": Planned(t + "mlp.up_proj.weight", (F, C)),
+            b + "ffn_down.weight": Planned(t + "mlp.down_proj.weight", (C, F)),
+            b + "post_ffw_norm.weight": Planned(t + "post_feedforward_layernorm.weight", (C,)),
+        })
+        if cfg.qk_norm:
+            m.update({
+                b + "attn_q_norm.weight": Planned(t + "self_attn.q_norm.weight", (D,)),
+                b + "attn_k_norm.weight": Planned(t + "self_attn.k_norm.weight", (D,)),
+            })
+    return m
+
+
+FAMILY = Family(
+    "gemma", GemmaConfig, Gemma,
+    archs={"gemma2": Arch("gemma2", lambda k: gguf_config(k, "gemma2"), gguf_plan, "gemma"),
+           "gemma3": Arch("gemma3", lambda k: gguf_config(k, "gemma3"), gguf_plan, "gemma")},
+    targets=TARGETS, default_targets="q_proj,v_proj",
+    tiny=dict(vocab_size=96, n_layer=2, d_model=64, n_head=4, n_kv_head=1, head_dim=16, d_ff=128, max_seq_len=64,
+              sliding_window=8, global_every=2, attn_softcap=50.0, final_softcap=30.0),
+)

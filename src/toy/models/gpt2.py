@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.nn as nn
 
+from toy.models.family import Family
 from toy.models.layers import GeluMLP, KVCache, attend, run_block
 
 
@@ -80,6 +81,8 @@ class Block(nn.Module):
 
 
 class GPT2(nn.Module):
+    final_softcap = 0.0  # the decoder contract (models/family.py)
+
     def __init__(self, cfg: GPT2Config):
         super().__init__()
         self.cfg = cfg
@@ -91,6 +94,10 @@ class GPT2(nn.Module):
         self.tie_weights()
         self.checkpointing = False  # activation checkpointing per block (--checkpointing)
         self.reset_parameters()
+
+    @property
+    def blocks(self) -> nn.ModuleList:
+        return self.h
 
     def tie_weights(self) -> None:
         """The head IS the token embedding when the config ties them (one tensor)."""
@@ -139,3 +146,17 @@ class GPT2(nn.Module):
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())  # tied weights counted once
+
+
+# Trained from scratch only (toy writes it to GGUF; it reads none).
+FAMILY = Family(
+    "gpt2", GPT2Config, GPT2,
+    presets={
+        "tiny": dict(n_layer=2, d_model=64, n_head=4, max_seq_len=64),
+        "small": dict(n_layer=4, d_model=256, n_head=8, max_seq_len=256),
+        # GPT-2 small's shape (HF `gpt2`).
+        "gpt2-124m": dict(n_layer=12, d_model=768, n_head=12, max_seq_len=1024),
+    },
+    default_preset="small",
+    tiny=dict(vocab_size=96, n_layer=2, d_model=64, n_head=4, max_seq_len=64),
+)

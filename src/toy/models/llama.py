@@ -13,12 +13,41 @@ onto it by a fixed rename.
 from __future__ import annotations
 
 import math
+from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.nn as nn
 
-from toy.models.configs import LlamaConfig  # noqa: F401  (the config lives with the others, torch-free)
+from toy.models.family import Arch, BadConfig, Family, Keys, Planned, gguf_common, gguf_top, rope_dims
 from toy.models.layers import Attention, KVCache, RMSNorm, Rotary, SwiGLU, run_block
+
+
+@dataclass
+class LlamaConfig:
+    vocab_size: int = 4096
+    n_layer: int = 4
+    d_model: int = 256
+    n_head: int = 8
+    n_kv_head: int = 4
+    d_ff: int = 0  # 0: SwiGLU's usual 8/3 * d_model, rounded up to a multiple of 64
+    max_seq_len: int = 256
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = True
+    qkv_bias: bool = False  # qwen2 has q/k/v biases
+    head_dim: int = 0  # 0: d_model // n_head
+    qk_norm: bool = False  # qwen3: RMSNorm on each head's queries and keys
+    sliding_window: int = 0  # mistral-style files that declare one: each token sees this many (0: all)
+    arch: str = field(default="llama")
+
+    def __post_init__(self) -> None:
+        if self.d_ff == 0:
+            self.d_ff = 64 * math.ceil(8 * self.d_model / 3 / 64)
+        if self.head_dim == 0:
+            self.head_dim = self.d_model // self.n_head
+
+    def to_dict(self) -> dict:
+        return asdict(self)
 
 
 class Block(nn.Module):
@@ -37,6 +66,8 @@ class Block(nn.Module):
 
 
 class Llama(nn.Module):
+    final_softcap = 0.0  # the decoder contract (models/family.py): no cap on llama's logits
+
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
         self.cfg = cfg
@@ -48,6 +79,10 @@ class Llama(nn.Module):
         self.rotary = Rotary(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
         self.checkpointing = False  # activation checkpointing per block (--checkpointing)
         self.reset_parameters()
+
+    @property
+    def blocks(self) -> nn.ModuleList:
+        return self.layers
 
     def tie_weights(self) -> None:
         """The head IS the token embedding when the config ties them (one tensor)."""
@@ -89,3 +124,81 @@ class Llama(nn.Module):
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())  # tied weights counted once
+
+
+# ------------------------------------------------------------------ GGUF: llama, qwen2, qwen3
+#
+# llama.cpp's converter interleaves the Q/K rows of each llama head for ggml's rope, which
+# rotates adjacent pairs where HF (and toy's Rotary) rotate i with i + D/2: `qk_heads`
+# tells the reader to undo it. qwen2/qwen3 files keep HF's order.
+
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def gguf_config(k: Keys, arch: str = "llama") -> LlamaConfig:
+    c = gguf_common(k, arch)
+    if rope_dims(k, c) != c.head_dim:
+        raise BadConfig(f"partial rotary ({rope_dims(k, c)} of {c.head_dim} head dims) is not supported for {arch}")
+    return LlamaConfig(
+        vocab_size=c.vocab, n_layer=c.n_layer, d_model=c.d_model, n_head=c.n_head, n_kv_head=c.n_kv_head,
+        d_ff=c.d_ff, max_seq_len=c.context, rope_theta=k.float(arch + ".rope.freq_base", 10000.0),
+        norm_eps=c.eps, tie_embeddings=c.tied, qkv_bias=arch == "qwen2", head_dim=c.head_dim,
+        qk_norm=arch == "qwen3",
+        sliding_window=int(k.float_or(arch + ".attention.sliding_window", 0)) if arch == "llama" else 0,
+    )
+
+
+def gguf_plan(cfg: LlamaConfig, interleaved: bool = True) -> dict[str, Planned]:
+    D, H, K, C, F = cfg.head_dim, cfg.n_head, cfg.n_kv_head, cfg.d_model, cfg.d_ff
+    m = gguf_top(cfg, cfg.tie_embeddings)
+    qh, kh = (H, K) if interleaved else (0, 0)
+    for i in range(cfg.n_layer):
+        b, t = f"blk.{i}.", f"layers.{i}."
+        m.update({
+            b + "attn_norm.weight": Planned(t + "input_layernorm.weight", (C,)),
+            b + "attn_q.weight": Planned(t + "self_attn.q_proj.weight", (H * D, C), qh),
+            b + "attn_k.weight": Planned(t + "self_attn.k_proj.weight", (K * D, C), kh),
+            b + "attn_v.weight": Planned(t + "self_attn.v_proj.weight", (K * D, C)),
+            b + "attn_output.weight": Planned(t + "self_attn.o_proj.weight", (C, H * D)),
+            b + "ffn_norm.weight": Planned(t + "post_attention_layernorm.weight", (C,)),
+            b + "ffn_gate.weight": Planned(t + "mlp.gate_proj.weight", (F, C)),
+            b + "ffn_up.weight": Planned(t + "mlp.up_proj.weight", (F, C)),
+            b + "ffn_down.weight": Planned(t + "mlp.down_proj.weight", (C, F)),
+        })
+        if cfg.qkv_bias:
+            m.update({
+                b + "attn_q.bias": Planned(t + "self_attn.q_proj.bias", (H * D,), qh),
+                b + "attn_k.bias": Planned(t + "self_attn.k_proj.bias", (K * D,), kh),
+                b + "attn_v.bias": Planned(t + "self_attn.v_proj.bias", (K * D,)),
+            })
+        if cfg.qk_norm:
+            m.update({
+                b + "attn_q_norm.weight": Planned(t + "self_attn.q_norm.weight", (D,)),
+                b + "attn_k_norm.weight": Planned(t + "self_attn.k_norm.weight", (D,)),
+            })
+    return m
+
+
+FAMILY = Family(
+    "llama", LlamaConfig, Llama,
+    archs={
+        "llama": Arch("llama", gguf_config, gguf_plan),  # also Mistral
+        "qwen2": Arch("qwen2", lambda k: gguf_config(k, "qwen2"), lambda c: gguf_plan(c, interleaved=False),
+                      "chatml"),
+        "qwen3": Arch("qwen3", lambda k: gguf_config(k, "qwen3"), lambda c: gguf_plan(c, interleaved=False),
+                      "chatml"),
+    },
+    targets=TARGETS, default_targets="q_proj,v_proj",
+    presets={
+        # 2 layers, tiny widths: for tests.
+        "tiny": dict(n_layer=2, d_model=64, n_head=4, n_kv_head=2, max_seq_len=64),
+        # The demo and default: trains in minutes on a 2-core CPU.
+        "small": dict(n_layer=4, d_model=256, n_head=8, n_kv_head=4, max_seq_len=256),
+        "llama-25m": dict(n_layer=8, d_model=512, n_head=8, n_kv_head=4, max_seq_len=512),
+        # SmolLM2-135M's shape (30 layers, width 576, 9 query / 3 kv heads).
+        "smollm2-135m": dict(n_layer=30, d_model=576, n_head=9, n_kv_head=3, d_ff=1536, max_seq_len=2048,
+                             rope_theta=100000.0),
+    },
+    default_preset="small",
+    tiny=dict(vocab_size=96, n_layer=2, d_model=64, n_head=4, n_kv_head=2, max_seq_len=64),
+)

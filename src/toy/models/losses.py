@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import torch
 
+from toy.models.quant import QuantLinear
+
 IGNORE = -100
 CHUNK_BYTES = 16 << 20  # float32 logits per chunk: small enough to stay near the caches
 
@@ -166,11 +168,18 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return gh, gw, None, None
 
 
+def head_cross_entropy(h: torch.Tensor, head: torch.nn.Module, targets: torch.Tensor,
+                       softcap: float = 0.0) -> torch.Tensor:
+    """linear_cross_entropy through a decoder's output head: its weight, or, for a head
+    over quantized blocks (QuantLinear), its rows chunk by chunk (never dequantized whole)."""
+    return linear_cross_entropy(h, head if isinstance(head, QuantLinear) else head.weight, targets, softcap)
+
+
 def linear_cross_entropy(h: torch.Tensor, weight, targets: torch.Tensor, softcap: float = 0.0) -> torch.Tensor:
     """Summed next-token cross-entropy of logits h @ weight.T against targets (-100:
     ignored), in float32, chunked over the rows (see the module docstring). `weight` is a
     tensor, or a frozen head that gives its rows in chunks (`.rows(i, j)`, a QuantLinear)."""
-    if hasattr(weight, "rows"):
+    if isinstance(weight, QuantLinear):
         if torch.is_grad_enabled() and h.requires_grad:
             return _HeadRowsCrossEntropy.apply(h, targets, weight, softcap)
         return _vocab_chunked(h, weight, targets, False, softcap)[0]

@@ -12,12 +12,35 @@ projections fused as the files and HF store them.
 
 from __future__ import annotations
 
+from dataclasses import asdict, dataclass, field
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from toy.models.configs import Phi3Config
+from toy.models.family import Arch, Family, Keys, Planned, gguf_common, gguf_top, rope_dims
 from toy.models.layers import KVCache, RMSNorm, Rotary, apply_rotary, attend, run_block
+
+
+@dataclass
+class Phi3Config:
+    vocab_size: int = 4096
+    n_layer: int = 4
+    d_model: int = 256
+    n_head: int = 8
+    n_kv_head: int = 8
+    head_dim: int = 32
+    rope_dim: int = 32  # dims of each head that rotate (partial rotary when < head_dim)
+    d_ff: int = 1024
+    max_seq_len: int = 4096
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    sliding_window: int = 0
+    tie_embeddings: bool = False
+    arch: str = field(default="phi3")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
 
 
 class Phi3Attention(nn.Module):
@@ -67,6 +90,8 @@ class Block(nn.Module):
 
 
 class Phi3(nn.Module):
+    final_softcap = 0.0
+
     def __init__(self, cfg: Phi3Config):
         super().__init__()
         self.cfg = cfg
@@ -79,6 +104,10 @@ class Phi3(nn.Module):
         self.checkpointing = False
         for name, p in self.named_parameters():  # only for a model not loaded from a file
             nn.init.ones_(p) if p.dim() == 1 else nn.init.normal_(p, 0.0, 0.02)
+
+    @property
+    def blocks(self) -> nn.ModuleList:
+        return self.layers
 
     def tie_weights(self) -> None:
         if self.cfg.tie_embeddings:
@@ -104,3 +133,42 @@ class Phi3(nn.Module):
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
+
+
+# ------------------------------------------------------------------ GGUF
+
+TARGETS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
+
+def gguf_config(k: Keys) -> Phi3Config:
+    c = gguf_common(k, "phi3")
+    return Phi3Config(
+        vocab_size=c.vocab, n_layer=c.n_layer, d_model=c.d_model, n_head=c.n_head, n_kv_head=c.n_kv_head,
+        head_dim=c.head_dim, rope_dim=rope_dims(k, c), d_ff=c.d_ff, max_seq_len=c.context,
+        rope_theta=k.float("phi3.rope.freq_base", 10000.0), norm_eps=c.eps,
+        # llama.cpp runs phi3 without a sliding window whatever the file says; so does toy.
+        sliding_window=0, tie_embeddings=c.tied)
+
+
+def gguf_plan(cfg: Phi3Config) -> dict[str, Planned]:
+    D, H, K, C, F = cfg.head_dim, cfg.n_head, cfg.n_kv_head, cfg.d_model, cfg.d_ff
+    m = gguf_top(cfg, cfg.tie_embeddings)
+    for i in range(cfg.n_layer):
+        b, t = f"blk.{i}.", f"layers.{i}."
+        m.update({
+            b + "attn_norm.weight": Planned(t + "input_layernorm.weight", (C,)),
+            b + "attn_qkv.weight": Planned(t + "self_attn.qkv_proj.weight", ((H + 2 * K) * D, C)),
+            b + "attn_output.weight": Planned(t + "self_attn.o_proj.weight", (C, H * D)),
+            b + "ffn_norm.weight": Planned(t + "post_attention_layernorm.weight", (C,)),
+            b + "ffn_up.weight": Planned(t + "mlp.gate_up_proj.weight", (2 * F, C)),  # gate rows, then up rows
+            b + "ffn_down.weight": Planned(t + "mlp.down_proj.weight", (C, F)),
+        })
+    return m
+
+
+FAMILY = Family(
+    "phi3", Phi3Config, Phi3, archs={"phi3": Arch("phi3", gguf_config, gguf_plan)},
+    targets=TARGETS, default_targets="qkv_proj",
+    tiny=dict(vocab_size=96, n_layer=2, d_model=64, n_head=4, n_kv_head=2, head_dim=16, rope_dim=12, d_ff=128,
+              max_seq_len=64),
+)

@@ -1,93 +1,93 @@
-"""Named architectures and presets. Unknown names list the valid ones."""
+"""Every model family, found once: each module of toy.models that declares a `FAMILY`
+(models/family.py). Lookups by name list the valid names when a name is unknown."""
 
 from __future__ import annotations
 
+import pkgutil
+from functools import lru_cache
+from importlib import import_module
 from typing import Any
 
 import torch.nn as nn
 
-from toy.models.gemma import Gemma, GemmaConfig
-from toy.models.gpt2 import GPT2, GPT2Config
-from toy.models.llama import Llama, LlamaConfig
-from toy.models.phi3 import Phi3, Phi3Config
-from toy.models.vit import ViT, VitConfig
-
-ARCHS = {"llama": (LlamaConfig, Llama), "gpt2": (GPT2Config, GPT2), "vit": (VitConfig, ViT),
-         # Read from GGUF files only (LoRA bases, donors): no presets, never trained from scratch.
-         "phi3": (Phi3Config, Phi3), "gemma": (GemmaConfig, Gemma)}
-
-# Presets give model shape only; vocab_size comes from the data's tokenizer.
-PRESETS: dict[str, dict[str, dict[str, Any]]] = {
-    "llama": {
-        # 2 layers, tiny widths: for tests.
-        "tiny": dict(n_layer=2, d_model=64, n_head=4, n_kv_head=2, max_seq_len=64),
-        # The demo and default: trains in minutes on a 2-core CPU.
-        "small": dict(n_layer=4, d_model=256, n_head=8, n_kv_head=4, max_seq_len=256),
-        "llama-25m": dict(n_layer=8, d_model=512, n_head=8, n_kv_head=4, max_seq_len=512),
-        # SmolLM2-135M's shape (30 layers, width 576, 9 query / 3 kv heads).
-        "smollm2-135m": dict(n_layer=30, d_model=576, n_head=9, n_kv_head=3, d_ff=1536,
-                             max_seq_len=2048, rope_theta=100000.0),
-    },
-    "gpt2": {
-        "tiny": dict(n_layer=2, d_model=64, n_head=4, max_seq_len=64),
-        "small": dict(n_layer=4, d_model=256, n_head=8, max_seq_len=256),
-        # GPT-2 small's shape (HF `gpt2`).
-        "gpt2-124m": dict(n_layer=12, d_model=768, n_head=12, max_seq_len=1024),
-    },
-    # ViT presets give shape only; n_classes comes from the image folder (the vit-tiny recipe builds them).
-    "vit": {
-        # ViT-Tiny/16 at 224 px: 196 patches, 12 layers, width 192, 3 heads.
-        "vit-tiny": dict(image_size=224, patch_size=16, n_layer=12, d_model=192, n_head=3, d_ff=768),
-        # ViT-Tiny at half its depth: what the vit-tiny recipe picks for a small image set,
-        # where 6 layers learn faster per step than 12 (docs/results.md, Fashion-MNIST ViT).
-        "vit-tiny-6": dict(image_size=224, patch_size=16, n_layer=6, d_model=192, n_head=3, d_ff=768),
-        # 28 px, 7 px patches (16 of them), 2 layers: for tests.
-        "tiny": dict(image_size=28, patch_size=7, n_layer=2, d_model=64, n_head=4, d_ff=256),
-    },
-}
-DEFAULT_PRESET = {"llama": "small", "gpt2": "small", "vit": "vit-tiny"}
+from toy.models.family import Arch, Family
 
 
-# Decoder language models (what from-scratch and warm-start train); vit is an image model.
-LM_ARCHS = ("gpt2", "llama")
+@lru_cache(maxsize=None)
+def families() -> dict[str, Family]:
+    """name -> Family, for every family file in toy.models."""
+    import toy.models as pkg
 
+    found = {}
+    for info in sorted(pkgutil.iter_modules(pkg.__path__), key=lambda m: m.name):
+        fam = getattr(import_module(f"toy.models.{info.name}"), "FAMILY", None)
+        if isinstance(fam, Family):
+            found[fam.name] = fam
+    return found
+
+
+def family(name: str) -> Family:
+    fams = families()
+    if name not in fams:
+        raise KeyError(f"unknown model family {name!r}; valid: {', '.join(fams)}")
+    return fams[name]
+
+
+def gguf_archs() -> dict[str, tuple[Family, Arch]]:
+    """GGUF general.architecture -> (its family, how the family reads it)."""
+    return {a: (f, arch) for f in families().values() for a, arch in f.archs.items()}
+
+
+def lora_targets() -> tuple[str, ...]:
+    """Every family's LoRA targets (a model takes the ones it has)."""
+    out: list[str] = []
+    for f in families().values():
+        out += [t for t in f.targets if t not in out]
+    return tuple(out)
+
+
+# ------------------------------------------------------------------ presets (from scratch)
 
 def arch_names() -> list[str]:
-    """What `--arch` takes: the architectures with presets."""
-    return sorted(PRESETS)
+    """What `--arch` takes: the families with presets."""
+    return sorted(n for n, f in families().items() if f.presets)
+
+
+def lm_archs() -> tuple[str, ...]:
+    """The decoder language models that train from scratch."""
+    return tuple(n for n in arch_names() if families()[n].language_model)
 
 
 def preset_names(arch: str) -> list[str]:
-    return sorted(PRESETS.get(arch, {}))
+    return sorted(families()[arch].presets) if arch in families() else []
+
+
+def preset(arch: str, name: str) -> dict[str, Any]:
+    return dict(family(arch).presets[name])
 
 
 def build_config(arch: str, preset: str | None, vocab_size: int, **overrides: Any):
     """Config for `arch` from `preset`, then the non-None overrides. Raises KeyError with
     the valid names for an unknown arch or preset (the CLI turns it into exit 2)."""
-    if arch not in ARCHS:
+    if arch not in arch_names():
         raise KeyError(f"unknown arch {arch!r}; valid: {', '.join(arch_names())}")
-    presets = PRESETS.get(arch, {})
-    preset = preset or DEFAULT_PRESET.get(arch)
-    if preset not in presets:
-        raise KeyError(f"unknown preset {preset!r} for arch {arch}; valid: {', '.join(sorted(presets))}")
-    fields = dict(presets[preset])
+    fam = families()[arch]
+    preset = preset or fam.default_preset
+    if preset not in fam.presets:
+        raise KeyError(f"unknown preset {preset!r} for arch {arch}; valid: {', '.join(sorted(fam.presets))}")
+    fields = dict(fam.presets[preset])
     fields.update({k: v for k, v in overrides.items() if v is not None})
     fields["vocab_size"] = vocab_size
-    cfg_cls, _ = ARCHS[arch]
-    return cfg_cls(**fields)
+    return fam.config(**fields)
 
 
 def build_model(cfg) -> nn.Module:
-    _, model_cls = ARCHS[cfg.arch]
-    return model_cls(cfg)
+    return family(cfg.arch).model(cfg)
 
 
 def config_from_dict(d: dict):
-    arch = d.get("arch", "llama")
-    if arch not in ARCHS:
-        raise KeyError(f"unknown arch {arch!r}; valid: {', '.join(arch_names())}")
-    cfg_cls, _ = ARCHS[arch]
-    return cfg_cls(**d)
+    """A config from its to_dict() (a final/ directory's config.json)."""
+    return family(d.get("arch", "llama")).config(**d)
 
 
 def check_config(cfg) -> list[str]:

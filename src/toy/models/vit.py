@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from toy.models.family import Family
 from toy.models.layers import GeluMLP, run_block
 
 
@@ -172,5 +173,25 @@ class ViT(nn.Module):
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         return self.head(self.features(images))  # (B, n_classes)
 
+    def tie_weights(self) -> None:
+        """Nothing is tied in a ViT (the loop re-ties every model after FSDP)."""
+
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
+
+
+# Presets give the shape only; n_classes comes from the image folder (the vit-tiny recipe).
+FAMILY = Family(
+    "vit", VitConfig, ViT, language_model=False,
+    presets={
+        # ViT-Tiny/16 at 224 px: 196 patches, 12 layers, width 192, 3 heads.
+        "vit-tiny": dict(image_size=224, patch_size=16, n_layer=12, d_model=192, n_head=3, d_ff=768),
+        # ViT-Tiny at half its depth: what the vit-tiny recipe picks for a small image set,
+        # where 6 layers learn faster per step than 12 (docs/results.md, Fashion-MNIST ViT).
+        "vit-tiny-6": dict(image_size=224, patch_size=16, n_layer=6, d_model=192, n_head=3, d_ff=768),
+        # 28 px, 7 px patches (16 of them), 2 layers: for tests.
+        "tiny": dict(image_size=28, patch_size=7, n_layer=2, d_model=64, n_head=4, d_ff=256),
+    },
+    default_preset="vit-tiny",
+    tiny=dict(image_size=28, patch_size=7, n_layer=2, d_model=64, n_head=4, d_ff=256, n_classes=3),
+)

@@ -19,6 +19,7 @@ from toy.formats.gguf import read_gguf
 from toy.formats.peft import save_peft_adapter
 from toy.lora import VALID_TARGETS, apply_lora, lora_state_dict
 from toy.models.quant import count_params, resident_bytes
+from toy.models.quant_types import BASE_DTYPES
 from toy.runs import Project, plural
 from toy.train import dist
 from toy.train.config import RunConfig
@@ -35,7 +36,6 @@ GET_MODEL = "get it with `toy fetch smollm2`, or pass --model FILE.gguf"
 FLAGS = dict(model=None, data=None, val_data=None, rank=8, alpha=16.0, dropout=0.0, targets=None,
              epochs=None, output=None, strict=False, base_dtype=None, chat_template=None,
              lr=2e-4, min_lr=2e-5, seq_len=512, batch_size=4, warmup=10, weight_decay=0.0)
-BASE_DTYPES = ("quantized", "bfloat16", "float32")
 CHAT_BUCKET = 64  # --compile: chat batch lengths are padded up to a multiple of this
 
 

@@ -92,7 +92,7 @@ def choose_preset(n_train: int) -> tuple[str, str]:
     a note saying why. Both have ViT-Tiny's width and input shape; only the depth differs."""
     if n_train < SMALL_SET:
         return SMALL_PRESET, (f"preset {SMALL_PRESET} (auto: {n_train:,} training images, under {SMALL_SET:,}: "
-                              f"{registry.PRESETS['vit'][SMALL_PRESET]['n_layer']} layers learn faster per step than "
+                              f"{registry.preset('vit', SMALL_PRESET)['n_layer']} layers learn faster per step than "
                               "ViT-Tiny's 12; --preset vit-tiny overrides)")
     return "vit-tiny", f"preset vit-tiny (auto: {n_train:,} training images, at least {SMALL_SET:,})"
 
@@ -101,8 +101,8 @@ def model_config(cfg: RunConfig, n_classes: int, channels: int, problems: list[s
                  preset: str | None = None) -> VitConfig | None:
     """Preset (`preset` when --preset is not given), then flag overrides; shape problems
     are appended to `problems`."""
-    preset = cfg.preset or preset or registry.DEFAULT_PRESET["vit"]
-    presets = registry.PRESETS["vit"]
+    presets = registry.family("vit").presets
+    preset = cfg.preset or preset or registry.family("vit").default_preset
     if preset not in presets:
         problems.append(f"--preset {preset!r} is unknown for vit; valid: {', '.join(sorted(presets))}")
         return None

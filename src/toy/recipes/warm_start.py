@@ -86,7 +86,7 @@ from tokenizers import Tokenizer
 
 from toy import tokenizer as toktools
 from toy.errors import InputError, UsageError
-from toy.formats.gguf import SUPPORTED_ARCHS, GGUFHeader, read_gguf_header, read_gguf_tensor
+from toy.formats.gguf import GGUFHeader, read_gguf_header, read_gguf_tensor, supported_archs
 from toy.models import registry
 from toy.runs import Project
 from toy.train.config import RunConfig
@@ -169,9 +169,9 @@ def open_donor(path: Path) -> Donor:
         raise InputError(f"--donor {path} not found; pass a GGUF model ({GET_DONOR})")
     h = read_gguf_header(path)
     arch = h.metadata.get("general.architecture")
-    if arch not in SUPPORTED_ARCHS:
+    if arch not in supported_archs():
         raise InputError(f"--donor {path}: architecture {arch!r} is not one toy reads (supported: "
-                         f"{', '.join(SUPPORTED_ARCHS)}); pass a model of one of those families")
+                         f"{', '.join(supported_archs())}); pass a model of one of those families")
     if h.metadata.get("general.type") == "adapter":
         raise InputError(f"--donor {path}: is a LoRA adapter GGUF, not a model; pass a model GGUF")
     width = h.metadata.get(f"{arch}.embedding_length")

@@ -10,9 +10,8 @@ from typing import Any, Callable, Collection
 import numpy as np
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
-from toy.models.losses import IGNORE, linear_cross_entropy
+from toy.models.losses import IGNORE, head_cross_entropy
 
 
 @dataclass
@@ -70,22 +69,16 @@ class Job:
 
 
 def lm_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Next-token cross-entropy summed over supervised targets (targets == -100 are not).
+    """Next-token cross-entropy summed over supervised targets (targets == -100 are not),
+    for a decoder (models/family.py's contract: hidden, lm_head, final_softcap).
 
-    The (tokens, vocab) logits are the biggest tensors of a step, so a model with
-    `hidden` and a bias-free `lm_head` never makes them whole: the head runs only on
-    supervised positions (with chat data most positions are prompt), chunk by chunk
-    inside `linear_cross_entropy`.
+    The (tokens, vocab) logits are the biggest tensors of a step, so they never exist
+    whole: the head runs only on supervised positions (with chat data most positions are
+    prompt), chunk by chunk inside `head_cross_entropy`.
     """
     targets = batch["targets"]
     sup = targets != IGNORE
-    hidden = getattr(model, "hidden", None)
-    head = getattr(model, "lm_head", None)
-    if hidden is None or head is None or getattr(head, "bias", None) is not None:
-        logits = model(batch["ids"])  # (B, T, V)
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE, reduction="sum")
-        return loss, sup.sum()
-    h = hidden(batch["ids"])  # (B, T, C)
+    h = model.hidden(batch["ids"])  # (B, T, C)
     idx = batch.get("sup_idx")
     if idx is not None:  # lm_prepare's indices: a gather of known size, no host sync
         h, tgt = h.flatten(0, 1).index_select(0, idx), targets.flatten().index_select(0, idx)
@@ -93,9 +86,7 @@ def lm_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Ten
         h, tgt = h.flatten(0, 1), targets.flatten()
     else:
         h, tgt = h[sup], targets[sup]  # (N, C) for the N supervised tokens
-    # A head over GGUF blocks gives its rows in chunks (never dequantized whole).
-    w = head if hasattr(head, "rows") else head.weight
-    return linear_cross_entropy(h, w, tgt, getattr(model, "final_softcap", 0.0) or 0.0), sup.sum()
+    return head_cross_entropy(h, model.lm_head, tgt, model.final_softcap), sup.sum()
 
 
 def lm_count(batch: dict[str, torch.Tensor]) -> int:

@@ -116,9 +116,9 @@ def lm_config(cfg: RunConfig, arch: str, train: TokenFile, notes: list[str] | No
     """The model config from --preset and the shape flags, with vocab_size from the
     corpus, and the training sequence length (--seq-len, else the preset's context).
     Every shape problem is reported at once as a UsageError naming its flag."""
-    if arch not in registry.LM_ARCHS:
+    if arch not in registry.lm_archs():
         hint = "; train images with --recipe vit-tiny" if arch == "vit" else ""
-        raise UsageError(f"--arch {arch!r} is not a language model; valid: {', '.join(registry.LM_ARCHS)}{hint}")
+        raise UsageError(f"--arch {arch!r} is not a language model; valid: {', '.join(registry.lm_archs())}{hint}")
     if arch == "gpt2" and cfg.n_kv_head:
         raise UsageError("--n-kv-head applies to llama (grouped-query attention); gpt2 has one kv head per head")
     try:

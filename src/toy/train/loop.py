@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from toy.errors import Interrupted, RunFailed
 from toy.formats import checkpoint as ckpt
@@ -52,15 +53,6 @@ class _LossModule(torch.nn.Module):
         return self.job.loss(self.model, batch)
 
 
-def blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The repeated blocks of a model (llama `layers`, GPT-2 `h`, ViT `blocks`)."""
-    for name in ("layers", "h", "blocks"):
-        found = getattr(model, name, None)
-        if isinstance(found, torch.nn.ModuleList):
-            return list(found)
-    return []
-
-
 def compile_unavailable(device: torch.device) -> str | None:
     """Why torch.compile cannot run here, or None."""
     import shutil
@@ -80,7 +72,7 @@ def compile_blocks(model: torch.nn.Module, device: torch.device) -> str:
     all of them, so compile time does not grow with depth. The head, the loss and the
     optimizer stay eager. Returns a line for the log."""
     why = compile_unavailable(device)
-    found = blocks(model)
+    found = list(model.blocks)
     if why or not found:
         return f"--compile: {why or 'this model has no repeated blocks to compile'}; training eagerly"
     import torch._dynamo
@@ -198,8 +190,6 @@ class Trainer:
         self.ckpt_root = run_dir / "checkpoints" if run_dir is not None else None
         self.model = job.model.to(device)
         if cfg.checkpointing:
-            if not hasattr(self.model, "checkpointing"):
-                raise RunFailed(f"--checkpointing: {type(self.model).__name__} has no blocks to checkpoint")
             self.model.checkpointing = True
             tune_malloc(MMAP_THRESHOLD_LOW_MEMORY)  # the low-memory mode: freed blocks go back at once
         if cfg.compile:
@@ -227,7 +217,7 @@ class Trainer:
             # One FSDP unit per block (its weights are gathered just for its forward and
             # backward), and the root for the rest (embedding, final norm, tied head).
             root = _LossModule(self.job)
-            for block in blocks(self.model):
+            for block in self.model.blocks:
                 fully_shard(block)
             fully_shard(root)
             return None, root
@@ -434,12 +424,12 @@ def train(job: Job, cfg: RunConfig, run_dir: Path | None, device: torch.device, 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
     """The whole tensor behind an FSDP shard (a collective); plain tensors as they are."""
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
+    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def _shard_like(t: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     """A whole tensor laid out like parameter p (sharded when p is a DTensor)."""
-    if hasattr(p, "device_mesh"):
+    if isinstance(p, DTensor):
         from torch.distributed.tensor import distribute_tensor
 
         return distribute_tensor(t.to(p.device), p.device_mesh, p.placements)
@@ -454,7 +444,7 @@ def materialize(model: torch.nn.Module) -> None:
     whole = {}
     for mod in model.modules():
         for name, p in list(mod.named_parameters(recurse=False)):
-            if hasattr(p, "full_tensor") and id(p) not in whole:
+            if isinstance(p, DTensor) and id(p) not in whole:
                 whole[id(p)] = torch.nn.Parameter(p.full_tensor().detach().clone(), requires_grad=p.requires_grad)
     for mod in model.modules():
         if isinstance(mod, FSDPModule):
@@ -469,9 +459,7 @@ def materialize(model: torch.nn.Module) -> None:
                 setattr(mod, name, whole[id(p)])
     # Whole tensors were made per parameter object, so a tied head now holds its own
     # copy: tie it again, the model's own way (llama's embed_tokens, GPT-2's wte).
-    tie = getattr(model, "tie_weights", None)
-    if tie is not None:
-        tie()
+    model.tie_weights()
 
 
 @torch.no_grad()

@@ -42,6 +42,7 @@ class TextReporter(Reporter):
         self.bar = self.out.isatty() if bar is None else bar
         self._progress = None
         self._task = None
+        self._eval_said = 0.0  # seconds into an evaluation when its progress was last shown
 
     def start(self, total_steps: int, first_step: int) -> None:
         if not self.bar:
@@ -77,7 +78,7 @@ class TextReporter(Reporter):
     def eval_progress(self, step: int, done: int, total: int, elapsed: float) -> None:
         """A long evaluation says where it is (on stderr, so step lines stay byte-stable):
         once it has run 5 s, then every 5 s."""
-        if elapsed < 5.0 or elapsed - getattr(self, "_eval_said", 0.0) < 5.0:
+        if elapsed < 5.0 or elapsed - self._eval_said < 5.0:
             if done == 1:
                 self._eval_said = 0.0
             return

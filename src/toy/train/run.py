@@ -260,7 +260,7 @@ def _execute(cfg: RunConfig, built: Built, run_dir: Path, device: torch.device, 
         raise Interrupted(f"stopped at once by a second Ctrl-C; no checkpoint for the step in flight; resume "
                           f"from the last checkpoint with `toy train --resume {run_dir}`", 2)
     except ToyError as e:
-        close("run_failed", step=getattr(e, "step", None), error=e.message)
+        close("run_failed", step=e.step if isinstance(e, RunFailed) else None, error=e.message)
         raise e if isinstance(e, RunFailed) else RunFailed(e.message)
     except Exception as e:
         log = run_dir / ("error.log" if main_rank else f"error-rank{dist.info().rank}.log")

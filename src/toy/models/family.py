@@ -1,0 +1,183 @@
+"""What a model family declares, once, in its own file (models/llama.py, phi3.py, gemma.py,
+gpt2.py, vit.py), and the helpers those declarations share.
+
+A family file holds its config, its torch module, and a `FAMILY = Family(...)` naming:
+the file formats it reads (`archs`: a GGUF `general.architecture` each, with the config
+read from the header's keys and the plan of every tensor: names and shapes only), its
+LoRA targets, its built-in chat format, and its presets for training from scratch.
+models/registry.py finds every module here that declares a FAMILY: adding a family is
+adding one file (docs/architecture.md, "Adding a family").
+
+Nothing here imports torch or anything above models/: formats/ hands a reader of the
+file's keys (`Keys`) in and gets configs and plans out, and turns a `BadConfig` into an
+error naming the file.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+# A header's context length sizes the rotary tables: the one hyper-parameter the tensors
+# actually present in a file do not bound.
+MAX_CONTEXT = 1 << 20
+
+
+class BadConfig(ValueError):
+    """A file's hyper-parameters that toy cannot use; the reader adds the file's name."""
+
+
+@dataclass(frozen=True)
+class Planned:
+    """One tensor of a file, as toy's model holds it."""
+
+    name: str  # toy's parameter name
+    shape: tuple[int, ...]  # torch order (out, in)
+    qk_heads: int = 0  # GGUF: rows llama.cpp's converter interleaved per head (the heads to undo)
+
+
+class Keys:
+    """Typed reads of a file's key/value metadata and tensor shapes (a GGUF header's), each
+    failure a BadConfig naming the key."""
+
+    def __init__(self, metadata: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]]):
+        self.metadata, self.shapes = metadata, shapes
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.metadata.get(key, default)
+
+    def int(self, key: str, default: int | None = None) -> int:
+        v = self.metadata.get(key)
+        if v is None:
+            if default is None:
+                raise BadConfig(f"GGUF key {key!r} is missing; the file is not a complete "
+                                f"{self.metadata.get('general.architecture')} model")
+            return default
+        if isinstance(v, list):  # per-layer values (some archs): toy needs them all equal
+            if not v or any(x != v[0] for x in v):
+                raise BadConfig(f"GGUF key {key!r} varies per layer ({v[:8]}...); toy needs one value")
+            v = v[0]
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise BadConfig(f"GGUF key {key!r} is {v!r}; expected a positive integer")
+        return v
+
+    def float(self, key: str, default: float) -> float:
+        v = self.metadata.get(key, default)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0 < v < float("inf")):
+            raise BadConfig(f"GGUF key {key!r} is {v!r}; expected a positive number")
+        return float(v)
+
+    def float_or(self, key: str, default: float) -> float:
+        """A number that may be 0 or absent (soft-capping, sliding windows): default then."""
+        v = self.metadata.get(key, default)
+        if v is None:
+            return default
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0 <= v < float("inf")):
+            raise BadConfig(f"GGUF key {key!r} is {v!r}; expected a number >= 0")
+        return float(v)
+
+
+@dataclass(frozen=True)
+class Arch:
+    """One architecture of a file format that a family reads (GGUF's general.architecture)."""
+
+    name: str
+    config: Callable[[Keys], Any]  # the family's config from the file's keys
+    plan: Callable[[Any], dict[str, Planned]]  # file tensor name -> where toy holds it
+    chat_format: str | None = None  # toy's built-in chat template for files without one
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    config: type  # the config dataclass (its `arch` field names the family)
+    model: type  # the torch module
+    archs: dict[str, Arch] = field(default_factory=dict)  # GGUF architectures read as this family
+    # LoRA: the linear layers an adapter may target (their attribute names), and the default.
+    targets: tuple[str, ...] = ()
+    default_targets: str = ""
+    # Named shapes for training from scratch (none: read from files only).
+    presets: dict[str, dict[str, Any]] = field(default_factory=dict)
+    default_preset: str | None = None
+    language_model: bool = True
+    # A tiny config's fields (2 layers, small widths) for the tests every family must pass.
+    tiny: dict[str, Any] = field(default_factory=dict)
+
+
+# ------------------------------------------------------------------ GGUF keys the families share
+
+@dataclass
+class Common:
+    """The hyper-parameters every GGUF decoder family states the same way."""
+
+    arch: str
+    n_layer: int
+    d_model: int
+    n_head: int
+    n_kv_head: int
+    head_dim: int
+    d_ff: int
+    context: int
+    vocab: int
+    eps: float
+    tied: bool
+
+
+def gguf_common(k: Keys, arch: str, eps_default: float = 1e-5) -> Common:
+    a = arch + "."
+    d_model = k.int(a + "embedding_length")
+    n_head = k.int(a + "attention.head_count")
+    n_kv_head = k.int(a + "attention.head_count_kv", default=n_head)
+    if n_head > d_model and a + "attention.key_length" not in k.metadata:
+        raise BadConfig(f"head_count {n_head} exceeds embedding_length {d_model}; the file is damaged")
+    head_dim = k.int(a + "attention.key_length", default=d_model // n_head)
+    value_len = k.int(a + "attention.value_length", default=head_dim)
+    if value_len != head_dim:
+        raise BadConfig(f"key length {head_dim} != value length {value_len}; toy's attention needs them equal")
+    if n_head % n_kv_head:
+        raise BadConfig(f"head_count {n_head} is not a multiple of head_count_kv {n_kv_head}")
+    if head_dim % 2:
+        raise BadConfig(f"head size {head_dim} is odd; rotary positions need an even head size")
+    scaling = k.get(a + "rope.scaling.type", "none")
+    if scaling not in ("none", None) or "rope_freqs.weight" in k.shapes:
+        what = scaling if scaling not in ("none", None) else "rope_freqs.weight"
+        raise BadConfig(f"rope scaling ({what}) is not supported by toy; use a model without long-context "
+                        "rope scaling")
+    n_layer = k.int(a + "block_count")
+    if n_layer > len(k.shapes):  # checked before anything loops over the layers
+        raise BadConfig(f"block_count {n_layer} cannot be right: the file holds only {len(k.shapes)} tensors; "
+                        "the file is damaged")
+    context = k.int(a + "context_length", default=2048)
+    if context > MAX_CONTEXT:
+        raise BadConfig(f"context_length {context} is beyond toy's limit of {MAX_CONTEXT}; the file is damaged "
+                        "or needs rope scaling toy lacks")
+    emb = k.shapes.get("token_embd.weight")
+    if emb is None:
+        raise BadConfig(f"missing tensor 'token_embd.weight'; the file is not a complete {arch} model")
+    if len(emb) != 2:
+        raise BadConfig(f"misshapen tensor 'token_embd.weight': expected 2 dims [vocab, {d_model}], found "
+                        f"{list(emb)}")
+    # The embedding's rows are the model's vocabulary; the token list may be shorter
+    # (padding rows) but a model cannot have fewer rows than tokens it can emit.
+    vocab = emb[0]
+    tokens = k.get("tokenizer.ggml.tokens")
+    if isinstance(tokens, list) and len(tokens) > vocab:
+        raise BadConfig(f"{len(tokens)} tokens but token_embd.weight has only {vocab} rows; the file is damaged")
+    return Common(arch, n_layer, d_model, n_head, n_kv_head, head_dim, k.int(a + "feed_forward_length"), context,
+                  vocab, k.float(a + "attention.layer_norm_rms_epsilon", eps_default), "output.weight" not in k.shapes)
+
+
+def rope_dims(k: Keys, c: Common) -> int:
+    dims = k.int(c.arch + ".rope.dimension_count", default=c.head_dim)
+    if dims > c.head_dim or dims % 2:
+        raise BadConfig(f"rope.dimension_count {dims} does not fit head size {c.head_dim}")
+    return dims
+
+
+def gguf_top(cfg, tied: bool) -> dict[str, Planned]:
+    """The tensors outside the blocks: embedding, final norm, and the head when untied."""
+    m = {"token_embd.weight": Planned("embed_tokens.weight", (cfg.vocab_size, cfg.d_model)),
+         "output_norm.weight": Planned("norm.weight", (cfg.d_model,))}
+    if not tied:
+        m["output.weight"] = Planned("lm_head.weight", (cfg.vocab_size, cfg.d_model))
+    return m
