@@ -3,6 +3,7 @@ token stream. Only the adapters train; the output is a PEFT adapter directory.""
 
 from __future__ import annotations
 
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -14,7 +15,8 @@ from toy import tokenizer as toktools
 from toy.data.chat import (GIVE_UP_AFTER, SHOW_SKIPPED, ConversationError, count_reasons, encode_chat,
                             length_batches, pad_batch, read_chat_jsonl, resolve_chat_template)
 from toy.data.tokens import Windows
-from toy.errors import InputError
+from toy.errors import InputError, UsageError
+from toy.formats.checkpoint import atomic_dir
 from toy.formats.gguf import read_gguf
 from toy.formats.peft import save_peft_adapter
 from toy.lora import VALID_TARGETS, apply_lora, lora_state_dict
@@ -55,7 +57,9 @@ def add_arguments(g) -> None:
                         "once at load) (default quantized on cpu and metal, bfloat16 on cuda)")
     g.add_argument("--chat-template", metavar="FILE.jinja", help="chat template for --data (default: the GGUF's "
                    "own; for a file without one, toy's built-in template of its family: Gemma turns, ChatML)")
-    g.add_argument("--output", help="also copy the final adapter directory to PATH (default: only RUN_DIR/final)")
+    g.add_argument("--output", help="also copy the final adapter directory to PATH, which must be new or a directory "
+                   "of toy's adapter files (it is replaced whole; anything else exits 2 before training) "
+                   "(default: only RUN_DIR/final)")
     g.add_argument("--strict", action="store_true", default=None, help="an invalid chat line is fatal (default: warn, skip, count)")
     g.add_argument("--max-seq-len", dest="seq_len", type=int, help="alias of --seq-len (default 512 for LoRA)")
 
@@ -102,10 +106,43 @@ def check_opts(cfg: RunConfig) -> list[str]:
     for flag in ("data", "val_data"):
         if getattr(cfg, flag) and not Path(getattr(cfg, flag)).is_file():
             p.append(f"--{flag.replace('_', '-')} {getattr(cfg, flag)} not found; give a chat JSONL file")
+    if cfg.output:
+        p += [why] if (why := output_problem(cfg.output)) else []
     return p
 
 
+# What toy writes into --output: a directory holding only these may be replaced.
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "tokenizer.json", "README.md")
+
+
+def output_problem(output: str) -> str | None:
+    """Why --output PATH may not be written, or None. The copy replaces PATH whole, so
+    PATH must be new, or a directory of toy's own adapter files (as `toy export --format
+    peft` requires of its --out); never the working directory or one that holds it."""
+    path = Path(output)
+    fix = "give a new path, or a directory holding only a toy adapter"
+    where = Path(os.path.abspath(path))
+    if where == Path.cwd() or where in Path.cwd().parents:
+        return f"--output {output} is the working directory or holds it, and the copy replaces its path whole; {fix}"
+    if path.is_symlink():
+        return f"--output {output} is a symbolic link; {fix}"
+    if not path.exists():
+        return None
+    if not path.is_dir():
+        return f"--output {output} exists and is not a directory; {fix}"
+    names = sorted(p.name for p in path.iterdir())
+    others = [n for n in names if n not in ADAPTER_FILES]
+    if others:
+        shown = ", ".join(others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
+        return f"--output {output} holds files that are not a toy adapter's ({shown}); {fix}"
+    if names and "adapter_config.json" not in names:
+        return f"--output {output} holds no adapter_config.json, so it is not a toy adapter directory; {fix}"
+    return None
+
+
 def build(cfg: RunConfig, project: Project) -> Built:
+    if cfg.output and (why := output_problem(cfg.output)):  # a resumed run skips check_opts
+        raise UsageError(why)
     model_path = resolve_model(cfg, project)
     dtype = base_dtype(cfg)
     base = read_gguf(model_path, dtype)
@@ -147,10 +184,17 @@ def build(cfg: RunConfig, project: Project) -> Built:
                           dropout=float(cfg.dropout), targets=targets, base_model_name_or_path=str(model_path))
         tok.save(str(out / "tokenizer.json"))
         if cfg.output:
-            dest = Path(cfg.output)
-            if dest.exists():
-                shutil.rmtree(dest)
-            shutil.copytree(out, dest)
+            # Checked again now: PATH may have changed since the start, or be this very
+            # run's directory (its name was not known then). final/ is written already.
+            why = output_problem(cfg.output)
+            if why:
+                raise InputError(f"{why}; the adapter is in {out}, not copied")
+            dest = Path(os.path.abspath(cfg.output))
+            if dest != out.resolve():
+                with atomic_dir(dest) as tmp:
+                    for name in ADAPTER_FILES:
+                        if (out / name).is_file():
+                            shutil.copyfile(out / name, tmp / name)
 
     job = Job(recipe="lora", model=model, micro_batch=micro, eval_batches=lambda: evals, save_final=save_final,
               config=config)
