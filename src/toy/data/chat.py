@@ -357,6 +357,15 @@ def length_batches(lengths: Sequence[int], budget: int, seed: int, epoch: int,
     return [batches[j] for j in rng.permutation(len(batches)).tolist()]
 
 
+def spread_sample(n: int, k: int) -> list[int]:
+    """k of the positions 0..n-1 (all of them when k >= n), evenly spread: the middle
+    one of each of k equal slices. Applied to batches sorted by length, a small sample
+    still covers short and long conversations alike."""
+    if k >= n:
+        return list(range(n))
+    return [(2 * i + 1) * n // (2 * k) for i in range(k)]
+
+
 def pad_batch(samples: Sequence[tuple[Sequence[int], Sequence[int]]], pad_id: int,
               seq_len: int | None = None) -> dict[str, torch.Tensor]:
     """Right-pad samples to a common length (the longest, or seq_len: longer samples

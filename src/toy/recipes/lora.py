@@ -13,7 +13,7 @@ import torch
 
 from toy import tokenizer as toktools
 from toy.data.chat import (GIVE_UP_AFTER, SHOW_SKIPPED, ConversationError, count_reasons, encode_chat,
-                            length_batches, pad_batch, read_chat_jsonl, resolve_chat_template)
+                            length_batches, pad_batch, read_chat_jsonl, resolve_chat_template, spread_sample)
 from toy.data.tokens import Windows
 from toy.errors import InputError, UsageError
 from toy.formats.checkpoint import atomic_dir
@@ -330,8 +330,16 @@ def chat_stream(cfg: RunConfig, tok, base, seq_len, notes):
         return _to_batch([samples[j] for j in epochs[epoch][i]], pad, bucket, seq_len)
 
     val_lengths = [len(ids) for ids, _ in val_samples]
-    evals = [_to_batch([val_samples[j] for j in batch], pad, bucket, seq_len)
-             for batch in length_batches(val_lengths, budget, seed, 0)] if val_samples else []
+    val_batches = length_batches(val_lengths, budget, seed, 0) if val_samples else []
+    if len(val_batches) > cfg.eval_batches:
+        # --eval-batches of them, spread over the lengths (the batches sorted by their
+        # longest member), kept in their order: the same sample every evaluation.
+        by_length = sorted(range(len(val_batches)), key=lambda b: (max(val_lengths[j] for j in val_batches[b]), b))
+        keep = sorted(by_length[i] for i in spread_sample(len(val_batches), cfg.eval_batches))
+        notes.append(f"validation: {cfg.eval_batches} of {len(val_batches)} held-out batches per evaluation, "
+                     "spread over their lengths (--eval-batches)")
+        val_batches = [val_batches[b] for b in keep]
+    evals = [_to_batch([val_samples[j] for j in batch], pad, bucket, seq_len) for batch in val_batches]
     sup = sum(int(sum(m)) for _, m in samples)
     info = {"data": str(cfg.data), "data_sha256": fingerprint(Path(cfg.data)),
             "conversations": len(samples), "batches": n, "supervised_tokens": sup}
