@@ -51,9 +51,9 @@ import jinja2.ext
 import numpy as np
 import torch
 from jinja2.exceptions import SecurityError, TemplateError, TemplateSyntaxError
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
+from toy.data.sandbox import BoundedSandbox, render_bounded
 from toy.errors import InputError, ToyError, UsageError
 from toy.runs import plural
 
@@ -76,8 +76,9 @@ class ConversationError(InputError):
 
 # --------------------------------------------------------------------------- templates
 
-class _Env(ImmutableSandboxedEnvironment):
-    """The sandbox, but an unsafe attribute access fails at once.
+class _Env(BoundedSandbox):
+    """The sandbox, bounded in size and time (data/sandbox.py), and an unsafe attribute
+    access fails at once.
 
     Plain jinja2 sandboxes return an Undefined for `''.__class__`, which renders as an
     empty string: an escape attempt would then "succeed" silently with wrong text. We
@@ -119,8 +120,9 @@ def _one_line(e: BaseException) -> str:
 
 def render_template(template: str, messages: Sequence[Message], add_generation_prompt: bool,
                     bos_token: str, eos_token: str) -> str:
-    """Render a chat template in jinja2's immutable sandbox. Every failure is an InputError:
-    a syntax error or an unsafe access is the template's fault for every conversation; a
+    """Render a chat template in jinja2's immutable sandbox, bounded in size and time.
+    Every failure is an InputError: a syntax error, an unsafe access or a limit passed
+    (TemplateLimitError) is the template's fault for every conversation; a
     `raise_exception` call or a runtime error is a ConversationError (this one only)."""
     try:
         tpl = _compile(template)
@@ -128,9 +130,10 @@ def render_template(template: str, messages: Sequence[Message], add_generation_p
         raise InputError(f"chat template line {e.lineno}: syntax error: {_one_line(e)}")
     except TemplateError as e:
         raise InputError(f"chat template does not compile: {_one_line(e)}")
+    size = sum(len(m.get("content") or "") + len(m.get("role") or "") for m in messages)
     try:
-        return tpl.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
-                          bos_token=bos_token, eos_token=eos_token)
+        return render_bounded(tpl, size + len(bos_token) + len(eos_token), messages=list(messages),
+                              add_generation_prompt=add_generation_prompt, bos_token=bos_token, eos_token=eos_token)
     except ToyError:
         raise
     except SecurityError as e:

@@ -207,9 +207,10 @@ def build(cfg: RunConfig, project: Project) -> Built:
 
 # ---------------------------------------------------------------- chat JSONL
 
-def _encode_all(items, path, model, encode, strict, warn) -> tuple[list, int, int]:
+def _encode_all(items, path, source, encode, strict, warn) -> tuple[list, int, int]:
     """Encode the (line, messages) items read from `path`; returns (samples, the number
     dropped because their prompt fills --seq-len, the number the template cannot render).
+    `source` names where the template came from (the GGUF, or --chat-template FILE).
 
     A conversation the template cannot render (ConversationError: it calls
     raise_exception, fails on it, or is not prefix-stable for it) is skipped, counted and
@@ -228,8 +229,8 @@ def _encode_all(items, path, model, encode, strict, warn) -> tuple[list, int, in
             if len(failed) == GIVE_UP_AFTER and not samples and not dropped:
                 break  # the template rejects everything: the first reason says why
             continue
-        except InputError as e:  # the template's own fault: every conversation would fail
-            raise InputError(f"{model}: {e.message}")
+        except InputError as e:  # the template's own fault (syntax, sandbox, a limit): every conversation fails
+            raise InputError(f"{source}: {e.message}")
         if sum(mask) == 0:
             dropped += 1  # the prompt alone fills --seq-len: nothing left to supervise
             continue
@@ -237,7 +238,7 @@ def _encode_all(items, path, model, encode, strict, warn) -> tuple[list, int, in
     if failed and not samples and not dropped:
         line, why = failed[0]
         tried = f"the first {len(failed)}" if len(failed) < len(items) else f"all {len(failed)}"
-        raise InputError(f"{model}: its chat template renders none of {tried} conversations in {path} "
+        raise InputError(f"{source}: its chat template renders none of {tried} conversations in {path} "
                          f"(line {line}: {why}); use a model whose template fits this data, or fix the data")
     for line, why in failed[:SHOW_SKIPPED]:
         warn(f"{path}:{line}: {why}; conversation skipped")
@@ -274,6 +275,7 @@ def chat_stream(cfg: RunConfig, tok, base, seq_len, notes):
                                            base.family.chat_format, cfg.chat_template, str(model))
     if note:
         notes.append(note)
+    source = f"--chat-template {cfg.chat_template}" if cfg.chat_template else model
     special = toktools.gguf_special_ids(base.metadata)
     bos = tok.id_to_token(special.bos) if special.bos is not None else ""
     eos = tok.id_to_token(special.eos) if special.eos is not None else ""
@@ -292,7 +294,7 @@ def chat_stream(cfg: RunConfig, tok, base, seq_len, notes):
             notes.append(f"{path}: skipped {plural(chat.n_skipped, 'invalid line')} ({count_reasons(chat.skipped)})")
         return list(zip(chat.lines, chat.conversations))
 
-    samples, dropped, failed = _encode_all(read(cfg.data), cfg.data, model, encode, strict, warn)
+    samples, dropped, failed = _encode_all(read(cfg.data), cfg.data, source, encode, strict, warn)
     if failed:
         notes.append(f"{cfg.data}: skipped {plural(failed, 'conversation')} the chat template cannot render")
     if dropped:
@@ -300,7 +302,7 @@ def chat_stream(cfg: RunConfig, tok, base, seq_len, notes):
     if not samples:
         raise InputError(f"{cfg.data}: no conversation has a supervised token within --seq-len {seq_len}")
     if cfg.val_data:
-        val_samples, _, _ = _encode_all(read(cfg.val_data), cfg.val_data, model, encode, strict, warn)
+        val_samples, _, _ = _encode_all(read(cfg.val_data), cfg.val_data, source, encode, strict, warn)
     else:
         # Hold out a deterministic 5% (at least one) when there is enough data.
         n_val = max(1, len(samples) // 20) if len(samples) >= 20 else 0
