@@ -65,6 +65,7 @@ SIZE_ATTACKS = {
     "output accumulates": BIG + "{% for i in range(100) %}{{ s }}{% endfor %}",
     "a list of fresh strings": "{{ range(100000)|map('center', 3000000)|list|length }}",
     "sum of lists (quadratic)": "{{ ([[0] * 200] * 2000)|sum(start=[])|length }}",
+    "filters jinja2 would run when compiling": "{{ 'x'|center(3000000) }}" * 30,
     "split into many small strings": "{% set s = 'ab ' * 1300000 %}{{ s.split()|length }}",
 }
 TIME_ATTACKS = {

@@ -96,7 +96,8 @@ def _count(n: int) -> str:
     return f"{n:,}" if n < 10**15 else "more than 10^15"
 
 
-# Outside a render (jinja2 folds constant expressions when it compiles): sizes only.
+# Outside a render (jinja2 folds constant expressions when it compiles; filters refuse to
+# run then, see bounded_filter): sizes only.
 _OUTSIDE = _Budget(MAX_TEMPLATE_CHARS, math.inf, math.inf, memo=False)
 _local = threading.local()
 
@@ -400,7 +401,9 @@ def bounded_filter(name: str, f: Callable) -> Callable:
 
     @functools.wraps(f)
     def bounded(*args: Any, **kwargs: Any) -> Any:
-        b = _budget()
+        b = getattr(_local, "budget", None)
+        if b is None:  # jinja2 folding a constant while it compiles: leave it to the render, which is bounded
+            raise RuntimeError(f"{what} runs only in a bounded render")
         b.tick()
         head, real = args[:lead], args[lead:]
         for v in (*real, *kwargs.values()):
