@@ -66,6 +66,8 @@ SIZE_ATTACKS = {
     "a list of fresh strings": "{{ range(100000)|map('center', 3000000)|list|length }}",
     "sum of lists (quadratic)": "{{ ([[0] * 200] * 2000)|sum(start=[])|length }}",
     "filters jinja2 would run when compiling": "{{ 'x'|center(3000000) }}" * 30,
+    "a generator drawn into a list": BIG + "{{ s|batch(1)|list|length }}",
+    "a generator drawn into a dict": BIG + "{{ dict(s|batch(2))|length }}",
     "split into many small strings": "{% set s = 'ab ' * 1300000 %}{{ s.split()|length }}",
 }
 TIME_ATTACKS = {

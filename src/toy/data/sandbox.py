@@ -15,7 +15,9 @@ from modifying its inputs, and caps `range()`; it does not stop `{{ 'x' * 300000
   each printed value; the text of macros and blocks). A list counts its members, so
   `[s, s, s]` of one long `s` cannot hide its printed size behind shared references.
 - work: all the values of one render together: MAX_TEMPLATE_WORK times `limit` (many
-  values each under the limit, e.g. one per item of a long generator).
+  values each under the limit, e.g. one per item of a long generator). A lazy filter
+  result (map, select, batch ...) counts its items as they are drawn, all of them
+  together at most `limit`: whatever draws them may keep them.
 - integers: MAX_TEMPLATE_INT_BITS bits (`2 ** 10**9` would compute for hours).
 - time: MAX_TEMPLATE_SECONDS. The clock is checked at the start of every block body the
   template runs (each loop iteration, each macro call, each `if` branch: compiled in, see
@@ -33,7 +35,7 @@ import re
 import string
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import jinja2
 from jinja2.compiler import CodeGenerator
@@ -45,7 +47,7 @@ from toy.errors import InputError
 
 MAX_TEMPLATE_CHARS = 4_000_000  # one value, and the rendered text (or TEMPLATE_INPUT_FACTOR x the conversation)
 TEMPLATE_INPUT_FACTOR = 4
-MAX_TEMPLATE_WORK = 16  # all values of one render together: this many times the size limit
+MAX_TEMPLATE_WORK = 8  # all values of one render together: this many times the size limit
 MAX_TEMPLATE_INT_BITS = 1 << 16  # about 19,700 decimal digits
 MAX_TEMPLATE_SECONDS = 2.0  # one render (one conversation renders 1 + 2 x its assistant turns times)
 MAX_TEMPLATE_DEPTH = 100  # lists and dicts nested in one value
@@ -414,6 +416,8 @@ def bounded_filter(name: str, f: Callable) -> Callable:
             if name != "format":
                 kwargs = {}  # the estimate passes every argument on by position
         rv = f(*head, *real, **kwargs)
+        if isinstance(rv, Iterator) and not isinstance(rv, (str, list, tuple, dict)):
+            return _Drawn(rv, what)  # lazy (map, select, batch ...): counted as it is drawn
         n = size_of(rv)
         b.check(n, what)
         b.spend(n, what)
@@ -421,6 +425,26 @@ def bounded_filter(name: str, f: Callable) -> Callable:
 
     bounded.toy_bounded = True  # type: ignore[attr-defined]
     return bounded
+
+
+class _Drawn:
+    """A filter's lazy result whose items count against the limit as they are drawn:
+    whoever draws them (list, sort, join, dict, a loop) may keep them all."""
+
+    def __init__(self, items: Iterator, what: str):
+        self.items, self.what, self.total = items, what, 0
+
+    def __iter__(self) -> "_Drawn":
+        return self
+
+    def __next__(self) -> Any:
+        x = next(self.items)
+        b = _budget()
+        n = size_of(x) + MEMBER
+        self.total += n
+        b.check(self.total, f"the items of {self.what}")
+        b.spend(n, self.what)
+        return x
 
 
 class _BoundedFilters(dict):
