@@ -121,8 +121,8 @@ def output_problem(output: str) -> str | None:
     peft` requires of its --out); never the working directory or one that holds it."""
     path = Path(output)
     fix = "give a new path, or a directory holding only a toy adapter"
-    where = Path(os.path.abspath(path))
-    if where == Path.cwd() or where in Path.cwd().parents:
+    where, cwd = path.resolve(), Path.cwd().resolve()
+    if where == cwd or where in cwd.parents:
         return f"--output {output} is the working directory or holds it, and the copy replaces its path whole; {fix}"
     if path.is_symlink():
         return f"--output {output} is a symbolic link; {fix}"
@@ -238,7 +238,7 @@ def _encode_all(items, path, source, encode, strict, warn) -> tuple[list, int, i
     if failed and not samples and not dropped:
         line, why = failed[0]
         tried = f"the first {len(failed)}" if len(failed) < len(items) else f"all {len(failed)}"
-        raise InputError(f"{source}: its chat template renders none of {tried} conversations in {path} "
+        raise InputError(f"{source}: the chat template renders none of {tried} conversations in {path} "
                          f"(line {line}: {why}); use a model whose template fits this data, or fix the data")
     for line, why in failed[:SHOW_SKIPPED]:
         warn(f"{path}:{line}: {why}; conversation skipped")
