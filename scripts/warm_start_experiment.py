@@ -90,7 +90,8 @@ def main() -> None:
     desc = json.loads(toy("describe", donor, "--json"))
     plays = [PLAYS / f"{p.strip()}.txt" for p in a.plays.split(",")]
     corpus = work / "corpus.bin"
-    prep = json.loads(toy("prep", *plays, "--tokenizer", donor, "--out", corpus, "--val-fraction", "0.1", "--json"))
+    prep = json.loads(toy("prep", *plays, "--tokenizer", donor, "--out", corpus, "--val-fraction", "0.1", "--force",
+                           "--json"))
     print(f"corpus: {prep['train_tokens']:,} train / {prep['val_tokens']:,} val tokens, vocab {prep['vocab_size']:,}",
           flush=True)
     runs = work / "runs"

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from toy import tokenizer as toktools
 from toy.cli.args import finite_float, plural, positive_int
-from toy.data.prep import prep, save_tokenizer_beside
+from toy.data.prep import check_overwrite, prep, save_tokenizer_beside
 from toy.data.tokens import read_tokens, write_tokens
 from toy.errors import UsageError
 
@@ -28,6 +28,9 @@ def add_parser(sub) -> None:
     p.add_argument("--raw-i32", action="store_true",
                    help="TEXT is a headerless packed-int32 token file to convert (needs --tokenizer "
                         "or --vocab-size for the vocabulary size)")
+    p.add_argument("--force", action="store_true",
+                   help="overwrite an existing NAME.bin, NAME.val.bin or NAME.tokenizer.json (default: refuse, "
+                        "exit 2: runs made on them would no longer resume)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
 
@@ -53,6 +56,8 @@ def run(args) -> int:
             raise UsageError("--raw-i32 needs --tokenizer FILE or --vocab-size N")
         if out.suffix != ".bin":
             raise UsageError(f"--out {out}: the token file name must end in .bin")
+        if not args.force:
+            check_overwrite(out, Path(args.tokenizer) if args.tokenizer else None)
         tf = read_tokens(Path(args.texts[0]), raw_i32=True, vocab_size=vocab)
         tok_path = save_tokenizer_beside(out, tok, Path(args.tokenizer)) if args.tokenizer else None
         write_tokens(out, tf.tokens, vocab, h)
@@ -69,7 +74,8 @@ def run(args) -> int:
         raise UsageError("give --vocab-size N to train a tokenizer, or --tokenizer FILE to reuse one")
     tok = load_any_tokenizer(Path(args.tokenizer)) if args.tokenizer else None
     r = prep([Path(t) for t in args.texts], out, vocab_size=args.vocab_size, tokenizer=tok,
-             tokenizer_src=Path(args.tokenizer) if args.tokenizer else None, val_fraction=args.val_fraction)
+             tokenizer_src=Path(args.tokenizer) if args.tokenizer else None, val_fraction=args.val_fraction,
+             force=args.force)
     if args.json:
         print(json.dumps({"format": "toy/prep-v1", "out": str(r.train_path), "val": str(r.val_path) if r.val_path else None,
                           "tokenizer": str(r.tokenizer_path) if r.tokenizer_path else None,

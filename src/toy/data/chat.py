@@ -51,9 +51,9 @@ import jinja2.ext
 import numpy as np
 import torch
 from jinja2.exceptions import SecurityError, TemplateError, TemplateSyntaxError
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
+from toy.data.sandbox import BoundedSandbox, render_bounded
 from toy.errors import InputError, ToyError, UsageError
 from toy.runs import plural
 
@@ -76,8 +76,9 @@ class ConversationError(InputError):
 
 # --------------------------------------------------------------------------- templates
 
-class _Env(ImmutableSandboxedEnvironment):
-    """The sandbox, but an unsafe attribute access fails at once.
+class _Env(BoundedSandbox):
+    """The sandbox, bounded in size and time (data/sandbox.py), and an unsafe attribute
+    access fails at once.
 
     Plain jinja2 sandboxes return an Undefined for `''.__class__`, which renders as an
     empty string: an escape attempt would then "succeed" silently with wrong text. We
@@ -119,8 +120,9 @@ def _one_line(e: BaseException) -> str:
 
 def render_template(template: str, messages: Sequence[Message], add_generation_prompt: bool,
                     bos_token: str, eos_token: str) -> str:
-    """Render a chat template in jinja2's immutable sandbox. Every failure is an InputError:
-    a syntax error or an unsafe access is the template's fault for every conversation; a
+    """Render a chat template in jinja2's immutable sandbox, bounded in size and time.
+    Every failure is an InputError: a syntax error, an unsafe access or a limit passed
+    (TemplateLimitError) is the template's fault for every conversation; a
     `raise_exception` call or a runtime error is a ConversationError (this one only)."""
     try:
         tpl = _compile(template)
@@ -128,9 +130,10 @@ def render_template(template: str, messages: Sequence[Message], add_generation_p
         raise InputError(f"chat template line {e.lineno}: syntax error: {_one_line(e)}")
     except TemplateError as e:
         raise InputError(f"chat template does not compile: {_one_line(e)}")
+    size = sum(len(m.get("content") or "") + len(m.get("role") or "") for m in messages)
     try:
-        return tpl.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
-                          bos_token=bos_token, eos_token=eos_token)
+        return render_bounded(tpl, size + len(bos_token) + len(eos_token), messages=list(messages),
+                              add_generation_prompt=add_generation_prompt, bos_token=bos_token, eos_token=eos_token)
     except ToyError:
         raise
     except SecurityError as e:
@@ -355,6 +358,15 @@ def length_batches(lengths: Sequence[int], budget: int, seed: int, epoch: int,
     if pending:
         batches.append(pending)
     return [batches[j] for j in rng.permutation(len(batches)).tolist()]
+
+
+def spread_sample(n: int, k: int) -> list[int]:
+    """k of the positions 0..n-1 (all of them when k >= n), evenly spread: the middle
+    one of each of k equal slices. Applied to batches sorted by length, a small sample
+    still covers short and long conversations alike."""
+    if k >= n:
+        return list(range(n))
+    return [(2 * i + 1) * n // (2 * k) for i in range(k)]
 
 
 def pad_batch(samples: Sequence[tuple[Sequence[int], Sequence[int]]], pad_id: int,

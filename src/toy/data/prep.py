@@ -77,8 +77,23 @@ class PrepResult:
     documents: int
 
 
+def check_overwrite(out: Path, tokenizer_src: Path | None = None) -> None:
+    """UsageError naming the first of NAME.bin, NAME.val.bin, NAME.tokenizer.json that
+    exists: a run made on a corpus records its tokenizer and fingerprint, and would no
+    longer resume once they change. A tokenizer sibling that is --tokenizer itself is
+    read, not replaced, so it does not count."""
+    out = Path(out)
+    for p in (out, val_path_for(out), tokenizer_path_for(out)):
+        if not p.exists():
+            continue
+        if tokenizer_src is not None and p == tokenizer_path_for(out) and p.resolve() == Path(tokenizer_src).resolve():
+            continue
+        raise UsageError(f"--out {out}: {p} already exists (runs made on it would no longer resume once it changes); "
+                         "choose another --out, or pass --force to overwrite it")
+
+
 def prep(paths: list[Path], out: Path, vocab_size: int | None = None, tokenizer: Tokenizer | None = None,
-         tokenizer_src: Path | None = None, val_fraction: float = 0.05) -> PrepResult:
+         tokenizer_src: Path | None = None, val_fraction: float = 0.05, force: bool = False) -> PrepResult:
     if (vocab_size is None) == (tokenizer is None):
         raise UsageError("give exactly one of --vocab-size N (train a BPE) or --tokenizer FILE (reuse one)")
     if not 0.0 <= val_fraction < 0.5:
@@ -90,6 +105,8 @@ def prep(paths: list[Path], out: Path, vocab_size: int | None = None, tokenizer:
         raise UsageError(f"--out {out}: the token file name must end in .bin")
     if not out.parent.is_dir():
         raise UsageError(f"--out {out}: directory {out.parent} does not exist")
+    if not force:
+        check_overwrite(out, tokenizer_src)
     docs = read_texts(paths)
     if tokenizer is None:
         tokenizer = toktools.train_bpe(docs, vocab_size)
@@ -159,5 +176,5 @@ def bundled_corpus(vocab_size: int = DEFAULT_VOCAB) -> Path:
     if out.is_file() and tokenizer_beside(out) is not None and val_path_for(out).is_file():
         return out
     d.mkdir(parents=True, exist_ok=True)
-    prep(paths, out, vocab_size=vocab_size)
+    prep(paths, out, vocab_size=vocab_size, force=True)  # toy's own cache: a partial one is remade
     return out

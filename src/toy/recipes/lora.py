@@ -3,6 +3,7 @@ token stream. Only the adapters train; the output is a PEFT adapter directory.""
 
 from __future__ import annotations
 
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -12,9 +13,10 @@ import torch
 
 from toy import tokenizer as toktools
 from toy.data.chat import (GIVE_UP_AFTER, SHOW_SKIPPED, ConversationError, count_reasons, encode_chat,
-                            length_batches, pad_batch, read_chat_jsonl, resolve_chat_template)
+                            length_batches, pad_batch, read_chat_jsonl, resolve_chat_template, spread_sample)
 from toy.data.tokens import Windows
-from toy.errors import InputError
+from toy.errors import InputError, UsageError
+from toy.formats.checkpoint import atomic_dir
 from toy.formats.gguf import read_gguf
 from toy.formats.peft import save_peft_adapter
 from toy.lora import VALID_TARGETS, apply_lora, lora_state_dict
@@ -55,7 +57,9 @@ def add_arguments(g) -> None:
                         "once at load) (default quantized on cpu and metal, bfloat16 on cuda)")
     g.add_argument("--chat-template", metavar="FILE.jinja", help="chat template for --data (default: the GGUF's "
                    "own; for a file without one, toy's built-in template of its family: Gemma turns, ChatML)")
-    g.add_argument("--output", help="also copy the final adapter directory to PATH (default: only RUN_DIR/final)")
+    g.add_argument("--output", help="also copy the final adapter directory to PATH, which must be new or a directory "
+                   "of toy's adapter files (it is replaced whole; anything else exits 2 before training) "
+                   "(default: only RUN_DIR/final)")
     g.add_argument("--strict", action="store_true", default=None, help="an invalid chat line is fatal (default: warn, skip, count)")
     g.add_argument("--max-seq-len", dest="seq_len", type=int, help="alias of --seq-len (default 512 for LoRA)")
 
@@ -102,10 +106,43 @@ def check_opts(cfg: RunConfig) -> list[str]:
     for flag in ("data", "val_data"):
         if getattr(cfg, flag) and not Path(getattr(cfg, flag)).is_file():
             p.append(f"--{flag.replace('_', '-')} {getattr(cfg, flag)} not found; give a chat JSONL file")
+    if cfg.output:
+        p += [why] if (why := output_problem(cfg.output)) else []
     return p
 
 
+# What toy writes into --output: a directory holding only these may be replaced.
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "tokenizer.json", "README.md")
+
+
+def output_problem(output: str) -> str | None:
+    """Why --output PATH may not be written, or None. The copy replaces PATH whole, so
+    PATH must be new, or a directory of toy's own adapter files (as `toy export --format
+    peft` requires of its --out); never the working directory or one that holds it."""
+    path = Path(output)
+    fix = "give a new path, or a directory holding only a toy adapter"
+    where, cwd = path.resolve(), Path.cwd().resolve()
+    if where == cwd or where in cwd.parents:
+        return f"--output {output} is the working directory or holds it, and the copy replaces its path whole; {fix}"
+    if path.is_symlink():
+        return f"--output {output} is a symbolic link; {fix}"
+    if not path.exists():
+        return None
+    if not path.is_dir():
+        return f"--output {output} exists and is not a directory; {fix}"
+    names = sorted(p.name for p in path.iterdir())
+    others = [n for n in names if n not in ADAPTER_FILES]
+    if others:
+        shown = ", ".join(others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
+        return f"--output {output} holds files that are not a toy adapter's ({shown}); {fix}"
+    if names and "adapter_config.json" not in names:
+        return f"--output {output} holds no adapter_config.json, so it is not a toy adapter directory; {fix}"
+    return None
+
+
 def build(cfg: RunConfig, project: Project) -> Built:
+    if cfg.output and (why := output_problem(cfg.output)):  # a resumed run skips check_opts
+        raise UsageError(why)
     model_path = resolve_model(cfg, project)
     dtype = base_dtype(cfg)
     base = read_gguf(model_path, dtype)
@@ -147,10 +184,17 @@ def build(cfg: RunConfig, project: Project) -> Built:
                           dropout=float(cfg.dropout), targets=targets, base_model_name_or_path=str(model_path))
         tok.save(str(out / "tokenizer.json"))
         if cfg.output:
-            dest = Path(cfg.output)
-            if dest.exists():
-                shutil.rmtree(dest)
-            shutil.copytree(out, dest)
+            # Checked again now: PATH may have changed since the start, or be this very
+            # run's directory (its name was not known then). final/ is written already.
+            why = output_problem(cfg.output)
+            if why:
+                raise InputError(f"{why}; the adapter is in {out}, not copied")
+            dest = Path(os.path.abspath(cfg.output))
+            if dest != out.resolve():
+                with atomic_dir(dest) as tmp:
+                    for name in ADAPTER_FILES:
+                        if (out / name).is_file():
+                            shutil.copyfile(out / name, tmp / name)
 
     job = Job(recipe="lora", model=model, micro_batch=micro, eval_batches=lambda: evals, save_final=save_final,
               config=config)
@@ -163,9 +207,10 @@ def build(cfg: RunConfig, project: Project) -> Built:
 
 # ---------------------------------------------------------------- chat JSONL
 
-def _encode_all(items, path, model, encode, strict, warn) -> tuple[list, int, int]:
+def _encode_all(items, path, source, encode, strict, warn) -> tuple[list, int, int]:
     """Encode the (line, messages) items read from `path`; returns (samples, the number
     dropped because their prompt fills --seq-len, the number the template cannot render).
+    `source` names where the template came from (the GGUF, or --chat-template FILE).
 
     A conversation the template cannot render (ConversationError: it calls
     raise_exception, fails on it, or is not prefix-stable for it) is skipped, counted and
@@ -184,8 +229,8 @@ def _encode_all(items, path, model, encode, strict, warn) -> tuple[list, int, in
             if len(failed) == GIVE_UP_AFTER and not samples and not dropped:
                 break  # the template rejects everything: the first reason says why
             continue
-        except InputError as e:  # the template's own fault: every conversation would fail
-            raise InputError(f"{model}: {e.message}")
+        except InputError as e:  # the template's own fault (syntax, sandbox, a limit): every conversation fails
+            raise InputError(f"{source}: {e.message}")
         if sum(mask) == 0:
             dropped += 1  # the prompt alone fills --seq-len: nothing left to supervise
             continue
@@ -193,7 +238,7 @@ def _encode_all(items, path, model, encode, strict, warn) -> tuple[list, int, in
     if failed and not samples and not dropped:
         line, why = failed[0]
         tried = f"the first {len(failed)}" if len(failed) < len(items) else f"all {len(failed)}"
-        raise InputError(f"{model}: its chat template renders none of {tried} conversations in {path} "
+        raise InputError(f"{source}: the chat template renders none of {tried} conversations in {path} "
                          f"(line {line}: {why}); use a model whose template fits this data, or fix the data")
     for line, why in failed[:SHOW_SKIPPED]:
         warn(f"{path}:{line}: {why}; conversation skipped")
@@ -230,6 +275,7 @@ def chat_stream(cfg: RunConfig, tok, base, seq_len, notes):
                                            base.family.chat_format, cfg.chat_template, str(model))
     if note:
         notes.append(note)
+    source = f"--chat-template {cfg.chat_template}" if cfg.chat_template else model
     special = toktools.gguf_special_ids(base.metadata)
     bos = tok.id_to_token(special.bos) if special.bos is not None else ""
     eos = tok.id_to_token(special.eos) if special.eos is not None else ""
@@ -248,7 +294,7 @@ def chat_stream(cfg: RunConfig, tok, base, seq_len, notes):
             notes.append(f"{path}: skipped {plural(chat.n_skipped, 'invalid line')} ({count_reasons(chat.skipped)})")
         return list(zip(chat.lines, chat.conversations))
 
-    samples, dropped, failed = _encode_all(read(cfg.data), cfg.data, model, encode, strict, warn)
+    samples, dropped, failed = _encode_all(read(cfg.data), cfg.data, source, encode, strict, warn)
     if failed:
         notes.append(f"{cfg.data}: skipped {plural(failed, 'conversation')} the chat template cannot render")
     if dropped:
@@ -256,7 +302,7 @@ def chat_stream(cfg: RunConfig, tok, base, seq_len, notes):
     if not samples:
         raise InputError(f"{cfg.data}: no conversation has a supervised token within --seq-len {seq_len}")
     if cfg.val_data:
-        val_samples, _, _ = _encode_all(read(cfg.val_data), cfg.val_data, model, encode, strict, warn)
+        val_samples, _, _ = _encode_all(read(cfg.val_data), cfg.val_data, source, encode, strict, warn)
     else:
         # Hold out a deterministic 5% (at least one) when there is enough data.
         n_val = max(1, len(samples) // 20) if len(samples) >= 20 else 0
@@ -286,8 +332,16 @@ def chat_stream(cfg: RunConfig, tok, base, seq_len, notes):
         return _to_batch([samples[j] for j in epochs[epoch][i]], pad, bucket, seq_len)
 
     val_lengths = [len(ids) for ids, _ in val_samples]
-    evals = [_to_batch([val_samples[j] for j in batch], pad, bucket, seq_len)
-             for batch in length_batches(val_lengths, budget, seed, 0)] if val_samples else []
+    val_batches = length_batches(val_lengths, budget, seed, 0) if val_samples else []
+    if len(val_batches) > cfg.eval_batches:
+        # --eval-batches of them, spread over the lengths (the batches sorted by their
+        # longest member), kept in their order: the same sample every evaluation.
+        by_length = sorted(range(len(val_batches)), key=lambda b: (max(val_lengths[j] for j in val_batches[b]), b))
+        keep = sorted(by_length[i] for i in spread_sample(len(val_batches), cfg.eval_batches))
+        notes.append(f"validation: {cfg.eval_batches} of {len(val_batches)} held-out batches per evaluation, "
+                     "spread over their lengths (--eval-batches)")
+        val_batches = [val_batches[b] for b in keep]
+    evals = [_to_batch([val_samples[j] for j in batch], pad, bucket, seq_len) for batch in val_batches]
     sup = sum(int(sum(m)) for _, m in samples)
     info = {"data": str(cfg.data), "data_sha256": fingerprint(Path(cfg.data)),
             "conversations": len(samples), "batches": n, "supervised_tokens": sup}
