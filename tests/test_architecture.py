@@ -11,6 +11,8 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "toy"
 # Bottom to top. A module may import toy modules of its own layer or lower ones only.
 LAYERS = ["errors", "runs", "tokenizer", "models", "lora", "data", "formats", "train", "recipes", "cli"]
 RANK = {name: i for i, name in enumerate(LAYERS)}
+# What recipes share without being recipes: the recipe table and the decoder-LM part.
+SHARED_RECIPE_PARTS = ("toy.recipes", "toy.recipes.lm")
 
 
 def layer_of(module: str) -> str | None:
@@ -71,7 +73,7 @@ def violations(src: Path = SRC) -> list[str]:
                 bad.append(f"{where}: models imports only torch and toy.models")
             if mine == "data" and theirs == "models":
                 bad.append(f"{where}: data never imports models")
-            if mine == "recipes" and theirs == "recipes" and me != "toy.recipes" and imp != "toy.recipes":
+            if mine == "recipes" and theirs == "recipes" and me != "toy.recipes" and imp not in SHARED_RECIPE_PARTS:
                 bad.append(f"{where}: a recipe never imports another recipe")
             if theirs == "cli" and mine != "cli":
                 bad.append(f"{where}: nothing imports cli")

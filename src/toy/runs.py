@@ -7,6 +7,7 @@ A project is a directory holding `toy.toml` (made by `toy new`). A run lives in
 from __future__ import annotations
 
 import datetime as _dt
+import hashlib
 import json
 import os
 import re
@@ -219,3 +220,11 @@ def read_events(run_dir: Path) -> list[dict]:
                 # A killed run can leave a half-written last line; earlier lines are whole.
                 continue
     return out
+
+
+def fingerprint(path: Path, limit: int = 1 << 22) -> str:
+    """sha256 of the file's size and first 4 MiB: cheap, and catches a swapped corpus on resume."""
+    h = hashlib.sha256(str(path.stat().st_size).encode())
+    with open(path, "rb") as fh:
+        h.update(fh.read(limit))
+    return h.hexdigest()[:16]

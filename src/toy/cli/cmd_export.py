@@ -124,7 +124,7 @@ def _resolve_base(r: _Run, args, config: dict) -> tuple[Path, list[str]]:
     given, then against the project root). A base that differs from the one trained on
     (run.json's fingerprint) is refused unless --model names it explicitly."""
     from toy.formats.checkpoint import read_json
-    from toy.train.lm import fingerprint
+    from toy.runs import fingerprint
     from toy.runs import find_project
 
     notes: list[str] = []

@@ -9,7 +9,7 @@ from toy.runs import Project
 from toy.train.config import RunConfig
 from toy.train.recipe import Recipe
 from toy.train.job import Built
-from toy.train.lm import fingerprint, lm_config, lm_derived, lm_job, open_token_data
+from toy.recipes.lm import fingerprint, lm_config, lm_derived, lm_job, open_token_data
 
 
 def build(cfg: RunConfig, project: Project) -> Built:

@@ -27,7 +27,7 @@ from toy.train import dist
 from toy.train.config import RunConfig
 from toy.train.recipe import Recipe
 from toy.train.job import IGNORE, Built, Job
-from toy.train.lm import fingerprint, open_token_data, val_windows
+from toy.recipes.lm import fingerprint, open_token_data, val_windows
 
 DEFAULT_MODEL = "data/smollm2-135m.gguf"
 GET_MODEL = "get it with `toy fetch smollm2`, or pass --model FILE.gguf"

@@ -1,14 +1,11 @@
-"""What the decoder-LM recipes share: the token data (corpus, validation split and the
-tokenizer that made them, resolved and checked in ONE place), the model config from
-flags, a cheap file fingerprint, and the Job that trains on token windows.
-
-It lives here, below the recipes, because a recipe never imports another recipe:
-from_scratch.py, warm_start.py and lora.py (token streams) all build on it.
+"""What the decoder-LM recipes share (not a recipe itself): the token data (corpus,
+validation split and the tokenizer that made them, resolved and checked in one place),
+the model config from flags, and the Job that trains on token windows. from_scratch.py,
+warm_start.py and lora.py (token streams) build on it; no recipe imports another.
 """
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -23,7 +20,7 @@ from toy.data.tokens import TokenFile, Windows, read_tokens, tokenizer_beside, v
 from toy.errors import InputError, UsageError
 from toy.formats.model_dir import save_model_dir
 from toy.models import registry
-from toy.runs import Project
+from toy.runs import Project, fingerprint  # noqa: F401  (recipes take it from here too)
 from toy.train import dist
 from toy.train.config import RunConfig
 from toy.train.job import Job
@@ -102,14 +99,6 @@ def val_windows(val: TokenFile | None, seq_len: int, rows: int, seed: int) -> Wi
         raise InputError(f"{val.path}: {len(val)} validation tokens, fewer than --seq-len {seq_len} + 1; "
                          "raise --val-fraction in `toy prep`, give a longer --val-corpus or lower --seq-len")
     return Windows(val, seq_len, rows, seed)
-
-
-def fingerprint(path: Path, limit: int = 1 << 22) -> str:
-    """sha256 of the file's size and first 4 MiB: cheap, and catches a swapped corpus on resume."""
-    h = hashlib.sha256(str(path.stat().st_size).encode())
-    with open(path, "rb") as fh:
-        h.update(fh.read(limit))
-    return h.hexdigest()[:16]
 
 
 def lm_config(cfg: RunConfig, arch: str, train: TokenFile, notes: list[str] | None = None):
