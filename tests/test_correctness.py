@@ -222,10 +222,10 @@ def test_checkpoint_keeps_every_ranks_rng_and_restores_its_own(tmp_path):
 # ---------------------------------------------------------------- the loss on chat batches
 
 def test_chat_batches_shift_by_one_and_ignore_what_is_not_supervised():
-    from toy.recipes.lora import _to_batch
+    from toy.data.chat import to_batch
 
     samples = [([10, 11, 12, 13, 14], [0, 0, 1, 1, 0]), ([20, 21, 22], [0, 1, 1])]
-    b = _to_batch(samples, pad=99)
+    b = to_batch(samples, pad=99)
     assert b["ids"].tolist() == [[10, 11, 12, 13], [20, 21, 22, 99]]
     assert b["targets"].tolist() == [[IGNORE, 12, 13, IGNORE], [21, 22, IGNORE, IGNORE]]
 

@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from toy.lora import apply_lora
 from toy.models import losses
 from toy.models.llama import Llama, LlamaConfig
-from toy.recipes.lora import _to_batch
+from toy.data.chat import to_batch
 from toy.runs import EventLog
 from toy.train.job import Job, lm_loss, lm_prepare
 from toy.train.config import RunConfig
@@ -177,7 +177,7 @@ def test_compile_buckets_chat_lengths_to_a_few_shapes_without_changing_the_loss(
     for n in (7, 20, 33, 50, 63):
         samples = [(torch.randint(0, V, (n + j,), generator=g).tolist(), [0] * 3 + [1] * (n + j - 3))
                    for j in range(3)]
-        plain, bucketed = _to_batch(samples, 0), _to_batch(samples, 0, bucket=16, seq_len=64)
+        plain, bucketed = to_batch(samples, 0), to_batch(samples, 0, bucket=16, seq_len=64)
         widths.add(bucketed["ids"].shape[1])
         assert bucketed["ids"].shape[1] % 16 == 0 and bucketed["ids"].shape[1] >= plain["ids"].shape[1]
         a, b = lm_loss(m, lm_prepare(plain))[0], lm_loss(m, lm_prepare(bucketed))[0]
@@ -185,4 +185,4 @@ def test_compile_buckets_chat_lengths_to_a_few_shapes_without_changing_the_loss(
     assert widths == {16, 32, 48, 64} and all(losses_eq)
     # Never wider than the model's context.
     long = [(list(range(60)), [1] * 60)]
-    assert _to_batch(long, 0, bucket=64, seq_len=62)["ids"].shape[1] == 62
+    assert to_batch(long, 0, bucket=64, seq_len=62)["ids"].shape[1] == 62

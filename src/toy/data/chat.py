@@ -58,6 +58,7 @@ from toy.errors import InputError, ToyError, UsageError
 from toy.runs import plural
 
 ROLES = ("system", "user", "assistant")
+IGNORE_INDEX = -100  # a target the loss skips (torch's cross_entropy default, models.losses.IGNORE)
 SCHEMA_HINT = ('each line must be {"messages": [{"role": "system"|"user"|"assistant", "content": "..."}, ...]} '
                'with at least one non-empty assistant turn')
 
@@ -387,6 +388,110 @@ def pad_batch(samples: Sequence[tuple[Sequence[int], Sequence[int]]], pad_id: in
         ids_out[b, :n] = torch.tensor(list(ids[:n]), dtype=torch.long)
         mask_out[b, :n] = torch.tensor(list(mask[:n]), dtype=torch.long)
     return {"ids": ids_out, "mask": mask_out}
+
+
+def to_batch(samples: list[tuple[list[int], list[int]]], pad: int, bucket: int = 1,
+              seq_len: int | None = None) -> dict[str, torch.Tensor]:
+    """Right-pad samples to their longest; shift: position t predicts token t+1, a
+    target where mask[t+1] says so. Padding comes after every real token, so plain
+    causal attention keeps each conversation to itself.
+
+    `bucket` > 1 (under --compile) pads the length up to a multiple of it (at most
+    seq_len), so the compiled blocks meet a handful of shapes instead of one per batch:
+    each new shape is a recompile, and past dynamo's limit it silently runs eagerly."""
+    longest = max(len(ids) for ids, _ in samples)
+    width = None
+    if bucket > 1:
+        width = -(-(longest - 1) // bucket) * bucket + 1  # inputs are width - 1 long
+        if seq_len is not None:
+            width = min(width, max(longest, seq_len + 1))
+    b = pad_batch(samples, pad, width)  # ids, mask: (n, L)
+    ids, mask = b["ids"], b["mask"]
+    targets = torch.where(mask[:, 1:] > 0, ids[:, 1:], torch.full_like(ids[:, 1:], IGNORE_INDEX))
+    return {"ids": ids[:, :-1], "targets": targets}
+
+
+class ChatBatches:
+    """Length-grouped batches of encoded conversations (`samples`: (ids, mask) pairs), as
+    `Windows` gives token windows: batch k of the run is a pure function of (seed, k), and
+    each of `world` processes takes its own batches. A batch holds about `budget` tokens
+    once padded (length_batches); `eval_batches(n)` is a fixed, length-spread sample."""
+
+    def __init__(self, samples: list[tuple[list[int], list[int]]], budget: int, seed: int, pad: int,
+                 seq_len: int | None = None, bucket: int = 1, world: int = 1, rank: int = 0):
+        self.samples, self.budget, self.seed, self.pad = samples, budget, seed, pad
+        self.seq_len, self.bucket, self.world, self.rank = seq_len, bucket, world, rank
+        self.lengths = [len(ids) for ids, _ in samples]
+        self._epochs = {0: length_batches(self.lengths, budget, seed, 0)}
+        self.n = len(self._epochs[0])  # the same count every epoch
+
+    def __len__(self) -> int:
+        return self.n
+
+    def _make(self, members: list[int]) -> dict[str, torch.Tensor]:
+        return to_batch([self.samples[j] for j in members], self.pad, self.bucket, self.seq_len)
+
+    def batch(self, k: int) -> dict[str, torch.Tensor]:
+        """Global micro-batch k is `world` batches; this rank takes its own. Batch j of the
+        run is batch j % n of epoch j // n."""
+        epoch, i = divmod(k * self.world + self.rank, self.n)
+        if epoch not in self._epochs:
+            self._epochs.clear()
+            self._epochs[epoch] = length_batches(self.lengths, self.budget, self.seed, epoch)
+        return self._make(self._epochs[epoch][i])
+
+    def eval_batches(self, n: int) -> list[dict[str, torch.Tensor]]:
+        """Epoch 0's batches, or n of them spread over the lengths (the batches sorted by
+        their longest member), kept in their order: the same sample every evaluation."""
+        batches = self._epochs.get(0) or length_batches(self.lengths, self.budget, self.seed, 0)
+        if len(batches) > n:
+            longest = [max(self.lengths[j] for j in b) for b in batches]
+            by_length = sorted(range(len(batches)), key=lambda b: (longest[b], b))
+            batches = [batches[b] for b in sorted(by_length[i] for i in spread_sample(len(batches), n))]
+        return [self._make(b) for b in batches]
+
+
+# --------------------------------------------------------------------------- encoding a file
+
+def encode_all(items, path, source, encode, strict, warn) -> tuple[list, int, int]:
+    """Encode the (line, messages) items read from `path`; returns (samples, the number
+    dropped because their prompt fills --seq-len, the number the template cannot render).
+    `source` names where the template came from (the GGUF, or --chat-template FILE).
+
+    A conversation the template cannot render (ConversationError: it calls
+    raise_exception, fails on it, or is not prefix-stable for it) is skipped, counted and
+    warned with its line, as an invalid line is; with --strict it is fatal. If none
+    renders, the template is the problem, not the data: one error, no warnings. A fault
+    of the template itself (syntax, sandbox) stops at once."""
+    samples, dropped, failed = [], 0, []
+    for line, messages in items:
+        try:
+            ids, mask = encode(messages)
+        except ConversationError as e:
+            if strict:
+                raise InputError(f"{path}:{line}: {e.message} (--strict stops at the first conversation the "
+                                 "chat template cannot render)")
+            failed.append((line, e.message))
+            if len(failed) == GIVE_UP_AFTER and not samples and not dropped:
+                break  # the template rejects everything: the first reason says why
+            continue
+        except InputError as e:  # the template's own fault (syntax, sandbox, a limit): every conversation fails
+            raise InputError(f"{source}: {e.message}")
+        if sum(mask) == 0:
+            dropped += 1  # the prompt alone fills --seq-len: nothing left to supervise
+            continue
+        samples.append((ids, mask))
+    if failed and not samples and not dropped:
+        line, why = failed[0]
+        tried = f"the first {len(failed)}" if len(failed) < len(items) else f"all {len(failed)}"
+        raise InputError(f"{source}: the chat template renders none of {tried} conversations in {path} "
+                         f"(line {line}: {why}); use a model whose template fits this data, or fix the data")
+    for line, why in failed[:SHOW_SKIPPED]:
+        warn(f"{path}:{line}: {why}; conversation skipped")
+    if len(failed) > SHOW_SKIPPED:
+        warn(f"{path}: ... and {len(failed) - SHOW_SKIPPED} more conversations the chat template cannot render; "
+             "skipped")
+    return samples, dropped, len(failed)
 
 
 # --------------------------------------------------------------------------- built-in templates

@@ -12,8 +12,7 @@ import numpy as np
 import torch
 
 from toy import tokenizer as toktools
-from toy.data.chat import (GIVE_UP_AFTER, SHOW_SKIPPED, ConversationError, count_reasons, encode_chat,
-                            length_batches, pad_batch, read_chat_jsonl, resolve_chat_template, spread_sample)
+from toy.data.chat import ChatBatches, count_reasons, encode_all, encode_chat, read_chat_jsonl, resolve_chat_template
 from toy.data.tokens import Windows
 from toy.errors import InputError, UsageError
 from toy.formats.checkpoint import atomic_dir
@@ -26,7 +25,7 @@ from toy.runs import Project, plural
 from toy.train import dist
 from toy.train.config import RunConfig
 from toy.train.recipe import Recipe
-from toy.train.job import IGNORE, Built, Job
+from toy.train.job import Built, Job
 from toy.recipes.lm import fingerprint, open_token_data, val_windows
 
 DEFAULT_MODEL = "data/smollm2-135m.gguf"
@@ -207,68 +206,6 @@ def build(cfg: RunConfig, project: Project) -> Built:
 
 # ---------------------------------------------------------------- chat JSONL
 
-def _encode_all(items, path, source, encode, strict, warn) -> tuple[list, int, int]:
-    """Encode the (line, messages) items read from `path`; returns (samples, the number
-    dropped because their prompt fills --seq-len, the number the template cannot render).
-    `source` names where the template came from (the GGUF, or --chat-template FILE).
-
-    A conversation the template cannot render (ConversationError: it calls
-    raise_exception, fails on it, or is not prefix-stable for it) is skipped, counted and
-    warned with its line, as an invalid line is; with --strict it is fatal. If none
-    renders, the template is the problem, not the data: one error, no warnings. A fault
-    of the template itself (syntax, sandbox) stops at once."""
-    samples, dropped, failed = [], 0, []
-    for line, messages in items:
-        try:
-            ids, mask = encode(messages)
-        except ConversationError as e:
-            if strict:
-                raise InputError(f"{path}:{line}: {e.message} (--strict stops at the first conversation the "
-                                 "chat template cannot render)")
-            failed.append((line, e.message))
-            if len(failed) == GIVE_UP_AFTER and not samples and not dropped:
-                break  # the template rejects everything: the first reason says why
-            continue
-        except InputError as e:  # the template's own fault (syntax, sandbox, a limit): every conversation fails
-            raise InputError(f"{source}: {e.message}")
-        if sum(mask) == 0:
-            dropped += 1  # the prompt alone fills --seq-len: nothing left to supervise
-            continue
-        samples.append((ids, mask))
-    if failed and not samples and not dropped:
-        line, why = failed[0]
-        tried = f"the first {len(failed)}" if len(failed) < len(items) else f"all {len(failed)}"
-        raise InputError(f"{source}: the chat template renders none of {tried} conversations in {path} "
-                         f"(line {line}: {why}); use a model whose template fits this data, or fix the data")
-    for line, why in failed[:SHOW_SKIPPED]:
-        warn(f"{path}:{line}: {why}; conversation skipped")
-    if len(failed) > SHOW_SKIPPED:
-        warn(f"{path}: ... and {len(failed) - SHOW_SKIPPED} more conversations the chat template cannot render; "
-             "skipped")
-    return samples, dropped, len(failed)
-
-
-def _to_batch(samples: list[tuple[list[int], list[int]]], pad: int, bucket: int = 1,
-              seq_len: int | None = None) -> dict[str, torch.Tensor]:
-    """Right-pad samples to their longest; shift: position t predicts token t+1, a
-    target where mask[t+1] says so. Padding comes after every real token, so plain
-    causal attention keeps each conversation to itself.
-
-    `bucket` > 1 (under --compile) pads the length up to a multiple of it (at most
-    seq_len), so the compiled blocks meet a handful of shapes instead of one per batch:
-    each new shape is a recompile, and past dynamo's limit it silently runs eagerly."""
-    longest = max(len(ids) for ids, _ in samples)
-    width = None
-    if bucket > 1:
-        width = -(-(longest - 1) // bucket) * bucket + 1  # inputs are width - 1 long
-        if seq_len is not None:
-            width = min(width, max(longest, seq_len + 1))
-    b = pad_batch(samples, pad, width)  # ids, mask: (n, L)
-    ids, mask = b["ids"], b["mask"]
-    targets = torch.where(mask[:, 1:] > 0, ids[:, 1:], torch.full_like(ids[:, 1:], IGNORE))
-    return {"ids": ids[:, :-1], "targets": targets}
-
-
 def chat_stream(cfg: RunConfig, tok, base, seq_len, notes):
     model = base.path or cfg.model or DEFAULT_MODEL
     template, note = resolve_chat_template(base.chat_template, base.metadata.get("tokenizer.ggml.tokens") or [],
@@ -294,7 +231,7 @@ def chat_stream(cfg: RunConfig, tok, base, seq_len, notes):
             notes.append(f"{path}: skipped {plural(chat.n_skipped, 'invalid line')} ({count_reasons(chat.skipped)})")
         return list(zip(chat.lines, chat.conversations))
 
-    samples, dropped, failed = _encode_all(read(cfg.data), cfg.data, source, encode, strict, warn)
+    samples, dropped, failed = encode_all(read(cfg.data), cfg.data, source, encode, strict, warn)
     if failed:
         notes.append(f"{cfg.data}: skipped {plural(failed, 'conversation')} the chat template cannot render")
     if dropped:
@@ -302,7 +239,7 @@ def chat_stream(cfg: RunConfig, tok, base, seq_len, notes):
     if not samples:
         raise InputError(f"{cfg.data}: no conversation has a supervised token within --seq-len {seq_len}")
     if cfg.val_data:
-        val_samples, _, _ = _encode_all(read(cfg.val_data), cfg.val_data, source, encode, strict, warn)
+        val_samples, _, _ = encode_all(read(cfg.val_data), cfg.val_data, source, encode, strict, warn)
     else:
         # Hold out a deterministic 5% (at least one) when there is enough data.
         n_val = max(1, len(samples) // 20) if len(samples) >= 20 else 0
@@ -314,40 +251,22 @@ def chat_stream(cfg: RunConfig, tok, base, seq_len, notes):
             notes.append(f"validation: {plural(n_val, 'conversation')} held out of --data (give --val-data to choose)")
     # A step holds about what --batch-size packed rows of --seq-len would: conversations
     # of similar length, right-padded to the longest of their batch (length_batches).
-    budget = int(cfg.batch_size) * (seq_len + 1)
-    seed = int(cfg.seed)
-    lengths = [len(ids) for ids, _ in samples]
-    epochs = {0: length_batches(lengths, budget, seed, 0)}
-    n = len(epochs[0])  # the same count every epoch
     d = dist.info()
     bucket = CHAT_BUCKET if cfg.compile else 1
-
-    def micro(k: int) -> dict[str, torch.Tensor]:
-        # Global micro-batch k is `world` batches; this rank takes its own. Batch j of the
-        # run is batch j % n of epoch j // n: a pure function of k.
-        epoch, i = divmod(k * d.world + d.rank, n)
-        if epoch not in epochs:
-            epochs.clear()
-            epochs[epoch] = length_batches(lengths, budget, seed, epoch)
-        return _to_batch([samples[j] for j in epochs[epoch][i]], pad, bucket, seq_len)
-
-    val_lengths = [len(ids) for ids, _ in val_samples]
-    val_batches = length_batches(val_lengths, budget, seed, 0) if val_samples else []
-    if len(val_batches) > cfg.eval_batches:
-        # --eval-batches of them, spread over the lengths (the batches sorted by their
-        # longest member), kept in their order: the same sample every evaluation.
-        by_length = sorted(range(len(val_batches)), key=lambda b: (max(val_lengths[j] for j in val_batches[b]), b))
-        keep = sorted(by_length[i] for i in spread_sample(len(val_batches), cfg.eval_batches))
-        notes.append(f"validation: {cfg.eval_batches} of {len(val_batches)} held-out batches per evaluation, "
+    batches = ChatBatches(samples, int(cfg.batch_size) * (seq_len + 1), int(cfg.seed), pad, seq_len, bucket,
+                          world=d.world, rank=d.rank)
+    val = ChatBatches(val_samples, batches.budget, int(cfg.seed), pad, seq_len, bucket) if val_samples else None
+    evals = val.eval_batches(cfg.eval_batches) if val is not None else []
+    if val is not None and len(val) > cfg.eval_batches:
+        notes.append(f"validation: {cfg.eval_batches} of {len(val)} held-out batches per evaluation, "
                      "spread over their lengths (--eval-batches)")
-        val_batches = [val_batches[b] for b in keep]
-    evals = [_to_batch([val_samples[j] for j in batch], pad, bucket, seq_len) for batch in val_batches]
+    n, budget = len(batches), batches.budget
     sup = sum(int(sum(m)) for _, m in samples)
     info = {"data": str(cfg.data), "data_sha256": fingerprint(Path(cfg.data)),
             "conversations": len(samples), "batches": n, "supervised_tokens": sup}
     notes.append(f"{plural(len(samples), 'conversation')} in {plural(n, 'length-grouped batch', 'length-grouped batches')} of up to {budget:,} tokens; "
                  f"{sup:,} supervised tokens")
-    return micro, evals, n, info
+    return batches.batch, evals, n, info
 
 
 # ---------------------------------------------------------------- token stream

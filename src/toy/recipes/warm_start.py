@@ -1,75 +1,23 @@
-"""Warm start: a fresh, randomly initialised llama whose token embedding comes from a
-donor GGUF's `token_embd.weight`. Everything else (blocks, norms, data order) is the
-from-scratch recipe's, with the same seed, so `--init scratch|donor|pca` compare fairly.
+"""Warm start: a fresh llama whose token embedding starts from a donor GGUF's table.
+Everything else (blocks, norms, data order) is from-scratch's with the same seed, so
+`--init scratch|donor|pca` compare fairly.
 
     toy prep TEXT --tokenizer donor.gguf --out corpus.bin
-    toy train --recipe warm-start --donor donor.gguf --corpus corpus.bin --init donor
+    toy train --recipe warm-start --donor donor.gguf --corpus corpus.bin --init pca
 
-Init modes (the donor's width W is `<arch>.embedding_length`, the model's is d_model):
-
-- `scratch`: the plain N(0, 0.02) init, through this same path (same model class, same
-  seed, same batches, same embedding LR): the baseline.
-- `donor`: the donor's rows. At W == d_model they are copied exactly as they are.
-  Otherwise a trainable lens (W -> d_model, no bias) sits between the donor table, which
-  is centred and stays frozen, and the model: embedding = table @ lens^T. The lens starts
-  as a random semi-orthogonal map (the donor's inner products kept up to one factor)
-  scaled so the product starts at the init's RMS, 0.02; then the model learns which
-  directions of the donor's space to use. The table is frozen because the donor's
-  49152 x 576 table would be the largest tensor of a small model, and because a lens moves
-  every token coherently, including tokens the corpus never shows (they keep their place
-  relative to the rest, which is the point of borrowing a table).
-- `pca`: the same frozen, centred table and trainable lens, but the lens starts on the
-  table's top d_model principal axes (largest variance first): the starting embedding is
-  the table's PCA coordinates, scaled by one factor to RMS 0.02. Needs d_model <= W; at
-  d_model == W the start is a rotation of the centred table (pairwise distances kept up
-  to the one factor).
-
-Why a frozen table and a lens for `pca` too (docs/results.md, "Warm start"): with a tied
-head the embedding must grow during training (at RMS 0.02 its logits are too small to be
-confident), and Adam grows a trainable table by about one LR per entry per step, the
-same for every row: within tens of steps that swamps the donor's 0.02-sized differences
-between rows, and a trained PCA table ended no better than scratch. A lens grows the
-whole table at once and keeps its geometry.
-
-Centring. The table's mean row, a direction every token shares, is about half of
-SmolLM2's row energy: uncentred, every input embedding carries the same large component
-and the blocks see tokens as much alike as they are different (measured: the PCA lens on
-the uncentred table ended 0.21 nats worse). In the tied head it would only shift every
-logit by the same amount.
-
-Embedding LR. The embedding (or the lens) trains at `--embed-lr-scale` (3) times the
-scheduled LR, whatever --init, so the baseline gets the same treatment: the tied head
-needs the embedding to grow, and the lens, the one matrix every token goes through, gains
-most. The multiplier applies all along the schedule (its floor is 3 x --min-lr), and
-AdamW's decoupled weight decay, lr x decay, is 3 times as strong on it too.
-
-Scale. The lens and PCA start at the random init's RMS (0.02), not the donor's (SmolLM2:
-0.136): with a tied head and fresh (near-identity) blocks, the final hidden state of a
-token is nearly its own embedding, so its logit for itself grows with the embedding's
-squared norm. Measured on SmolLM2 at d_model 256: kept at the donor's scale, the step-0
-validation loss was 27.5 nats against ln(49152) = 10.8 for a uniform guess, and the first
-steps were spent shrinking the table. One global factor keeps the geometry (directions,
-relative distances, PCA's variance order), which is what the donor is for, and makes the
-comparison with `scratch` one of geometry alone. The equal-width copy stays exact, as
-asked of `donor`; expect a high initial loss there for the same reason (SmolLM2 copied
-at d_model 576: 50.9 at step 0).
-
-Vocabulary: the model's vocabulary is the corpus's (= the donor tokenizer's token count,
-enforced by the tokenizer hash). It may be smaller than the donor table (llama.cpp pads
-some tables with unused rows): the first `vocab` rows are taken; larger is an error.
-
-Tied output head: llama ties lm_head to the embedding. With a lens the head computes
-logits = h @ (table @ lens^T)^T from the same product, so input and output embedding stay
-one tensor. `final/` is a plain Llama: the product is folded into `embed_tokens.weight`,
-so `toy infer --run` and `toy export` read it like any from-scratch run.
-
-`--freeze-embed-steps N` keeps the embedding (or the lens) still for steps 1..N: through
-`Job.frozen`, the loop drops its gradient (sets it to None) after backward and the
-gradient all-reduce, so AdamW skips it entirely (no moment update, no decoupled weight
-decay). It is a pure function of the step number, so a resumed run freezes exactly the
-same steps, and it holds under DDP and FSDP.
-
-The donor is read once, with bounded memory: its header, then just `token_embd.weight`.
+- `scratch`: the plain N(0, 0.02) init through this same path: the baseline.
+- `donor`: at d_model == the donor's width, its rows copied as they are; otherwise the
+  donor's table, centred and frozen, seen through a trainable lens (W -> d_model) that
+  starts as a random semi-orthogonal map.
+- `pca`: the same frozen table and lens, the lens starting on the table's top d_model
+  principal axes.
+Why a frozen table and a lens, why centred, why the embedding (or lens) trains at
+`--embed-lr-scale` x --lr and starts at RMS 0.02 (a tied head grows the embedding, and
+Adam grows a trained table's rows alike, erasing the donor's differences within tens of
+steps): measured in docs/results.md, "Warm start". `final/` is a plain Llama with the
+product folded into `embed_tokens.weight`. The donor is read with bounded memory: its
+header, then `token_embd.weight` alone; the first `vocab` rows are taken (a padded table
+may be longer than its tokenizer).
 """
 
 from __future__ import annotations
@@ -98,7 +46,7 @@ NAME = "warm-start"
 INITS = ("scratch", "donor", "pca")
 EMBED = "token_embd.weight"
 GET_DONOR = "`toy fetch smollm2` fetches SmolLM2-135M"
-INIT_STD = 0.02  # Llama.reset_parameters' std: warmed tables start at this RMS (see Scale above)
+INIT_STD = 0.02  # Llama.reset_parameters' std: warmed tables start at this RMS (docs/results.md)
 
 # This recipe's flags; the model and optimiser flags are the general ones (as from-scratch).
 EMBED_LR_SCALE = 3.0  # the embedding (or lens) trains at this times --lr: docs/results.md, "Warm start"
