@@ -181,3 +181,24 @@ def gguf_top(cfg, tied: bool) -> dict[str, Planned]:
     if not tied:
         m["output.weight"] = Planned("lm_head.weight", (cfg.vocab_size, cfg.d_model))
     return m
+
+
+def gguf_linears(cfg, i: int, qk_heads: tuple[int, int] = (0, 0)) -> dict[str, Planned]:
+    """Block i's attention and gated-MLP projections (llama's and gemma's names), and the
+    q/k norms when the config has them. `qk_heads`: the heads llama.cpp interleaved in
+    the Q and K rows (llama), or none."""
+    D, H, K, C, F = cfg.head_dim, cfg.n_head, cfg.n_kv_head, cfg.d_model, cfg.d_ff
+    b, t = f"blk.{i}.", f"layers.{i}."
+    m = {
+        b + "attn_q.weight": Planned(t + "self_attn.q_proj.weight", (H * D, C), qk_heads[0]),
+        b + "attn_k.weight": Planned(t + "self_attn.k_proj.weight", (K * D, C), qk_heads[1]),
+        b + "attn_v.weight": Planned(t + "self_attn.v_proj.weight", (K * D, C)),
+        b + "attn_output.weight": Planned(t + "self_attn.o_proj.weight", (C, H * D)),
+        b + "ffn_gate.weight": Planned(t + "mlp.gate_proj.weight", (F, C)),
+        b + "ffn_up.weight": Planned(t + "mlp.up_proj.weight", (F, C)),
+        b + "ffn_down.weight": Planned(t + "mlp.down_proj.weight", (C, F)),
+    }
+    if cfg.qk_norm:
+        m[b + "attn_q_norm.weight"] = Planned(t + "self_attn.q_norm.weight", (D,))
+        m[b + "attn_k_norm.weight"] = Planned(t + "self_attn.k_norm.weight", (D,))
+    return m

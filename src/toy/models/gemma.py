@@ -28,7 +28,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from toy.models.family import Arch, BadConfig, Family, Keys, Planned, gguf_common, gguf_top, rope_dims
+from toy.models.family import (Arch, BadConfig, Family, Keys, Planned, gguf_common, gguf_linears, gguf_top,
+                               rope_dims)
 from toy.models.layers import Attention, KVCache, RMSNorm, Rotary, run_block
 
 
@@ -195,28 +196,17 @@ def gguf_config(k: Keys, arch: str) -> GemmaConfig:
 
 
 def gguf_plan(cfg: GemmaConfig) -> dict[str, Planned]:
-    D, H, K, C, F = cfg.head_dim, cfg.n_head, cfg.n_kv_head, cfg.d_model, cfg.d_ff
+    C = cfg.d_model
     m = gguf_top(cfg, cfg.tie_embeddings)
     for i in range(cfg.n_layer):
         b, t = f"blk.{i}.", f"layers.{i}."
-        m.update({
+        m.update({  # the sandwich norms around attention and the MLP
             b + "attn_norm.weight": Planned(t + "input_layernorm.weight", (C,)),
-            b + "attn_q.weight": Planned(t + "self_attn.q_proj.weight", (H * D, C)),
-            b + "attn_k.weight": Planned(t + "self_attn.k_proj.weight", (K * D, C)),
-            b + "attn_v.weight": Planned(t + "self_attn.v_proj.weight", (K * D, C)),
-            b + "attn_output.weight": Planned(t + "self_attn.o_proj.weight", (C, H * D)),
             b + "post_attention_norm.weight": Planned(t + "post_attention_layernorm.weight", (C,)),
             b + "ffn_norm.weight": Planned(t + "pre_feedforward_layernorm.weight", (C,)),
-            b + "ffn_gate.weight": Planned(t + "mlp.gate_proj.weight", (F, C)),
-            b + "ffn_up.weight": Planned(t + "mlp.up_proj.weight", (F, C)),
-            b + "ffn_down.weight": Planned(t + "mlp.down_proj.weight", (C, F)),
             b + "post_ffw_norm.weight": Planned(t + "post_feedforward_layernorm.weight", (C,)),
         })
-        if cfg.qk_norm:
-            m.update({
-                b + "attn_q_norm.weight": Planned(t + "self_attn.q_norm.weight", (D,)),
-                b + "attn_k_norm.weight": Planned(t + "self_attn.k_norm.weight", (D,)),
-            })
+        m.update(gguf_linears(cfg, i))
     return m
 
 

@@ -18,7 +18,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.nn as nn
 
-from toy.models.family import Arch, BadConfig, Family, Keys, Planned, gguf_common, gguf_top, rope_dims
+from toy.models.family import (Arch, BadConfig, Family, Keys, Planned, gguf_common, gguf_linears, gguf_top,
+                               rope_dims)
 from toy.models.layers import Attention, KVCache, RMSNorm, Rotary, SwiGLU, run_block
 
 
@@ -149,32 +150,19 @@ def gguf_config(k: Keys, arch: str = "llama") -> LlamaConfig:
 
 
 def gguf_plan(cfg: LlamaConfig, interleaved: bool = True) -> dict[str, Planned]:
-    D, H, K, C, F = cfg.head_dim, cfg.n_head, cfg.n_kv_head, cfg.d_model, cfg.d_ff
+    D, H, K, C = cfg.head_dim, cfg.n_head, cfg.n_kv_head, cfg.d_model
     m = gguf_top(cfg, cfg.tie_embeddings)
     qh, kh = (H, K) if interleaved else (0, 0)
     for i in range(cfg.n_layer):
         b, t = f"blk.{i}.", f"layers.{i}."
-        m.update({
-            b + "attn_norm.weight": Planned(t + "input_layernorm.weight", (C,)),
-            b + "attn_q.weight": Planned(t + "self_attn.q_proj.weight", (H * D, C), qh),
-            b + "attn_k.weight": Planned(t + "self_attn.k_proj.weight", (K * D, C), kh),
-            b + "attn_v.weight": Planned(t + "self_attn.v_proj.weight", (K * D, C)),
-            b + "attn_output.weight": Planned(t + "self_attn.o_proj.weight", (C, H * D)),
-            b + "ffn_norm.weight": Planned(t + "post_attention_layernorm.weight", (C,)),
-            b + "ffn_gate.weight": Planned(t + "mlp.gate_proj.weight", (F, C)),
-            b + "ffn_up.weight": Planned(t + "mlp.up_proj.weight", (F, C)),
-            b + "ffn_down.weight": Planned(t + "mlp.down_proj.weight", (C, F)),
-        })
+        m[b + "attn_norm.weight"] = Planned(t + "input_layernorm.weight", (C,))
+        m[b + "ffn_norm.weight"] = Planned(t + "post_attention_layernorm.weight", (C,))
+        m.update(gguf_linears(cfg, i, (qh, kh)))
         if cfg.qkv_bias:
             m.update({
                 b + "attn_q.bias": Planned(t + "self_attn.q_proj.bias", (H * D,), qh),
                 b + "attn_k.bias": Planned(t + "self_attn.k_proj.bias", (K * D,), kh),
                 b + "attn_v.bias": Planned(t + "self_attn.v_proj.bias", (K * D,)),
-            })
-        if cfg.qk_norm:
-            m.update({
-                b + "attn_q_norm.weight": Planned(t + "self_attn.q_norm.weight", (D,)),
-                b + "attn_k_norm.weight": Planned(t + "self_attn.k_norm.weight", (D,)),
             })
     return m
 
