@@ -30,7 +30,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from toy.errors import InputError, UsageError
-from toy.models.quant import QuantLinear, QuantSpec, dequantize_weight, frozen_linear
+from toy.models.quant import QuantLinear, Spec, frozen_linear, parts_of, register_parts
 from toy.models.registry import lora_targets
 
 # Every family's linear layers (llama-style, and Phi-3's fused ones), as the families
@@ -45,17 +45,19 @@ class LoRALinear(nn.Module):
     Built from an existing linear layer with `LoRALinear.from_linear`; the base
     `weight` / `bias` tensors are reused (not copied), so tying and device placement are
     preserved. A quantized base keeps its blocks as the `weight` buffer and its
-    QuantSpec: the base path dequantizes per use (models.quant.frozen_linear).
+    spec (GGUF or MLX): the base path dequantizes per use (models.quant.frozen_linear).
     """
 
-    def __init__(self, weight: torch.Tensor, bias: nn.Parameter | None, rank: int, alpha: float,
-                 dropout: float, generator: torch.Generator | None = None, spec: QuantSpec | None = None):
+    def __init__(self, weight: torch.Tensor | tuple[torch.Tensor, ...], bias: nn.Parameter | None, rank: int,
+                 alpha: float, dropout: float, generator: torch.Generator | None = None, spec: Spec | None = None):
         super().__init__()
         self.spec = spec
-        self.out_features, self.in_features = spec.shape if spec is not None else weight.shape
-        if spec is not None:
-            self.register_buffer("weight", weight)
+        if spec is not None:  # the quantized parts, under the spec's names (as in QuantLinear)
+            self.out_features, self.in_features = spec.shape
+            register_parts(self, spec, weight if isinstance(weight, tuple) else (weight,))
+            weight = self.weight
         else:
+            self.out_features, self.in_features = weight.shape
             self.weight = weight
         self.bias = bias
         self.rank = rank
@@ -73,7 +75,9 @@ class LoRALinear(nn.Module):
     @classmethod
     def from_linear(cls, linear: nn.Linear | QuantLinear, rank: int, alpha: float, dropout: float,
                     generator: torch.Generator | None = None) -> "LoRALinear":
-        return cls(linear.weight, linear.bias, rank, alpha, dropout, generator, getattr(linear, "spec", None))
+        if isinstance(linear, QuantLinear):
+            return cls(parts_of(linear), linear.bias, rank, alpha, dropout, generator, linear.spec)
+        return cls(linear.weight, linear.bias, rank, alpha, dropout, generator)
 
     def reset_lora(self, generator: torch.Generator | None = None) -> None:
         # PEFT's default: A ~ kaiming_uniform(a=sqrt(5)) (nn.Linear's own init, bound
@@ -85,7 +89,8 @@ class LoRALinear(nn.Module):
             self.lora_B.zero_()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = frozen_linear(x, self.weight, self.bias, self.spec)  # (..., out)
+        base = parts_of(self) if self.spec is not None else self.weight
+        y = frozen_linear(x, base, self.bias, self.spec)  # (..., out)
         # Low rank first: (..., in) -> (..., r) -> (..., out). Never forms B @ A (out x in).
         h = self.dropout(x)
         if not torch.is_autocast_enabled(x.device.type):  # under autocast the matmuls pick their dtype
@@ -96,7 +101,7 @@ class LoRALinear(nn.Module):
     def base_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The frozen base weight as floats (out, in), dequantized when it is blocks."""
         if self.spec is not None:
-            return dequantize_weight(self.weight, self.spec, dtype)
+            return self.spec.dequantize(parts_of(self), dtype)
         return self.weight.detach().to(dtype)
 
     def delta_weight(self) -> torch.Tensor:

@@ -46,7 +46,7 @@ from toy.formats.gguf_plan import GGUFFamily, Planned, check_plan, family_of, gg
 from toy.formats.gguf_header import (GGUFHeader, TensorInfo, _show, read_gguf_header,  # noqa: F401
                                      SUPPORTED_VERSIONS)
 from toy.models import quant
-from toy.models.quant import QuantEmbedding, QuantLinear, QuantSpec, half_split_rows
+from toy.models.quant import QuantEmbedding, QuantLinear, QuantSpec, half_split_rows, parts_of
 from toy.tokenizer import from_gguf_metadata
 
 def unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -180,7 +180,7 @@ class GGUFModel:
         if tied:
             emb = model.embed_tokens
             if isinstance(emb, QuantEmbedding):
-                model.lm_head = QuantLinear(emb.weight, emb.spec)  # the same blocks, read as a head
+                model.lm_head = QuantLinear(parts_of(emb), emb.spec)  # the same blocks, read as a head
             else:
                 model.tie_weights()
         left = [n for n, p in [*model.named_parameters(), *model.named_buffers()] if p.device.type == "meta"]

@@ -52,6 +52,9 @@ def unpack(weight: torch.Tensor, bits: int) -> torch.Tensor:
     raw = weight.contiguous().view(torch.uint8)  # the row's bytes, little-endian (as MLX and safetensors)
     if bits == 8:
         return raw.to(torch.int32)
+    if bits in (1, 2, 4):  # whole values per byte: shift and mask the bytes, no wide words
+        shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=raw.device)
+        return ((raw.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)).reshape(*lead, -1).to(torch.int32)
     units = raw.reshape(*lead, -1, bits).to(torch.int64)  # `bits` bytes = 8 values = 8 * bits <= 56 bits
     word = (units << torch.arange(0, 8 * bits, 8, device=raw.device)).sum(-1, keepdim=True)
     q = (word >> torch.arange(0, 8 * bits, bits, device=raw.device)) & ((1 << bits) - 1)

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import torch
 
+from toy.models import mlx_quant
 from toy.models.quant_types import (BF16, F16, F32, OTHER_TYPE_NAMES, Q2_K, Q3_K, Q4_0, Q4_1, Q4_K,  # noqa: F401
                                     Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, QK_K, QUANT_TYPES)
 
@@ -252,12 +253,17 @@ _KERNELS = {Q4_0: _q4_0, Q4_1: _q4_1, Q5_0: _q5_0, Q5_1: _q5_1, Q8_0: _q8_0,
 # and again inside backward for the input gradient; the float weight is never kept.
 
 class QuantSpec:
-    """What turns a block tensor back into its float weight: the type, the float shape
-    (out, in), and `qk_heads`: when llama.cpp's converter interleaved the rows of each
-    head for its rope (llama Q/K), the heads to un-interleave at dequantization time,
-    so the file's bytes are used as they are."""
+    """GGUF blocks (one uint8 tensor, `weight`, (out, row_bytes)) and what turns them back
+    into the float weight: the type, the float shape (out, in), and `qk_heads`: when
+    llama.cpp's converter interleaved the rows of each head for its rope (llama Q/K), the
+    heads to un-interleave at dequantization time, so the file's bytes are used as they are.
+
+    A spec names the tensors it needs (`parts`) and turns them into floats: QuantLinear,
+    QuantEmbedding and LoRALinear hold the parts as buffers under those names and ask the
+    spec (MLXSpec is the other kind)."""
 
     __slots__ = ("qtype", "shape", "qk_heads")
+    parts = ("weight",)
 
     def __init__(self, qtype: int, shape: tuple[int, int], qk_heads: int = 0):
         self.qtype, self.shape, self.qk_heads = int(qtype), (int(shape[0]), int(shape[1])), int(qk_heads)
@@ -266,8 +272,46 @@ class QuantSpec:
     def name(self) -> str:
         return QUANT_TYPES[self.qtype][2]
 
+    def dequantize(self, parts: tuple[torch.Tensor, ...], dtype: torch.dtype = torch.float32,
+                   rows: slice | None = None) -> torch.Tensor:
+        return dequantize_weight(parts[0], self, dtype, rows)
+
+    def gather(self, parts: tuple[torch.Tensor, ...], idx: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows `idx` (1-D) of the float weight (an embedding's lookup)."""
+        return dequantize(parts[0][idx], self.qtype, self.shape[1], dtype)
+
     def __repr__(self) -> str:
         return f"QuantSpec({self.name}, {self.shape}, qk_heads={self.qk_heads})"
+
+
+class MLXSpec:
+    """MLX affine-quantized weights (what `mlx_lm.convert -q` writes): `weight` uint32 (out,
+    in * bits / 32), `scales` and `biases` (out, in / group_size); models/mlx_quant.py
+    dequantizes them, bit-identical to mx.dequantize, then casts to the compute dtype."""
+
+    __slots__ = ("bits", "group_size", "shape")
+    parts = ("weight", "scales", "biases")
+
+    def __init__(self, bits: int, group_size: int, shape: tuple[int, int]):
+        self.bits, self.group_size, self.shape = int(bits), int(group_size), (int(shape[0]), int(shape[1]))
+
+    @property
+    def name(self) -> str:
+        return f"MLX_Q{self.bits}_G{self.group_size}"
+
+    def dequantize(self, parts: tuple[torch.Tensor, ...], dtype: torch.dtype = torch.float32,
+                   rows: slice | None = None) -> torch.Tensor:
+        with torch.profiler.record_function("toy::dequantize"):
+            w, s, b = parts if rows is None else (p[rows] for p in parts)
+            return mlx_quant.dequantize(w, s, b, self.group_size, self.bits).to(dtype)
+
+    def gather(self, parts: tuple[torch.Tensor, ...], idx: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        with torch.profiler.record_function("toy::dequantize"):
+            w, s, b = (p[idx] for p in parts)
+            return mlx_quant.dequantize(w, s, b, self.group_size, self.bits).to(dtype)
+
+    def __repr__(self) -> str:
+        return f"MLXSpec({self.bits} bits, group {self.group_size}, {self.shape})"
 
 
 def half_split_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -299,89 +343,104 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
 
 class _QuantLinearFn(torch.autograd.Function):
     """y = x W^T (+ b) with W dequantized here and again in backward: what is saved for
-    backward is the block tensor (already resident), never a float copy of W."""
+    backward is the quantized parts (already resident), never a float copy of W."""
 
     @staticmethod
-    def forward(ctx, x, blocks, bias, spec):
-        w = dequantize_weight(blocks, spec, x.dtype)
-        ctx.save_for_backward(blocks)
+    def forward(ctx, x, bias, spec, *parts):
+        w = spec.dequantize(parts, x.dtype)
+        ctx.save_for_backward(*parts)
         ctx.spec = spec
         return torch.nn.functional.linear(x, w, bias)
 
     @staticmethod
     def backward(ctx, grad):
-        (blocks,) = ctx.saved_tensors
+        parts = ctx.saved_tensors
         grad_x = None
         if ctx.needs_input_grad[0]:
-            grad_x = grad @ dequantize_weight(blocks, ctx.spec, grad.dtype)
-        return grad_x, None, None, None
+            grad_x = grad @ ctx.spec.dequantize(parts, grad.dtype)
+        return (grad_x, None, None) + (None,) * len(parts)
 
 
-def frozen_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                  spec: QuantSpec | None) -> torch.Tensor:
-    """A frozen base linear: plain F.linear for a float weight, the block path for a
-    quantized one (in the autocast dtype where autocast is on)."""
+Spec = QuantSpec | MLXSpec
+
+
+def frozen_linear(x: torch.Tensor, weight: torch.Tensor | tuple[torch.Tensor, ...], bias: torch.Tensor | None,
+                  spec: Spec | None) -> torch.Tensor:
+    """A frozen base linear: plain F.linear for a float weight, or, with a spec, its
+    quantized parts dequantized per use (in the autocast dtype where autocast is on)."""
     if spec is None:
         return torch.nn.functional.linear(x, weight, bias)
     dtype = _compute_dtype(x)
     with torch.autocast(x.device.type, enabled=False):
         b = bias.to(dtype) if bias is not None else None
-        return _QuantLinearFn.apply(x.to(dtype), weight, b, spec)
+        return _QuantLinearFn.apply(x.to(dtype), b, spec, *weight)
+
+
+def register_parts(module: torch.nn.Module, spec: Spec, parts: tuple[torch.Tensor, ...]) -> None:
+    """The quantized tensors as buffers, under the names the spec gives (state_dict keys
+    `weight`, and for MLX `scales`, `biases`: the file's own names)."""
+    for name, t in zip(spec.parts, parts):
+        module.register_buffer(name, t)
+
+
+def parts_of(module: torch.nn.Module) -> tuple[torch.Tensor, ...]:
+    return tuple(module.get_buffer(name) for name in module.spec.parts)
 
 
 class QuantLinear(torch.nn.Module):
-    """A frozen nn.Linear whose `weight` is a GGUF block tensor (uint8, (out, row_bytes)).
+    """A frozen nn.Linear whose weight stays quantized: `parts` as its spec names them
+    (GGUF: `weight`, the block tensor; MLX: `weight`, `scales`, `biases`).
 
-    The state_dict keys are the float layer's (`weight`, `bias`), so LoRA and PEFT names
-    do not change; `weight` holds the file's blocks, and `dequantized()` the float weight."""
+    The state_dict keys are the float layer's (`weight`, `bias`) plus MLX's own, so LoRA
+    and PEFT names do not change; `dequantized()` gives the float weight."""
 
-    def __init__(self, blocks: torch.Tensor, spec: QuantSpec, bias: torch.Tensor | None = None):
+    def __init__(self, parts: torch.Tensor | tuple[torch.Tensor, ...], spec: Spec, bias: torch.Tensor | None = None):
         super().__init__()
         self.spec = spec
         self.out_features, self.in_features = spec.shape
-        self.register_buffer("weight", blocks)
+        register_parts(self, spec, parts if isinstance(parts, tuple) else (parts,))
         if bias is not None:
             self.bias = torch.nn.Parameter(bias, requires_grad=False)
         else:
             self.bias = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return frozen_linear(x, self.weight, self.bias, self.spec)
+        return frozen_linear(x, parts_of(self), self.bias, self.spec)
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return dequantize_weight(self.weight, self.spec, dtype)
+        return self.spec.dequantize(parts_of(self), dtype)
 
     def rows(self, start: int, end: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Rows start..end of the float weight (a chunk of the vocabulary, for a head)."""
-        return dequantize_weight(self.weight, self.spec, dtype, rows=slice(start, end))
+        return self.spec.dequantize(parts_of(self), dtype, rows=slice(start, end))
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.spec.name}"
 
 
 class QuantEmbedding(torch.nn.Module):
-    """A frozen token embedding over GGUF blocks: each lookup dequantizes just the rows of
-    the tokens asked for (rows are independent blocks). A tied output head reads the same
-    blocks (`rows(i, j)` for a chunk of the vocabulary)."""
+    """A frozen token embedding over quantized rows: each lookup dequantizes just the rows
+    of the tokens asked for (rows are independent). A tied output head reads the same
+    parts (`rows(i, j)` for a chunk of the vocabulary)."""
 
-    def __init__(self, blocks: torch.Tensor, spec: QuantSpec):
+    def __init__(self, parts: torch.Tensor | tuple[torch.Tensor, ...], spec: Spec):
         super().__init__()
         self.spec = spec
         self.num_embeddings, self.embedding_dim = spec.shape
-        self.register_buffer("weight", blocks)
+        register_parts(self, spec, parts if isinstance(parts, tuple) else (parts,))
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         dtype = _compute_dtype(torch.empty(0, device=idx.device)) if torch.is_autocast_enabled(idx.device.type) \
             else torch.float32
         with torch.profiler.record_function("toy::dequantize"):
-            flat = dequantize(self.weight[idx.reshape(-1)], self.spec.qtype, self.embedding_dim, dtype)
+            flat = self.spec.gather(parts_of(self), idx.reshape(-1), dtype)
         return flat.view(*idx.shape, self.embedding_dim)
 
     def rows(self, start: int, end: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return dequantize_weight(self.weight, self.spec, dtype, rows=slice(start, end))
+        return self.spec.dequantize(parts_of(self), dtype, rows=slice(start, end))
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return dequantize_weight(self.weight, self.spec, dtype)
+        return self.spec.dequantize(parts_of(self), dtype)
 
 
 def count_params(model: torch.nn.Module) -> int:
@@ -392,7 +451,7 @@ def count_params(model: torch.nn.Module) -> int:
     for m in model.modules():
         spec = getattr(m, "spec", None)
         w = getattr(m, "weight", None)
-        if spec is not None and isinstance(w, torch.Tensor) and w.dtype == torch.uint8:
+        if spec is not None and isinstance(w, torch.Tensor) and not w.is_floating_point():
             key = w.untyped_storage().data_ptr() + w.storage_offset()
             if key not in seen:
                 seen.add(key)
