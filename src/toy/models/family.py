@@ -34,14 +34,15 @@ class Planned:
     name: str  # toy's parameter name
     shape: tuple[int, ...]  # torch order (out, in)
     qk_heads: int = 0  # GGUF: rows llama.cpp's converter interleaved per head (the heads to undo)
+    offset: float = 0.0  # added to the file's values (HF Gemma stores norm weights w of x * (1 + w))
 
 
 class Keys:
-    """Typed reads of a file's key/value metadata and tensor shapes (a GGUF header's), each
-    failure a BadConfig naming the key."""
+    """Typed reads of a file's key/value metadata (a GGUF header's, or a config.json) and
+    its tensor shapes, each failure a BadConfig naming the key (`label`: "GGUF key")."""
 
-    def __init__(self, metadata: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]]):
-        self.metadata, self.shapes = metadata, shapes
+    def __init__(self, metadata: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]], label: str = "GGUF key"):
+        self.metadata, self.shapes, self.label = metadata, shapes, label
 
     def get(self, key: str, default: Any = None) -> Any:
         return self.metadata.get(key, default)
@@ -50,21 +51,21 @@ class Keys:
         v = self.metadata.get(key)
         if v is None:
             if default is None:
-                raise BadConfig(f"GGUF key {key!r} is missing; the file is not a complete "
-                                f"{self.metadata.get('general.architecture')} model")
+                what = self.metadata.get("general.architecture") or self.metadata.get("model_type")
+                raise BadConfig(f"{self.label} {key!r} is missing; the file is not a complete {what} model")
             return default
         if isinstance(v, list):  # per-layer values (some archs): toy needs them all equal
             if not v or any(x != v[0] for x in v):
-                raise BadConfig(f"GGUF key {key!r} varies per layer ({v[:8]}...); toy needs one value")
+                raise BadConfig(f"{self.label} {key!r} varies per layer ({v[:8]}...); toy needs one value")
             v = v[0]
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise BadConfig(f"GGUF key {key!r} is {v!r}; expected a positive integer")
+            raise BadConfig(f"{self.label} {key!r} is {v!r}; expected a positive integer")
         return v
 
     def float(self, key: str, default: float) -> float:
         v = self.metadata.get(key, default)
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0 < v < float("inf")):
-            raise BadConfig(f"GGUF key {key!r} is {v!r}; expected a positive number")
+            raise BadConfig(f"{self.label} {key!r} is {v!r}; expected a positive number")
         return float(v)
 
     def float_or(self, key: str, default: float) -> float:
@@ -73,7 +74,7 @@ class Keys:
         if v is None:
             return default
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0 <= v < float("inf")):
-            raise BadConfig(f"GGUF key {key!r} is {v!r}; expected a number >= 0")
+            raise BadConfig(f"{self.label} {key!r} is {v!r}; expected a number >= 0")
         return float(v)
 
 
@@ -88,11 +89,24 @@ class Arch:
 
 
 @dataclass(frozen=True)
+class HFType:
+    """A transformers `model_type` a family reads (from a transformers or an MLX directory:
+    mlx-lm keeps the config.json and the tensor names)."""
+
+    name: str
+    config: Callable[[Keys], Any]  # the family's config from config.json (the text part of a multimodal one)
+    chat_format: str | None = None
+
+
+@dataclass(frozen=True)
 class Family:
     name: str
     config: type  # the config dataclass (its `arch` field names the family)
     model: type  # the torch module
     archs: dict[str, Arch] = field(default_factory=dict)  # GGUF architectures read as this family
+    hf_types: dict[str, HFType] = field(default_factory=dict)  # transformers model_types read as this family
+    # config -> transformers tensor name -> where toy holds it (with `model.`, as HF's *ForCausalLM).
+    hf_plan: Callable[[Any], dict[str, Planned]] | None = None
     # LoRA: the linear layers an adapter may target (their attribute names), and the default.
     targets: tuple[str, ...] = ()
     default_targets: str = ""
@@ -202,3 +216,73 @@ def gguf_linears(cfg, i: int, qk_heads: tuple[int, int] = (0, 0)) -> dict[str, P
         m[b + "attn_q_norm.weight"] = Planned(t + "self_attn.q_norm.weight", (D,))
         m[b + "attn_k_norm.weight"] = Planned(t + "self_attn.k_norm.weight", (D,))
     return m
+
+
+# ------------------------------------------------------------------ transformers config.json
+
+def hf_name(toy_name: str) -> str:
+    """toy's parameter name -> HF *ForCausalLM's: the body under `model.`, the head as is."""
+    return toy_name if toy_name.startswith("lm_head.") else "model." + toy_name
+
+
+def hf_from_plan(plan: dict[str, Planned], norm_offset: float = 0.0) -> dict[str, Planned]:
+    """The transformers names of a plan's tensors (toy's names are HF's without `model.`);
+    `norm_offset` is added to every norm weight read (HF Gemma's 1 + w)."""
+    out = {}
+    for p in plan.values():
+        off = norm_offset if p.name.endswith("norm.weight") else 0.0
+        out[hf_name(p.name)] = Planned(p.name, p.shape, 0, off)
+    return out
+
+
+@dataclass
+class HFCommon:
+    n_layer: int
+    d_model: int
+    n_head: int
+    n_kv_head: int
+    head_dim: int
+    d_ff: int
+    context: int
+    vocab: int
+    eps: float
+    tied: bool
+    rope_theta: float | None  # None: not stated (the family's default)
+
+
+def rope_theta_of(k: Keys, layer_type: str | None = None) -> float | None:
+    """rope_theta from a 4.x config (top level) or a 5.x one (`rope_parameters`, per layer
+    type for Gemma 3); rope scaling of any kind is refused (toy has none)."""
+    params = k.get("rope_parameters")
+    if isinstance(params, dict) and layer_type is not None and isinstance(params.get(layer_type), dict):
+        params = params[layer_type]
+    for scaling in (k.get("rope_scaling"), params if isinstance(params, dict) else None):
+        if isinstance(scaling, dict) and scaling.get("rope_type", scaling.get("type", "default")) != "default":
+            raise BadConfig(f"rope scaling ({scaling.get('rope_type', scaling.get('type'))}) is not supported by "
+                            "toy; use a model without long-context rope scaling")
+    if isinstance(params, dict) and isinstance(params.get("rope_theta"), (int, float)):
+        return float(params["rope_theta"])
+    v = k.get("rope_theta")
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+
+def hf_common(k: Keys, head_dim_key: bool = True) -> HFCommon:
+    """What every decoder's config.json states alike. `head_dim_key`: the family reads
+    `head_dim` (qwen2 and phi3 derive it from the width)."""
+    d_model = k.int("hidden_size")
+    n_head = k.int("num_attention_heads")
+    n_kv = k.int("num_key_value_heads", default=n_head)
+    head_dim = k.int("head_dim", default=d_model // n_head) if head_dim_key and k.get("head_dim") else \
+        d_model // n_head
+    if n_head % n_kv:
+        raise BadConfig(f"num_attention_heads {n_head} is not a multiple of num_key_value_heads {n_kv}")
+    if head_dim % 2:
+        raise BadConfig(f"head size {head_dim} is odd; rotary positions need an even head size")
+    context = k.int("max_position_embeddings", default=2048)
+    if context > MAX_CONTEXT:
+        raise BadConfig(f"max_position_embeddings {context} is beyond toy's limit of {MAX_CONTEXT}")
+    eps = k.get("rms_norm_eps", k.get("layer_norm_eps", 1e-6))
+    emb = k.shapes.get("model.embed_tokens.weight")
+    vocab = emb[0] if emb else k.int("vocab_size")  # the embedding's rows are the vocabulary
+    return HFCommon(k.int("num_hidden_layers"), d_model, n_head, n_kv, head_dim, k.int("intermediate_size"), context,
+                    vocab, float(eps), "lm_head.weight" not in k.shapes, rope_theta_of(k))

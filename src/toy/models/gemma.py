@@ -28,8 +28,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from toy.models.family import (Arch, BadConfig, Family, Keys, Planned, gguf_common, gguf_linears, gguf_top,
-                               rope_dims)
+from toy.models.family import (Arch, BadConfig, Family, HFType, Keys, Planned, gguf_common, gguf_linears, gguf_top,
+                               hf_common, hf_from_plan, rope_dims, rope_theta_of)
 from toy.models.layers import Attention, KVCache, RMSNorm, Rotary, run_block
 
 
@@ -210,8 +210,50 @@ def gguf_plan(cfg: GemmaConfig) -> dict[str, Planned]:
     return m
 
 
+# ------------------------------------------------------------------ transformers: gemma2, gemma3_text, gemma3
+
+def hf_config(k: Keys, model_type: str) -> GemmaConfig:
+    if model_type == "gemma3":  # the multimodal config: the text model's config is its text_config
+        text = k.get("text_config")
+        if not isinstance(text, dict):
+            raise BadConfig("config.json key 'text_config' is missing; the file is not a complete gemma3 model")
+        k = Keys(text, k.shapes, k.label)
+    c = hf_common(k)
+    if k.get("hidden_activation", "gelu_pytorch_tanh") not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise BadConfig(f"hidden_activation {k.get('hidden_activation')!r} is not supported (toy's Gemma uses "
+                        "gelu_pytorch_tanh)")
+    g2 = model_type == "gemma2"
+    # Which layers are global: toy's rule is one in `global_every`, the last of each run.
+    every = 2 if g2 else int(k.get("sliding_window_pattern", k.get("_sliding_window_pattern", 6)) or 6)
+    types = k.get("layer_types")
+    if isinstance(types, list) and types:
+        if "full_attention" in types:
+            every = types.index("full_attention") + 1
+        want = ["full_attention" if i % every == every - 1 else "sliding_attention" for i in range(len(types))]
+        if types != want:
+            raise BadConfig(f"layer_types {types[:8]}... is not one global layer in every {every}; toy's Gemma "
+                            "cannot run this layout")
+    theta = rope_theta_of(k, "full_attention") or (10000.0 if g2 else 1_000_000.0)
+    local = theta if g2 else (rope_theta_of(k, "sliding_attention") or
+                              float(k.get("rope_local_base_freq") or 10000.0))
+    return GemmaConfig(
+        vocab_size=c.vocab, n_layer=c.n_layer, d_model=c.d_model, n_head=c.n_head, n_kv_head=c.n_kv_head,
+        head_dim=c.head_dim, d_ff=c.d_ff, max_seq_len=c.context, rope_theta=theta, rope_local_theta=local,
+        sliding_window=k.int("sliding_window"), global_every=every, norm_eps=c.eps, qk_norm=not g2,
+        attn_softcap=float(k.get("attn_logit_softcapping") or 0.0),
+        final_softcap=float(k.get("final_logit_softcapping") or 0.0), tie_embeddings=c.tied,
+        query_pre_attn_scalar=k.int("query_pre_attn_scalar", default=c.head_dim))
+
+
+def hf_plan(cfg: GemmaConfig) -> dict[str, Planned]:
+    # HF stores each norm's w of x * (1 + w); toy's norms hold 1 + w, as llama.cpp's files do.
+    return hf_from_plan(gguf_plan(cfg), norm_offset=1.0)
+
+
 FAMILY = Family(
     "gemma", GemmaConfig, Gemma,
+    hf_types={t: HFType(t, lambda k, t=t: hf_config(k, t), "gemma") for t in ("gemma2", "gemma3_text", "gemma3")},
+    hf_plan=hf_plan,
     archs={"gemma2": Arch("gemma2", lambda k: gguf_config(k, "gemma2"), gguf_plan, "gemma"),
            "gemma3": Arch("gemma3", lambda k: gguf_config(k, "gemma3"), gguf_plan, "gemma")},
     targets=TARGETS, default_targets="q_proj,v_proj",

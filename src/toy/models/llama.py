@@ -18,8 +18,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.nn as nn
 
-from toy.models.family import (Arch, BadConfig, Family, Keys, Planned, gguf_common, gguf_linears, gguf_top,
-                               rope_dims)
+from toy.models.family import (Arch, BadConfig, Family, HFType, Keys, Planned, gguf_common, gguf_linears, gguf_top,
+                               hf_common, hf_from_plan, rope_dims)
 from toy.models.layers import Attention, KVCache, RMSNorm, Rotary, SwiGLU, run_block
 
 
@@ -167,8 +167,33 @@ def gguf_plan(cfg: LlamaConfig, interleaved: bool = True) -> dict[str, Planned]:
     return m
 
 
+# ------------------------------------------------------------------ transformers: llama, mistral, qwen2, qwen3
+
+def hf_config(k: Keys, model_type: str) -> LlamaConfig:
+    c = hf_common(k, head_dim_key=model_type != "qwen2")  # Qwen2 derives its head size from the width
+    for key in ("mlp_bias", "attention_bias"):  # biases on o_proj / the MLP (Qwen2's q/k/v biases are its own)
+        if k.get(key):
+            raise BadConfig(f"{key}=true is not supported: toy's {model_type} has no such biases")
+    window = 0
+    if model_type == "mistral" or (model_type in ("qwen2", "qwen3") and k.get("use_sliding_window")):
+        window = int(k.get("sliding_window") or 0)
+    default_theta = 1_000_000.0 if model_type in ("qwen2", "qwen3") else 10000.0
+    return LlamaConfig(
+        vocab_size=c.vocab, n_layer=c.n_layer, d_model=c.d_model, n_head=c.n_head, n_kv_head=c.n_kv_head,
+        d_ff=c.d_ff, max_seq_len=c.context, rope_theta=c.rope_theta or default_theta, norm_eps=c.eps,
+        tie_embeddings=c.tied, qkv_bias=model_type == "qwen2",
+        head_dim=c.head_dim, qk_norm=model_type == "qwen3", sliding_window=window)
+
+
+def hf_plan(cfg: LlamaConfig) -> dict[str, Planned]:
+    return hf_from_plan(gguf_plan(cfg, interleaved=False))
+
+
 FAMILY = Family(
     "llama", LlamaConfig, Llama,
+    hf_types={t: HFType(t, lambda k, t=t: hf_config(k, t), "chatml" if t.startswith("qwen") else None)
+              for t in ("llama", "mistral", "qwen2", "qwen3")},
+    hf_plan=hf_plan,
     archs={
         "llama": Arch("llama", gguf_config, gguf_plan),  # also Mistral
         "qwen2": Arch("qwen2", lambda k: gguf_config(k, "qwen2"), lambda c: gguf_plan(c, interleaved=False),

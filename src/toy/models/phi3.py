@@ -18,7 +18,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from toy.models.family import Arch, Family, Keys, Planned, gguf_common, gguf_top, rope_dims
+from toy.models.family import (Arch, BadConfig, Family, HFType, Keys, Planned, gguf_common, gguf_top, hf_common,
+                               hf_from_plan, rope_dims)
 from toy.models.layers import KVCache, RMSNorm, Rotary, apply_rotary, attend, run_block
 
 
@@ -166,8 +167,29 @@ def gguf_plan(cfg: Phi3Config) -> dict[str, Planned]:
     return m
 
 
+# ------------------------------------------------------------------ transformers
+
+def hf_config(k: Keys) -> Phi3Config:
+    c = hf_common(k, head_dim_key=False)
+    params = k.get("rope_parameters") if isinstance(k.get("rope_parameters"), dict) else {}
+    factor = params.get("partial_rotary_factor", k.get("partial_rotary_factor", 1.0)) or 1.0
+    rope_dim = int(c.head_dim * float(factor))
+    if rope_dim % 2 or not 0 < rope_dim <= c.head_dim:
+        raise BadConfig(f"partial_rotary_factor {factor} does not fit head size {c.head_dim}")
+    return Phi3Config(
+        vocab_size=c.vocab, n_layer=c.n_layer, d_model=c.d_model, n_head=c.n_head, n_kv_head=c.n_kv_head,
+        head_dim=c.head_dim, rope_dim=rope_dim, d_ff=c.d_ff, max_seq_len=c.context,
+        rope_theta=c.rope_theta or 10000.0, norm_eps=c.eps, sliding_window=int(k.get("sliding_window") or 0),
+        tie_embeddings=c.tied)
+
+
+def hf_plan(cfg: Phi3Config) -> dict[str, Planned]:
+    return hf_from_plan(gguf_plan(cfg))
+
+
 FAMILY = Family(
     "phi3", Phi3Config, Phi3, archs={"phi3": Arch("phi3", gguf_config, gguf_plan)},
+    hf_types={"phi3": HFType("phi3", hf_config)}, hf_plan=hf_plan,
     targets=TARGETS, default_targets="qkv_proj",
     tiny=dict(vocab_size=96, n_layer=2, d_model=64, n_head=4, n_kv_head=2, head_dim=16, rope_dim=12, d_ff=128,
               max_seq_len=64),
