@@ -1,7 +1,7 @@
 """GGUF (llama.cpp, Ollama) -> toy: the model (its family's class, weights loaded), the
 tokenizer metadata and the chat template.
 
-    m = read_gguf("model.gguf")                  # GGUFModel: config, family, state dict, metadata
+    m = read_gguf("model.gguf")                  # a Base (formats/base.py): config, family, weights, tokenizer
     model = m.build_model()                      # toy's Llama / Phi3 / Gemma, weights in place
     m = read_gguf("model.gguf", "quantized")     # the same, the base kept in its GGUF blocks
     tok = read_gguf_tokenizer("model.gguf")      # or toy.tokenizer.from_gguf_metadata(m.metadata)
@@ -25,29 +25,27 @@ in every mode.
 
 from __future__ import annotations
 
-import contextlib
 import os
 from collections import Counter
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
-import torch.nn as nn
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 from tokenizers import Tokenizer
 
 from toy.errors import InputError
+from toy.formats.base import Base, QuantTensor, Specials, stop_ids  # noqa: F401  (QuantTensor: importers take it)
 from toy.formats.gguf_describe import (BASE_DTYPES, check_tensors, config_from_header, describe_gguf,  # noqa: F401
                                        resident_size, tensor_name_map, tensor_plan)
-from toy.formats.gguf_plan import GGUFFamily, Planned, check_plan, family_of, gguf_families, supported_archs  # noqa: F401
-from toy.formats.gguf_header import (GGUFHeader, TensorInfo, _show, read_gguf_header,  # noqa: F401
-                                     SUPPORTED_VERSIONS)
+from toy.formats.gguf_header import (SUPPORTED_VERSIONS, GGUFHeader, TensorInfo, _show,  # noqa: F401
+                                     read_gguf_header)
+from toy.formats.gguf_plan import (GGUFFamily, Planned, check_plan, family_of, gguf_families,  # noqa: F401
+                                   supported_archs)
 from toy.models import quant
-from toy.models.quant import QuantEmbedding, QuantLinear, QuantSpec, half_split_rows, parts_of
-from toy.tokenizer import from_gguf_metadata
+from toy.models.quant import QuantSpec, half_split_rows
+from toy.tokenizer import from_gguf_metadata, gguf_special_ids
+
 
 def unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
     """Undo llama.cpp's Q/K row permutation (convert_hf_to_gguf.py, `LlamaModel.permute`).
@@ -115,83 +113,7 @@ def _load_tensor(buf: np.ndarray, ti: TensorInfo) -> torch.Tensor:
     return torch.from_numpy(arr)
 
 
-@contextlib.contextmanager
-def _no_init():
-    """Build a model without initialising it: every weight is about to be replaced by the
-    file's. On the meta device each torch.nn.init call would still run torch's meta
-    kernels, whose first use costs over a second of one-off setup."""
-    names = ("normal_", "uniform_", "kaiming_uniform_", "kaiming_normal_", "trunc_normal_", "ones_", "zeros_",
-             "constant_", "xavier_uniform_", "xavier_normal_")
-    saved = {n: getattr(nn.init, n) for n in names}
-    try:
-        for n in names:
-            setattr(nn.init, n, lambda t, *a, **k: t)
-        yield
-    finally:
-        for n, f in saved.items():
-            setattr(nn.init, n, f)
-
-
-@dataclass
-class QuantTensor:
-    """A base weight kept in the file's blocks (`--base-dtype quantized`)."""
-
-    blocks: torch.Tensor  # (rows, row_bytes) uint8 over the file's map
-    spec: QuantSpec
-
-
-@dataclass
-class GGUFModel:
-    config: Any  # LlamaConfig / Phi3Config / GemmaConfig
-    state_dict: dict[str, torch.Tensor | QuantTensor]  # toy names; no lm_head.weight when tied
-    metadata: dict[str, Any]  # every key/value of the file, arrays as lists
-    chat_template: str | None
-    arch: str  # the file's architecture name (llama, qwen3, gemma3, ...)
-    tensor_types: Counter = field(default_factory=Counter)  # quant type name -> tensor count
-    path: Path | None = None
-    base_dtype: str = "float32"
-    notes: list[str] = field(default_factory=list)
-
-    @property
-    def family(self) -> GGUFFamily:
-        return gguf_families()[self.arch]
-
-    def build_model(self, device: torch.device | str = "cpu") -> nn.Module:
-        """toy's model of the file's family with these weights, in eval mode. Built on the
-        meta device (no random init to throw away), then each tensor is put in place: a
-        float one as the parameter itself (so the base exists once), a quantized one as
-        a QuantLinear / QuantEmbedding over its blocks. A tied head shares the embedding."""
-        cls = self.family.model
-        with torch.device("meta"), _no_init():
-            model = cls(self.config)
-        tied = getattr(self.config, "tie_embeddings", False)
-        for name, t in self.state_dict.items():
-            owner, _, attr = name.rpartition(".")
-            mod = model.get_submodule(owner)
-            if isinstance(t, QuantTensor):
-                new = QuantEmbedding(t.blocks, t.spec) if isinstance(mod, nn.Embedding) else QuantLinear(t.blocks, t.spec)
-                parent, _, child = owner.rpartition(".")
-                setattr(model.get_submodule(parent) if parent else model, child, new)
-        for name, t in self.state_dict.items():
-            if isinstance(t, QuantTensor):
-                continue
-            owner, _, attr = name.rpartition(".")
-            setattr(model.get_submodule(owner), attr, nn.Parameter(t, requires_grad=False))
-        if tied:
-            emb = model.embed_tokens
-            if isinstance(emb, QuantEmbedding):
-                model.lm_head = QuantLinear(parts_of(emb), emb.spec)  # the same blocks, read as a head
-            else:
-                model.tie_weights()
-        left = [n for n, p in [*model.named_parameters(), *model.named_buffers()] if p.device.type == "meta"]
-        if left:
-            raise InputError(f"{self.path}: weights do not fit toy's {self.arch} (no weight for {left[:3]})")
-        for p in model.parameters():
-            p.requires_grad_(True)  # what is trainable is the recipe's call (LoRA freezes them)
-        return model.to(device).eval()
-
-
-def read_gguf(source: str | os.PathLike | GGUFHeader, base_dtype: str = "float32") -> GGUFModel:
+def read_gguf(source: str | os.PathLike | GGUFHeader, base_dtype: str = "float32") -> Base:
     """Read a model GGUF of a supported family: config, weights in the form `base_dtype`
     asks (module docstring), metadata and chat template. Raises InputError on bad input.
     Pass a header from `read_gguf_header` to avoid parsing the file twice."""
@@ -212,7 +134,7 @@ def read_gguf(source: str | os.PathLike | GGUFHeader, base_dtype: str = "float32
         try:
             if base_dtype == "quantized" and len(p.shape) == 2 and qtype in quant.QUANT_TYPES \
                     and qtype != quant.F32:
-                sd[p.name] = QuantTensor(_blocks(buf, ti), QuantSpec(qtype, p.shape, p.qk_heads))
+                sd[p.name] = QuantTensor((_blocks(buf, ti),), QuantSpec(qtype, p.shape, p.qk_heads))
                 continue
             if qtype not in quant.QUANT_TYPES:
                 slow[ti.qtype.name] += 1
@@ -229,10 +151,17 @@ def read_gguf(source: str | os.PathLike | GGUFHeader, base_dtype: str = "float32
         notes.append(f"{', '.join(f'{k} x{v}' for k, v in slow.items())}: no torch kernel for this type; "
                      "dequantized at load and kept in float32")
     tmpl = h.metadata.get("tokenizer.chat_template")
-    return GGUFModel(config=cfg, state_dict=sd, metadata=h.metadata,
-                     chat_template=tmpl if isinstance(tmpl, str) else None, arch=fam.name,
-                     tensor_types=Counter(ti.qtype.name for ti in h.tensors.values()), path=h.path,
-                     base_dtype=base_dtype, notes=notes)
+    tok = from_gguf_metadata(h.metadata, source=str(h.path))
+    ids = gguf_special_ids(h.metadata)
+    special = Specials(bos=ids.bos, eos=ids.eos, pad=ids.pad, add_bos=ids.add_bos,
+                       stops=stop_ids(tok, [ids.eos] if ids.eos is not None else []))
+    return Base(kind="gguf", path=h.path, arch=fam.name, family=fam.family, config=cfg, state_dict=sd, tokenizer=tok,
+                special=special, chat_template=tmpl if isinstance(tmpl, str) else None, chat_format=fam.chat_format,
+                metadata=h.metadata, tensor_types=Counter(ti.qtype.name for ti in h.tensors.values()),
+                base_dtype=base_dtype, notes=notes)
+
+
+GGUFModel = Base  # what read_gguf returns (the name older code and scripts use)
 
 
 def read_gguf_tokenizer(path: str | os.PathLike) -> Tokenizer:

@@ -11,12 +11,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from toy import tokenizer as toktools
 from toy.data.chat import ChatBatches, count_reasons, encode_all, encode_chat, read_chat_jsonl, resolve_chat_template
 from toy.data.tokens import Windows
 from toy.errors import InputError, UsageError
 from toy.formats.checkpoint import atomic_dir
-from toy.formats.gguf import read_gguf
+from toy.formats.base import read_base
 from toy.formats.peft import save_peft_adapter
 from toy.lora import VALID_TARGETS, apply_lora, lora_state_dict
 from toy.models.quant import count_params, resident_bytes
@@ -29,7 +28,7 @@ from toy.train.job import Built, Job
 from toy.recipes.lm import fingerprint, open_token_data, val_windows
 
 DEFAULT_MODEL = "data/smollm2-135m.gguf"
-GET_MODEL = "get it with `toy fetch smollm2`, or pass --model FILE.gguf"
+GET_MODEL = "get it with `toy fetch smollm2`, or pass --model FILE.gguf or a transformers or MLX model directory"
 
 # Recipe flags and the general flags whose default differs for LoRA. targets None: the
 # family's default (q_proj,v_proj; Phi-3's fused qkv_proj); base_dtype None: the device's
@@ -66,7 +65,7 @@ def add_arguments(g) -> None:
 def resolve_model(cfg: RunConfig, project: Project) -> Path:
     if cfg.model:
         p = Path(cfg.model)
-        if not p.is_file():
+        if not p.exists():
             raise InputError(f"--model {p} not found; {GET_MODEL}")
         return p
     root = project.root or Path.cwd()
@@ -100,7 +99,7 @@ def check_opts(cfg: RunConfig) -> list[str]:
         p.append("--val-data needs --data (use --val-corpus with --corpus)")
     if cfg.seq_len is None or cfg.seq_len < 2:
         p.append(f"--seq-len must be >= 2, got {cfg.seq_len}")
-    if cfg.model and not Path(cfg.model).is_file():
+    if cfg.model and not Path(cfg.model).exists():
         p.append(f"--model {cfg.model} not found; {GET_MODEL}")
     for flag in ("data", "val_data"):
         if getattr(cfg, flag) and not Path(getattr(cfg, flag)).is_file():
@@ -144,9 +143,9 @@ def build(cfg: RunConfig, project: Project) -> Built:
         raise UsageError(why)
     model_path = resolve_model(cfg, project)
     dtype = base_dtype(cfg)
-    base = read_gguf(model_path, dtype)
-    targets = cfg.target_list or base.family.default_targets.split(",")
-    tok = toktools.from_gguf_metadata(base.metadata, source=str(model_path))
+    base = read_base(model_path, dtype)
+    targets = cfg.target_list or base.default_targets.split(",")
+    tok = base.tokenizer
     # The adapters' dropout draws from torch's generator: seeded here so --seed decides it
     # (the loop then gives each process its own stream from (seed, rank)).
     torch.manual_seed(cfg.seed)
@@ -208,14 +207,13 @@ def build(cfg: RunConfig, project: Project) -> Built:
 
 def chat_stream(cfg: RunConfig, tok, base, seq_len, notes):
     model = base.path or cfg.model or DEFAULT_MODEL
-    template, note = resolve_chat_template(base.chat_template, base.metadata.get("tokenizer.ggml.tokens") or [],
-                                           base.family.chat_format, cfg.chat_template, str(model))
+    template, note = resolve_chat_template(base.chat_template, base.vocab_tokens, base.chat_format, cfg.chat_template,
+                                           str(model))
     if note:
         notes.append(note)
     source = f"--chat-template {cfg.chat_template}" if cfg.chat_template else model
-    special = toktools.gguf_special_ids(base.metadata)
-    bos = tok.id_to_token(special.bos) if special.bos is not None else ""
-    eos = tok.id_to_token(special.eos) if special.eos is not None else ""
+    special = base.special
+    bos, eos = base.token(special.bos), base.token(special.eos)
     pad = special.pad if special.pad is not None else (special.eos or 0)
     strict = bool(cfg.strict)
 

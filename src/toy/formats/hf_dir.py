@@ -1,0 +1,273 @@
+"""Model directories as bases: what transformers' `save_pretrained` writes and what
+`mlx_lm.convert -q` writes from it.
+
+    transformers   config.json (model_type, dtype or torch_dtype), model.safetensors or
+                   shards + model.safetensors.index.json, tokenizer.json, the chat template
+                   in chat_template.jinja or tokenizer_config.json, EOS in generation_config.json
+    MLX            the same, plus config.json `quantization` {group_size, bits, mode, and per
+                   module overrides}; a quantized module is `weight` (uint32, packed),
+                   `scales` and `biases`
+
+Tensor names are HF's (`model.layers.N.self_attn.q_proj.weight`, a multimodal Gemma 3's
+under `language_model.model.` or `model.language_model.`); which tensors a family needs,
+and where toy holds them, is the family's own `hf_plan` (models/<family>.py). Weights are
+memory-mapped (formats/safetensors_map.py) and held as `--base-dtype` asks: quantized
+(the default on CPU) keeps MLX's packed integers and a transformers directory's F16/BF16
+values as they are in the file, dequantized per use; float32 and bfloat16 convert once.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import torch
+from tokenizers import Tokenizer
+
+from toy.errors import InputError
+from toy.formats.base import Base, QuantTensor, Specials, stop_ids
+from toy.formats.safetensors_map import SafeFile, open_weights
+from toy.models import registry
+from toy.models.family import BadConfig, Family, HFType, Keys, Planned
+from toy.models.quant import MLXSpec, QuantSpec
+from toy.models.quant_types import BASE_DTYPES, BF16, F16
+from toy.models import mlx_quant
+
+# Tensors of a multimodal checkpoint that a text model does not use (counted in a note).
+VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+# A multimodal Gemma 3's text model, saved the legacy way or transformers 5's: both read as `model.`.
+TEXT_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."),
+                 ("language_model.lm_head.", "lm_head."))
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers older checkpoints saved
+
+
+def _json(path: Path, what: str) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise InputError(f"{path} not found; {what}")
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise InputError(f"{path}: not valid JSON ({str(e).splitlines()[0]})")
+
+
+def supported_types() -> dict[str, tuple[Family, HFType]]:
+    """transformers model_type -> (its family, how the family reads it)."""
+    return {t: (f, h) for f in registry.families().values() for t, h in f.hf_types.items()}
+
+
+def dir_kind(d: Path) -> str:
+    """"transformers" or "mlx" for a model directory; an InputError naming what is
+    missing for anything else."""
+    cfg_path = d / "config.json"
+    if not cfg_path.is_file():
+        if (d / "adapter_config.json").is_file():
+            raise InputError(f"{d}: is a LoRA adapter directory, not a model; pass the base model here "
+                             "(an adapter goes to --adapter)")
+        raise InputError(f"{d}: not a model directory (no config.json); give a GGUF file, a transformers "
+                         "directory or an MLX directory")
+    cfg = _json(cfg_path, "a model directory needs one")
+    if not isinstance(cfg, dict):
+        raise InputError(f"{cfg_path}: expected a JSON object")
+    return "mlx" if isinstance(cfg.get("quantization"), dict) else "transformers"
+
+
+def _canonical(name: str) -> str | None:
+    """A file's tensor name as the family's plan names it; None for one a text model ignores."""
+    if name.startswith(VISION_PREFIXES) or name.endswith(IGNORED_SUFFIXES):
+        return None
+    for old, new in TEXT_PREFIXES:
+        if name.startswith(old):
+            return new + name[len(old):]
+    return name
+
+
+def _mode_problem(q: dict, where: str) -> str | None:
+    mode = q.get("mode", "affine")
+    if mode != "affine":
+        return (f"{where}: MLX quantization mode {mode!r} is not supported; toy reads affine quantization "
+                "(`mlx_lm.convert -q --q-mode affine`, the default)")
+    return None
+
+
+def read_model_dir(d: Path, base_dtype: str = "float32") -> Base:
+    if base_dtype not in BASE_DTYPES:
+        raise ValueError(f"base_dtype must be one of {BASE_DTYPES}, got {base_dtype!r}")
+    kind = dir_kind(d)
+    config = _json(d / "config.json", "a model directory needs one")
+    model_type = config.get("model_type")
+    types = supported_types()
+    if model_type not in types:
+        raise InputError(f"{d / 'config.json'}: model_type {model_type!r} is not supported; supported: "
+                         f"{', '.join(sorted(types))}")
+    family, hf = types[model_type]
+    where = open_weights(d)
+    names: dict[str, str] = {}  # plan name -> the file's name
+    ignored = 0
+    for name in where:
+        canon = _canonical(name)
+        if canon is None:
+            ignored += 1
+        else:
+            names[canon] = name
+    quant = config.get("quantization") if kind == "mlx" else None
+    if quant is not None and (why := _mode_problem(quant, str(d / "config.json"))):
+        raise InputError(why)
+
+    def entry(canon: str):
+        n = names[canon]
+        return where[n].entries[n]
+
+    # Shapes as the plan sees them: a quantized module's weight has its packed width, so
+    # the config reader and the plan check use the float shape the scales imply.
+    shapes = {}
+    for canon in names:
+        e = entry(canon)
+        shapes[canon] = e.shape
+    try:
+        cfg = hf.config(Keys(config, shapes, "config.json key"))
+    except BadConfig as e:
+        raise InputError(f"{d / 'config.json'}: {e}")
+    plan = family.hf_plan(cfg)
+    sd, types_seen = _load(d, kind, plan, names, where, quant, base_dtype)
+    used = set(plan) | {n[: -len(".weight")] + s for n in plan for s in (".scales", ".biases")}
+    extra = sorted(set(names) - used)
+    if extra:
+        raise InputError(f"{d}: unexpected tensor {names[extra[0]]!r} ({len(extra)} in all); toy's {model_type} has "
+                         "no place for it (a different architecture or an unsupported variant)")
+    tok = _tokenizer(d)
+    special, template = _specials(d, config, tok)
+    notes = [f"{ignored} tensors of the vision tower left out (the text model only)"] if ignored else []
+    return Base(kind=kind, path=d, arch=model_type, family=family, config=cfg, state_dict=sd, tokenizer=tok,
+                special=special, chat_template=template, chat_format=hf.chat_format, metadata=config,
+                tensor_types=types_seen, base_dtype=base_dtype, notes=notes)
+
+
+def _load(d: Path, kind: str, plan: dict[str, Planned], names: dict[str, str], where: dict[str, SafeFile],
+          quant: dict | None, base_dtype: str) -> tuple[dict, Counter]:
+    """toy name -> tensor or QuantTensor, and the count of each tensor type."""
+    sd: dict[str, torch.Tensor | QuantTensor] = {}
+    seen: Counter = Counter()
+    for canon, p in plan.items():
+        if canon not in names:
+            raise InputError(f"{d}: missing tensor {canon!r}; the directory does not hold a complete "
+                             f"{p.name.split('.')[0]} model of this config (check config.json and the shards)")
+        file_name = names[canon]
+        sf = where[file_name]
+        e = sf.entries[file_name]
+        module = canon[: -len(".weight")] if canon.endswith(".weight") else None
+        scales = module + ".scales" if module else None
+        if quant is not None and scales in names:  # an MLX quantized module
+            spec = _mlx_spec(d, quant, module, names, where, p)
+            parts = tuple(where[names[n]].tensor(names[n]) for n in (canon, scales, module + ".biases"))
+            seen[spec.name] += 1
+            if base_dtype == "quantized":
+                sd[p.name] = QuantTensor(parts, spec)
+            else:
+                w = spec.dequantize(parts, torch.float32)
+                sd[p.name] = w.to(torch.bfloat16) if base_dtype == "bfloat16" else w
+            continue
+        if e.shape != p.shape:
+            raise InputError(f"{sf.path}: misshapen tensor {file_name!r}: expected {list(p.shape)}, found "
+                             f"{list(e.shape)}; config.json's hyper-parameters do not match the weights")
+        if e.dtype not in ("F32", "F16", "BF16"):
+            raise InputError(f"{sf.path}: tensor {file_name!r} is {e.dtype}; a float weight (F32, F16, BF16) "
+                             "was expected")
+        seen[e.dtype] += 1
+        if base_dtype == "quantized" and len(p.shape) == 2 and e.dtype in ("F16", "BF16") and not p.offset:
+            # Kept as the file's half-precision values, read as GGUF's F16/BF16 rows per use.
+            sd[p.name] = QuantTensor((sf.rows(file_name),), QuantSpec(F16 if e.dtype == "F16" else BF16, p.shape))
+            continue
+        view = sf.tensor(file_name)
+        t = view.float() + p.offset if p.offset else view
+        t = t.to(torch.bfloat16 if base_dtype == "bfloat16" and t.dim() == 2 else torch.float32)
+        sd[p.name] = t.clone() if t.data_ptr() == view.data_ptr() else t  # never a view of the map
+    return sd, seen
+
+
+def _mlx_spec(d: Path, quant: dict, module: str, names: dict[str, str], where: dict[str, SafeFile],
+              p: Planned) -> MLXSpec:
+    """bits and group size of a quantized module: its entry in config.json's quantization
+    (under the file's module path), else the defaults, checked against the shapes."""
+    file_module = names[module + ".weight"][: -len(".weight")]
+    own = quant.get(file_module)
+    q = own if isinstance(own, dict) else quant
+    if isinstance(own, dict) and (why := _mode_problem(own, f"{d / 'config.json'} ({file_module})")):
+        raise InputError(why)
+    w = where[names[module + ".weight"]].entries[names[module + ".weight"]]
+    s = where[names[module + ".scales"]].entries[names[module + ".scales"]]
+    out, inp = p.shape
+    bits, group = q.get("bits"), q.get("group_size")
+    if not isinstance(bits, int) or not isinstance(group, int):
+        bits, group = w.shape[-1] * 32 // inp, inp // max(1, s.shape[-1])
+    if (w.dtype != "U32" or bits not in mlx_quant.BITS or group not in mlx_quant.GROUP_SIZES
+            or w.shape != (out, inp * bits // 32) or s.shape != (out, inp // group)):
+        raise InputError(f"{d}: {file_module} does not hold {bits}-bit, group-{group} affine weights of shape "
+                         f"{[out, inp]} (weight {w.dtype} {list(w.shape)}, scales {list(s.shape)}); supported: "
+                         f"bits {', '.join(map(str, mlx_quant.BITS))}, group sizes "
+                         f"{', '.join(map(str, mlx_quant.GROUP_SIZES))}")
+    if s.dtype not in ("F16", "BF16", "F32"):
+        raise InputError(f"{d}: {file_module} has {s.dtype} scales: not affine quantization (mxfp4, nvfp4 and mxfp8 "
+                         "are not supported)")
+    return MLXSpec(bits, group, p.shape)
+
+
+def _tokenizer(d: Path) -> Tokenizer:
+    path = d / "tokenizer.json"
+    if not path.is_file():
+        raise InputError(f"{d}: no tokenizer.json; toy reads the fast tokenizer transformers saves with the model")
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as e:  # tokenizers raises a bare Exception on malformed JSON
+        raise InputError(f"{path}: not a valid tokenizer.json ({str(e).splitlines()[0]})")
+
+
+def _token_text(v: Any) -> str | None:
+    if isinstance(v, str):
+        return v
+    if isinstance(v, dict) and isinstance(v.get("content"), str):  # an AddedToken as older configs save it
+        return v["content"]
+    return None
+
+
+def _specials(d: Path, config: dict, tok: Tokenizer) -> tuple[Specials, str | None]:
+    """BOS/EOS/pad and the reply's stop ids (generation_config.json's eos_token_id, which
+    may be a list, else config.json's), and the chat template (chat_template.jinja, else
+    tokenizer_config.json's, a string or a list of named ones)."""
+    tc = _json(d / "tokenizer_config.json", "") if (d / "tokenizer_config.json").is_file() else {}
+    gc = _json(d / "generation_config.json", "") if (d / "generation_config.json").is_file() else {}
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+
+    def ids(v) -> list[int]:
+        vals = v if isinstance(v, list) else [v]
+        return [x for x in vals if isinstance(x, int) and not isinstance(x, bool)]
+
+    def by_name(key: str) -> int | None:
+        t = _token_text(tc.get(key)) if isinstance(tc, dict) else None
+        return tok.token_to_id(t) if t else None
+
+    eos_list = ids(gc.get("eos_token_id")) or ids(config.get("eos_token_id")) or ids(text.get("eos_token_id"))
+    eos = by_name("eos_token")
+    if eos is None and eos_list:
+        eos = eos_list[0]
+    bos = by_name("bos_token")
+    if bos is None:
+        bos = (ids(gc.get("bos_token_id")) or ids(config.get("bos_token_id")) or [None])[0]
+    pad = by_name("pad_token")
+    if pad is None:
+        pad = (ids(gc.get("pad_token_id")) or ids(config.get("pad_token_id")) or [None])[0]
+    # Whether raw text gets BOS is the tokenizer's own post-processor (transformers' too).
+    probe = tok.encode("a", add_special_tokens=True).ids
+    add_bos = bos is not None and bool(probe) and probe[0] == bos
+    special = Specials(bos=bos, eos=eos, pad=pad, add_bos=add_bos,
+                       stops=stop_ids(tok, eos_list + ([eos] if eos is not None else [])))
+    template = None
+    if (d / "chat_template.jinja").is_file():
+        template = (d / "chat_template.jinja").read_text(encoding="utf-8")
+    elif isinstance(tc, dict):
+        t = tc.get("chat_template")
+        if isinstance(t, list):  # named templates: the default one
+            t = next((x.get("template") for x in t if isinstance(x, dict) and x.get("name") == "default"), None)
+        template = t if isinstance(t, str) else None
+    return special, template
