@@ -150,3 +150,33 @@ def test_a_truncated_safetensors_file(tmp_path):
     f.write_bytes(f.read_bytes()[:-1000])
     with pytest.raises(InputError, match="truncated or damaged"):
         read_base(d)
+
+
+# ------------------------------------------------------------------ toy describe DIR
+
+def test_describe_a_transformers_directory(toy_cli):
+    code, out, err = toy_cli("describe", tiny_dir("gemma3", "bfloat16"))
+    assert code == 0, err
+    assert "transformers directory" in out and "gemma3 (toy's gemma): 6 layers, width 64" in out
+    assert "BF16 x" in out and "resident as stored" in out and "chat template yes" in out
+    assert "tensors of the vision tower left out" in out
+
+
+@needs_mlx
+def test_describe_an_mlx_directory_as_json(toy_cli, capsys):
+    d = mlx_dir("llama", 4, 32)
+    capsys.readouterr()  # what mlx_lm.convert printed, if it ran now
+    code, out, err = toy_cli("describe", d, "--json")
+    assert code == 0, err
+    d = json.loads(out)
+    assert d["kind"] == "mlx" and d["family"] == "llama" and d["tensor_types"]["MLX_Q4_G32"] == 15
+    rb = d["resident_bytes"]
+    assert rb["quantized"] < rb["bfloat16"] < rb["float32"]
+
+
+def test_describe_a_directory_toy_cannot_load(toy_cli, tmp_path):
+    d = tmp_path / "m"
+    shutil.copytree(tiny_dir("llama"), d)
+    (d / "config.json").write_text(json.dumps({**json.loads((d / "config.json").read_text()), "model_type": "bert"}))
+    code, out, err = toy_cli("describe", d)
+    assert code == 2 and "model_type 'bert' is not supported" in err and "architecture  bert" in out

@@ -1,8 +1,8 @@
-"""`toy describe FILE.gguf`: what a GGUF holds, from its header (nothing dequantized):
-a model's architecture, size and tokenizer, or a llama.cpp LoRA adapter's rank, alpha,
-target tensors and base architecture. A model whose tensors toy cannot load (or an
-adapter llama.cpp could not apply) is still described, then refused (exit 2) with the
-reason, naming the tensor."""
+"""`toy describe FILE.gguf | DIR`: what a model holds, from its headers (nothing
+dequantized): a GGUF's or a transformers / MLX directory's architecture, size, tensor
+types, memory as a LoRA base and tokenizer, or a llama.cpp LoRA adapter's rank, alpha,
+target tensors and base architecture. A model toy cannot load (or an adapter llama.cpp
+could not apply) is still described, then refused (exit 2) with the reason."""
 
 from __future__ import annotations
 
@@ -14,9 +14,10 @@ from toy.errors import InputError
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("describe", help="show a GGUF model's architecture, size, tokenizer (or an adapter's rank, "
-                       "alpha, targets)", description=__doc__)
-    p.add_argument("model", metavar="FILE.gguf", help="a GGUF model, or a LoRA adapter GGUF")
+    p = sub.add_parser("describe", help="show a model's (GGUF, transformers or MLX directory) architecture, size, "
+                       "tokenizer (or an adapter's rank, alpha, targets)", description=__doc__)
+    p.add_argument("model", metavar="FILE.gguf|DIR", help="a GGUF model, a LoRA adapter GGUF, or a transformers "
+                   "or MLX model directory")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
 
@@ -34,6 +35,8 @@ def _row(label: str, text: str) -> str:
 def run(args) -> int:
     from toy.formats.gguf_describe import describe_gguf
 
+    if Path(args.model).is_dir():
+        return _directory(args)
     d = describe_gguf(Path(args.model))
     if d.get("type") == "adapter":
         return _adapter(args)
@@ -64,6 +67,38 @@ def run(args) -> int:
     lines.append(_row("special", specials or "none"))
     lines.append(_row("chat template", "yes" if d["chat_template"] else "no"))
     print("\n".join(lines))  # print adds the final newline
+    return _verdict(d)
+
+
+def _directory(args) -> int:
+    from toy.formats.hf_dir import describe_dir
+
+    d = describe_dir(Path(args.model))
+    if args.json:
+        print(json.dumps({"format": "toy/describe-v1", **d}))
+        return _verdict(d)
+    what = {"mlx": "MLX directory", "transformers": "transformers directory"}[d["kind"]]
+    lines = [f"{d['path']}  ({human_size(d['file_size'])} in {plural(d['n_files'], 'weight file')}, {what})"]
+    hp = d["hyperparameters"]
+    if hp:
+        lines.append(_row("architecture", f"{_text(d['arch'])} (toy's {d['family']}): {hp['n_layer']} layers, width "
+                          f"{hp['d_model']}, {hp['n_head']} heads / {hp['n_kv_head']} kv heads (head "
+                          f"{hp['head_dim']}), ffn {hp['d_ff']}"))
+        lines.append(_row("", f"context {hp['context_length']}, rope theta {hp['rope_theta']:g}, "
+                          f"norm eps {hp['norm_eps']:g}, tied output: {'yes' if hp['tie_embeddings'] else 'no'}"))
+        lines.append(_row("parameters", f"{d['n_params']:,} in {plural(d['n_tensors'], 'tensor')}"))
+        rb = d["resident_bytes"]
+        lines.append(_row("LoRA base", f"{human_size(rb['quantized'])} resident as stored (--base-dtype quantized), "
+                          f"{human_size(rb['bfloat16'])} bfloat16, {human_size(rb['float32'])} float32"))
+        lines.append(_row("tensor types", ", ".join(f"{k} x{v}" for k, v in d["tensor_types"].items())))
+        tok = d["tokenizer"]
+        specials = ", ".join(f"{k}={v['token']!r} ({v['id']})" for k, v in tok["special_tokens"].items() if v)
+        lines.append(_row("tokenizer", f"tokenizer.json, vocab {tok['vocab_size']:,}; {specials or 'no specials'}"))
+        lines.append(_row("chat template", "yes" if d["chat_template"] else "no"))
+        lines += [_row("note", n) for n in d["notes"]]
+    else:
+        lines.append(_row("architecture", _text(d["arch"])))
+    print("\n".join(lines))
     return _verdict(d)
 
 

@@ -21,8 +21,8 @@ COMMANDS = {
     "prep": ("cmd_prep", "tokenize text into a token file"),
     "train": ("cmd_train", "train a model (from-scratch, warm-start, lora, vit-tiny)"),
     "infer": ("cmd_infer", "generate text from a trained model (or chat with it)"),
-    "describe": ("cmd_describe", "show a GGUF model's architecture, size, tokenizer (or an adapter's rank, alpha, "
-                                 "targets)"),
+    "describe": ("cmd_describe", "show a model's (GGUF, transformers or MLX directory) architecture, size, "
+                                 "tokenizer (or an adapter's rank, alpha, targets)"),
     "runs": ("cmd_runs", "list runs with their losses, speed and status"),
     "plot": ("cmd_plot", "plot runs' train and validation loss curves to an image"),
     "list": ("cmd_list", "list GGUF models (data/, runs' exports, DIRs) and runs (runs/)"),

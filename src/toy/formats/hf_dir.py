@@ -271,3 +271,45 @@ def _specials(d: Path, config: dict, tok: Tokenizer) -> tuple[Specials, str | No
             t = next((x.get("template") for x in t if isinstance(x, dict) and x.get("name") == "default"), None)
         template = t if isinstance(t, str) else None
     return special, template
+
+
+def describe_dir(d: Path) -> dict[str, Any]:
+    """What a model directory holds, as describe_gguf tells a GGUF: kind, family, shape,
+    tensor types and the base's memory in each --base-dtype. Only headers and 1-D tensors
+    are read. A directory toy cannot load still describes what it can (`load_error`)."""
+    kind = dir_kind(d)
+    config = _json(d / "config.json", "a model directory needs one")
+    files = sorted({sf.path for sf in open_weights(d).values()})
+    out: dict[str, Any] = {"path": str(d), "kind": kind, "arch": config.get("model_type"),
+                           "file_size": sum(f.stat().st_size for f in files), "n_files": len(files),
+                           "hyperparameters": None, "family": None, "load_error": None}
+    try:
+        base = read_model_dir(d, "quantized")
+    except InputError as e:
+        out["load_error"] = e.message
+        return out
+    resident = {"quantized": 0, "bfloat16": 0, "float32": 0}
+    n_params = 0
+    for t in base.state_dict.values():
+        if isinstance(t, QuantTensor):
+            n = t.spec.shape[0] * t.spec.shape[1]
+            resident["quantized"] += sum(p.numel() * p.element_size() for p in t.parts)
+            resident["bfloat16"] += 2 * n
+        else:
+            n = t.numel()
+            resident["quantized"] += t.numel() * t.element_size()
+            resident["bfloat16"] += (2 if t.dim() == 2 else 4) * n
+        resident["float32"] += 4 * n
+        n_params += n
+    hp = {k: v for k, v in base.config.to_dict().items() if k != "arch"}
+    hp["context_length"] = hp.pop("max_seq_len")
+    tok = base.tokenizer
+    specials = {k: ({"id": i, "token": tok.id_to_token(i)} if i is not None else None)
+                for k, i in (("bos", base.special.bos), ("eos", base.special.eos), ("pad", base.special.pad))}
+    out.update({"family": base.family.name, "hyperparameters": hp, "n_params": n_params,
+                "n_tensors": len(base.state_dict), "tensor_types": dict(base.tensor_types.most_common()),
+                "resident_bytes": resident, "chat_template": base.chat_template is not None,
+                "tokenizer": {"vocab_size": tok.get_vocab_size(with_added_tokens=True), "special_tokens": specials,
+                              "stops": sorted(base.special.stops)},
+                "notes": base.notes})
+    return out
