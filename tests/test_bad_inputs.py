@@ -204,10 +204,10 @@ def test_token_file_vocab_mismatch_with_the_model(kit, toy_cli, tmp_path):
 
 # ---- chat JSONL
 
-NOTHING = "no conversation with an assistant reply in"
+NOTHING = "no example to learn from in"
 CHAT_CASES = {
     "binary garbage": (b"\x00\xff\xfe\x81garbage\x00\n" * 5, "5 lines skipped: 5 not UTF-8"),
-    "wrong schema": (b'{"text": "not a chat"}\n[1, 2, 3]\n', NOTHING),
+    "wrong schema": (b'{"txt": "not a chat"}\n[1, 2, 3]\n', NOTHING),
     "unknown roles": (b'{"messages": [{"role": "wizard", "content": "hi"}, {"role": "assistant", "content": "x"}]}\n',
                       "1 unknown role"),
     "empty file": (b"", NOTHING),
@@ -249,7 +249,7 @@ def test_not_chat_jsonl_at_all_is_refused_in_few_lines(kit, toy_cli, tmp_path):
     code, _, err = toy_cli("train", "--recipe", "lora", "--model", kit["good"], "--data", p, "--out", tmp_path / "r")
     lines = err.strip().splitlines()
     assert code == 2 and len(lines) == 6 and all(f"notes.txt:{i}: not valid JSON" in lines[i - 1] for i in range(1, 6))
-    assert "notes.txt does not look like chat JSONL: none of its first 50 lines is a conversation" in lines[-1]
+    assert "notes.txt does not look like training JSONL: none of its first 50 lines is an example" in lines[-1]
     assert not (tmp_path / "r").exists()
 
 

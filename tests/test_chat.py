@@ -175,7 +175,7 @@ def test_jsonl_skips_and_counts(tmp_path):
         "   ",
         b"\xff\xfe\x00garbage\x80",                                           # 5: binary
         "{not json",                                                          # 6
-        json.dumps({"text": "hello"}),                                        # 7: wrong schema
+        json.dumps({"txt": "hello"}),                                         # 7: wrong schema
         json.dumps({"messages": [{"role": "robot", "content": "x"}]}),        # 8: unknown role
         json.dumps({"messages": []}),                                         # 9: empty
         json.dumps({"messages": [{"role": "user", "content": "hi"}]}),        # 10: no assistant
@@ -193,7 +193,8 @@ def test_jsonl_skips_and_counts(tmp_path):
     assert len(warnings) == 6 and [w.split(":")[1] for w in warnings[:5]] == ["5", "6", "7", "8", "9"]
     assert all(w.startswith(str(p) + ":") and "\n" not in w for w in warnings)
     assert "not UTF-8" in warnings[0] and "not valid JSON" in warnings[1]
-    assert "no \"messages\" key" in warnings[2] and "unknown role 'robot'" in warnings[3]
+    assert "no \"messages\", \"prompt\"/\"completion\" or \"text\" key (keys: txt)" in warnings[2]
+    assert "unknown role 'robot'" in warnings[3]
     assert "is empty" in warnings[4]
     assert warnings[5].startswith(f"{p}: ... and 4 more invalid lines (")
     assert chat.skipped["no assistant reply with content"] == 2  # no assistant turn, or only an empty one
@@ -213,10 +214,10 @@ def test_jsonl_strict(tmp_path):
 
 
 def test_jsonl_empty_missing_all_invalid(tmp_path):
-    with pytest.raises(InputError, match="no conversation with an assistant reply in .* only blank lines and comments"):
+    with pytest.raises(InputError, match="no example to learn from in .* only blank lines and comments"):
         read_chat_jsonl(write_lines(tmp_path / "e.jsonl", ["", "# only comments"]), strict=False)
     (tmp_path / "z.jsonl").write_bytes(b"")
-    with pytest.raises(InputError, match="no conversation with an assistant reply"):
+    with pytest.raises(InputError, match="no example to learn from"):
         read_chat_jsonl(tmp_path / "z.jsonl", strict=False)
     with pytest.raises(InputError, match=r"\(2 lines skipped: 1 not valid JSON, 1 not a JSON object\); each line"):
         read_chat_jsonl(write_lines(tmp_path / "bad.jsonl", ["{", "[]"]), strict=False, warn=lambda m: None)
@@ -237,7 +238,7 @@ def test_jsonl_nothing_to_learn(tmp_path):
     ])
     with pytest.raises(InputError) as e:
         read_chat_jsonl(p, warn=lambda m: None)
-    assert str(e.value).startswith(f"no conversation with an assistant reply in {p} (3 lines skipped: "
+    assert str(e.value).startswith(f"no example to learn from in {p} (3 lines skipped: "
                                    '1 no assistant reply with content, 1 unknown role, 1 "messages" not a list)')
 
 
@@ -249,9 +250,9 @@ def test_jsonl_a_wrong_kind_of_file_stops_early(tmp_path):
     with pytest.raises(InputError) as e:
         read_chat_jsonl(p, warn=warnings.append)
     assert len(warnings) == 5
-    assert str(e.value) == (f"{p} does not look like chat JSONL: none of its first 50 lines is a conversation "
-                            "(line 1: not valid JSON (Expecting value at column 1)); expected one "
-                            '{"messages": [...]} object per line')
+    assert str(e.value).startswith(f"{p} does not look like training JSONL: none of its first 50 lines is an example "
+                            "(line 1: not valid JSON (Expecting value at column 1)); each line must be one of "
+                            '{"messages": ')
     # One good conversation among many bad lines is chat JSONL with bad lines: read to the end.
     p.write_text(GOOD + "\n" + "".join(f"note number {i}\n" for i in range(500)))
     warnings.clear()

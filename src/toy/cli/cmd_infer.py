@@ -161,24 +161,22 @@ def _refuse_image_classifier(d: Path, run: str) -> None:
 def load_gguf_lm(model_path: Path, adapter: Path | None, device, base_dtype: str = "auto") -> LM:
     import torch
 
-    from toy import tokenizer as toktools
-    from toy.formats.gguf import read_gguf, read_gguf_header
-    from toy.formats.gguf_describe import resident_size
+    from toy.formats.base import float32_size, read_base
     from toy.formats.peft import load_peft_adapter
     from toy.lora import apply_lora, load_lora_state_dict, merge_lora
 
-    if not model_path.is_file():
-        raise InputError(f"--model {model_path} not found; get SmolLM2 with `toy fetch smollm2` or pass a GGUF file")
+    if not model_path.exists():
+        raise InputError(f"--model {model_path} not found; get SmolLM2 with `toy fetch smollm2` or pass a GGUF file or "
+                         "a transformers or MLX model directory")
     # Float weights where they fit: one token at a time is matmul-light, and dequantizing
     # every layer for every token costs more than the matmuls. Quantized where they do not
     # (a 7B Q4 file is 4 GB, its float32 copy 28 GB).
-    h = read_gguf_header(model_path)
-    dtype, note = choose_base_dtype(base_dtype, torch.device(device).type, resident_size(h, "float32"),
+    dtype, note = choose_base_dtype(base_dtype, torch.device(device).type, float32_size(model_path),
                                     available_memory())
     if note:
         print(f"note: {note}", file=sys.stderr)
-    base = read_gguf(h, dtype)
-    tok = toktools.from_gguf_metadata(base.metadata, source=str(model_path))
+    base = read_base(model_path, dtype)
+    tok = base.tokenizer
     model = base.build_model(device)
     if adapter is not None:
         sd, cfg = load_peft_adapter(adapter)
@@ -187,25 +185,18 @@ def load_gguf_lm(model_path: Path, adapter: Path | None, device, base_dtype: str
         apply_lora(model, targets, int(cfg["r"]), float(cfg["lora_alpha"]), 0.0, seed=0)
         load_lora_state_dict(model, sd, source=str(adapter))
         merge_lora(model)  # one weight per projection (float32 where the base is quantized)
-    special = toktools.gguf_special_ids(base.metadata)
-    bos = tok.id_to_token(special.bos) if special.bos is not None else ""
-    eos = tok.id_to_token(special.eos) if special.eos is not None else ""
-    stop = {special.eos} - {None}
-    for name in ("<|im_end|>", "<|eot_id|>", "<|endoftext|>", "<|end|>", "<end_of_turn>"):
-        i = tok.token_to_id(name)
-        if i is not None:
-            stop.add(i)
     from toy.data.chat import resolve_chat_template
 
     template, why = None, ""
     try:
-        template, note = resolve_chat_template(base.chat_template, base.metadata.get("tokenizer.ggml.tokens") or [],
-                                               base.family.chat_format, None, str(model_path))
+        template, note = resolve_chat_template(base.chat_template, base.vocab_tokens, base.chat_format, None,
+                                               str(model_path))
         if note:
             print(f"note: {note}", file=sys.stderr)
     except InputError as e:
         why = e.message.removeprefix(f"{model_path}: ")
-    return LM(model.eval(), tok, template, bos, eos, stop, str(model_path), why)
+    return LM(model.eval(), tok, template, base.token(base.special.bos), base.token(base.special.eos),
+              set(base.special.stops), str(model_path), why)
 
 
 def stream(lm: LM, ids: list[int], args, cache=None) -> list[int]:

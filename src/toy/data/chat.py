@@ -59,8 +59,9 @@ from toy.runs import plural
 
 ROLES = ("system", "user", "assistant")
 IGNORE_INDEX = -100  # a target the loss skips (torch's cross_entropy default, models.losses.IGNORE)
-SCHEMA_HINT = ('each line must be {"messages": [{"role": "system"|"user"|"assistant", "content": "..."}, ...]} '
-               'with at least one non-empty assistant turn')
+SCHEMA_HINT = ('each line must be one of {"messages": [{"role": "system"|"user"|"assistant", "content": "..."}, '
+               '...], "tools": [...]} with a non-empty assistant turn, {"prompt": "...", "completion": "..."}, or '
+               '{"text": "..."}; one format per file')
 
 SHOW_SKIPPED = 5  # skipped lines warned one by one; the rest are counted in one summary line
 GIVE_UP_AFTER = 50  # this many bad lines and not one conversation: the file is not chat JSONL
@@ -120,7 +121,7 @@ def _one_line(e: BaseException) -> str:
 
 
 def render_template(template: str, messages: Sequence[Message], add_generation_prompt: bool,
-                    bos_token: str, eos_token: str) -> str:
+                    bos_token: str, eos_token: str, tools: list | None = None) -> str:
     """Render a chat template in jinja2's immutable sandbox, bounded in size and time.
     Every failure is an InputError: a syntax error, an unsafe access or a limit passed
     (TemplateLimitError) is the template's fault for every conversation; a
@@ -132,9 +133,12 @@ def render_template(template: str, messages: Sequence[Message], add_generation_p
     except TemplateError as e:
         raise InputError(f"chat template does not compile: {_one_line(e)}")
     size = sum(len(m.get("content") or "") + len(m.get("role") or "") for m in messages)
+    size += len(json.dumps(tools)) if tools else 0
+    extra = {"tools": tools} if tools is not None else {}  # as transformers: only when the data has them
     try:
         return render_bounded(tpl, size + len(bos_token) + len(eos_token), messages=list(messages),
-                              add_generation_prompt=add_generation_prompt, bos_token=bos_token, eos_token=eos_token)
+                              add_generation_prompt=add_generation_prompt, bos_token=bos_token, eos_token=eos_token,
+                              **extra)
     except ToyError:
         raise
     except SecurityError as e:
@@ -150,15 +154,55 @@ def _stderr(msg: str) -> None:
     print(f"warning: {msg}", file=sys.stderr)
 
 
-def _check_conversation(obj: Any) -> tuple[Conversation | None, str, str]:
-    """(messages, "", "") or (None, kind, detail): kind is the short reason skipped lines
-    are counted by, detail names the offending part of this line."""
+@dataclass(frozen=True)
+class Example:
+    """One line of a data file, in one of the formats users have: a conversation
+    ("messages", with the `tools` its template may show), a prompt with its completion
+    ("prompt"), or plain text ("text")."""
+
+    kind: str
+    messages: tuple = ()
+    tools: list | None = None
+    prompt: str = ""
+    completion: str = ""
+    text: str = ""
+
+
+FORMATS = {"messages": 'a {"messages"} conversation', "prompt": 'a {"prompt", "completion"} pair',
+           "text": 'a {"text"} document'}
+
+
+def _check_line(obj: Any) -> tuple[Example | None, str, str]:
+    """(example, "", "") or (None, reason, detail): the reason skipped lines are counted
+    by, and a detail naming the offending part of this line."""
     if not isinstance(obj, dict):
         return None, "not a JSON object", f"expected a JSON object, got {type(obj).__name__}"
-    if "messages" not in obj:
-        keys = ", ".join(sorted(map(str, obj))[:5]) or "none"
-        return None, 'no "messages" key', f"no \"messages\" key (keys: {keys})"
-    msgs = obj["messages"]
+    if "messages" in obj:
+        conv, reason, detail = _check_conversation(obj["messages"])
+        if conv is None:
+            return None, reason, detail
+        tools = obj.get("tools")
+        if tools is not None and not isinstance(tools, list):
+            return None, '"tools" not a list', f"\"tools\" must be a list of tool schemas, got {type(tools).__name__}"
+        return Example("messages", tuple(conv), tools=tools), "", ""
+    if "prompt" in obj or "completion" in obj:
+        p, c = obj.get("prompt"), obj.get("completion")
+        if not isinstance(p, str) or not isinstance(c, str):
+            bad = "prompt" if not isinstance(p, str) else "completion"
+            return None, f'"{bad}" not a string', f"\"{bad}\" must be a string, got {type(obj.get(bad)).__name__}"
+        if not c.strip():
+            return None, "empty completion", "\"completion\" is empty (nothing to learn from)"
+        return Example("prompt", prompt=p, completion=c), "", ""
+    if "text" in obj:
+        t = obj["text"]
+        if not isinstance(t, str) or not t.strip():
+            return None, "empty text", "\"text\" must be a non-empty string"
+        return Example("text", text=t), "", ""
+    keys = ", ".join(sorted(map(str, obj))[:5]) or "none"
+    return None, "no known key", f"no \"messages\", \"prompt\"/\"completion\" or \"text\" key (keys: {keys})"
+
+
+def _check_conversation(msgs: Any) -> tuple[Conversation | None, str, str]:
     if not isinstance(msgs, list):
         return None, '"messages" not a list', f"\"messages\" must be a list, got {type(msgs).__name__}"
     if not msgs:
@@ -191,12 +235,21 @@ def count_reasons(counts: Counter) -> str:
 
 @dataclass
 class ChatFile:
-    """The conversations of a chat JSONL file, each with its line number, and what was skipped."""
+    """The examples of a data file (one format), each with its line number, and what was skipped."""
 
     path: Path
-    conversations: list[Conversation] = field(default_factory=list)
-    lines: list[int] = field(default_factory=list)  # lines[i]: the line conversations[i] came from
+    examples: list[Example] = field(default_factory=list)
+    lines: list[int] = field(default_factory=list)  # lines[i]: the line examples[i] came from
     skipped: Counter = field(default_factory=Counter)  # reason -> lines skipped for it
+
+    @property
+    def kind(self) -> str | None:
+        return self.examples[0].kind if self.examples else None
+
+    @property
+    def conversations(self) -> list[Conversation]:
+        """The conversations of a {"messages"} file."""
+        return [list(e.messages) for e in self.examples]
 
     @property
     def n_skipped(self) -> int:
@@ -244,9 +297,12 @@ def read_chat_jsonl(path: str | Path, strict: bool = False,
                 except RecursionError:
                     kind, detail = "not valid JSON", "not valid JSON (nested too deeply)"
                 else:
-                    conv, kind, detail = _check_conversation(obj)
-                    if conv is not None:
-                        chat.conversations.append(conv)
+                    ex, kind, detail = _check_line(obj)
+                    if ex is not None:
+                        if chat.examples and ex.kind != chat.kind:
+                            raise InputError(f"{path}:{lineno}: {FORMATS[ex.kind]}, in a file of {FORMATS[chat.kind]}s "
+                                             f"(from line {chat.lines[0]}); one format per file: split the file")
+                        chat.examples.append(ex)
                         chat.lines.append(lineno)
                         continue
             if strict:
@@ -255,13 +311,13 @@ def read_chat_jsonl(path: str | Path, strict: bool = False,
             first_bad = first_bad or f"line {lineno}: {detail}"
             if chat.n_skipped <= SHOW_SKIPPED:
                 warn(f"{path}:{lineno}: {detail}; line skipped")
-            if chat.n_skipped >= GIVE_UP_AFTER and not chat.conversations:
-                raise InputError(f"{path} does not look like chat JSONL: none of its first {GIVE_UP_AFTER} lines is a "
-                                 f"conversation ({first_bad}); expected one {{\"messages\": [...]}} object per line")
-    if not chat.conversations:
+            if chat.n_skipped >= GIVE_UP_AFTER and not chat.examples:
+                raise InputError(f"{path} does not look like training JSONL: none of its first {GIVE_UP_AFTER} lines "
+                                 f"is an example ({first_bad}); {SCHEMA_HINT}")
+    if not chat.examples:
         what = (f"{plural(chat.n_skipped, 'line')} skipped: {count_reasons(chat.skipped)}" if chat.skipped
                 else "it holds only blank lines and comments")
-        raise InputError(f"no conversation with an assistant reply in {path} ({what}); {SCHEMA_HINT}")
+        raise InputError(f"no example to learn from in {path} ({what}); {SCHEMA_HINT}")
     if chat.n_skipped > SHOW_SKIPPED:
         warn(f"{path}: ... and {chat.n_skipped - SHOW_SKIPPED} more invalid lines ({count_reasons(chat.skipped)} "
              "in all); lines skipped")
@@ -271,15 +327,15 @@ def read_chat_jsonl(path: str | Path, strict: bool = False,
 # --------------------------------------------------------------------------- encoding
 
 def _assistant_char_spans(template: str, messages: Sequence[Message], bos_token: str,
-                          eos_token: str) -> tuple[str, list[tuple[int, int]]]:
+                          eos_token: str, tools: list | None = None) -> tuple[str, list[tuple[int, int]]]:
     """The full rendering and the [start, end) character spans to supervise."""
-    full = render_template(template, messages, False, bos_token, eos_token)
+    full = render_template(template, messages, False, bos_token, eos_token, tools)
     spans = []
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
-        prompt = render_template(template, messages[:i], True, bos_token, eos_token)
-        upto = render_template(template, messages[: i + 1], False, bos_token, eos_token)
+        prompt = render_template(template, messages[:i], True, bos_token, eos_token, tools)
+        upto = render_template(template, messages[: i + 1], False, bos_token, eos_token, tools)
         if not upto.startswith(prompt) or not full.startswith(upto):
             raise ConversationError(
                 f"chat template is not prefix-stable at message {i} (assistant): rendering the conversation "
@@ -298,7 +354,7 @@ def _assistant_char_spans(template: str, messages: Sequence[Message], bos_token:
 
 
 def encode_chat(tok: Tokenizer, template: str, messages: Sequence[Message], max_len: int,
-                bos_token: str, eos_token: str) -> tuple[list[int], list[int]]:
+                bos_token: str, eos_token: str, tools: list | None = None) -> tuple[list[int], list[int]]:
     """Render and tokenize one conversation; returns (ids, mask), truncated to max_len.
 
     mask[t] == 1 iff ids[t] is a supervised target (see the module doc). Special tokens
@@ -308,7 +364,7 @@ def encode_chat(tok: Tokenizer, template: str, messages: Sequence[Message], max_
     """
     if max_len < 1:
         raise UsageError(f"--seq-len must be >= 1, got {max_len}")
-    text, spans = _assistant_char_spans(template, messages, bos_token, eos_token)
+    text, spans = _assistant_char_spans(template, messages, bos_token, eos_token, tools)
     enc = tok.encode(text, add_special_tokens=False)
     ids = list(enc.ids)
     mask = [0] * len(ids)
@@ -323,6 +379,30 @@ def encode_chat(tok: Tokenizer, template: str, messages: Sequence[Message], max_
         if s < b and e > a:  # the token's characters overlap the supervised span
             mask[t] = 1
     return ids[:max_len], mask[:max_len]
+
+
+def encode_example(tok: Tokenizer, template: str | None, ex: Example, max_len: int, bos_token: str, eos_token: str,
+                   eos_id: int | None, head: list[int]) -> tuple[list[int], list[int]]:
+    """(ids, mask) of one example, truncated to max_len; `head` is the BOS raw text starts
+    with (the tokenizer's rules: [bos] or []), `eos_id` what ends a document.
+
+    - messages: every assistant turn supervised (encode_chat), `tools` shown to the template;
+    - prompt/completion: one user/assistant exchange through the template where the model
+      has one (the completion and its end-of-turn supervised); else the two texts joined,
+      the completion and EOS supervised;
+    - text: every token supervised (but the first, which nothing predicts), EOS appended."""
+    if ex.kind == "messages":
+        return encode_chat(tok, template, ex.messages, max_len, bos_token, eos_token, ex.tools)
+    tail = [eos_id] if eos_id is not None else []
+    if ex.kind == "prompt":
+        if template is not None:
+            turns = [{"role": "user", "content": ex.prompt}, {"role": "assistant", "content": ex.completion}]
+            return encode_chat(tok, template, turns, max_len, bos_token, eos_token)
+        p = head + tok.encode(ex.prompt, add_special_tokens=False).ids
+        c = tok.encode(ex.completion, add_special_tokens=False).ids + tail
+        return (p + c)[:max_len], ([0] * len(p) + [1] * len(c))[:max_len]
+    ids = head + tok.encode(ex.text, add_special_tokens=False).ids + tail
+    return ids[:max_len], ([0] + [1] * (len(ids) - 1))[:max_len]
 
 
 # --------------------------------------------------------------------------- batching

@@ -11,7 +11,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from toy.data.chat import ChatBatches, count_reasons, encode_all, encode_chat, read_chat_jsonl, resolve_chat_template
+from toy.data.chat import (FORMATS, ChatBatches, count_reasons, encode_all, encode_example, read_chat_jsonl,
+                           resolve_chat_template)
 from toy.data.tokens import Windows
 from toy.errors import InputError, UsageError
 from toy.formats.checkpoint import atomic_dir
@@ -41,8 +42,10 @@ CHAT_BUCKET = 64  # --compile: chat batch lengths are padded up to a multiple of
 
 def add_arguments(g) -> None:
     g.add_argument("--model", help=f"base model GGUF (default {DEFAULT_MODEL} in the project)")
-    g.add_argument("--data", help="chat JSONL: one {\"messages\": [{\"role\", \"content\"}, ...]} per line "
-                   "(no default: give --data, or --corpus for a token stream)")
+    g.add_argument("--data", help="training JSONL, one example a line, one format a file: {\"messages\": [{\"role\", "
+                   "\"content\"}, ...], \"tools\": [...]} (loss on every assistant turn), {\"prompt\", \"completion\"} "
+                   "(loss on the completion) or {\"text\"} (loss on every token); or a directory holding train.jsonl "
+                   "and valid.jsonl (no default: give --data, or --corpus for a token stream)")
     g.add_argument("--val-data", help="validation chat JSONL (default: 5%% of --data held out)")
     g.add_argument("--rank", type=int, help="LoRA rank r (default 8)")
     g.add_argument("--alpha", type=float, help="LoRA alpha; the update is scaled by alpha / r (default 16)")
@@ -101,9 +104,11 @@ def check_opts(cfg: RunConfig) -> list[str]:
         p.append(f"--seq-len must be >= 2, got {cfg.seq_len}")
     if cfg.model and not Path(cfg.model).exists():
         p.append(f"--model {cfg.model} not found; {GET_MODEL}")
-    for flag in ("data", "val_data"):
-        if getattr(cfg, flag) and not Path(getattr(cfg, flag)).is_file():
-            p.append(f"--{flag.replace('_', '-')} {getattr(cfg, flag)} not found; give a chat JSONL file")
+    if cfg.data and not Path(cfg.data).exists():
+        p.append(f"--data {cfg.data} not found; give a JSONL file (conversations, prompt/completion pairs or text) "
+                 "or a directory holding train.jsonl")
+    if cfg.val_data and not Path(cfg.val_data).is_file():
+        p.append(f"--val-data {cfg.val_data} not found; give a JSONL file")
     if cfg.output:
         p += [why] if (why := output_problem(cfg.output)) else []
     return p
@@ -205,39 +210,77 @@ def build(cfg: RunConfig, project: Project) -> Built:
 
 # ---------------------------------------------------------------- chat JSONL
 
+def data_files(cfg: RunConfig) -> tuple[Path, Path | None]:
+    """--data (a file, or a directory holding train.jsonl and, as the held-out set,
+    valid.jsonl: mlx-lm's layout) and --val-data."""
+    data = Path(cfg.data)
+    val = Path(cfg.val_data) if cfg.val_data else None
+    if data.is_dir():
+        if not (data / "train.jsonl").is_file():
+            raise InputError(f"--data {data}: a data directory holds train.jsonl (and valid.jsonl for validation); "
+                             "it has no train.jsonl")
+        if val is None and (data / "valid.jsonl").is_file():
+            val = data / "valid.jsonl"
+        data = data / "train.jsonl"
+    return data, val
+
+
 def chat_stream(cfg: RunConfig, tok, base, seq_len, notes):
     model = base.path or cfg.model or DEFAULT_MODEL
-    template, note = resolve_chat_template(base.chat_template, base.vocab_tokens, base.chat_format, cfg.chat_template,
-                                           str(model))
-    if note:
-        notes.append(note)
-    source = f"--chat-template {cfg.chat_template}" if cfg.chat_template else model
-    special = base.special
-    bos, eos = base.token(special.bos), base.token(special.eos)
-    pad = special.pad if special.pad is not None else (special.eos or 0)
+    data_path, val_path = data_files(cfg)
     strict = bool(cfg.strict)
 
     def warn(msg: str) -> None:
         print(f"warning: {msg}", file=sys.stderr)
 
-    def encode(messages):
-        return encode_chat(tok, template, messages, seq_len + 1, bos, eos)
-
     def read(path) -> list:
         chat = read_chat_jsonl(path, strict=strict, warn=warn)
         if chat.skipped:
             notes.append(f"{path}: skipped {plural(chat.n_skipped, 'invalid line')} ({count_reasons(chat.skipped)})")
-        return list(zip(chat.lines, chat.conversations))
+        return chat
 
-    samples, dropped, failed = encode_all(read(cfg.data), cfg.data, source, encode, strict, warn)
+    train = read(data_path)
+    val_file = read(val_path) if val_path is not None else None
+    if val_file is not None and val_file.kind != train.kind:
+        raise InputError(f"{val_path}: {FORMATS[val_file.kind]}s, but {data_path} holds {FORMATS[train.kind]}s; "
+                         "give both in one format")
+    # A conversation needs the chat template; a prompt/completion pair uses it where the
+    # model has one (else the texts are joined); plain text needs none.
+    template = None
+    if train.kind == "messages" or cfg.chat_template:
+        template, note = resolve_chat_template(base.chat_template, base.vocab_tokens, base.chat_format,
+                                               cfg.chat_template, str(model))
+        notes += [note] if note else []
+    elif train.kind == "prompt":
+        try:
+            template, note = resolve_chat_template(base.chat_template, base.vocab_tokens, base.chat_format, None,
+                                                   str(model))
+            notes += [note] if note else []
+        except InputError:
+            notes.append(f"{model} has no chat template: each prompt and completion are joined as plain text")
+    source = f"--chat-template {cfg.chat_template}" if cfg.chat_template else model
+    special = base.special
+    bos, eos = base.token(special.bos), base.token(special.eos)
+    pad = special.pad if special.pad is not None else (special.eos or 0)
+    head = [special.bos] if special.add_bos and special.bos is not None else []
+
+    def encode(ex):
+        return encode_example(tok, template, ex, seq_len + 1, bos, eos, special.eos, head)
+
+    notes.append(f"{data_path}: {FORMATS[train.kind]} a line"
+                 + ("" if train.kind == "messages" else
+                    "; loss on the completion" if train.kind == "prompt" else "; loss on every token"))
+    samples, dropped, failed = encode_all(list(zip(train.lines, train.examples)), data_path, source, encode, strict,
+                                          warn)
     if failed:
-        notes.append(f"{cfg.data}: skipped {plural(failed, 'conversation')} the chat template cannot render")
+        notes.append(f"{data_path}: skipped {plural(failed, 'conversation')} the chat template cannot render")
     if dropped:
-        notes.append(f"skipped {plural(dropped, 'conversation')} whose prompt fills --seq-len {seq_len}")
+        notes.append(f"skipped {plural(dropped, 'example')} whose prompt fills --seq-len {seq_len}")
     if not samples:
-        raise InputError(f"{cfg.data}: no conversation has a supervised token within --seq-len {seq_len}")
-    if cfg.val_data:
-        val_samples, _, _ = encode_all(read(cfg.val_data), cfg.val_data, source, encode, strict, warn)
+        raise InputError(f"{data_path}: no example has a supervised token within --seq-len {seq_len}")
+    if val_file is not None:
+        val_samples, _, _ = encode_all(list(zip(val_file.lines, val_file.examples)), val_path, source, encode, strict,
+                                       warn)
     else:
         # Hold out a deterministic 5% (at least one) when there is enough data.
         n_val = max(1, len(samples) // 20) if len(samples) >= 20 else 0
@@ -246,7 +289,8 @@ def chat_stream(cfg: RunConfig, tok, base, seq_len, notes):
         val_samples = [x for i, x in enumerate(samples) if i in val_idx]
         samples = [x for i, x in enumerate(samples) if i not in val_idx]
         if n_val:
-            notes.append(f"validation: {plural(n_val, 'conversation')} held out of --data (give --val-data to choose)")
+            notes.append(f"validation: {plural(n_val, 'example')} held out of --data (give --val-data or a data "
+                         "directory's valid.jsonl to choose)")
     # A step holds about what --batch-size packed rows of --seq-len would: conversations
     # of similar length, right-padded to the longest of their batch (length_batches).
     d = dist.info()
@@ -260,10 +304,14 @@ def chat_stream(cfg: RunConfig, tok, base, seq_len, notes):
                      "spread over their lengths (--eval-batches)")
     n, budget = len(batches), batches.budget
     sup = sum(int(sum(m)) for _, m in samples)
-    info = {"data": str(cfg.data), "data_sha256": fingerprint(Path(cfg.data)),
+    info = {"data": str(cfg.data), "data_sha256": fingerprint(data_path),
             "conversations": len(samples), "batches": n, "supervised_tokens": sup}
-    notes.append(f"{plural(len(samples), 'conversation')} in {plural(n, 'length-grouped batch', 'length-grouped batches')} of up to {budget:,} tokens; "
-                 f"{sup:,} supervised tokens")
+    if train.kind != "messages":
+        info["data_format"] = train.kind
+    if val_path is not None and not cfg.val_data:
+        info["val_data"], info["val_data_sha256"] = str(val_path), fingerprint(val_path)
+    notes.append(f"{plural(len(samples), 'example')} in {plural(n, 'length-grouped batch', 'length-grouped batches')} "
+                 f"of up to {budget:,} tokens; {sup:,} supervised tokens")
     return batches.batch, evals, n, info
 
 
