@@ -223,7 +223,18 @@ def read_events(run_dir: Path) -> list[dict]:
 
 
 def fingerprint(path: Path, limit: int = 1 << 22) -> str:
-    """sha256 of the file's size and first 4 MiB: cheap, and catches a swapped corpus on resume."""
+    """sha256 of a file's size and first 4 MiB: cheap, and catches a swapped corpus on
+    resume. A directory (a model directory): each file's name and size, and the first
+    4 MiB of its config.json and of each weight file (their headers)."""
+    path = Path(path)
+    if path.is_dir():
+        h = hashlib.sha256(b"dir")
+        for f in sorted(p for p in path.iterdir() if p.is_file()):
+            h.update(f"{f.name}:{f.stat().st_size};".encode())
+            if f.name == "config.json" or f.suffix == ".safetensors":
+                with open(f, "rb") as fh:
+                    h.update(fh.read(limit))
+        return h.hexdigest()[:16]
     h = hashlib.sha256(str(path.stat().st_size).encode())
     with open(path, "rb") as fh:
         h.update(fh.read(limit))

@@ -1,6 +1,8 @@
-"""`toy export RUN_DIR --format gguf|gguf-lora|peft`: a trained run in the formats other
-tools load -- a GGUF model for llama.cpp/Ollama, a LoRA adapter GGUF for llama.cpp
-(`--lora`), the LoRA merged into its base as a full GGUF (`--merge`), or a PEFT adapter."""
+"""`toy export RUN_DIR --format gguf|gguf-lora|peft|mlx|transformers`: a trained run in
+the formats other tools load -- a GGUF model for llama.cpp/Ollama, a LoRA adapter GGUF for
+llama.cpp (`--lora`), a PEFT adapter, an mlx-lm adapter (`mlx_lm.generate --adapter-path`),
+or the LoRA merged into its base (`--merge`): a GGUF from a GGUF base, a transformers or
+MLX directory from a directory base of that kind."""
 
 from __future__ import annotations
 
@@ -11,20 +13,23 @@ from pathlib import Path
 from toy.cli.args import human_size, plural
 from toy.errors import InputError, UsageError
 
-FORMATS = ("gguf", "gguf-lora", "peft")
+FORMATS = ("gguf", "gguf-lora", "peft", "mlx", "transformers")
 
 
 def add_parser(sub) -> None:
     from toy.formats.gguf_write import MERGED_DTYPES
 
-    p = sub.add_parser("export", help="export a run as GGUF (model or LoRA adapter), merged GGUF, or PEFT",
-                       description=__doc__)
+    p = sub.add_parser("export", help="export a run as GGUF (model or LoRA adapter), PEFT or mlx-lm adapter, or merged "
+                       "model", description=__doc__)
     p.add_argument("run", metavar="RUN_DIR", help="a run directory (or its final/)")
     p.add_argument("--format", required=True, choices=FORMATS,
-                   help="gguf: a full model (from-scratch runs; LoRA runs with --merge); gguf-lora: a LoRA run's "
-                        "adapter for llama.cpp (--lora); peft: a LoRA run's adapter for HF PEFT")
-    p.add_argument("--out", help="output file, or a directory to put it in (a directory for peft) "
-                   "(default RUN_DIR/export/<name>)")
+                   help="gguf: a full model (from-scratch runs; LoRA runs on a GGUF base with --merge); gguf-lora: a "
+                        "LoRA run's adapter for llama.cpp (--lora); peft: a LoRA run's adapter for HF PEFT; mlx: a "
+                        "LoRA run's adapter for mlx-lm (adapters.safetensors + adapter_config.json), or with --merge "
+                        "the adapter fused into an MLX base, re-quantized as mlx_lm.fuse does; transformers: with "
+                        "--merge, the adapter merged into a transformers base, in its dtype")
+    p.add_argument("--out", help="output file, or a directory to put it in (a directory for peft, mlx and "
+                   "transformers) (default RUN_DIR/export/<name>)")
     p.add_argument("--dtype", choices=MERGED_DTYPES, help="tensor type for GGUF: f32 (lossless, the default for "
                    "models and adapters), f16 or q8_0 (norms and other 1-D tensors stay f32; q8_0 falls back to f16 "
                    "for rows not a multiple of 32). With --merge only: keep (its default) copies every tensor the "
@@ -33,10 +38,10 @@ def add_parser(sub) -> None:
                    "the base's own type (else q8_0): the smallest file, but lossy: a 4-bit base rounds most of a LoRA "
                    "update away and llama.cpp then answers much as the base model does (the export notes how much of "
                    "the update it kept)")
-    p.add_argument("--merge", action="store_true", help="with --format gguf on a LoRA run: fold the adapter into "
-                   "its base and write the full model")
-    p.add_argument("--model", metavar="BASE.gguf", help="a LoRA run's base model (default: the path in its "
-                   "adapter_config.json)")
+    p.add_argument("--merge", action="store_true", help="on a LoRA run: fold the adapter into its base and write the "
+                   "full model, of the base's kind (--format gguf for a GGUF base, transformers or mlx for a directory)")
+    p.add_argument("--model", metavar="BASE", help="a LoRA run's base model, a GGUF file or a model directory "
+                   "(default: the path in its adapter_config.json)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
 
@@ -90,15 +95,23 @@ def _check_request(r: _Run, args) -> str:
             raise UsageError("--model names a LoRA run's base; a full model run needs none: drop --model")
         if r.arch not in ("llama", "gpt2"):
             raise UsageError(f"{where}: arch {r.arch!r} cannot be exported to GGUF; supported: llama, gpt2")
+        if fmt in ("mlx", "transformers"):
+            raise UsageError(f"{where}: --format {fmt} writes a LoRA run's adapter or merged base; this is a full "
+                             f"{r.arch} model: use --format gguf")
     else:
         if fmt == "gguf" and not args.merge:
             raise UsageError(f"{where}: a LoRA run's final/ is an adapter, not a model: use --format gguf-lora "
-                             "(llama.cpp --lora), or --merge --format gguf for the full merged model")
-        if args.merge and fmt != "gguf":
-            raise UsageError(f"--merge writes a full model: use it with --format gguf, not --format {fmt}")
-    if fmt == "peft":
+                             "(llama.cpp --lora), --format peft or mlx, or --merge for the full merged model")
+        if fmt == "transformers" and not args.merge:
+            raise UsageError(f"{where}: --format transformers writes a merged model: add --merge (for the adapter "
+                             "alone, --format peft)")
+        if args.merge and fmt not in ("gguf", "mlx", "transformers"):
+            raise UsageError(f"--merge writes a full model: use it with --format gguf, mlx or transformers (the "
+                             f"base's kind), not --format {fmt}")
+    if fmt in ("peft", "mlx", "transformers"):
         if args.dtype:
-            raise UsageError("--dtype applies to GGUF exports; a PEFT adapter is copied as trained: drop --dtype")
+            raise UsageError(f"--dtype applies to GGUF exports; --format {fmt} keeps the adapter as trained and a "
+                             "merged directory the base's own types: drop --dtype")
         return ""
     if args.dtype in ("keep", "base") and not args.merge:
         raise UsageError(f"--dtype {args.dtype} keeps a base model's own tensors: it applies to --merge only; "
@@ -130,7 +143,7 @@ def _resolve_base(r: _Run, args, config: dict) -> tuple[Path, list[str]]:
     notes: list[str] = []
     if args.model:
         base = Path(args.model)
-        if not base.is_file():
+        if not base.exists():
             raise InputError(f"--model {base} not found; pass the base GGUF the adapter was trained on")
     else:
         recorded = config.get("base_model_name_or_path")
@@ -140,7 +153,7 @@ def _resolve_base(r: _Run, args, config: dict) -> tuple[Path, list[str]]:
         root = find_project(r.dir.resolve()).root
         if root is not None and not Path(recorded).is_absolute():
             cands.append(root / recorded)
-        base = next((c for c in cands if c.is_file()), None)
+        base = next((c for c in cands if c.exists()), None)
         if base is None:
             raise InputError(f"base model {recorded} (from {r.final / 'adapter_config.json'}) not found; "
                              "pass --model BASE.gguf")
@@ -167,6 +180,8 @@ def run(args) -> int:
     dtype = _check_request(r, args)
     if args.format == "peft":
         return _report(args, r, _export_peft(r, args), "")
+    if args.format in ("mlx", "transformers"):
+        return _report(args, r, _export_mlx(r, args) if not args.merge else _export_merged_dir(r, args), "")
     if r.kind == "model":
         report = _export_model(r, args, dtype)
     elif args.format == "gguf-lora":
@@ -208,7 +223,15 @@ def _export_lora(r: _Run, args, dtype: str):
 
     sd, config = _load_adapter(r)
     base, notes = _resolve_base(r, args, config)
-    cfg, arch, _ = base_config(base)
+    if base.is_dir():  # the GGUF llama.cpp's converter makes of this directory
+        from toy.formats.base import read_base
+
+        b = read_base(base, "quantized")
+        cfg, arch = b.config, b.family.hf_types[b.arch].gguf
+        if arch is None:
+            raise UsageError(f"{base}: a {b.arch} model has no llama.cpp architecture toy knows; use --format peft")
+    else:
+        cfg, arch, _ = base_config(base)
     out = _out_path(r, args, f"{r.name}-lora-{dtype}.gguf")
     rep = write_lora_gguf(out, sd, alpha=float(config["lora_alpha"]), base=cfg, arch=arch, dtype=dtype,
                           name=f"{r.name} (LoRA)")
@@ -216,11 +239,55 @@ def _export_lora(r: _Run, args, dtype: str):
     return rep
 
 
+def _export_mlx(r: _Run, args) -> Path:
+    """The run's adapter as mlx-lm loads it: adapters.safetensors + adapter_config.json."""
+    from toy.formats.mlx_adapter import save_mlx_adapter
+
+    sd, config = _load_adapter(r)
+    base, _ = _resolve_base(r, args, config)
+    out = Path(args.out) if args.out else r.dir / "export" / f"{r.name}-mlx"
+    if out.exists() and (not out.is_dir() or any(p.name not in ("adapters.safetensors", "adapter_config.json")
+                                                  for p in out.iterdir())):
+        raise UsageError(f"--out {out} exists and is not an mlx-lm adapter directory; choose a new path")
+    n_layers = 1 + max(int(k.split(".")[1]) for k in sd)
+    save_mlx_adapter(out, sd, rank=int(config["r"]), alpha=float(config["lora_alpha"]),
+                     dropout=float(config.get("lora_dropout") or 0.0), n_layers=n_layers, prefix=_mlx_prefix(base))
+    return out
+
+
+def _mlx_prefix(base: Path) -> str:
+    from toy.formats.base import base_kind
+    from toy.formats.checkpoint import read_json
+    from toy.formats.mlx_adapter import body_prefix
+
+    kind = base_kind(base)
+    return body_prefix(kind, read_json(base / "config.json").get("model_type", "") if kind != "gguf" else "")
+
+
+def _export_merged_dir(r: _Run, args) -> Path:
+    from toy.formats.base import read_base
+    from toy.formats.hf_write import merge_into_dir
+
+    sd, config = _load_adapter(r)
+    base_path, notes = _resolve_base(r, args, config)
+    base = read_base(base_path, "quantized")
+    if base.kind != args.format:
+        raise UsageError(f"--merge --format {args.format}: the run's base {base_path} is a {base.kind} "
+                         f"{'file' if base.kind == 'gguf' else 'directory'}; merge into it with --format "
+                         f"{'gguf' if base.kind == 'gguf' else base.kind}")
+    out = Path(args.out) if args.out else r.dir / "export" / f"{r.name}-merged-{base.kind}"
+    merge_into_dir(out, base, sd, rank=int(config["r"]), alpha=float(config["lora_alpha"]))
+    return out
+
+
 def _export_merged(r: _Run, args, dtype: str):
     from toy.formats.gguf_write import write_merged_gguf
 
     sd, config = _load_adapter(r)
     base_path, notes = _resolve_base(r, args, config)
+    if base_path.is_dir():
+        raise UsageError(f"--merge --format gguf: the run's base {base_path} is a model directory; merge into it with "
+                         "--format transformers or mlx (its own kind)")
     out = _out_path(r, args, f"{r.name}-merged-{dtype}.gguf")
     try:
         rep = write_merged_gguf(out, base_path, sd, rank=int(config["r"]), alpha=float(config["lora_alpha"]),
@@ -250,13 +317,17 @@ def _export_peft(r: _Run, args) -> Path:
 
 
 def _report(args, r: _Run, rep, dtype: str) -> int:
-    if isinstance(rep, Path):  # peft
+    if isinstance(rep, Path):  # a directory: peft, mlx, a merged directory
         files = sorted(p.name for p in rep.iterdir())
         if args.json:
-            print(json.dumps({"format": "toy/export-v1", "run_dir": str(r.dir), "kind": r.kind,
-                              "export_format": "peft", "path": str(rep), "files": files}))
+            print(json.dumps({"format": "toy/export-v1", "run_dir": str(r.dir), "kind": r.kind, "merged": args.merge,
+                              "export_format": args.format, "path": str(rep), "files": files}))
         else:
-            print(f"wrote {rep}/ (PEFT adapter: {', '.join(files)})")
+            what = {"peft": "PEFT adapter", "mlx": "mlx-lm adapter"}.get(args.format, "")
+            what = f"{args.format} model, the adapter merged in" if args.merge else what
+            print(f"wrote {rep}/ ({what}: {', '.join(files)})")
+            if args.format == "mlx" and not args.merge:
+                print(f"  load it with mlx_lm.generate --model MLX_BASE --adapter-path {rep}")
         return 0
     size = rep.path.stat().st_size
     if args.json:

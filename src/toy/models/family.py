@@ -96,6 +96,7 @@ class HFType:
     name: str
     config: Callable[[Keys], Any]  # the family's config from config.json (the text part of a multimodal one)
     chat_format: str | None = None
+    gguf: str | None = None  # the GGUF architecture llama.cpp's converter makes of it (for GGUF adapters)
 
 
 @dataclass(frozen=True)

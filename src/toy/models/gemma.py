@@ -252,7 +252,8 @@ def hf_plan(cfg: GemmaConfig) -> dict[str, Planned]:
 
 FAMILY = Family(
     "gemma", GemmaConfig, Gemma,
-    hf_types={t: HFType(t, lambda k, t=t: hf_config(k, t), "gemma") for t in ("gemma2", "gemma3_text", "gemma3")},
+    hf_types={t: HFType(t, lambda k, t=t: hf_config(k, t), "gemma", gguf=t.removesuffix("_text"))
+              for t in ("gemma2", "gemma3_text", "gemma3")},
     hf_plan=hf_plan,
     archs={"gemma2": Arch("gemma2", lambda k: gguf_config(k, "gemma2"), gguf_plan, "gemma"),
            "gemma3": Arch("gemma3", lambda k: gguf_config(k, "gemma3"), gguf_plan, "gemma")},

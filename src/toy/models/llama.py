@@ -191,8 +191,8 @@ def hf_plan(cfg: LlamaConfig) -> dict[str, Planned]:
 
 FAMILY = Family(
     "llama", LlamaConfig, Llama,
-    hf_types={t: HFType(t, lambda k, t=t: hf_config(k, t), "chatml" if t.startswith("qwen") else None)
-              for t in ("llama", "mistral", "qwen2", "qwen3")},
+    hf_types={t: HFType(t, lambda k, t=t: hf_config(k, t), "chatml" if t.startswith("qwen") else None,
+                        gguf="llama" if t == "mistral" else t) for t in ("llama", "mistral", "qwen2", "qwen3")},
     hf_plan=hf_plan,
     archs={
         "llama": Arch("llama", gguf_config, gguf_plan),  # also Mistral

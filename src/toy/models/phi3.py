@@ -189,7 +189,7 @@ def hf_plan(cfg: Phi3Config) -> dict[str, Planned]:
 
 FAMILY = Family(
     "phi3", Phi3Config, Phi3, archs={"phi3": Arch("phi3", gguf_config, gguf_plan)},
-    hf_types={"phi3": HFType("phi3", hf_config)}, hf_plan=hf_plan,
+    hf_types={"phi3": HFType("phi3", hf_config, gguf="phi3")}, hf_plan=hf_plan,
     targets=TARGETS, default_targets="qkv_proj",
     tiny=dict(vocab_size=96, n_layer=2, d_model=64, n_head=4, n_kv_head=2, head_dim=16, rope_dim=12, d_ff=128,
               max_seq_len=64),

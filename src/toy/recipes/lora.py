@@ -3,6 +3,7 @@ token stream. Only the adapters train; the output is a PEFT adapter directory.""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import sys
@@ -17,6 +18,7 @@ from toy.data.tokens import Windows
 from toy.errors import InputError, UsageError
 from toy.formats.checkpoint import atomic_dir
 from toy.formats.base import read_base
+from toy.formats.mlx_adapter import body_prefix, save_mlx_adapter
 from toy.formats.peft import save_peft_adapter
 from toy.lora import VALID_TARGETS, apply_lora, lora_state_dict
 from toy.models.quant import count_params, resident_bytes
@@ -41,7 +43,8 @@ CHAT_BUCKET = 64  # --compile: chat batch lengths are padded up to a multiple of
 
 
 def add_arguments(g) -> None:
-    g.add_argument("--model", help=f"base model GGUF (default {DEFAULT_MODEL} in the project)")
+    g.add_argument("--model", "--model-path", dest="model", help="base model: a GGUF file, or a transformers or MLX "
+                   f"model directory (--model-path: mlx-lm's name) (default {DEFAULT_MODEL} in the project)")
     g.add_argument("--data", help="training JSONL, one example a line, one format a file: {\"messages\": [{\"role\", "
                    "\"content\"}, ...], \"tools\": [...]} (loss on every assistant turn), {\"prompt\", \"completion\"} "
                    "(loss on the completion) or {\"text\"} (loss on every token); or a directory holding train.jsonl "
@@ -58,9 +61,10 @@ def add_arguments(g) -> None:
                         "once at load) (default quantized on cpu and metal, bfloat16 on cuda)")
     g.add_argument("--chat-template", metavar="FILE.jinja", help="chat template for --data (default: the GGUF's "
                    "own; for a file without one, toy's built-in template of its family: Gemma turns, ChatML)")
-    g.add_argument("--output", help="also copy the final adapter directory to PATH, which must be new or a directory "
-                   "of toy's adapter files (it is replaced whole; anything else exits 2 before training) "
-                   "(default: only RUN_DIR/final)")
+    g.add_argument("--output", help="also copy the final adapter directory (PEFT) to PATH, which must be new or a "
+                   "directory of toy's adapter files (it is replaced whole; anything else exits 2 before training); "
+                   "PATH ending in .safetensors: the adapter for mlx-lm there, its adapter_config.json beside it, "
+                   "as mlx-lm's trainer writes them (default: only RUN_DIR/final)")
     g.add_argument("--strict", action="store_true", default=None, help="an invalid chat line is fatal (default: warn, skip, count)")
     g.add_argument("--max-seq-len", dest="seq_len", type=int, help="alias of --seq-len (default 512 for LoRA)")
 
@@ -118,10 +122,34 @@ def check_opts(cfg: RunConfig) -> list[str]:
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "tokenizer.json", "README.md")
 
 
+def mlx_output_problem(output: str) -> str | None:
+    """--output FILE.safetensors (mlx-lm's trainer's own flag): the mlx-lm adapter goes
+    there with adapter_config.json beside it. Neither may overwrite anything but an
+    earlier mlx-lm adapter's files."""
+    path = Path(output)
+    cfg = path.parent / "adapter_config.json"
+    fix = "give a new path, or the adapters.safetensors of an earlier mlx-lm adapter"
+    if path.is_symlink() or (path.exists() and not path.is_file()):
+        return f"--output {output} is not a plain file; {fix}"
+    if cfg.exists():
+        try:
+            ok = "lora_parameters" in json.loads(cfg.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, TypeError):
+            ok = False
+        if not ok:
+            return f"--output {output}: {cfg} exists and is not an mlx-lm adapter config, which this would replace; {fix}"
+    elif path.exists():
+        return f"--output {output} exists beside no mlx-lm adapter_config.json; {fix}"
+    return None
+
+
 def output_problem(output: str) -> str | None:
     """Why --output PATH may not be written, or None. The copy replaces PATH whole, so
     PATH must be new, or a directory of toy's own adapter files (as `toy export --format
-    peft` requires of its --out); never the working directory or one that holds it."""
+    peft` requires of its --out); never the working directory or one that holds it. A
+    PATH ending in .safetensors is mlx-lm's form (mlx_output_problem)."""
+    if output.endswith(".safetensors"):
+        return mlx_output_problem(output)
     path = Path(output)
     fix = "give a new path, or a directory holding only a toy adapter"
     where, cwd = path.resolve(), Path.cwd().resolve()
@@ -156,6 +184,7 @@ def build(cfg: RunConfig, project: Project) -> Built:
     torch.manual_seed(cfg.seed)
     model = base.build_model()
     del base.state_dict  # the model holds the only copy of the base
+    base_layers, base_arch, base_kind = base.config.n_layer, base.arch, base.kind
     # Validation of rank/alpha/targets happens here, before any data work.
     wrapped = apply_lora(model, targets, int(cfg.rank), float(cfg.alpha), float(cfg.dropout), int(cfg.seed))
     seq_len = int(cfg.seq_len)
@@ -193,7 +222,11 @@ def build(cfg: RunConfig, project: Project) -> Built:
             if why:
                 raise InputError(f"{why}; the adapter is in {out}, not copied")
             dest = Path(os.path.abspath(cfg.output))
-            if dest != out.resolve():
+            if cfg.output.endswith(".safetensors"):  # mlx-lm's trainer's --output: its adapter, there
+                save_mlx_adapter(dest.parent, lora_state_dict(model), int(cfg.rank), float(cfg.alpha),
+                                 float(cfg.dropout), n_layers=base_layers, weights_name=dest.name,
+                                 prefix=body_prefix(base_kind, base_arch))
+            elif dest != out.resolve():
                 with atomic_dir(dest) as tmp:
                     for name in ADAPTER_FILES:
                         if (out / name).is_file():
