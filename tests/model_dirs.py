@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text", "gemma3")
-VOCAB = 160
+VOCAB = 320  # byte-level BPE: 256 bytes, 3 specials, the rest merges
 CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 _ROOT: list[Path] = []

@@ -139,6 +139,10 @@ def read_model_dir(d: Path, base_dtype: str = "float32") -> Base:
     tok = _tokenizer(d)
     special, template = _specials(d, config, tok)
     notes = [f"{ignored} tensors of the vision tower left out (the text model only)"] if ignored else []
+    beyond = sorted(i for i in tok.get_vocab(with_added_tokens=True).values() if i >= cfg.vocab_size)
+    if beyond:  # tokens a converter added (mlx_lm.convert's <mask>, ...): text holding them cannot be embedded
+        notes.append(f"{len(beyond)} tokenizer ids beyond the model's {cfg.vocab_size} embedding rows (e.g. "
+                     f"{tok.id_to_token(beyond[0])!r}); text containing them is refused")
     return Base(kind=kind, path=d, arch=model_type, family=family, config=cfg, state_dict=sd, tokenizer=tok,
                 special=special, chat_template=template, chat_format=hf.chat_format, metadata=config,
                 tensor_types=types_seen, base_dtype=base_dtype, notes=notes)

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from toy.data.chat import (FORMATS, ChatBatches, count_reasons, encode_all, encode_example, read_chat_jsonl,
+from toy.data.chat import (FORMATS, ChatBatches, ConversationError, count_reasons, encode_all, encode_example, read_chat_jsonl,
                            resolve_chat_template)
 from toy.data.tokens import Windows
 from toy.errors import InputError, UsageError
@@ -297,8 +297,15 @@ def chat_stream(cfg: RunConfig, tok, base, seq_len, notes):
     pad = special.pad if special.pad is not None else (special.eos or 0)
     head = [special.bos] if special.add_bos and special.bos is not None else []
 
+    vocab = base.config.vocab_size
+
     def encode(ex):
-        return encode_example(tok, template, ex, seq_len + 1, bos, eos, special.eos, head)
+        ids, mask = encode_example(tok, template, ex, seq_len + 1, bos, eos, special.eos, head)
+        if ids and max(ids) >= vocab:
+            bad = max(ids)
+            raise ConversationError(f"token {tok.id_to_token(bad)!r} (id {bad}) is beyond the model's {vocab} "
+                                    "embedding rows")
+        return ids, mask
 
     notes.append(f"{data_path}: {FORMATS[train.kind]} a line"
                  + ("" if train.kind == "messages" else
