@@ -180,3 +180,27 @@ def test_describe_a_directory_toy_cannot_load(toy_cli, tmp_path):
     (d / "config.json").write_text(json.dumps({**json.loads((d / "config.json").read_text()), "model_type": "bert"}))
     code, out, err = toy_cli("describe", d)
     assert code == 2 and "model_type 'bert' is not supported" in err and "architecture  bert" in out
+
+
+# ------------------------------------------------------------------ a directory wherever a GGUF is taken
+
+def test_prep_warm_start_and_infer_take_a_directory(toy_cli, tmp_path, capsys):
+    from toy.data.prep import bundled_text_paths
+
+    donor = tiny_dir("qwen3")
+    txt = tmp_path / "t.txt"
+    txt.write_text(bundled_text_paths()[0].read_text()[:20000])
+    for i, d in enumerate([donor] + ([mlx_dir("qwen3", 4, 32)] if importlib.util.find_spec("mlx_lm") else [])):
+        capsys.readouterr()
+        # Each with its own tokenizer: mlx_lm.convert re-saves it (with tokens of its own).
+        code, _, err = toy_cli("prep", txt, "--tokenizer", d, "--out", tmp_path / f"c{i}.bin")
+        assert code == 0, err
+        code, out, err = toy_cli("train", "--recipe", "warm-start", "--donor", d, "--corpus", tmp_path / f"c{i}.bin",
+                                 "--init", "pca", "--n-layer", "1", "--d-model", "32", "--n-head", "2",
+                                 "--n-kv-head", "1", "--seq-len", "32", "--batch-size", "2", "--steps", "2",
+                                 "--eval-batches", "1", "--out", tmp_path / "runs")
+        assert code == 0, err
+        assert f"{d.name}'s token embedding" in out
+    code, out, err = toy_cli("infer", "--model", donor, "--prompt", "To be", "--max-new-tokens", "5",
+                             "--temperature", "0")
+    assert code == 0 and out.startswith("To be"), err

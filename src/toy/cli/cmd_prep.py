@@ -21,8 +21,9 @@ def add_parser(sub) -> None:
                         "tokenizer) go beside it")
     p.add_argument("--vocab-size", type=positive_int("--vocab-size"), metavar="N",
                    help="train a byte-level BPE with N tokens (no default: give this or --tokenizer)")
-    p.add_argument("--tokenizer", metavar="FILE", help="reuse a tokenizer: a tokenizer.json, or a GGUF model's "
-                   "(no default: give this or --vocab-size); copied beside --out as NAME.tokenizer.json")
+    p.add_argument("--tokenizer", metavar="FILE", help="reuse a tokenizer: a tokenizer.json, a GGUF model's, or a "
+                   "transformers or MLX model directory's (no default: give this or --vocab-size); copied beside --out "
+                   "as NAME.tokenizer.json")
     p.add_argument("--val-fraction", type=finite_float, default=0.05, metavar="F",
                    help="fraction of tokens held back for validation, 0 for none (default 0.05)")
     p.add_argument("--raw-i32", action="store_true",
@@ -35,7 +36,18 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
+def tokenizer_source(path: Path) -> Path:
+    """A model directory's tokenizer is its tokenizer.json."""
+    if path.is_dir():
+        if not (path / "tokenizer.json").is_file():
+            raise UsageError(f"--tokenizer {path}: a directory, but no tokenizer.json in it; give a tokenizer.json, "
+                             "a GGUF model, or a transformers or MLX model directory")
+        return path / "tokenizer.json"
+    return path
+
+
 def load_any_tokenizer(path: Path):
+    path = tokenizer_source(path)
     if path.suffix == ".gguf":
         from toy.formats.gguf import read_gguf_tokenizer
         return read_gguf_tokenizer(path)
@@ -74,7 +86,7 @@ def run(args) -> int:
         raise UsageError("give --vocab-size N to train a tokenizer, or --tokenizer FILE to reuse one")
     tok = load_any_tokenizer(Path(args.tokenizer)) if args.tokenizer else None
     r = prep([Path(t) for t in args.texts], out, vocab_size=args.vocab_size, tokenizer=tok,
-             tokenizer_src=Path(args.tokenizer) if args.tokenizer else None, val_fraction=args.val_fraction,
+             tokenizer_src=tokenizer_source(Path(args.tokenizer)) if args.tokenizer else None, val_fraction=args.val_fraction,
              force=args.force)
     if args.json:
         print(json.dumps({"format": "toy/prep-v1", "out": str(r.train_path), "val": str(r.val_path) if r.val_path else None,

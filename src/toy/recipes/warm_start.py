@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
@@ -34,7 +34,8 @@ from tokenizers import Tokenizer
 
 from toy import tokenizer as toktools
 from toy.errors import InputError, UsageError
-from toy.formats.gguf import GGUFHeader, read_gguf_header, read_gguf_tensor, supported_archs
+from toy.formats.base import QuantTensor, read_base
+from toy.formats.gguf import read_gguf_header, read_gguf_tensor, supported_archs
 from toy.models import registry
 from toy.runs import Project
 from toy.train.config import RunConfig
@@ -54,9 +55,9 @@ FLAGS: dict[str, Any] = dict(donor=None, init="donor", freeze_embed_steps=0, emb
 
 
 def add_arguments(g) -> None:
-    g.add_argument("--donor", metavar="DONOR.gguf", help="a GGUF model of any supported family whose "
-                   "token_embd.weight warms the embedding and whose tokenizer the corpus must use (`toy prep TEXT "
-                   "--tokenizer DONOR.gguf`) (no default: required)")
+    g.add_argument("--donor", metavar="DONOR", help="a GGUF model, or a transformers or MLX model directory, of any "
+                   "supported family, whose token embedding warms the embedding and whose tokenizer the corpus must "
+                   "use (`toy prep TEXT --tokenizer DONOR`) (no default: required)")
     g.add_argument("--init", metavar="{scratch,donor,pca}", help="embedding init: scratch (random, the baseline), "
                    "donor (the donor's rows; a trainable lens when widths differ) or pca (the donor's top "
                    "--d-model principal components) (default donor)")
@@ -80,8 +81,8 @@ def check_opts(cfg: RunConfig) -> list[str]:
         p.append(f"--embed-lr-scale must be a number > 0, got {x!r}")
     if not cfg.donor:
         p.append(f"--donor DONOR.gguf is required: it gives the embedding and the tokenizer ({GET_DONOR})")
-    elif not Path(cfg.donor).is_file():
-        p.append(f"--donor {cfg.donor} not found; pass a GGUF model ({GET_DONOR})")
+    elif not Path(cfg.donor).exists():
+        p.append(f"--donor {cfg.donor} not found; pass a GGUF model or a model directory ({GET_DONOR})")
     if cfg.arch != "llama":
         p.append(f"--arch {cfg.arch}: warm-start builds a llama (its tied embedding is what the donor "
                  "fills); drop --arch")
@@ -98,23 +99,27 @@ def check_opts(cfg: RunConfig) -> list[str]:
 @dataclass
 class Donor:
     path: Path
-    header: GGUFHeader
     arch: str
-    width: int  # <arch>.embedding_length
-    rows: int  # rows of token_embd.weight (>= the tokenizer's size)
+    width: int  # the donor's embedding width
+    rows: int  # rows of its token embedding (>= the tokenizer's size)
     tokenizer: Tokenizer
     tokenizer_hash: bytes
+    table_type: str  # how the table is stored (Q4_K, BF16, MLX_Q4_G64, ...)
+    _read: Callable[[], torch.Tensor]  # the whole table, float32 (rows, width)
 
     def table(self, vocab: int) -> torch.Tensor:
-        """The first `vocab` rows of token_embd.weight, float32 (vocab, width)."""
-        t = read_gguf_tensor(self.header, EMBED)
+        """The first `vocab` rows of the token embedding, float32 (vocab, width)."""
+        t = self._read()
         return t if vocab == t.shape[0] else t[:vocab].clone()
 
 
 def open_donor(path: Path) -> Donor:
-    """Header, family check, embedding shape and tokenizer; no tensor is read yet."""
-    if not path.is_file():
-        raise InputError(f"--donor {path} not found; pass a GGUF model ({GET_DONOR})")
+    """Header (or config), family check, embedding shape and tokenizer; no weight is read
+    yet. A GGUF, or a transformers or MLX model directory."""
+    if not path.exists():
+        raise InputError(f"--donor {path} not found; pass a GGUF model or a model directory ({GET_DONOR})")
+    if path.is_dir():
+        return _open_dir_donor(path)
     h = read_gguf_header(path)
     arch = h.metadata.get("general.architecture")
     if arch not in supported_archs():
@@ -134,7 +139,26 @@ def open_donor(path: Path) -> Donor:
         raise InputError(f"--donor {path}: '{EMBED}' has shape {list(ti.shape)}, expected [rows, {width}] "
                          f"({arch}.embedding_length); the file is damaged")
     tok = toktools.from_gguf_metadata(h.metadata, source=str(path))
-    return Donor(path, h, arch, width, ti.shape[0], tok, toktools.tokenizer_hash(tok))
+    return Donor(path, arch, width, ti.shape[0], tok, toktools.tokenizer_hash(tok), ti.qtype.name,
+                 lambda: read_gguf_tensor(h, EMBED))
+
+
+def _open_dir_donor(path: Path) -> Donor:
+    """A transformers or MLX directory: its embedding (dequantized where MLX quantized it)."""
+    try:
+        base = read_base(path, "quantized")  # memory-mapped: nothing is read but the 1-D tensors
+    except InputError as e:
+        raise InputError(f"--donor {e.message}")
+    emb = base.state_dict["embed_tokens.weight"]
+    quantized = isinstance(emb, QuantTensor)
+    rows, width = emb.spec.shape if quantized else tuple(emb.shape)
+    kind = emb.spec.name if quantized else str(emb.dtype).removeprefix("torch.")
+
+    def read() -> torch.Tensor:
+        return emb.spec.dequantize(emb.parts, torch.float32) if quantized else emb.float().clone()
+
+    tok = base.tokenizer
+    return Donor(path, base.arch, width, rows, tok, toktools.tokenizer_hash(tok), kind, read)
 
 
 # ------------------------------------------------------------------ projections
@@ -296,8 +320,7 @@ def build(cfg: RunConfig, project: Project) -> Built:
     notes: list[str] = list(seq_notes)
     lens = init == "pca" or (init == "donor" and donor.width != mcfg.d_model)
     frozen = ["embed_tokens.lens.weight" if lens else "embed_tokens.weight"]  # tied: lm_head shares it
-    qtype = donor.header.tensors[EMBED].qtype.name
-    src = f"{donor.path.name}'s {EMBED} ({donor.rows} x {donor.width}, {qtype})"
+    src = f"{donor.path.name}'s token embedding ({donor.rows} x {donor.width}, {donor.table_type})"
     if init != "scratch":
         table = donor.table(vocab)
         if not torch.isfinite(table).all():
