@@ -303,14 +303,13 @@ def test_read_gguf_tensor_reads_one_tensor(donor):
 
 
 def test_quantized_donor_is_dequantized(donor, tmp_path):
-    from toy.formats.gguf import read_gguf_tensor
     from toy.recipes.warm_start import open_donor
 
     q = write_llama_gguf(tmp_path / "q8.gguf", tiny_model(seed=3, vocab_size=donor["vocab"] + PAD_ROWS),
                          _donor_tok(donor), qtypes={"token_embd.weight": "Q8_0"})
     d = open_donor(q)
-    t = read_gguf_tensor(d.header, "token_embd.weight")
-    assert t.shape == donor["table"].shape
+    t = d.table(d.rows)
+    assert t.shape == donor["table"].shape and d.table_type == "Q8_0"
     assert (t - donor["table"]).abs().max() < 0.01  # Q8_0: 8 bits a value
     assert d.tokenizer_hash == open_donor(donor["gguf"]).tokenizer_hash
 
