@@ -7,7 +7,7 @@ VENV    := .venv
 VPY     := $(VENV)/bin/python
 STAMP   := $(VENV)/.toy-installed
 
-.PHONY: demo test test-fast bench smollm2 clean
+.PHONY: demo test test-fast bench smollm2 smollm2-dirs clean
 
 $(STAMP): pyproject.toml
 	test -x $(VPY) || $(PY) -m venv $(VENV)
@@ -26,6 +26,9 @@ test-fast: $(STAMP)
 
 smollm2: $(STAMP)
 	PYTHON=$(VPY) bash scripts/get-smollm2.sh .
+
+smollm2-dirs: $(STAMP)
+	PYTHON=$(VPY) bash scripts/get-smollm2-dirs.sh --q-group-size 32
 
 clean:
 	rm -rf $(VENV) build
