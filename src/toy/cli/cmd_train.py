@@ -327,6 +327,14 @@ def rescale_for_world(cfg: RunConfig, saved_world: int, world: int, unit: str) -
     return cfg.replace(batch_size=rows // world)
 
 
+def _same_base(key: str, recorded, now) -> bool:
+    """A LoRA run made before bases were recorded absolute kept --model as given
+    (relative); resumed, the recipe records the absolute path of the same file. The
+    file's content is compared separately (model_sha256)."""
+    return (key == "model" and isinstance(recorded, str) and isinstance(now, str)
+            and not Path(recorded).is_absolute() and Path(recorded).resolve() == Path(now))
+
+
 def _resume(args, cli: dict, project) -> int:
     from toy.formats.checkpoint import list_checkpoints, read_json
 
@@ -369,7 +377,7 @@ def _resume(args, cli: dict, project) -> int:
     built = recipe.build(run_cfg, project)
     for k in sorted(set(built.job.config) | set(info["job"])):
         a, b = info["job"].get(k), json.loads(json.dumps(built.job.config.get(k)))
-        if a != b:
+        if a != b and not _same_base(k, a, b):
             raise UsageError(f"--resume {run_dir}: {k} changed since the run started ({a!r} -> {b!r}); "
                              "restore the original input or start a new run")
     tcfg = TrainConfig.from_run(run_cfg.with_derived(built.derived))

@@ -108,7 +108,9 @@ def check_opts(cfg: RunConfig) -> list[str]:
 
 
 def build(cfg: RunConfig, project: Project) -> Built:
-    model_path = resolve_model(cfg, project)
+    # Absolute: run.json, adapter_config.json and `toy infer --run` / `toy export` find the
+    # base from any folder (model_sha256 below notices a file changed since).
+    model_path = resolve_model(cfg, project).resolve()
     dtype = base_dtype(cfg)
     base = read_gguf(model_path, dtype)
     targets = cfg.target_list or base.family.default_targets.split(",")
