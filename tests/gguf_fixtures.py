@@ -119,7 +119,9 @@ def write_llama_gguf(path: Path, model, tok, *, arch: str = "llama", permute: bo
     """Write a toy Llama (+ tokenizer) as llama.cpp would: llama Q/K rows permuted,
     `output.weight` only when untied. qtypes: GGUF tensor name -> quant type name
     (e.g. "Q8_0"); drop: GGUF tensor names to leave out; replace: GGUF tensor name ->
-    array written instead (numpy/torch order); chat_template: written with the tokenizer."""
+    array written instead (numpy/torch order); chat_template: written with the tokenizer;
+    extra_kv: more keys (str, bool or uint32), which may replace the tokenizer's bos/eos
+    ids and add_bos_token (default: both <|endoftext|>, add_bos_token false)."""
     import gguf
 
     cfg = model.cfg
@@ -145,13 +147,20 @@ def write_llama_gguf(path: Path, model, tok, *, arch: str = "llama", permute: bo
         w.add_token_types(f["types"])
         w.add_token_merges(f["merges"])
         eos = tok.token_to_id("<|endoftext|>")
-        w.add_bos_token_id(eos)
-        w.add_eos_token_id(eos)
-        w.add_add_bos_token(False)
+        extra = extra_kv or {}
+        # extra_kv may set these itself (a BOS of its own, add_bos_token true).
+        if "tokenizer.ggml.bos_token_id" not in extra:
+            w.add_bos_token_id(eos)
+        if "tokenizer.ggml.eos_token_id" not in extra:
+            w.add_eos_token_id(eos)
+        if "tokenizer.ggml.add_bos_token" not in extra:
+            w.add_add_bos_token(False)
         w.add_chat_template(chat_template)
     for k, v in (extra_kv or {}).items():
         if isinstance(v, str):
             w.add_string(k, v)
+        elif isinstance(v, bool):
+            w.add_bool(k, v)
         else:
             w.add_uint32(k, v)
 

@@ -235,13 +235,13 @@ def smol(tmp_path_factory, smollm2_gguf):
 @pytest.fixture(scope="module")
 def smol_toy(smol):
     """toy's SmolLM2 base + the run's adapter (unmerged), its tokenizer and a chat prompt."""
-    from toy.cli.cmd_infer import load_gguf_lm
+    from toy.cli.cmd_infer import load_base_lm
     from toy.data.chat import render_template
     from toy.formats.gguf import read_gguf
     from toy.formats.peft import load_peft_adapter
     from toy.lora import apply_lora, load_lora_state_dict
 
-    lm = load_gguf_lm(smol["base"], None, "cpu")  # base only: toy's reader, tokenizer, stop ids
+    lm = load_base_lm(smol["base"], None, "cpu")  # base only: toy's reader, tokenizer, stop ids
     sd, cfg = load_peft_adapter(smol["run"] / "final")
     adapted = read_gguf(smol["base"]).build_model()
     apply_lora(adapted, sorted({k.rsplit(".", 2)[-2] for k in sd}), cfg["r"], cfg["lora_alpha"], 0.0, seed=0)
@@ -338,13 +338,13 @@ def gem(tmp_path_factory, gemma3_gguf):
 
 @pytest.fixture(scope="module")
 def gem_toy(gem):
-    from toy.cli.cmd_infer import load_gguf_lm
+    from toy.cli.cmd_infer import load_base_lm
     from toy.data.chat import render_template
     from toy.formats.gguf import read_gguf
     from toy.formats.peft import load_peft_adapter
     from toy.lora import apply_lora, load_lora_state_dict
 
-    lm = load_gguf_lm(gem["base"], None, torch.device("cpu"))
+    lm = load_base_lm(gem["base"], None, torch.device("cpu"))
     sd, cfg = load_peft_adapter(gem["run"] / "final")
     adapted = read_gguf(gem["base"]).build_model()
     apply_lora(adapted, sorted({k.rsplit(".", 2)[-2] for k in sd}), cfg["r"], cfg["lora_alpha"], 0.0, seed=0)

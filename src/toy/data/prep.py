@@ -139,10 +139,14 @@ def save_tokenizer_beside(out: Path, tokenizer: Tokenizer, src: Path | None = No
 
 
 def encode_documents(tok: Tokenizer, docs: list[str]) -> np.ndarray:
-    """Concatenate documents, each followed by the end-of-text token when the tokenizer has one."""
-    eos = toktools.eos_id(tok)
+    """Concatenate documents, each as the tokenizer's own rules mark one (a GGUF's BOS
+    and EOS when the file asks for them: `<bos>` before each Gemma document, as the model
+    saw text in training), then followed by the end-of-text token when the tokenizer has
+    one and its rules put nothing after a document."""
+    _, after = toktools.special_affixes(tok)
+    eos = toktools.eos_id(tok) if not after else None
     parts = []
-    for ids in toktools.encode_batches(tok, docs):
+    for ids in toktools.encode_batches(tok, docs, add_special_tokens=True):
         parts.append(np.asarray(ids + ([eos] if eos is not None else []), dtype=np.int64))
     return np.concatenate(parts)
 

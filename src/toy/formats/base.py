@@ -92,6 +92,13 @@ class Base:
             out[i] = t
         return out
 
+    def float32_bytes(self) -> int:
+        """What the weights take as float32 (a tied head counted once)."""
+        n = 0
+        for t in self.state_dict.values():
+            n += t.spec.shape[0] * t.spec.shape[1] if isinstance(t, QuantTensor) else t.numel()
+        return 4 * n
+
     def token(self, i: int | None) -> str:
         return self.tokenizer.id_to_token(i) if i is not None else ""
 
@@ -170,14 +177,3 @@ def read_base(path: str | os.PathLike, base_dtype: str = "float32") -> Base:
     from toy.formats.hf_dir import read_model_dir
 
     return read_model_dir(Path(path), base_dtype)
-
-
-def float32_size(path: str | os.PathLike) -> int:
-    """Bytes the base's weights take as float32, from its headers alone."""
-    if base_kind(path) == "gguf":
-        from toy.formats.gguf import read_gguf_header, resident_size
-
-        return resident_size(read_gguf_header(path), "float32")
-    from toy.formats.hf_dir import describe_dir
-
-    return int(describe_dir(Path(path))["resident_bytes"]["float32"])

@@ -32,19 +32,26 @@ def sample_next(logits: torch.Tensor, temperature: float, top_k: int, top_p: flo
 def generate(model: nn.Module, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.8,
              top_k: int = 0, top_p: float = 1.0, seed: int = 0, stop_ids: set[int] | None = None,
              cache=None) -> Iterator[int]:
-    """Yield new token ids one at a time (stops at a stop id, which is not yielded).
+    """Yield new token ids one at a time (stops at a stop id, which is not yielded, or when
+    the model's context is full).
 
-    Pass `cache` (from model.new_cache) to continue a conversation: the prompt ids are
-    then only the new tokens since the cache's last position.
+    The KV cache holds the prompt and the new tokens, no more: len(prompt) + max_new_tokens
+    positions (at most the context), not the model's whole context. Pass `cache` (from
+    model.new_cache) to continue a conversation: the prompt ids are then only the new
+    tokens since the cache's last position, and it grows if it has too little room.
     """
-    device = next(model.parameters()).device
-    max_len = getattr(model.cfg, "max_seq_len", 2048)
-    if cache is None:
-        cache = model.new_cache(1, max_len)
-    gen = torch.Generator(device="cpu").manual_seed(seed)
     if not prompt_ids:
         raise ValueError("empty prompt")
-    room = cache.max_len - cache.pos
+    device = next(model.parameters()).device
+    limit = getattr(model.cfg, "max_seq_len", 2048)  # the model's context
+    if cache is None:
+        cache = model.new_cache(1, min(limit, len(prompt_ids) + max_new_tokens))
+    else:
+        cache.reserve(min(limit, cache.pos + len(prompt_ids) + max_new_tokens))
+    room = limit - cache.pos
+    if room < 1:
+        raise ValueError(f"the cache already holds the model's whole context ({limit} tokens)")
+    gen = torch.Generator(device="cpu").manual_seed(seed)
     ids = torch.tensor([prompt_ids[-room:]], device=device)
     logits = model(ids, cache=cache)[0, -1]
     for _ in range(max_new_tokens):
@@ -52,6 +59,6 @@ def generate(model: nn.Module, prompt_ids: list[int], max_new_tokens: int, tempe
         if stop_ids and nxt in stop_ids:
             return
         yield nxt
-        if cache.pos >= cache.max_len:
+        if cache.pos >= limit:
             return  # context full
         logits = model(torch.tensor([[nxt]], device=device), cache=cache)[0, -1]

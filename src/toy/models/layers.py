@@ -89,23 +89,57 @@ def run_block(block: nn.Module, *args, checkpointing: bool = False):
 
 
 class KVCache:
-    """Preallocated keys/values per layer. Written with slice assignment (plain tensor
-    ops): `index_copy_` in caches has broken on Apple's MPS backend."""
+    """Keys/values per layer for generation, `max_len` positions allocated.
+
+    Sized by the caller to what a generation needs (prompt + new tokens), never to the
+    model's whole context: a 32k-context 7B would take 8.6 GB before the first token.
+    `reserve` grows it (an interactive chat, in chunks) and `truncate` drops positions
+    past a point (a chat re-rendered after a reply). Left uninitialised: only the first
+    `pos` positions are ever read. Written with slice assignment (plain tensor ops):
+    `index_copy_` in caches has broken on Apple's MPS backend."""
 
     def __init__(self, n_layer: int, batch: int, n_kv_head: int, max_len: int, head_dim: int,
                  device: torch.device, dtype: torch.dtype):
-        shape = (batch, n_kv_head, max_len, head_dim)
-        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layer)]
-        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layer)]
+        self._shape = (batch, n_kv_head, head_dim)
+        self.k = [self._new(max_len, device, dtype) for _ in range(n_layer)]
+        self.v = [self._new(max_len, device, dtype) for _ in range(n_layer)]
         self.pos = 0  # tokens already stored
-        self.max_len = max_len
+        self.max_len = max_len  # positions allocated
+
+    def _new(self, n: int, device, dtype) -> torch.Tensor:
+        b, h, d = self._shape
+        return torch.empty((b, h, n, d), device=device, dtype=dtype)
+
+    def reserve(self, n: int) -> None:
+        """Room for at least n positions, keeping what is stored (one copy per layer)."""
+        if n <= self.max_len:
+            return
+        for store in (self.k, self.v):
+            for i, old in enumerate(store):
+                new = self._new(n, old.device, old.dtype)
+                new[:, :, : self.pos] = old[:, :, : self.pos]
+                store[i] = new
+        self.max_len = n
+
+    def truncate(self, n: int) -> None:
+        """Forget every position from n on (the next tokens are written at n)."""
+        self.pos = min(self.pos, max(0, n))
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         t = k.shape[2]
-        self.k[layer][:, :, self.pos : self.pos + t] = k
-        self.v[layer][:, :, self.pos : self.pos + t] = v
         end = self.pos + t
+        if end > self.max_len:  # a caller that did not reserve: grow rather than fail
+            self.reserve(end)
+        self.k[layer][:, :, self.pos : end] = k
+        self.v[layer][:, :, self.pos : end] = v
         return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+
+
+def kv_cache_bytes(cfg, tokens: int, itemsize: int = 4) -> int:
+    """Bytes a KV cache of `tokens` positions takes for a model config (keys and values,
+    every layer, its K/V heads): what `toy infer` counts beside the weights."""
+    heads = getattr(cfg, "n_kv_head", None) or cfg.n_head
+    return 2 * cfg.n_layer * heads * cfg.head_dim * tokens * itemsize
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache | None = None,

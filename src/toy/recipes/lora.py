@@ -174,7 +174,9 @@ def output_problem(output: str) -> str | None:
 def build(cfg: RunConfig, project: Project) -> Built:
     if cfg.output and (why := output_problem(cfg.output)):  # a resumed run skips check_opts
         raise UsageError(why)
-    model_path = resolve_model(cfg, project)
+    # Absolute: run.json, adapter_config.json and `toy infer --run` / `toy export` find the
+    # base from any folder (model_sha256 below notices a file changed since).
+    model_path = resolve_model(cfg, project).resolve()
     dtype = base_dtype(cfg)
     base = read_base(model_path, dtype)
     targets = cfg.target_list or base.default_targets.split(",")

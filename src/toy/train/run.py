@@ -167,6 +167,14 @@ def _saved_config(info: dict, run_dir: Path) -> RunConfig:
     return RunConfig(**{k: v for k, v in info["flags"].items() if k in known})
 
 
+def _same_base(key: str, recorded, now) -> bool:
+    """A LoRA run made before bases were recorded absolute kept --model as given
+    (relative); resumed, the recipe records the absolute path of the same file. The
+    file's content is compared separately (model_sha256)."""
+    return (key == "model" and isinstance(recorded, str) and isinstance(now, str)
+            and not Path(recorded).is_absolute() and Path(recorded).resolve() == Path(now))
+
+
 def resume_run(run_dir: Path, cli: dict[str, Any], project: Project, recipes: dict[str, Recipe], *,
                json_mode: bool = False) -> Outcome:
     """`toy train --resume RUN`: its recorded config (only --steps may be raised, and the
@@ -206,7 +214,7 @@ def resume_run(run_dir: Path, cli: dict[str, Any], project: Project, recipes: di
     built = recipe.build(run_cfg, project)
     for k in sorted(set(built.job.config) | set(info["job"])):
         a, b = info["job"].get(k), json.loads(json.dumps(built.job.config.get(k)))
-        if a != b:
+        if a != b and not _same_base(k, a, b):
             raise UsageError(f"--resume {run_dir}: {k} changed since the run started ({a!r} -> {b!r}); "
                              "restore the original input or start a new run")
     run_cfg = run_cfg.with_derived(built.derived)
