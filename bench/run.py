@@ -2,7 +2,7 @@
 same run, alternating peer and toy, medians of the repeats. Prints a table and writes
 bench/out/results.json with the machine's details.
 
-    python bench/run.py [--only matmul,scratch,lora,chat,big] [--repeats 3] [--quick]
+    python bench/run.py [--only matmul,scratch,lora,chat,big,generate,mlx] [--repeats 3] [--quick]
 
 toy's rows are its real recipes and training loop, timed after their warm-up steps:
 the same `tokens_per_s` `toy train --json` prints (the scratch section checks that by
@@ -11,11 +11,18 @@ LoRA rows: toy's default on CPU holds the base quantized (its GGUF blocks); the
 `--checkpointing` and `--base-dtype float32` rows are the same run with those flags.
 Section 5 ("big") trains LoRA on a 1.07B-parameter Q4_0 llama that
 bench/make_big_llama.py writes (600 MB), quantized and float32, for peak memory.
+Section 6 ("generate"): greedy generation on SmolLM2's GGUF, toy float32 and quantized
+against llama.cpp (llama-cpp-python, when installed), decode tokens/s and peak RSS.
+Section 7 ("mlx"): LoRA on SmolLM2's MLX 4-bit twin (scripts/get-smollm2-dirs.sh), toy
+against mlx-lm's own trainer, and toy on the Q4_1 GGUF for the memory comparison.
+Every row is printed with the CPU's kind (torch's capability: AVX2, AVX512, ...): figures
+from machines of different kinds are never comparable.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import platform
@@ -100,9 +107,25 @@ def smollm2() -> Path | None:
     return Path(r.stdout.strip().splitlines()[-1]) if r.returncode == 0 else None
 
 
+def smollm2_mlx() -> Path | None:
+    """SmolLM2's MLX 4-bit twin (groups of 32), made once from the GGUF."""
+    r = subprocess.run(["bash", str(ROOT / "scripts" / "get-smollm2-dirs.sh"), "--q-group-size", "32"],
+                       capture_output=True, text=True, env={**os.environ, "PYTHON": sys.executable})
+    return Path(r.stdout.strip().splitlines()[-1]) if r.returncode == 0 else None
+
+
+def make_text_data(d: Path, n: int = 64) -> None:
+    """{"text"} lines of ~1,400 characters (~300 tokens: each fills a 256-token row)."""
+    d.mkdir(parents=True, exist_ok=True)
+    text = (ROOT / "src" / "toy" / "data" / "assets" / "shakespeare" / "hamlet.txt").read_text()
+    with open(d / "train.jsonl", "w") as f:
+        for i in range(n):
+            f.write(json.dumps({"text": text[i * 1400:(i + 1) * 1400]}) + "\n")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--only", default="matmul,scratch,lora,chat,big")
+    ap.add_argument("--only", default="matmul,scratch,lora,chat,big,generate,mlx")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="fewer steps (a smoke run, not for the record)")
     a = ap.parse_args()
@@ -110,6 +133,7 @@ def main() -> None:
     steps = "2" if a.quick else "6"
     results: dict = {
         "machine": {"platform": platform.platform(), "processor": platform.processor(),
+                    "cpu_kind": torch.backends.cpu.get_cpu_capability(),
                     "cpus": os.cpu_count(), "torch": torch.__version__, "threads": torch.get_num_threads(),
                     "python": platform.python_version()},
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -192,14 +216,70 @@ def main() -> None:
             results["big"][v] = t
             rows.append((f"5 LoRA 1.07B llama Q4_0 B1 T128, {v}", f"{t['peak_rss_mb']:,.0f} MB peak RSS",
                          f"{t['tokens_per_s']:,.1f} tok/s", f"load {t['load_s']:.1f} s"))
+    if "generate" in only and model is not None:
+        gen_args = ["--model", str(model), "--tokens", "16" if a.quick else "64"]
+        results["generate"] = {}
+        impls = [("toy float32", ["--impl", "toy", "--base-dtype", "float32"]),
+                 ("toy quantized", ["--impl", "toy", "--base-dtype", "quantized"])]
+        if importlib.util.find_spec("llama_cpp") is not None:
+            impls.append(("llama.cpp", ["--impl", "llamacpp"]))
+        else:
+            rows.append(("6 generation: llama.cpp", "skipped: llama-cpp-python not installed", "", ""))
+        for name, args in impls:
+            results["generate"][name] = [child("generate.py", *args, *gen_args) for _ in range(max(1, a.repeats - 1))]
+        peer = results["generate"].get("llama.cpp")
+        for name, _ in impls:
+            g = results["generate"][name]
+            ratio = f"{med(g, 'tokens_per_s') / med(peer, 'tokens_per_s'):.2f}x" if peer else ""
+            rows.append((f"6 SmolLM2 Q4_1 greedy decode, {name}", f"{med(g, 'tokens_per_s'):,.1f} tok/s",
+                         f"{med(peer, 'tokens_per_s'):,.1f} tok/s" if peer else "", ratio))
+            rows.append(("    peak RSS", f"{med(g, 'peak_rss_mb'):,.0f} MB",
+                         f"{med(peer, 'peak_rss_mb'):,.0f} MB" if peer else "",
+                         f"{med(g, 'peak_rss_mb') / med(peer, 'peak_rss_mb'):.2f}x" if peer else ""))
+        rows.append(("    file size", f"{model.stat().st_size / 1e6:,.0f} MB", "", ""))
+    if "mlx" in only and model is not None:
+        mlx_dir = smollm2_mlx()
+        if mlx_dir is None:
+            rows.append(("7 MLX", "skipped: the MLX twin could not be made (scripts/get-smollm2-dirs.sh)", "", ""))
+        else:
+            data = ROOT / "build" / "bench" / "text"
+            if not (data / "train.jsonl").is_file():
+                make_text_data(data)
+            steps = "2" if a.quick else "6"
+            toy_mlx = [child("mlx_lora.py", "--impl", "toy", "--model", str(mlx_dir), "--data", str(data),
+                             "--steps", steps) for _ in range(max(1, a.repeats - 1))]
+            toy_gguf = [child("mlx_lora.py", "--impl", "toy", "--model", str(model), "--data", str(data),
+                              "--steps", steps) for _ in range(max(1, a.repeats - 1))]
+            peer = None
+            if importlib.util.find_spec("mlx_lm") is not None:
+                peer = child("mlx_lora.py", "--impl", "mlx", "--model", str(mlx_dir), "--data", str(data),
+                             "--steps", "1" if a.quick else "2", "--timeout", "600" if a.quick else "1800")
+            results["mlx"] = {"toy_mlx": toy_mlx, "toy_gguf": toy_gguf, "peer": peer}
+            tps = med(toy_mlx, "tokens_per_s")
+            if peer and peer["tokens_per_s"]:
+                rows.append(("7 LoRA SmolLM2 MLX 4-bit r8 q,v B4 T256, toy vs mlx-lm", f"{tps:,.0f} tok/s",
+                             f"{peer['tokens_per_s']:,.1f} tok/s", f"{tps / peer['tokens_per_s']:.1f}x"))
+            elif peer:
+                rows.append(("7 LoRA SmolLM2 MLX 4-bit r8 q,v B4 T256, toy vs mlx-lm", f"{tps:,.0f} tok/s",
+                             f"no iteration in {peer['wall_s']:.0f} s", ""))
+            if peer:
+                rows.append(("    peak RSS", f"{med(toy_mlx, 'peak_rss_mb'):,.0f} MB", f"{peer['peak_rss_mb']:,.0f} MB",
+                             f"{med(toy_mlx, 'peak_rss_mb') / peer['peak_rss_mb']:.2f}x"))
+            rows.append(("  toy on the MLX 4-bit twin vs on the Q4_1 GGUF, peak RSS",
+                         f"{med(toy_mlx, 'peak_rss_mb'):,.0f} MB", f"{med(toy_gguf, 'peak_rss_mb'):,.0f} MB",
+                         f"{med(toy_mlx, 'peak_rss_mb') / med(toy_gguf, 'peak_rss_mb'):.2f}x"))
+            rows.append(("    tokens/s", f"{tps:,.0f} tok/s", f"{med(toy_gguf, 'tokens_per_s'):,.0f} tok/s",
+                         f"{tps / med(toy_gguf, 'tokens_per_s'):.2f}x"))
     out = ROOT / "bench" / "out"
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(results, indent=2))
     w = [max(len(r[i]) for r in rows + [("what", "toy", "peer", "toy/peer")]) for i in range(4)]
-    print(f"machine: {results['machine']['processor'] or platform.machine()}, {results['machine']['cpus']} cpus, "
+    print(f"machine: {results['machine']['processor'] or platform.machine()}, CPU kind "
+          f"{results['machine']['cpu_kind']}, {results['machine']['cpus']} cpus, "
           f"torch {torch.__version__} ({torch.get_num_threads()} threads)")
+    kind = results["machine"]["cpu_kind"]
     for r in [("what", "toy", "peer (same run)", "toy/peer")] + rows:
-        print("  ".join(c.ljust(w[i]) for i, c in enumerate(r)))
+        print("  ".join(c.ljust(w[i]) for i, c in enumerate(r)) + ("" if r[0] == "what" else f"  [{kind}]"))
     print(f"wrote {out / 'results.json'}")
 
 

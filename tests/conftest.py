@@ -11,6 +11,13 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 ROOT = Path(__file__).resolve().parents[1]
 
+# Under pytest-xdist (`make test` runs two workers on a 2-core machine) each worker and the
+# processes it starts use one thread: two workers of two threads each would oversubscribe
+# the cores and every step would crawl. Set before torch sizes its thread pool.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+
 
 @pytest.fixture(scope="session", autouse=True)
 def _toy_cache(tmp_path_factory):
