@@ -161,7 +161,7 @@ def main() -> None:
         bench_tps = med(results["scratch_llama"]["toy"]["runs"], "tokens_per_s")
         results["scratch_llama"]["cli_tokens_per_s"] = cli
         rows.append(("  `toy train --json` tokens_per_s, same shape", f"{cli:,.0f} tok/s", "", f"{cli / bench_tps:.2f}x of the toy row"))
-    model = smollm2() if {"lora", "chat", "big"} & only else None
+    model = smollm2() if {"lora", "chat", "big", "generate", "mlx"} & only else None
     if {"lora", "chat"} & only and model is None:
         rows.append(("3, 4 SmolLM2", "skipped: SmolLM2 not available", "", ""))
     if "lora" in only and model is not None:
