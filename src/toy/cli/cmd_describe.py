@@ -32,6 +32,13 @@ def _row(label: str, text: str) -> str:
     return f"{label:<14}{text}"
 
 
+def _shape(arch: str, hp: dict) -> list[str]:
+    return [_row("architecture", f"{arch}: {hp['n_layer']} layers, width {hp['d_model']}, {hp['n_head']} heads / "
+                 f"{hp['n_kv_head']} kv heads (head {hp['head_dim']}), ffn {hp['d_ff']}"),
+            _row("", f"context {hp['context_length']}, rope theta {hp['rope_theta']:g}, norm eps {hp['norm_eps']:g}, "
+                 f"tied output: {'yes' if hp['tie_embeddings'] else 'no'}")]
+
+
 def run(args) -> int:
     from toy.formats.gguf_describe import describe_gguf
 
@@ -49,11 +56,7 @@ def run(args) -> int:
     if d.get("name"):
         lines.append(_row("name", _text(d["name"])))
     if hp:
-        lines.append(_row("architecture", f"{_text(d['arch'])}: {hp['n_layer']} layers, width {hp['d_model']}, "
-                          f"{hp['n_head']} heads / {hp['n_kv_head']} kv heads (head {hp['head_dim']}), "
-                          f"ffn {hp['d_ff']}"))
-        lines.append(_row("", f"context {hp['context_length']}, rope theta {hp['rope_theta']:g}, "
-                          f"norm eps {hp['norm_eps']:g}, tied output: {'yes' if hp['tie_embeddings'] else 'no'}"))
+        lines += _shape(_text(d["arch"]), hp)
     else:
         lines.append(_row("architecture", _text(d["arch"])))
     lines.append(_row("parameters", f"{d['n_params']:,} in {plural(d['n_tensors'], 'tensor')}"))
@@ -81,11 +84,7 @@ def _directory(args) -> int:
     lines = [f"{d['path']}  ({human_size(d['file_size'])} in {plural(d['n_files'], 'weight file')}, {what})"]
     hp = d["hyperparameters"]
     if hp:
-        lines.append(_row("architecture", f"{_text(d['arch'])} (toy's {d['family']}): {hp['n_layer']} layers, width "
-                          f"{hp['d_model']}, {hp['n_head']} heads / {hp['n_kv_head']} kv heads (head "
-                          f"{hp['head_dim']}), ffn {hp['d_ff']}"))
-        lines.append(_row("", f"context {hp['context_length']}, rope theta {hp['rope_theta']:g}, "
-                          f"norm eps {hp['norm_eps']:g}, tied output: {'yes' if hp['tie_embeddings'] else 'no'}"))
+        lines += _shape(f"{_text(d['arch'])} (toy's {d['family']})", hp)
         lines.append(_row("parameters", f"{d['n_params']:,} in {plural(d['n_tensors'], 'tensor')}"))
         rb = d["resident_bytes"]
         lines.append(_row("LoRA base", f"{human_size(rb['quantized'])} resident as stored (--base-dtype quantized), "

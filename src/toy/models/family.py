@@ -123,7 +123,8 @@ class Family:
 
 @dataclass
 class Common:
-    """The hyper-parameters every GGUF decoder family states the same way."""
+    """The hyper-parameters every decoder family states the same way (in a GGUF's keys or a
+    config.json)."""
 
     arch: str
     n_layer: int
@@ -136,6 +137,7 @@ class Common:
     vocab: int
     eps: float
     tied: bool
+    rope_theta: float | None = None  # config.json: None where it does not say (the family's default)
 
 
 def gguf_common(k: Keys, arch: str, eps_default: float = 1e-5) -> Common:
@@ -236,21 +238,6 @@ def hf_from_plan(plan: dict[str, Planned], norm_offset: float = 0.0) -> dict[str
     return out
 
 
-@dataclass
-class HFCommon:
-    n_layer: int
-    d_model: int
-    n_head: int
-    n_kv_head: int
-    head_dim: int
-    d_ff: int
-    context: int
-    vocab: int
-    eps: float
-    tied: bool
-    rope_theta: float | None  # None: not stated (the family's default)
-
-
 def rope_theta_of(k: Keys, layer_type: str | None = None) -> float | None:
     """rope_theta from a 4.x config (top level) or a 5.x one (`rope_parameters`, per layer
     type for Gemma 3); rope scaling of any kind is refused (toy has none)."""
@@ -267,7 +254,7 @@ def rope_theta_of(k: Keys, layer_type: str | None = None) -> float | None:
     return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
 
 
-def hf_common(k: Keys, head_dim_key: bool = True) -> HFCommon:
+def hf_common(k: Keys, head_dim_key: bool = True) -> Common:
     """What every decoder's config.json states alike. `head_dim_key`: the family reads
     `head_dim` (qwen2 and phi3 derive it from the width)."""
     d_model = k.int("hidden_size")
@@ -285,5 +272,6 @@ def hf_common(k: Keys, head_dim_key: bool = True) -> HFCommon:
     eps = k.get("rms_norm_eps", k.get("layer_norm_eps", 1e-6))
     emb = k.shapes.get("model.embed_tokens.weight")
     vocab = emb[0] if emb else k.int("vocab_size")  # the embedding's rows are the vocabulary
-    return HFCommon(k.int("num_hidden_layers"), d_model, n_head, n_kv, head_dim, k.int("intermediate_size"), context,
-                    vocab, float(eps), "lm_head.weight" not in k.shapes, rope_theta_of(k))
+    return Common(str(k.get("model_type", "")), k.int("num_hidden_layers"), d_model, n_head, n_kv, head_dim,
+                  k.int("intermediate_size"), context, vocab, float(eps), "lm_head.weight" not in k.shapes,
+                  rope_theta_of(k))
