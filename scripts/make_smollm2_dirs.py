@@ -30,7 +30,6 @@ Also the weights: every saved tensor must equal the GGUF's, dequantized by trans
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import shutil
@@ -58,14 +57,6 @@ def smollm2_gguf() -> tuple[Path, str]:
     with tempfile.TemporaryDirectory() as d:  # fetch links the file into a dir; we want the cache copy
         fetch(known, Path(d))
     return cache_dir() / known.cached, known.sha256
-
-
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while chunk := fh.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def build_once(target: Path, make) -> bool:
@@ -173,6 +164,8 @@ def check(gguf: Path, hf_dir: Path, mlx_dir: Path) -> bool:
 
 
 def main() -> int:
+    from toy.cli.cmd_fetch import cache_dir, sha256
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--gguf", type=Path, help="SmolLM2 GGUF to start from (default: fetch the cached one, as "
                    "scripts/get-smollm2.sh)")
@@ -188,7 +181,6 @@ def main() -> int:
             log(f"error: --gguf {args.gguf}: no such file; give the SmolLM2 GGUF (scripts/get-smollm2.sh)")
             return 2
         gguf, digest = args.gguf.resolve(), sha256(args.gguf)
-    from toy.cli.cmd_fetch import cache_dir
 
     stem = f"{NAME}-{digest[:12]}"
     hf_dir = cache_dir() / f"{stem}-hf-bf16"

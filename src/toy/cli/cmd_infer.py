@@ -34,8 +34,9 @@ def add_parser(sub) -> None:
                    "adapter (--adapter is refused) and its base, found at the absolute path it recorded (older runs: "
                    "as given, then against the project root) and refused if the file changed since training (no "
                    "default: give --run or --model)")
-    p.add_argument("--model", metavar="BASE.gguf", help="a GGUF model to generate with (without --run; no default: give "
-                   "--run or --model); with --run on a LoRA run: its base (default: the one it trained on)")
+    p.add_argument("--model", metavar="BASE", help="a model to generate with: a GGUF file, or a transformers or MLX "
+                   "model directory (without --run; no default: give --run or --model); with --run on a LoRA run: "
+                   "its base (default: the one it trained on)")
     p.add_argument("--adapter", metavar="DIR", help="a LoRA adapter directory (PEFT layout), or a lora run directory "
                    "(its final/ is used), to apply on --model (not with --run) (default: none)")
     p.add_argument("--prompt", help="text to continue, as is (default: none; without --prompt or --chat, "

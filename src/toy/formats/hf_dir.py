@@ -115,22 +115,15 @@ def read_model_dir(d: Path, base_dtype: str = "float32") -> Base:
     if quant is not None and (why := _mode_problem(quant, str(d / "config.json"))):
         raise InputError(why)
 
-    def entry(canon: str):
-        n = names[canon]
-        return where[n].entries[n]
-
-    # Shapes as the plan sees them: a quantized module's weight has its packed width, so
-    # the config reader and the plan check use the float shape the scales imply.
-    shapes = {}
-    for canon in names:
-        e = entry(canon)
-        shapes[canon] = e.shape
+    # The file's shapes (a quantized module's weight at its packed width: the config reader
+    # takes only rows and which tensors exist from them).
+    shapes = {canon: where[n].entries[n].shape for canon, n in names.items()}
     try:
         cfg = hf.config(Keys(config, shapes, "config.json key"))
     except BadConfig as e:
         raise InputError(f"{d / 'config.json'}: {e}")
     plan = family.hf_plan(cfg)
-    sd, types_seen = _load(d, kind, plan, names, where, quant, base_dtype)
+    sd, types_seen = _load(d, model_type, plan, names, where, quant, base_dtype)
     used = set(plan) | {n[: -len(".weight")] + s for n in plan for s in (".scales", ".biases")}
     extra = sorted(set(names) - used)
     if extra:
@@ -148,7 +141,7 @@ def read_model_dir(d: Path, base_dtype: str = "float32") -> Base:
                 tensor_types=types_seen, base_dtype=base_dtype, notes=notes)
 
 
-def _load(d: Path, kind: str, plan: dict[str, Planned], names: dict[str, str], where: dict[str, SafeFile],
+def _load(d: Path, model_type: str, plan: dict[str, Planned], names: dict[str, str], where: dict[str, SafeFile],
           quant: dict | None, base_dtype: str) -> tuple[dict, Counter]:
     """toy name -> tensor or QuantTensor, and the count of each tensor type."""
     sd: dict[str, torch.Tensor | QuantTensor] = {}
@@ -156,7 +149,7 @@ def _load(d: Path, kind: str, plan: dict[str, Planned], names: dict[str, str], w
     for canon, p in plan.items():
         if canon not in names:
             raise InputError(f"{d}: missing tensor {canon!r}; the directory does not hold a complete "
-                             f"{p.name.split('.')[0]} model of this config (check config.json and the shards)")
+                             f"{model_type} model of this config (check config.json and the shards)")
         file_name = names[canon]
         sf = where[file_name]
         e = sf.entries[file_name]
