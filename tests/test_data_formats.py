@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from tokenizers import Tokenizer, processors
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gguf_fixtures import tiny_model, write_llama_gguf  # noqa: E402
@@ -59,7 +60,7 @@ def supervised(tok, ids, mask) -> str:
 
 def test_prompt_completion_through_the_template(tok):
     ex = Example("prompt", prompt="Who is there?", completion="Nay, answer me.")
-    ids, mask = encode_example(tok, CHATML, ex, 200, "", "", tok.token_to_id("<|im_end|>"), [])
+    ids, mask = encode_example(tok, CHATML, ex, 200, "", "", tok.token_to_id("<|im_end|>"))
     text = tok.decode(ids, skip_special_tokens=False)
     assert text == ("<|im_start|>user\nWho is there?<|im_end|>\n<|im_start|>assistant\nNay, answer me.<|im_end|>\n")
     assert supervised(tok, ids, mask) == "Nay, answer me.<|im_end|>"  # the reply and its end, nothing else
@@ -68,7 +69,7 @@ def test_prompt_completion_through_the_template(tok):
 def test_prompt_completion_joined_without_a_template(tok):
     eos = tok.token_to_id("<|endoftext|>")
     ex = Example("prompt", prompt="To be, or not", completion=" to be.")
-    ids, mask = encode_example(tok, None, ex, 200, "", "", eos, [])
+    ids, mask = encode_example(tok, None, ex, 200, "", "", eos)
     p = tok.encode("To be, or not", add_special_tokens=False).ids
     c = tok.encode(" to be.", add_special_tokens=False).ids
     assert ids == p + c + [eos] and mask == [0] * len(p) + [1] * (len(c) + 1)
@@ -78,9 +79,12 @@ def test_text_supervises_every_token_and_ends_with_eos(tok):
     eos, bos = tok.token_to_id("<|endoftext|>"), tok.token_to_id("<|im_start|>")
     ex = Example("text", text="Now is the winter of our discontent")
     body = tok.encode(ex.text, add_special_tokens=False).ids
-    ids, mask = encode_example(tok, None, ex, 200, "", "", eos, [])
+    ids, mask = encode_example(tok, None, ex, 200, "", "", eos)
     assert ids == body + [eos] and mask == [0] + [1] * len(body)  # nothing predicts the first token
-    ids, mask = encode_example(tok, None, ex, 200, "", "", eos, [bos])  # a tokenizer that adds BOS
+    with_bos = Tokenizer.from_str(tok.to_str())  # a tokenizer whose rules add BOS (a GGUF's add_bos_token)
+    with_bos.post_processor = processors.TemplateProcessing(single=["<|im_start|>", "$A"],
+                                                            special_tokens=[("<|im_start|>", bos)])
+    ids, mask = encode_example(with_bos, None, ex, 200, "", "", eos)
     assert ids == [bos] + body + [eos] and mask == [0] + [1] * (len(body) + 1)
 
 
@@ -90,7 +94,7 @@ def test_tools_reach_the_template_and_every_assistant_turn_stays_supervised(tok)
                                        {"role": "assistant", "content": "Who's there?"},
                                        {"role": "user", "content": "Ring."},
                                        {"role": "assistant", "content": "Ding."}), tools=tools)
-    ids, mask = encode_example(tok, CHATML, ex, 400, "", "", None, [])
+    ids, mask = encode_example(tok, CHATML, ex, 400, "", "", None)
     assert '"ring_bell"' in tok.decode(ids, skip_special_tokens=False)
     assert supervised(tok, ids, mask) == "Who's there?<|im_end|>Ding.<|im_end|>"
 

@@ -386,9 +386,10 @@ def encode_chat(tok: Tokenizer, template: str, messages: Sequence[Message], max_
 
 
 def encode_example(tok: Tokenizer, template: str | None, ex: Example, max_len: int, bos_token: str, eos_token: str,
-                   eos_id: int | None, head: list[int]) -> tuple[list[int], list[int]]:
-    """(ids, mask) of one example, truncated to max_len; `head` is the BOS raw text starts
-    with (the tokenizer's rules: [bos] or []), `eos_id` what ends a document.
+                   eos_id: int | None) -> tuple[list[int], list[int]]:
+    """(ids, mask) of one example, truncated to max_len; raw text starts with the BOS the
+    tokenizer's rules ask for (`encode_prompt`, as `toy infer --prompt`), `eos_id` ends a
+    document.
 
     - messages: every assistant turn supervised (encode_chat), `tools` shown to the template;
     - prompt/completion: one user/assistant exchange through the template where the model
@@ -402,10 +403,10 @@ def encode_example(tok: Tokenizer, template: str | None, ex: Example, max_len: i
         if template is not None:
             turns = [{"role": "user", "content": ex.prompt}, {"role": "assistant", "content": ex.completion}]
             return encode_chat(tok, template, turns, max_len, bos_token, eos_token)
-        p = head + tok.encode(ex.prompt, add_special_tokens=False).ids
+        p = encode_prompt(tok, ex.prompt)
         c = tok.encode(ex.completion, add_special_tokens=False).ids + tail
         return (p + c)[:max_len], ([0] * len(p) + [1] * len(c))[:max_len]
-    ids = head + tok.encode(ex.text, add_special_tokens=False).ids + tail
+    ids = encode_prompt(tok, ex.text) + tail
     return ids[:max_len], ([0] + [1] * (len(ids) - 1))[:max_len]
 
 

@@ -44,13 +44,13 @@ class QuantTensor:
 @dataclass(frozen=True)
 class Specials:
     """The base's special tokens: BOS and EOS as the chat template names them, what ends a
-    reply (`stops`: EOS and end-of-turn markers), padding, and whether raw text gets BOS."""
+    reply (`stops`: EOS and end-of-turn markers) and padding. Whether raw text gets BOS is
+    the tokenizer's own rule (toy.tokenizer.encode_prompt)."""
 
     bos: int | None = None
     eos: int | None = None
     pad: int | None = None
     stops: frozenset[int] = frozenset()
-    add_bos: bool = False
 
 
 # End-of-turn markers of the chat formats toy knows: generation stops at any the

@@ -153,7 +153,7 @@ def read_gguf(source: str | os.PathLike | GGUFHeader, base_dtype: str = "float32
     tmpl = h.metadata.get("tokenizer.chat_template")
     tok = from_gguf_metadata(h.metadata, source=str(h.path))
     ids = gguf_special_ids(h.metadata)
-    special = Specials(bos=ids.bos, eos=ids.eos, pad=ids.pad, add_bos=ids.add_bos,
+    special = Specials(bos=ids.bos, eos=ids.eos, pad=ids.pad,
                        stops=stop_ids(tok, [ids.eos] if ids.eos is not None else []))
     return Base(kind="gguf", path=h.path, arch=fam.name, family=fam.family, config=cfg, state_dict=sd, tokenizer=tok,
                 special=special, chat_template=tmpl if isinstance(tmpl, str) else None, chat_format=fam.chat_format,

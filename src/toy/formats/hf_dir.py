@@ -254,10 +254,7 @@ def _specials(d: Path, config: dict, tok: Tokenizer) -> tuple[Specials, str | No
     pad = by_name("pad_token")
     if pad is None:
         pad = (ids(gc.get("pad_token_id")) or ids(config.get("pad_token_id")) or [None])[0]
-    # Whether raw text gets BOS is the tokenizer's own post-processor (transformers' too).
-    probe = tok.encode("a", add_special_tokens=True).ids
-    add_bos = bos is not None and bool(probe) and probe[0] == bos
-    special = Specials(bos=bos, eos=eos, pad=pad, add_bos=add_bos,
+    special = Specials(bos=bos, eos=eos, pad=pad,
                        stops=stop_ids(tok, eos_list + ([eos] if eos is not None else [])))
     template = None
     if (d / "chat_template.jinja").is_file():

@@ -297,12 +297,11 @@ def chat_stream(cfg: RunConfig, tok, base, seq_len, notes):
     special = base.special
     bos, eos = base.token(special.bos), base.token(special.eos)
     pad = special.pad if special.pad is not None else (special.eos or 0)
-    head = [special.bos] if special.add_bos and special.bos is not None else []
 
     vocab = base.config.vocab_size
 
     def encode(ex):
-        ids, mask = encode_example(tok, template, ex, seq_len + 1, bos, eos, special.eos, head)
+        ids, mask = encode_example(tok, template, ex, seq_len + 1, bos, eos, special.eos)
         if ids and max(ids) >= vocab:
             bad = max(ids)
             raise ConversationError(f"token {tok.id_to_token(bad)!r} (id {bad}) is beyond the model's {vocab} "
