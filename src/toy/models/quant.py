@@ -384,7 +384,9 @@ def register_parts(module: torch.nn.Module, spec: Spec, parts: tuple[torch.Tenso
 
 
 def parts_of(module: torch.nn.Module) -> tuple[torch.Tensor, ...]:
-    return tuple(module.get_buffer(name) for name in module.spec.parts)
+    """The quantized tensors of a QuantLinear / QuantEmbedding / LoRALinear, in the spec's order
+    (plain attribute reads: this runs in every forward)."""
+    return tuple(getattr(module, name) for name in module.spec.parts)
 
 
 class QuantLinear(torch.nn.Module):
