@@ -12,11 +12,17 @@ LoRA rows: toy's default on CPU holds the base quantized (its GGUF blocks); the
 Section 5 ("big") trains LoRA on a 1.07B-parameter Q4_0 llama that
 bench/make_big_llama.py writes (600 MB), quantized and float32, for peak memory.
 Section 6 ("generate"): greedy generation on SmolLM2's GGUF, toy float32 and quantized
-against llama.cpp (llama-cpp-python, when installed), decode tokens/s and peak RSS.
+(packed for generation: models/decode.py) against llama.cpp (llama-cpp-python, when installed), decode tokens/s and peak RSS.
 Section 7 ("mlx"): LoRA on SmolLM2's MLX 4-bit twin (scripts/get-smollm2-dirs.sh), toy
 against mlx-lm's own trainer, and toy on the Q4_1 GGUF for the memory comparison.
 Every row is printed with the CPU's kind (torch's capability: AVX2, AVX512, ...): figures
 from machines of different kinds are never comparable.
+
+`--isa avx2` runs the whole bench (this process and every child) with torch's own
+kernels, MKL and oneDNN held to AVX2 (ATEN_CPU_CAPABILITY, MKL_ENABLE_INSTRUCTIONS,
+ONEDNN_MAX_CPU_ISA): an AVX2 machine's code paths on an AVX-512 CPU. Its cache, memory
+and clocks stay this CPU's, and llama.cpp's build keeps its own instructions: results.json
+records `isa_restricted`, and rows say "AVX2 (restricted)".
 """
 
 from __future__ import annotations
@@ -33,7 +39,23 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
+ISA_ENV = {"avx2": {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"}}
+
+
+def restrict_isa(argv: list[str]) -> None:
+    """`--isa avx2`: re-run this script with the instruction set held down before torch loads."""
+    if "--isa" in argv and argv.index("--isa") + 1 < len(argv):
+        env = ISA_ENV.get(argv[argv.index("--isa") + 1])
+        if env is None:
+            raise SystemExit(f"--isa: one of {sorted(ISA_ENV)}")
+        if any(os.environ.get(k) != v for k, v in env.items()):
+            os.environ.update(env)
+            os.execv(sys.executable, [sys.executable, *sys.argv])
+
+
+restrict_isa(sys.argv)
+
+import torch  # noqa: E402  (after restrict_isa: the capability is fixed when torch loads)
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -128,12 +150,13 @@ def main() -> None:
     ap.add_argument("--only", default="matmul,scratch,lora,chat,big,generate,mlx")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="fewer steps (a smoke run, not for the record)")
+    ap.add_argument("--isa", choices=sorted(ISA_ENV), help="hold torch, MKL and oneDNN to this instruction set")
     a = ap.parse_args()
     only = set(a.only.split(","))
     steps = "2" if a.quick else "6"
     results: dict = {
         "machine": {"platform": platform.platform(), "processor": platform.processor(),
-                    "cpu_kind": torch.backends.cpu.get_cpu_capability(),
+                    "cpu_kind": torch.backends.cpu.get_cpu_capability(), "isa_restricted": a.isa,
                     "cpus": os.cpu_count(), "torch": torch.__version__, "threads": torch.get_num_threads(),
                     "python": platform.python_version()},
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -217,10 +240,10 @@ def main() -> None:
             rows.append((f"5 LoRA 1.07B llama Q4_0 B1 T128, {v}", f"{t['peak_rss_mb']:,.0f} MB peak RSS",
                          f"{t['tokens_per_s']:,.1f} tok/s", f"load {t['load_s']:.1f} s"))
     if "generate" in only and model is not None:
-        gen_args = ["--model", str(model), "--tokens", "16" if a.quick else "64"]
+        gen_args = ["--model", str(model), "--tokens", "16" if a.quick else "128"]
         results["generate"] = {}
         impls = [("toy float32", ["--impl", "toy", "--base-dtype", "float32"]),
-                 ("toy quantized", ["--impl", "toy", "--base-dtype", "quantized"])]
+                 ("toy quantized (packed)", ["--impl", "toy", "--base-dtype", "quantized"])]
         if importlib.util.find_spec("llama_cpp") is not None:
             impls.append(("llama.cpp", ["--impl", "llamacpp"]))
         else:
@@ -233,6 +256,10 @@ def main() -> None:
             ratio = f"{med(g, 'tokens_per_s') / med(peer, 'tokens_per_s'):.2f}x" if peer else ""
             rows.append((f"6 SmolLM2 Q4_1 greedy decode, {name}", f"{med(g, 'tokens_per_s'):,.1f} tok/s",
                          f"{med(peer, 'tokens_per_s'):,.1f} tok/s" if peer else "", ratio))
+            rows.append(("    load + prefill + first decode step",
+                         f"{med(g, 'load_s') + med(g, 'prefill_s') + med(g, 'first_decode_s'):,.2f} s",
+                         f"{med(peer, 'load_s') + med(peer, 'prefill_s') + med(peer, 'first_decode_s'):,.2f} s"
+                         if peer else "", ""))
             rows.append(("    peak RSS", f"{med(g, 'peak_rss_mb'):,.0f} MB",
                          f"{med(peer, 'peak_rss_mb'):,.0f} MB" if peer else "",
                          f"{med(g, 'peak_rss_mb') / med(peer, 'peak_rss_mb'):.2f}x" if peer else ""))
@@ -272,15 +299,16 @@ def main() -> None:
                          f"{tps / med(toy_gguf, 'tokens_per_s'):.2f}x"))
     out = ROOT / "bench" / "out"
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(results, indent=2))
+    name = f"results-{a.isa}.json" if a.isa else "results.json"  # a restricted run keeps the plain one
+    (out / name).write_text(json.dumps(results, indent=2))
     w = [max(len(r[i]) for r in rows + [("what", "toy", "peer", "toy/peer")]) for i in range(4)]
     print(f"machine: {results['machine']['processor'] or platform.machine()}, CPU kind "
           f"{results['machine']['cpu_kind']}, {results['machine']['cpus']} cpus, "
           f"torch {torch.__version__} ({torch.get_num_threads()} threads)")
-    kind = results["machine"]["cpu_kind"]
+    kind = results["machine"]["cpu_kind"] + (" (restricted)" if a.isa else "")
     for r in [("what", "toy", "peer (same run)", "toy/peer")] + rows:
         print("  ".join(c.ljust(w[i]) for i, c in enumerate(r)) + ("" if r[0] == "what" else f"  [{kind}]"))
-    print(f"wrote {out / 'results.json'}")
+    print(f"wrote {out / name}")
 
 
 if __name__ == "__main__":

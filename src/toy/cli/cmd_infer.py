@@ -18,6 +18,7 @@ from toy.tokenizer import encode_prompt, eos_id
 
 
 INFER_BASE_DTYPES = ("auto", "quantized", "bfloat16", "float32")
+PACK_PAYS = 256  # new tokens after which packed kernels' first compile (~2 s) has paid for itself
 FIT = 0.8  # auto holds a float32 copy (and the KV cache) only where they take at most this share of free memory
 CACHE_CHUNK = 256  # an interactive chat's KV cache grows by this many positions at a time
 # Where the memory limits of a container are read (module constants, so a test can point them elsewhere).
@@ -58,11 +59,14 @@ def add_parser(sub) -> None:
     p.add_argument("--device", choices=("cpu", "cuda", "metal"), default="cpu",
                    help="cpu, cuda or metal (macOS) (default cpu)")
     p.add_argument("--base-dtype", choices=INFER_BASE_DTYPES, default="auto",
-                   help="how a GGUF model is held: float32 or bfloat16 (dequantized once: fast per token) or "
-                   "quantized (the file's own blocks, each layer dequantized as it runs: the least memory, slower per "
-                   "token) (default auto: bfloat16 on cuda; on cpu and metal float32 where it and the KV cache "
-                   f"fit in {FIT * 100:.0f}%% of the available memory (the smaller of MemAvailable and what a "
-                   "container's cgroup memory limit leaves), else quantized)")  # %%: argparse formats help
+                   help="how a GGUF model is held: float32 or bfloat16 (dequantized once) or quantized (the "
+                   "file's own blocks; on cpu with a C++ compiler they are packed for generation, one token's "
+                   "products computed on the 4- or 8-bit codes: the fastest and smallest there; else each layer "
+                   "is dequantized as it runs: the least memory, slower per token) (default auto: bfloat16 on "
+                   "cuda; on cpu quantized where the blocks pack and the generation is long (--chat, or "
+                   f"--max-new-tokens {PACK_PAYS} or more), else float32 where it and the KV cache fit in "
+                   f"{FIT * 100:.0f}%% of the available memory (the smaller of MemAvailable and what a container's "
+                   "cgroup memory limit leaves), else quantized)")  # %%: argparse formats help
     p.add_argument("--image", metavar="PATH", help="classify this PNG/JPEG with an image-classifier run "
                    "(prints the top 5 classes; --prompt is not needed) (default: none)")
     p.set_defaults(func=run)
@@ -127,7 +131,7 @@ def load_lm(args, device) -> LM:
             base, notes = resolve_base(d, run_dir_of(args.run, d), args.model, read_json(d / "adapter_config.json"))
             for note in notes:
                 print(f"note: {note}", file=sys.stderr)
-            return load_base_lm(base, d, device, getattr(args, "base_dtype", "auto"), plan)
+            return load_base_lm(base, d, device, getattr(args, "base_dtype", "auto"), plan, _long(args))
         if args.model:
             raise UsageError(f"--run {args.run} is a full model run: it brings its own weights and tokenizer; "
                              "drop --model (it names a LoRA run's base)")
@@ -142,7 +146,12 @@ def load_lm(args, device) -> LM:
         _, notes = resolve_base(adapter, run_dir_of(args.adapter, adapter), model_path, {})
         for note in notes:
             print(f"note: {note}", file=sys.stderr)
-    return load_base_lm(model_path, adapter, device, getattr(args, "base_dtype", "auto"), plan)
+    return load_base_lm(model_path, adapter, device, getattr(args, "base_dtype", "auto"), plan, _long(args))
+
+
+def _long(args) -> bool:
+    """A generation long enough for auto to pack a quantized base: a chat, or many tokens."""
+    return args.chat is not None or args.max_new_tokens >= PACK_PAYS
 
 
 def _round_up(n: int, chunk: int) -> int:
@@ -244,13 +253,18 @@ def _headroom(limit_file: Path, usage_file: Path) -> int | None:
 
 
 def choose_base_dtype(requested: str, device_type: str, float32_bytes: int, available: int | None,
-                      cache_bytes: int = 0) -> tuple[str, str]:
+                      cache_bytes: int = 0, packed_bytes: int | None = None) -> tuple[str, str]:
     """The --base-dtype to load a GGUF with, and a note when auto chose to save memory.
-    `cache_bytes`: the KV cache the generation needs, counted beside the weights."""
+    `cache_bytes`: the KV cache the generation needs, counted beside the weights;
+    `packed_bytes`: what the weights take packed for generation (models/decode.py), None
+    where they cannot be (not a block type it packs, no compiler, not the cpu) or where the
+    generation is too short for the kernels' compile to pay (see _long)."""
     if requested != "auto":
         return requested, ""
     if device_type == "cuda":
         return "bfloat16", ""
+    if packed_bytes is not None and packed_bytes < float32_bytes:
+        return "quantized", ""  # packed: about twice float32's speed per token on a cpu, and smaller
     if available is None or float32_bytes + cache_bytes <= FIT * available:
         return "float32", ""
     what = f"a float32 copy ({human_size(float32_bytes)})"
@@ -275,17 +289,19 @@ def _refuse_image_classifier(d: Path, run: str) -> None:
 
 
 def load_base_lm(model_path: Path, adapter: Path | None, device, base_dtype: str = "auto",
-                 cache_tokens=None) -> LM:
+                 cache_tokens=None, long: bool = False) -> LM:
     """A base (a GGUF, a transformers or MLX directory) and adapter, ready to generate.
     `cache_tokens(lm)`, given the LM before its weights load (tokenizer and template ready,
     model None), says how many KV cache positions the generation needs: --base-dtype auto
-    counts them beside the weights."""
+    counts them beside the weights. `long`: a chat or a long generation, where auto packs
+    a quantized base (models/decode.py) rather than dequantizing it to float32."""
     import torch
 
     from toy.data.chat import resolve_chat_template
     from toy.formats.base import read_base
     from toy.formats.peft import load_peft_adapter
     from toy.lora import apply_lora, load_lora_state_dict, merge_lora
+    from toy.models import decode
     from toy.models.layers import kv_cache_bytes
 
     if not model_path.exists():
@@ -309,8 +325,9 @@ def load_base_lm(model_path: Path, adapter: Path | None, device, base_dtype: str
     # every layer for every token costs more than the matmuls. Quantized where they do not
     # (a 7B Q4 file is 4 GB, its float32 copy 28 GB), the KV cache counted with them.
     cache = kv_cache_bytes(cfg, cache_tokens(lm)) if cache_tokens is not None else 0
+    packed = decode.base_packed_bytes(probe.state_dict, torch.device(device))
     dtype, note = choose_base_dtype(base_dtype, torch.device(device).type, probe.float32_bytes(),
-                                    available_memory(), cache)
+                                    available_memory(), cache, packed if long else None)
     if note:
         print(f"note: {note}", file=sys.stderr)
     base = probe if dtype == "quantized" else read_base(model_path, dtype)
@@ -322,6 +339,8 @@ def load_base_lm(model_path: Path, adapter: Path | None, device, base_dtype: str
         apply_lora(model, targets, int(acfg["r"]), float(acfg["lora_alpha"]), 0.0, seed=0)
         load_lora_state_dict(model, sd, source=str(adapter))
         merge_lora(model)  # one weight per projection (float32 where the base is quantized)
+    if dtype == "quantized" and packed is not None:  # asked for, or chosen by auto (see choose_base_dtype)
+        decode.pack(model)  # the kernels compile on the first token (about a second each, then cached)
     lm.model = model.eval()
     return lm
 

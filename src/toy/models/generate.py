@@ -28,6 +28,15 @@ def sample_next(logits: torch.Tensor, temperature: float, top_k: int, top_p: flo
     return int(torch.multinomial(probs, 1, generator=gen))
 
 
+def next_logits(model: nn.Module, ids: torch.Tensor, cache) -> torch.Tensor:
+    """The logits (V,) after the last of ids (1, T), through the decoder contract: the head
+    runs on the last position only (a prompt's other positions need no logits)."""
+    logits = model.lm_head(model.hidden(ids, cache)[0, -1])
+    if model.final_softcap:
+        logits = model.final_softcap * torch.tanh(logits / model.final_softcap)
+    return logits
+
+
 @torch.no_grad()
 def generate(model: nn.Module, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.8,
              top_k: int = 0, top_p: float = 1.0, seed: int = 0, stop_ids: set[int] | None = None,
@@ -53,7 +62,7 @@ def generate(model: nn.Module, prompt_ids: list[int], max_new_tokens: int, tempe
         raise ValueError(f"the cache already holds the model's whole context ({limit} tokens)")
     gen = torch.Generator(device="cpu").manual_seed(seed)
     ids = torch.tensor([prompt_ids[-room:]], device=device)
-    logits = model(ids, cache=cache)[0, -1]
+    logits = next_logits(model, ids, cache)
     for _ in range(max_new_tokens):
         nxt = sample_next(logits.cpu(), temperature, top_k, top_p, gen)
         if stop_ids and nxt in stop_ids:
@@ -61,4 +70,4 @@ def generate(model: nn.Module, prompt_ids: list[int], max_new_tokens: int, tempe
         yield nxt
         if cache.pos >= limit:
             return  # context full
-        logits = model(torch.tensor([[nxt]], device=device), cache=cache)[0, -1]
+        logits = next_logits(model, torch.tensor([[nxt]], device=device), cache)

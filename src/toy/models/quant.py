@@ -137,44 +137,50 @@ def _signed(q: torch.Tensor, offset: int) -> torch.Tensor:
     return q.sub_(offset).view(torch.int8).float()
 
 
-# ---- 32-element blocks: one f16 scale (and minimum) per block -------------------------------
 
-def _q4_0(b: torch.Tensor) -> torch.Tensor:
-    q = _fields(b[:, 2:], 4).view(-1, 32)
-    return _signed(q, 8).mul_(_f16(b, 0))  # gguf: d * float(q - 8)
+# ---- the codes: every type is w = s * q + z per sub-block ------------------------------------
+# Each _codes_* returns (q, s, z): integer codes q (n, subs, sub_len), uint8 or int8 (an
+# offset already taken off, where the type has one), and float32 scales s and offsets z
+# (n, subs, 1); z is None where the type has none. dequantize computes q * s (+ z) in
+# float32 (exact products, one rounding at the addition; x + (-y) is x - y in IEEE, zeros'
+# signs included), and models/decode.py packs the same codes for generation.
+
+def _codes_q4_0(b: torch.Tensor):
+    q = _fields(b[:, 2:], 4).view(-1, 1, 32)
+    return q.sub_(8).view(torch.int8), _f16(b, 0).unsqueeze(-1), None  # gguf: d * float(q - 8)
 
 
-def _q4_1(b: torch.Tensor) -> torch.Tensor:
-    q = _fields(b[:, 4:], 4).view(-1, 32).float()
-    return q.mul_(_f16(b, 0)).add_(_f16(b, 2))  # (d * q) + m
+def _codes_q4_1(b: torch.Tensor):
+    q = _fields(b[:, 4:], 4).view(-1, 1, 32)
+    return q, _f16(b, 0).unsqueeze(-1), _f16(b, 2).unsqueeze(-1)  # (d * q) + m
 
 
-def _q5_0(b: torch.Tensor) -> torch.Tensor:
+def _codes_q5_0(b: torch.Tensor):
     # bit j of the little-endian uint32 qh is the 5th bit of q[j]: bit j % 8 of byte j // 8
     qh = _fields(b[:, 2:6].reshape(-1, 4, 1), 1).view(-1, 32)
     q = torch.add(_fields(b[:, 6:], 4).view(-1, 32), qh, alpha=16)
-    return _signed(q, 16).mul_(_f16(b, 0))
+    return q.sub_(16).view(torch.int8).view(-1, 1, 32), _f16(b, 0).unsqueeze(-1), None
 
 
-def _q5_1(b: torch.Tensor) -> torch.Tensor:
+def _codes_q5_1(b: torch.Tensor):
     qh = _fields(b[:, 4:8].reshape(-1, 4, 1), 1).view(-1, 32)
     q = torch.add(_fields(b[:, 8:], 4).view(-1, 32), qh, alpha=16)
-    return q.float().mul_(_f16(b, 0)).add_(_f16(b, 2))
+    return q.view(-1, 1, 32), _f16(b, 0).unsqueeze(-1), _f16(b, 2).unsqueeze(-1)
 
 
-def _q8_0(b: torch.Tensor) -> torch.Tensor:
-    return b[:, 2:].view(torch.int8).float().mul_(_f16(b, 0))
+def _codes_q8_0(b: torch.Tensor):
+    return b[:, 2:].view(torch.int8).view(-1, 1, 32), _f16(b, 0).unsqueeze(-1), None
 
 
 # ---- K-quants: 256-element super-blocks of 8 or 16 sub-blocks, each with its own scale -----
 
-def _q2_k(b: torch.Tensor) -> torch.Tensor:
+def _codes_q2_k(b: torch.Tensor):
     n = b.shape[0]
     sc = b[:, :16].contiguous()  # low nibble: sub-block scale, high nibble: its minimum
     dl = (_f16(b, 80) * (sc & 0xF).float()).unsqueeze(-1)  # (n, 16, 1)
     ml = (_f16(b, 82) * (sc >> 4).float()).unsqueeze(-1)
     q = _fields(b[:, 16:80].view(n, 2, 32), 2).view(n, 16, 16)  # 2 halves x 4 shifts x 32
-    return q.float().mul_(dl).sub_(ml).view(n, QK_K)  # (d * sc) * q - dmin * m
+    return q, dl, ml.neg_()  # (d * sc) * q - dmin * m
 
 
 def _q3_k_scales(b: torch.Tensor) -> torch.Tensor:
@@ -190,14 +196,14 @@ def _q3_k_scales(b: torch.Tensor) -> torch.Tensor:
     return (low | (top << 4)).view(torch.uint8)  # (n, 16)
 
 
-def _q3_k(b: torch.Tensor) -> torch.Tensor:
+def _codes_q3_k(b: torch.Tensor):
     n = b.shape[0]
     dl = (_f16(b, 108) * _signed(_q3_k_scales(b), 32)).unsqueeze(-1)  # (n, 16, 1)
     ql = _fields(b[:, 32:96].view(n, 2, 32), 2).view(n, 16, 16)
     hbit = _fields(b[:, :32], 1).view(n, 16, 16)  # bit j of the 32 bytes: elements 32j..32j+31
     # q = ql - 4 where the hmask bit is 0 (sic: a set bit means no offset), that is
     # (ql + 4*hbit) - 4
-    return _signed(torch.add(ql, hbit, alpha=4), 4).mul_(dl).view(n, QK_K)  # (d * sc) * q
+    return torch.add(ql, hbit, alpha=4).sub_(4).view(torch.int8), dl, None  # (d * sc) * q
 
 
 def _k_scale_min(b: torch.Tensor) -> torch.Tensor:
@@ -214,37 +220,60 @@ def _k_scale_min(b: torch.Tensor) -> torch.Tensor:
     return torch.stack([first, last], dim=-1).view(torch.uint8)  # (n, 2, 2) words -> (n, 2, 8)
 
 
-def _q4_k(b: torch.Tensor) -> torch.Tensor:
-    n = b.shape[0]
+def _k_affine(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K/Q5_K: d * sc and -(dmin * m), (n, 8, 1) each."""
     sc, mn = _k_scale_min(b).float().unbind(1)  # (n, 8) each
-    dl = (_f16(b, 0) * sc).unsqueeze(-1)  # (n, 8, 1)
-    ml = (_f16(b, 2) * mn).unsqueeze(-1)
-    q = _fields(b[:, 16:].view(n, 4, 32), 4).view(n, 8, 32)  # 4 x (low, high) x 32
-    return q.float().mul_(dl).sub_(ml).view(n, QK_K)
+    return (_f16(b, 0) * sc).unsqueeze(-1), (_f16(b, 2) * mn).neg_().unsqueeze(-1)
 
 
-def _q5_k(b: torch.Tensor) -> torch.Tensor:
+def _codes_q4_k(b: torch.Tensor):
     n = b.shape[0]
-    sc, mn = _k_scale_min(b).float().unbind(1)
-    dl = (_f16(b, 0) * sc).unsqueeze(-1)
-    ml = (_f16(b, 2) * mn).unsqueeze(-1)
+    q = _fields(b[:, 16:].view(n, 4, 32), 4).view(n, 8, 32)  # 4 x (low, high) x 32
+    return (q, *_k_affine(b))  # (d * sc) * q - (dmin * m)
+
+
+def _codes_q5_k(b: torch.Tensor):
+    n = b.shape[0]
     ql = _fields(b[:, 48:].view(n, 4, 32), 4).view(n, 8, 32)
     qh = _fields(b[:, 16:48], 1).view(n, 8, 32)  # bit j of the 32 bytes: sub-block j
-    return torch.add(ql, qh, alpha=16).float().mul_(dl).sub_(ml).view(n, QK_K)
+    return (torch.add(ql, qh, alpha=16), *_k_affine(b))
 
 
-def _q6_k(b: torch.Tensor) -> torch.Tensor:
+def _codes_q6_k(b: torch.Tensor):
     n = b.shape[0]
     sc = b[:, 192:208].view(torch.int8).float()
     dl = (_f16(b, 208) * sc).unsqueeze(-1)  # (n, 16, 1)
     ql = _fields(b[:, :128].view(n, 2, 64), 4).view(n, QK_K)  # 2 halves x (low, high) x 64
     qh = _fields(b[:, 128:192].view(n, 2, 32), 2).view(n, QK_K)  # 2 halves x 4 shifts x 32
-    q = _signed(torch.add(ql, qh, alpha=16), 32).view(n, 16, 16)
-    return q.mul_(dl).view(n, QK_K)  # (d * sc) * (q - 32)
+    q = torch.add(ql, qh, alpha=16).sub_(32).view(torch.int8).view(n, 16, 16)
+    return q, dl, None  # (d * sc) * (q - 32)
 
 
-_KERNELS = {Q4_0: _q4_0, Q4_1: _q4_1, Q5_0: _q5_0, Q5_1: _q5_1, Q8_0: _q8_0,
-            Q2_K: _q2_k, Q3_K: _q3_k, Q4_K: _q4_k, Q5_K: _q5_k, Q6_K: _q6_k}
+CODES = {Q4_0: _codes_q4_0, Q4_1: _codes_q4_1, Q5_0: _codes_q5_0, Q5_1: _codes_q5_1, Q8_0: _codes_q8_0,
+         Q2_K: _codes_q2_k, Q3_K: _codes_q3_k, Q4_K: _codes_q4_k, Q5_K: _codes_q5_k, Q6_K: _codes_q6_k}
+
+
+def codes(raw: torch.Tensor, qtype: int):
+    """A block type's bytes (..., row_bytes) -> its codes (q, s, z) over all blocks, as
+    the _codes_* functions give them: w = q * s (+ z), (n_blocks, subs, sub_len)."""
+    _, type_size, _ = _check_type(qtype)
+    raw = raw.contiguous()
+    if not torch.compiler.is_compiling() and raw.storage_offset() % 4:
+        raw = raw.clone()  # the f16 / int32 views need an aligned start, as GGUF tensors have
+    return CODES[qtype](raw.view(-1, type_size))
+
+
+def _from_codes(qtype: int):
+    block = QUANT_TYPES[qtype][0]
+
+    def kernel(b: torch.Tensor) -> torch.Tensor:
+        q, s, z = CODES[qtype](b)
+        x = q.float().mul_(s)
+        return (x if z is None else x.add_(z)).view(b.shape[0], block)
+    return kernel
+
+
+_KERNELS = {t: _from_codes(t) for t in CODES}  # type -> blocks (n, type_size) -> floats (n, block)
 
 
 # ---- frozen layers over the blocks ------------------------------------------------------
@@ -264,6 +293,7 @@ class QuantSpec:
 
     __slots__ = ("qtype", "shape", "qk_heads")
     parts = ("weight",)
+    matvec_ready = False  # models/decode.py's PackedSpec computes one row on the codes
 
     def __init__(self, qtype: int, shape: tuple[int, int], qk_heads: int = 0):
         self.qtype, self.shape, self.qk_heads = int(qtype), (int(shape[0]), int(shape[1])), int(qk_heads)
@@ -291,6 +321,7 @@ class MLXSpec:
 
     __slots__ = ("bits", "group_size", "shape")
     parts = ("weight", "scales", "biases")
+    matvec_ready = False
 
     def __init__(self, bits: int, group_size: int, shape: tuple[int, int]):
         self.bits, self.group_size, self.shape = int(bits), int(group_size), (int(shape[0]), int(shape[1]))
@@ -370,6 +401,10 @@ def frozen_linear(x: torch.Tensor, weight: torch.Tensor | tuple[torch.Tensor, ..
     quantized parts dequantized per use (in the autocast dtype where autocast is on)."""
     if spec is None:
         return torch.nn.functional.linear(x, weight, bias)
+    if spec.matvec_ready and x.shape[:-1].numel() == 1 and x.dtype == torch.float32 and not torch.is_grad_enabled():
+        y = spec.matvec(x.reshape(-1), weight)  # one token of generation, on the packed codes
+        y = y if bias is None else y + bias
+        return y.view(*x.shape[:-1], -1)
     dtype = _compute_dtype(x)
     with torch.autocast(x.device.type, enabled=False):
         b = bias.to(dtype) if bias is not None else None
