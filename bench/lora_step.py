@@ -40,31 +40,42 @@ def run_toy(a) -> tuple[float, float]:
     return load_s, res.items_per_s  # measured after 3 warm-up steps, as `toy train` reports it
 
 
-def run_hf(a) -> tuple[float, float]:
+def peer(model_path: Path, corpus: Path, batch: int, seq: int):
+    """transformers (GGUF dequantized to float32) + peft, and its training step: step(k) -> tokens."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     from toy.data.tokens import Windows, read_tokens
 
-    t0 = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(str(a.model.parent), gguf_file=a.model.name, dtype=torch.float32,
-                                                 attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_pretrained(str(model_path.parent), gguf_file=model_path.name,
+                                                 dtype=torch.float32, attn_implementation="sdpa")
     model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0,
                                              target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
-    load_s = time.perf_counter() - t0
     model.train()
-    win = Windows(read_tokens(a.corpus, check_ids=False), a.seq, a.batch, seed=0)
+    win = Windows(read_tokens(corpus, check_ids=False), seq, batch, seed=0)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, weight_decay=0.0)
-    times = []
-    for k in range(3 + a.steps):
+
+    def step(k: int) -> int:
         b = win.batch(k)
-        t = time.perf_counter()
         logits = model(input_ids=b["ids"], use_cache=False).logits  # (B, T, V)
         loss = F.cross_entropy(logits.flatten(0, 1), b["targets"].flatten())
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         loss.item()
+        return batch * seq
+
+    return model, step
+
+
+def run_hf(a) -> tuple[float, float]:
+    t0 = time.perf_counter()
+    _, step = peer(a.model, a.corpus, a.batch, a.seq)
+    load_s = time.perf_counter() - t0
+    times = []
+    for k in range(3 + a.steps):
+        t = time.perf_counter()
+        step(k)
         if k >= 3:
             times.append(time.perf_counter() - t)
     return load_s, a.batch * a.seq / statistics.mean(times)

@@ -1,6 +1,9 @@
 """Where a training step's time goes: torch.profiler over toy's real job, grouped.
 
-    python bench/profile_step.py scratch-llama|scratch-gpt2|lora|chat [--steps 2] [--compile] [--top 15]
+    python bench/profile_step.py scratch-llama|scratch-gpt2|lora|chat [--steps 2] [--compile] [--top 15] [--peer]
+
+--peer profiles the bench's peer on the same shape instead (transformers, + peft for
+lora), so the two splits can be set side by side.
 
 LoRA jobs hold SmolLM2 quantized (toy's default on CPU); the line "of which: GGUF
 dequantization" is the time spent turning its blocks into floats inside the step.
@@ -75,14 +78,42 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--top", type=int, default=15)
+    ap.add_argument("--peer", action="store_true", help="profile the peer (transformers) instead of toy")
     a = ap.parse_args()
-    from run import matmul_ceiling  # bench/run.py
+
+    if a.peer:
+        step = peer_step(a.what)
+    else:
+        step = toy_step(a.what, a.compile)
+    for k in range(3):
+        step(k)
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True, with_flops=True) as prof:
+        t0 = time.perf_counter()
+        tokens = sum(step(3 + k) for k in range(a.steps))
+        wall = time.perf_counter() - t0
+    report(prof, tokens, wall, a)
+
+
+def peer_step(what: str):
+    if what.startswith("scratch"):
+        import scratch_step as S
+
+        return S.peer(what.split("-")[1], S.corpus(Path(tempfile.mkdtemp()) / "synthetic.bin"))[1]
+    if what != "lora":
+        raise SystemExit("--peer: scratch-llama, scratch-gpt2 or lora")
+    import lora_step
+
+    model = Path.home() / ".cache" / "toy" / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    return lora_step.peer(model, ROOT / "build" / "bench" / "smol.bin", 4, 256)[1]
+
+
+def toy_step(what: str, compile: bool):
     from toy.train.loop import compile_blocks
     from toy.train.schedule import make_adamw
 
-    job = build(a.what)
+    job = build(what)
     model = job.model
-    if a.compile:
+    if compile:
         print(compile_blocks(model, torch.device("cpu")))
     opt = make_adamw(job.trainable(), 1e-4, 0.0, job.params_decay)
 
@@ -97,12 +128,12 @@ def main() -> None:
         ls.item()
         return int(b["ids"].numel())
 
-    for k in range(3):
-        step(k)
-    with profile(activities=[ProfilerActivity.CPU], record_shapes=True, with_flops=True) as prof:
-        t0 = time.perf_counter()
-        tokens = sum(step(3 + k) for k in range(a.steps))
-        wall = time.perf_counter() - t0
+    return step
+
+
+def report(prof, tokens: int, wall: float, a) -> None:
+    from run import matmul_ceiling  # bench/run.py
+
     events = prof.key_averages()
     total = sum(e.self_cpu_time_total for e in events)
     by_kind: dict[str, float] = defaultdict(float)
@@ -111,8 +142,9 @@ def main() -> None:
     mm_us = sum(e.self_cpu_time_total for e in events if kind(e.key) == "matmul")
     mm_flops = sum(e.flops for e in events if kind(e.key) == "matmul" and e.flops)
     ceiling = matmul_ceiling()
-    print(f"{a.what}{' --compile' if a.compile else ''}: {a.steps} steps, {tokens / wall:,.0f} tokens/s "
-          f"under the profiler; {torch.get_num_threads()} threads")
+    who = "peer" if a.peer else "toy"
+    print(f"{a.what} {who}{' --compile' if a.compile else ''}: {a.steps} steps, {tokens / wall:,.0f} tokens/s "
+          f"under the profiler; {torch.get_num_threads()} threads; CPU kind {torch.backends.cpu.get_cpu_capability()}")
     for k, us in sorted(by_kind.items(), key=lambda kv: -kv[1]):
         print(f"  {k:26s} {us / 1e6 / a.steps:7.3f} s/step  {us / total:6.1%}")
     deq = [e for e in events if e.key == "toy::dequantize"]

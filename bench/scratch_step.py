@@ -58,13 +58,14 @@ def run_toy(a, path: Path) -> dict:
     return {"tokens_per_s": res.items_per_s, "params": n, "flops_per_token": flops_per_token(n - emb, emb)}
 
 
-def run_hf(a, path: Path) -> dict:
+def peer(arch: str, path: Path):
+    """transformers' model of this shape, and its training step: step(k) -> tokens."""
     import transformers
 
     from toy.data.tokens import Windows, read_tokens
 
     torch.manual_seed(0)
-    if a.arch == "llama":
+    if arch == "llama":
         from toy.models.llama import LlamaConfig
 
         d_ff = LlamaConfig(d_model=D, n_head=H).d_ff  # the same SwiGLU width toy uses
@@ -79,10 +80,9 @@ def run_hf(a, path: Path) -> dict:
     model.train()
     win = Windows(read_tokens(path), T, B, seed=0)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
-    times = []
-    for k in range(3 + a.steps):
+
+    def step(k: int) -> int:
         b = win.batch(k)
-        t = time.perf_counter()
         logits = model(input_ids=b["ids"], use_cache=False).logits
         loss = F.cross_entropy(logits.flatten(0, 1), b["targets"].flatten())
         loss.backward()
@@ -90,6 +90,17 @@ def run_hf(a, path: Path) -> dict:
         opt.step()
         opt.zero_grad(set_to_none=True)
         loss.item()
+        return B * T
+
+    return model, step
+
+
+def run_hf(a, path: Path) -> dict:
+    model, step = peer(a.arch, path)
+    times = []
+    for k in range(3 + a.steps):
+        t = time.perf_counter()
+        step(k)
         if k >= 3:
             times.append(time.perf_counter() - t)
     n = sum(p.numel() for p in model.parameters())

@@ -61,7 +61,7 @@ def _losses(out: str) -> list[float]:
 
 
 def test_compile_trains_to_the_eager_losses_and_is_deterministic(toy_cli, tmp_path):
-    from toy.train.loop import compile_unavailable
+    from toy.models.decode import compile_unavailable
 
     why = compile_unavailable(torch.device("cpu"))
     if why:
@@ -96,6 +96,94 @@ def test_compile_without_a_compiler_falls_back_to_eager_with_a_note(toy_cli, tmp
 
 
 def test_compile_stays_off_on_apple_mps():
-    from toy.train.loop import compile_unavailable
+    from toy.models.decode import compile_unavailable
 
     assert "MPS" in compile_unavailable(torch.device("mps"))
+
+
+class _RowsHead:
+    """A frozen head that gives its rows in chunks, as a QuantLinear over GGUF blocks does."""
+
+    def __init__(self, w):
+        self.w, self.out_features = w, w.shape[0]
+        self.chunks = 0
+
+    def rows(self, i, j, dtype):
+        self.chunks += 1
+        return self.w[i:j].to(dtype)
+
+
+@pytest.mark.parametrize("softcap", [0.0, 3.0])
+def test_vocab_chunked_head_is_one_pass_and_matches_cross_entropy(monkeypatch, softcap):
+    """A head read in vocabulary chunks (a quantized head): the online log-sum-exp that
+    carries the gradient along gives the plain cross-entropy's loss and gradient for h, with
+    each chunk read once (it was read twice before: once for the loss, once for the gradient)."""
+    monkeypatch.setattr(losses, "CHUNK_BYTES", 4 * 16 * 256)  # 256-row chunks: 4 of them, ragged last
+    g = torch.Generator().manual_seed(2)
+    h = torch.randn(16, 24, dtype=torch.float64, generator=g, requires_grad=True)
+    w = torch.randn(900, 24, dtype=torch.float64, generator=g) * 3
+    t = torch.randint(0, 900, (16,), generator=g)
+    t[::5] = -100
+    head = _RowsHead(w)
+    got, grad = losses._vocab_chunked(h.detach(), head, t, True, softcap)
+    assert head.chunks == 4
+    z = h @ w.T
+    if softcap:
+        z = softcap * torch.tanh(z / softcap)
+    want = F.cross_entropy(z, t, ignore_index=-100, reduction="sum")
+    want.backward()
+    assert torch.allclose(got, want, rtol=1e-12, atol=1e-10)
+    assert torch.allclose(grad, h.grad, rtol=1e-10, atol=1e-12)
+    assert grad[::5].abs().max() == 0
+    loss_only, none = losses._vocab_chunked(h.detach(), head, t, False, softcap)
+    assert none is None and torch.allclose(loss_only, want, rtol=1e-12)
+
+
+def test_silu_mul_keeps_two_tensors_and_autograds_gradients_to_the_bit():
+    """SwiGLU's gate through _SiluMul: the same output and gradients, bit for bit, as
+    autograd's silu(g) * u, with two saved tensors instead of three."""
+    from toy.models.layers import silu_mul
+
+    g0 = torch.Generator().manual_seed(3)
+    g, u = torch.randn(4, 7, 33, generator=g0), torch.randn(4, 7, 33, generator=g0)
+    grad = torch.randn(4, 7, 33, generator=g0)
+    outs = []
+    for fn in (silu_mul, lambda a, b: F.silu(a) * b):
+        a, b = g.clone().requires_grad_(), u.clone().requires_grad_()
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            y = fn(a, b)
+        y.backward(grad)
+        outs.append((y.detach(), a.grad, b.grad, len(saved)))
+    (y1, ga1, gb1, n1), (y2, ga2, gb2, n2) = outs
+    assert torch.equal(y1, y2) and torch.equal(ga1, ga2) and torch.equal(gb1, gb2)
+    assert (n1, n2) == (2, 3)
+
+
+def test_a_large_quantized_weight_is_dequantized_in_pieces(monkeypatch):
+    """Above WEIGHT_CHUNK_BYTES a frozen quantized linear works a piece of rows at a time,
+    forward and backward, and gives the whole weight's results (float32 rounding aside)."""
+    import numpy as np
+    from gguf.constants import GGMLQuantizationType as T
+    from gguf.quants import quantize
+
+    from toy.models import quant
+    from toy.models.quant import QuantLinear, QuantSpec
+
+    rng = np.random.default_rng(0)
+    raw = torch.from_numpy(quantize(rng.standard_normal((96, 64)).astype(np.float32), T.Q4_0))
+    lin = QuantLinear(raw, QuantSpec(int(T.Q4_0), (96, 64)))
+    x = torch.randn(3, 5, 64, generator=torch.Generator().manual_seed(4))
+    results = []
+    real = QuantSpec.dequantize
+    for limit in (quant.WEIGHT_CHUNK_BYTES, 4 * 64 * 40):  # whole; pieces of 40, 40 and 16 rows
+        monkeypatch.setattr(quant, "WEIGHT_CHUNK_BYTES", limit)
+        xi = x.clone().requires_grad_()
+        calls = []
+        monkeypatch.setattr(QuantSpec, "dequantize", lambda s, *a, **k: calls.append(k.get("rows")) or real(s, *a, **k))
+        y = lin(xi)
+        y.backward(torch.ones_like(y))
+        results.append((y.detach(), xi.grad, calls))
+    (y1, g1, c1), (y2, g2, c2) = results
+    assert c1 == [None, None] and c2 == [slice(0, 40), slice(40, 80), slice(80, 96)] * 2
+    assert torch.allclose(y1, y2, rtol=1e-6, atol=1e-6) and torch.allclose(g1, g2, rtol=1e-6, atol=1e-6)

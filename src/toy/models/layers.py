@@ -211,6 +211,32 @@ class Attention(nn.Module):
         return self.o_proj(y)
 
 
+class _SiluMul(torch.autograd.Function):
+    """silu(g) * u, keeping only g and u for backward: autograd's own graph keeps silu(g)
+    too, a third (tokens x d_ff) tensor a layer (63 MB over the 1.07B llama's 22 layers at
+    T128). The backward runs the ops autograd runs, in its order (mul's, then
+    aten::silu_backward), so the gradients are the same bits."""
+
+    @staticmethod
+    def forward(ctx, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(g, u)
+        return F.silu(g) * u
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        g, u = ctx.saved_tensors
+        grad_g = torch.ops.aten.silu_backward(grad * u, g) if ctx.needs_input_grad[0] else None
+        grad_u = grad * F.silu(g) if ctx.needs_input_grad[1] else None
+        return grad_g, grad_u
+
+
+def silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """silu(g) * u (SwiGLU's gate), through _SiluMul where a gradient is wanted."""
+    if torch.is_grad_enabled() and (g.requires_grad or u.requires_grad) and not torch.compiler.is_compiling():
+        return _SiluMul.apply(g, u)
+    return F.silu(g) * u
+
+
 class SwiGLU(nn.Module):
     """down(silu(gate(x)) * up(x)): the llama MLP."""
 
@@ -221,7 +247,7 @@ class SwiGLU(nn.Module):
         self.down_proj = nn.Linear(d_ff, d_model, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
 
 
 class GeluMLP(nn.Module):

@@ -15,8 +15,8 @@ Shapes: h (N, C), W (V, C), targets (N,) with -100 for positions that carry no l
 
 A head over GGUF blocks (a QuantLinear: a quantized base's tied or untied output) is
 never dequantized whole: `linear_cross_entropy` then walks the VOCABULARY in chunks
-instead, twice (the log-sum-exp first, then the gradient), dequantizing each chunk of
-rows as it goes. `softcap` (Gemma 2) caps the logits as cap * tanh(z / cap) first.
+instead, once (an online log-sum-exp that carries the gradient along, as flash attention
+carries its output), dequantizing each chunk of rows as it goes. `softcap` (Gemma 2) caps the logits as cap * tanh(z / cap) first.
 """
 
 from __future__ import annotations
@@ -91,9 +91,13 @@ def _chunked(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, want_
 
 def _vocab_chunked(h: torch.Tensor, head, targets: torch.Tensor, want_h: bool, softcap: float = 0.0):
     """(loss, grad wrt h or None) for a frozen head whose rows come in chunks
-    (`head.rows(i, j, dtype)`, e.g. dequantized GGUF blocks): pass 1 gathers each row's
-    log-sum-exp over the vocabulary (online, as flash attention does), pass 2 makes the
-    gradient chunk by chunk. The head is read twice, never held whole."""
+    (`head.rows(i, j, dtype)`, e.g. dequantized GGUF blocks), in ONE pass over the
+    vocabulary, as flash attention does: each row's running max m and sum s of exp(logit - m)
+    are carried, and so is the gradient's softmax part, sum exp(logit - m) W, rescaled by
+    exp(m_old - m_new) whenever the max grows and divided by s at the end; the target's
+    part, -W[target], is gathered from the chunk that holds it. Each chunk of the head is
+    dequantized and multiplied once for the loss and once for the gradient, never held
+    whole."""
     V = head.out_features
     dt = compute_dtype(h)
     acc = torch.promote_types(h.dtype, torch.float32)
@@ -108,32 +112,32 @@ def _vocab_chunked(h: torch.Tensor, head, targets: torch.Tensor, want_h: bool, s
     m = torch.full((N,), float("-inf"), dtype=acc, device=h.device)
     s = torch.zeros(N, dtype=acc, device=h.device)
     picked = torch.zeros(N, dtype=acc, device=h.device)
+    soft = torch.zeros(h.shape, dtype=acc, device=h.device) if want_h else None  # sum exp(l - m) dcap W
+    target = torch.zeros(h.shape, dtype=acc, device=h.device) if want_h else None  # dcap[t] W[t]
     for v0 in range(0, V, step):
         w = head.rows(v0, min(V, v0 + step), dt)  # (c, C)
         with off:
-            logits, _ = _cap((hd @ w.T).to(acc), softcap)  # (N, c)
+            logits, dcap = _cap((hd @ w.T).to(acc), softcap)  # (N, c)
         inside = (safe >= v0) & (safe < v0 + w.shape[0])
-        picked += torch.where(inside, logits.gather(1, (safe - v0).clamp(0, w.shape[0] - 1)[:, None]).squeeze(1), 0.0)
+        at = (safe - v0).clamp(0, w.shape[0] - 1)
+        picked += torch.where(inside, logits.gather(1, at[:, None]).squeeze(1), 0.0)
         new_m = torch.maximum(m, logits.max(dim=1).values)
-        s = s * torch.exp(m - new_m) + torch.exp(logits - new_m[:, None]).sum(dim=1)
+        scale = torch.exp(m - new_m)  # 0 on the first chunk (m = -inf)
+        e = logits.sub_(new_m[:, None]).exp_()  # (N, c)
+        s = s * scale + e.sum(dim=1)
         m = new_m
+        if want_h:
+            if dcap is not None:
+                e.mul_(dcap)
+            with off:
+                soft.mul_(scale[:, None]).add_((e.to(dt) @ w).to(acc))
+            d_t = inside.to(acc) if dcap is None else torch.where(inside, dcap.gather(1, at[:, None]).squeeze(1), 0.0)
+            target.add_(w[at].to(acc) * d_t[:, None])
     lse = m + torch.log(s)
     loss = torch.where(valid, lse - picked, 0.0).sum()
     if not want_h:
         return loss, None
-    grad_h = torch.zeros(h.shape, dtype=acc, device=h.device)
-    for v0 in range(0, V, step):
-        w = head.rows(v0, min(V, v0 + step), dt)
-        with off:
-            logits, dcap = _cap((hd @ w.T).to(acc), softcap)
-        g = logits.sub_(lse[:, None]).exp_()  # softmax over the whole vocabulary, this chunk of it
-        inside = (safe >= v0) & (safe < v0 + w.shape[0])
-        g.scatter_add_(1, (safe - v0).clamp(0, w.shape[0] - 1)[:, None], -inside.to(acc)[:, None])
-        g.mul_(valid[:, None])
-        if dcap is not None:
-            g.mul_(dcap)
-        with off:
-            grad_h += g.to(dt) @ w
+    grad_h = soft.div_(s[:, None]).sub_(target).mul_(valid[:, None])
     return loss, grad_h.to(h.dtype)
 
 

@@ -16,11 +16,10 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from toy.models.family import (Arch, BadConfig, Family, HFType, Keys, Planned, gguf_common, gguf_top, hf_common,
                                hf_from_plan, rope_dims)
-from toy.models.layers import KVCache, RMSNorm, Rotary, apply_rotary, attend, run_block
+from toy.models.layers import KVCache, RMSNorm, Rotary, apply_rotary, attend, run_block, silu_mul
 
 
 @dataclass
@@ -74,7 +73,7 @@ class Phi3MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_mul(gate, up))
 
 
 class Block(nn.Module):

@@ -372,23 +372,49 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype
 
 
+WEIGHT_CHUNK_BYTES = 16 << 20  # a float weight bigger than this is dequantized in pieces of rows
+
+
+def _row_chunks(spec) -> list[slice] | None:
+    """Slices of whole rows whose float32 weight is about WEIGHT_CHUNK_BYTES each, for a
+    weight larger than that (a 1.07B llama's 5632 x 2048 MLP matrices are 44 MB as float32:
+    dequantizing one whole is a 44 MB transient at the step's peak); None: in one piece
+    (Q/K rows are interleaved per head in the file: those stay whole)."""
+    rows, cols = spec.shape
+    if 4 * rows * cols <= WEIGHT_CHUNK_BYTES or getattr(spec, "qk_heads", 0):
+        return None
+    step = max(1, WEIGHT_CHUNK_BYTES // (4 * cols))
+    return [slice(r, min(rows, r + step)) for r in range(0, rows, step)]
+
+
 class _QuantLinearFn(torch.autograd.Function):
     """y = x W^T (+ b) with W dequantized here and again in backward: what is saved for
-    backward is the quantized parts (already resident), never a float copy of W."""
+    backward is the quantized parts (already resident), never a float copy of W. A large
+    W is dequantized a piece of rows at a time (its outputs in forward, its share of the
+    input gradient in backward), so no whole float copy of it exists even for a moment."""
 
     @staticmethod
     def forward(ctx, x, bias, spec, *parts):
-        w = spec.dequantize(parts, x.dtype)
         ctx.save_for_backward(*parts)
         ctx.spec = spec
-        return torch.nn.functional.linear(x, w, bias)
+        chunks = _row_chunks(spec)
+        if chunks is None:
+            return torch.nn.functional.linear(x, spec.dequantize(parts, x.dtype), bias)
+        y = torch.cat([x @ spec.dequantize(parts, x.dtype, rows=r).T for r in chunks], dim=-1)
+        return y if bias is None else y + bias
 
     @staticmethod
     def backward(ctx, grad):
         parts = ctx.saved_tensors
         grad_x = None
         if ctx.needs_input_grad[0]:
-            grad_x = grad @ ctx.spec.dequantize(parts, grad.dtype)
+            chunks = _row_chunks(ctx.spec)
+            if chunks is None:
+                grad_x = grad @ ctx.spec.dequantize(parts, grad.dtype)
+            else:
+                for r in chunks:
+                    part = grad[..., r] @ ctx.spec.dequantize(parts, grad.dtype, rows=r)
+                    grad_x = part if grad_x is None else grad_x.add_(part)
         return (grad_x, None, None) + (None,) * len(parts)
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import math
-import os
 import signal
 import sys
 import time
@@ -20,6 +19,7 @@ from torch.distributed.tensor import DTensor
 
 from toy.errors import Interrupted, RunFailed
 from toy.formats import checkpoint as ckpt
+from toy.models.decode import compile_unavailable
 from toy.runs import MMAP_THRESHOLD_LOW_MEMORY, EventLog, plural, tune_malloc
 from toy.train import dist
 from toy.train.config import RunConfig
@@ -51,19 +51,6 @@ class _LossModule(torch.nn.Module):
 
     def forward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         return self.job.loss(self.model, batch)
-
-
-def compile_unavailable(device: torch.device) -> str | None:
-    """Why torch.compile cannot run here, or None."""
-    import shutil
-
-    if device.type == "mps":
-        return "torch.compile stays off on Apple MPS (inductor fails there)"
-    if not torch._dynamo.is_dynamo_supported():
-        return f"torch.compile does not support this Python/torch ({torch.__version__})"
-    if device.type == "cpu" and not any(shutil.which(c) for c in (os.environ.get("CXX") or "g++", "c++", "clang++")):
-        return "no C++ compiler (g++, c++ or clang++) on PATH for inductor's CPU kernels; install one (e.g. gcc)"
-    return None
 
 
 def compile_blocks(model: torch.nn.Module, device: torch.device) -> str:
