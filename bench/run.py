@@ -12,7 +12,7 @@ LoRA rows: toy's default on CPU holds the base quantized (its GGUF blocks); the
 Section 5 ("big") trains LoRA on a 1.07B-parameter Q4_0 llama that
 bench/make_big_llama.py writes (600 MB), quantized and float32, for peak memory.
 Section 6 ("generate"): greedy generation on SmolLM2's GGUF, toy float32 and quantized
-(packed for generation: models/decode.py) against llama.cpp (llama-cpp-python, when installed), decode tokens/s and peak RSS.
+(packed for generation, each block compiled for one token: models/decode.py) against llama.cpp (llama-cpp-python, when installed), decode tokens/s and peak RSS.
 Section 7 ("mlx"): LoRA on SmolLM2's MLX 4-bit twin (scripts/get-smollm2-dirs.sh), toy
 against mlx-lm's own trainer, and toy on the Q4_1 GGUF for the memory comparison.
 Every row is printed with the CPU's kind (torch's capability: AVX2, AVX512, ...): figures
@@ -243,7 +243,7 @@ def main() -> None:
         gen_args = ["--model", str(model), "--tokens", "16" if a.quick else "128"]
         results["generate"] = {}
         impls = [("toy float32", ["--impl", "toy", "--base-dtype", "float32"]),
-                 ("toy quantized (packed)", ["--impl", "toy", "--base-dtype", "quantized"])]
+                 ("toy quantized (packed, compiled step)", ["--impl", "toy", "--base-dtype", "quantized"])]
         if importlib.util.find_spec("llama_cpp") is not None:
             impls.append(("llama.cpp", ["--impl", "llamacpp"]))
         else:

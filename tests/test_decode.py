@@ -12,7 +12,8 @@ import pytest
 import torch
 from gguf.constants import GGMLQuantizationType as T
 
-from toy.models import decode
+from toy.models import decode, registry
+from toy.models.generate import next_logits
 from toy.models.quant import QuantEmbedding, QuantLinear, QuantSpec, dequantize
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -122,9 +123,10 @@ def quant_gguf(tmp_path_factory):
 def test_toy_infer_quantized_gives_the_float32_text(quant_gguf, toy_cli, monkeypatch):
     """`--base-dtype quantized` packs the base and greedy decoding gives the text the
     float32 base gives; auto packs for a long generation and keeps float32 for a short one."""
-    packed = []
-    real = decode.pack
+    packed, steps = [], []
+    real, real_steps = decode.pack, decode.compile_steps
     monkeypatch.setattr(decode, "pack", lambda m: packed.append(real(m)) or packed[-1])
+    monkeypatch.setattr(decode, "compile_steps", lambda m, note=None: steps.append(real_steps(m, note)) or steps[-1])
     args = ["infer", "--model", quant_gguf, "--prompt", "ROMEO. What", "--temperature", "0"]
     code, f32, err = toy_cli(*args, "--max-new-tokens", "40", "--base-dtype", "float32")
     assert code == 0, err
@@ -132,6 +134,8 @@ def test_toy_infer_quantized_gives_the_float32_text(quant_gguf, toy_cli, monkeyp
     code, q, err = toy_cli(*args, "--max-new-tokens", "40", "--base-dtype", "quantized")
     assert code == 0, err
     assert packed == [2 * 7 + 1]  # 7 matrices a layer, and the tied embedding
+    assert steps == [2]  # both blocks take the compiled one-token step
+    assert "note: compiling the one-token step" in err
     assert q == f32 and len(f32.strip()) > 20
     code, _, err = toy_cli(*args, "--max-new-tokens", "40")  # auto, short: float32
     assert code == 0 and len(packed) == 1, err
@@ -148,3 +152,41 @@ def test_without_a_compiler_quantized_still_generates(quant_gguf, toy_cli, monke
     assert code == 0, err
     code, f32, err = toy_cli(*args, "--base-dtype", "float32")
     assert code == 0 and q == f32, err
+
+
+# ---------------------------------------------------------------- a block compiled for one token
+
+def _greedy_logits(model, prompt: list[int], steps: int, max_len: int, grow_to: int) -> torch.Tensor:
+    """Greedy decoding's logits: the prompt's, then one token at a time; midway the cache grows
+    (as a chat's does: new buffers, other strides)."""
+    cache = model.new_cache(1, max_len)
+    out = [next_logits(model, torch.tensor([prompt]), cache)]
+    for i in range(steps):
+        if i == steps // 2:
+            cache.reserve(grow_to)
+        out.append(next_logits(model, torch.tensor([[int(out[-1].argmax())]]), cache))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("name", [n for n in sorted(registry.families()) if n != "vit"])
+def test_a_compiled_step_gives_the_eager_logits(name, monkeypatch):
+    """Every family's blocks compiled for one token (compile_steps): the eager blocks' logits
+    within float32 rounding, through several spans (SPAN_MIN lowered to 8), a cache that grows
+    midway, and past a sliding window with capped scores (gemma's tiny: a window of 8, local
+    and global layers, which get steps of their own)."""
+    fam = registry.family(name)
+    cfg = fam.config(**fam.tiny)
+    torch.manual_seed(0)
+    model = fam.model(cfg).eval()
+    monkeypatch.setattr(decode, "SPAN_MIN", 8)
+    with torch.no_grad():
+        eager = _greedy_logits(model, [1, 2, 3, 4, 5], 14, 16, 40)
+        assert decode.compile_steps(model) == cfg.n_layer
+        compiled = _greedy_logits(model, [1, 2, 3, 4, 5], 14, 16, 40)
+    spans = {span for block in model.blocks for span in block.forward.spans}
+    assert spans == {(8, 16), (16, 16), (16, 40), (32, 40)}  # (span, cache length): all four taken
+    assert torch.allclose(compiled, eager, rtol=1e-5, atol=1e-5), (compiled - eager).abs().max()
+    with torch.enable_grad():  # anything with a gradient (training): the eager forward, nothing compiled
+        compiled_before = len(decode._STEPS)
+        assert model.hidden(torch.tensor([[1]]), model.new_cache(1, 4)).requires_grad
+        assert len(decode._STEPS) == compiled_before

@@ -18,7 +18,7 @@ from toy.tokenizer import encode_prompt, eos_id
 
 
 INFER_BASE_DTYPES = ("auto", "quantized", "bfloat16", "float32")
-PACK_PAYS = 256  # new tokens after which packed kernels' first compile (~2 s) has paid for itself
+PACK_PAYS = 256  # new tokens after which the packed kernels' and steps' compile (3-4 s once cached) has paid for itself
 FIT = 0.8  # auto holds a float32 copy (and the KV cache) only where they take at most this share of free memory
 CACHE_CHUNK = 256  # an interactive chat's KV cache grows by this many positions at a time
 # Where the memory limits of a container are read (module constants, so a test can point them elsewhere).
@@ -61,7 +61,9 @@ def add_parser(sub) -> None:
     p.add_argument("--base-dtype", choices=INFER_BASE_DTYPES, default="auto",
                    help="how a GGUF model is held: float32 or bfloat16 (dequantized once) or quantized (the "
                    "file's own blocks; on cpu with a C++ compiler they are packed for generation, one token's "
-                   "products computed on the 4- or 8-bit codes: the fastest and smallest there; else each layer "
+                   "products computed on the 4- or 8-bit codes and each block compiled for one token: the fastest "
+                   "and smallest there, after a compile on first use (~20 s the first time on a machine, a few "
+                   "seconds once cached); else each layer "
                    "is dequantized as it runs: the least memory, slower per token) (default auto: bfloat16 on "
                    "cuda; on cpu quantized where the blocks pack and the generation is long (--chat, or "
                    f"--max-new-tokens {PACK_PAYS} or more), else float32 where it and the KV cache fit in "
@@ -340,7 +342,12 @@ def load_base_lm(model_path: Path, adapter: Path | None, device, base_dtype: str
         load_lora_state_dict(model, sd, source=str(adapter))
         merge_lora(model)  # one weight per projection (float32 where the base is quantized)
     if dtype == "quantized" and packed is not None:  # asked for, or chosen by auto (see choose_base_dtype)
-        decode.pack(model)  # the kernels compile on the first token (about a second each, then cached)
+        # The products on the codes and each block's step for one token are compiled on first
+        # use: about 20 s the first time on a machine, 2-3 s once inductor has them cached.
+        decode.pack(model)
+        decode.compile_steps(model, lambda: print(
+            "note: compiling the one-token step for this model's blocks (about 20 s the first time on this machine, "
+            "a few seconds once cached)", file=sys.stderr, flush=True))
     lm.model = model.eval()
     return lm
 

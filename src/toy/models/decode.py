@@ -8,9 +8,10 @@ GGUF-quantized linear and embedding into a `PackedSpec`: the same integer codes
 (quant.codes: every block type is w = s * q + z per sub-block), laid out so that one
 vector lane runs over the output rows and the sum runs down the input:
 
-    4-bit types (Q4_0, Q4_1, Q4_K):  codes (G, 16, N) uint8: byte j of group g holds
-        q[32g + j] in its low nibble and q[32g + 16 + j] in its high one (q + 8 for Q4_0);
-    other types:                     codes (G, L, N) int8, L = 32 or 16 (the sub-block);
+    codes (G, W, N) 32-bit words (held as float32, bit-cast in the kernels): word w of
+        group g, row n holds codes 8w..8w+7 of the group as nibbles for the 4-bit types
+        (Q4_0, Q4_1, Q4_K; q + 8 for Q4_0), codes 4w..4w+3 as int8 bytes for the others
+        (a group is the type's sub-block, 32 or 16 long); the first code in the low bits;
     scales s and offsets z:          (G, N), float16 where that holds them exactly, else
                                      float32; z is empty where the type has none;
 
@@ -22,7 +23,7 @@ in one pass over the codes: inductor generates the loop (vectorised over n) from
 few torch lines of `_matvec4` / `_matvec8`; the kernels are compiled once per shape
 (about a second each, then cached by inductor on disk). Every product and sum is float32:
 the result equals the dequantized float32 matmul within float32 rounding (the sums are
-only reordered; tests/test_decode.py holds it to 1e-5).
+only reordered, multiply-adds fused; tests/test_decode.py holds it to 1e-5).
 
 More than one row (a prompt's prefill) dequantizes the packed codes and multiplies, as
 before. The file's blocks are no longer read after packing: `pack` asks the kernel to
@@ -35,9 +36,11 @@ from __future__ import annotations
 import mmap
 import os
 import shutil
+import sys
 
 import torch
 
+from toy.models.layers import KVCache, StepKV
 from toy.models.quant import QUANT_TYPES, Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q6_K, QuantEmbedding, QuantLinear, QuantSpec, codes, \
     half_split_rows, register_parts
 
@@ -57,28 +60,80 @@ def compile_unavailable(device: torch.device) -> str | None:
 
 
 # ---- the kernels: a few torch lines each, compiled by inductor per shape --------------------
+#
+# The codes reach the kernel as 32-bit words (8 nibbles or 4 bytes of one output row) held in
+# a float32 tensor and bit-cast inside: inductor loads a float32 vector whole, where a vector
+# of bytes is loaded through a scalar copy on AVX2 (measured 4-7x slower per product there;
+# AVX-512 has a masked load and did not show it).
 
-def _matvec4(x: torch.Tensor, packed: torch.Tensor, s: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-    G, _, N = packed.shape
-    xg = x.view(G, 2, 16)
-    p = packed.to(torch.int32)  # measured: nibbles from int32 lanes convert faster than from bytes
-    dot = ((p & 15).float() * xg[:, 0, :, None] + (p >> 4).float() * xg[:, 1, :, None]).sum(1)  # (G, N)
-    y = dot * s.float()
-    if z.numel():
-        y = y + z.float() * xg.sum((1, 2))[:, None]
+def _item(w: torch.Tensor, k: int, bits: int) -> torch.Tensor:
+    """Code k of int32 words (`bits` wide, unsigned) as float32, 0..2**bits - 1."""
+    return ((w >> (bits * k)) & (2**bits - 1)).float()
+
+
+def _in_place(w: torch.Tensor, k: int, bits: int) -> torch.Tensor:
+    """Code k of int32 words, masked where it lies: code * 2**(bits*k) as float32, exact (a few
+    significant bits). One operation fewer than _item (no shift); the top code, whose high bit
+    is the word's sign, is taken with _item."""
+    return (w & ((2**bits - 1) << (bits * k))).float()
+
+
+# An 8-bit code is stored as q + 128 (its byte with the sign bit flipped), so every code is
+# unsigned; the kernel takes the 128 back through the offset (z - 128 s) * sum(x).
+BYTE_BIAS = 128
+
+
+def _matvec(x: torch.Tensor, words: torch.Tensor, s: torch.Tensor, z: torch.Tensor, bits: int) -> torch.Tensor:
+    """W x from words (G, W, N): code j of a group is code j % (32 // bits) of word j // (32 // bits)."""
+    from torch._inductor import inductor_prims
+
+    per_word = 32 // bits
+    p = words.view(torch.int32)
+    G, W, N = p.shape
+    # x scaled by 2**-(bits*k) for the codes taken in place (exact: powers of two), written out
+    # once: inductor would otherwise inline the scaling into every product.
+    k = torch.arange(per_word, device=x.device)
+    shift = torch.where(k == per_word - 1, 0, bits * k)  # the top code is shifted down: scale 1
+    scale = (torch.ones_like(k) << shift).float().reciprocal()  # powers of two, exact
+    xs = (x.view(G, W, per_word) * scale).unsqueeze(-1)
+    xs = inductor_prims.force_stride_order(xs, (W * per_word, per_word, 1, 1))
+    if bits == 4:  # one reduction over the group's codes (measured faster for nibbles, and 46 nodes, not 256)
+        top = k == per_word - 1
+        down = torch.where(top, bits * (per_word - 1), 0).to(torch.int32)
+        mask = torch.where(top, 2**bits - 1, (2**bits - 1) << (bits * k)).to(torch.int32)
+        acc = (((p[:, :, None, :] >> down[:, None]) & mask[:, None]).float() * xs).sum((1, 2))  # (G, N)
+    else:  # bytes: unrolled, so that inductor makes one loop (measured 2.5x faster than the reduction)
+        acc = None
+        for w in range(W):
+            for j in range(per_word):
+                code = _item(p[:, w], j, bits) if j == per_word - 1 else _in_place(p[:, w], j, bits)
+                t = code * xs[:, w, j]
+                acc = t if acc is None else acc + t
+    y = acc * s.float()
+    xsum = x.view(G, -1).sum(1)[:, None]
+    if bits == 8:
+        y = y + ((z.float() if z.numel() else 0) - BYTE_BIAS * s.float()) * xsum
+    elif z.numel():
+        y = y + z.float() * xsum
     return y.sum(0)
 
 
-def _matvec8(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-    G, L, N = q.shape
-    xg = x.view(G, L)
-    y = (q.float() * xg[:, :, None]).sum(1) * s.float()  # (G, N)
-    if z.numel():
-        y = y + z.float() * xg.sum(1)[:, None]
-    return y.sum(0)
+def _matvec4(x, words, s, z):
+    return _matvec(x, words, s, z, 4)
+
+
+def _matvec8(x, words, s, z):
+    return _matvec(x, words, s, z, 8)
+
+
+# Inductor's settings for these kernels and the steps: multiply-adds fused (FMA rounds once
+# where mul + add round twice: still the same sums, tests hold them to 1e-5); no size asserts
+# on every call (each kernel and step is looked up by its inputs' exact shapes and strides).
+_INDUCTOR = {"cpp.enable_floating_point_contract_flag": "fast", "size_asserts": False}
 
 
 _KERNELS: dict[tuple, object] = {}
+_tracing = False  # True while compile_steps traces a block
 
 
 def _kernel(four_bit: bool, parts: tuple[torch.Tensor, ...]):
@@ -90,19 +145,33 @@ def _kernel(four_bit: bool, parts: tuple[torch.Tensor, ...]):
         from torch.fx.experimental.proxy_tensor import make_fx
 
         body = _matvec4 if four_bit else _matvec8
-        K = parts[0].shape[0] * (32 if four_bit else parts[0].shape[1])
+        K = parts[0].shape[0] * parts[0].shape[1] * (8 if four_bit else 4)
         example = (torch.zeros(K, device=parts[0].device), *parts)
-        graph = make_fx(body)(*example)
-        compiled = torch._inductor.compile(graph, list(example))
-        # The compiled graph's own entry takes the inputs as one list and skips the wrapper's
-        # bookkeeping (measured: 2.6 us a call against 5.8, about 0.7 ms a token for SmolLM2);
-        # torch is pinned, and any other shape of the object falls back to the plain call.
-        boxed = getattr(compiled, "current_callable", None)
-        if boxed is None or getattr(compiled, "inputs_to_check", None):
-            def boxed(args, compiled=compiled):
-                return (compiled(*args),)
-        fn = _KERNELS[key] = boxed
+        fn = _KERNELS[key] = _compile(make_fx(body, tracing_mode="fake")(*example), list(example))
     return fn
+
+
+def _compile(graph, inputs: list[torch.Tensor]):
+    """Inductor's code for a traced graph, called with one list of inputs of exactly these
+    shapes and strides; returns a sequence of outputs."""
+    from torch._guards import TracingContext, tracing
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    # Under a tracing context with a shape environment, as torch.compile's own calls are:
+    # without one inductor bypasses its on-disk cache and compiles again in every process.
+    with torch._inductor.config.patch(_INDUCTOR), tracing(TracingContext(FakeTensorMode(shape_env=ShapeEnv()))):
+        compiled = torch._inductor.compile(graph, inputs)
+    # The compiled graph's own entry takes the inputs as one list and skips the wrapper's
+    # bookkeeping (measured: 2.6 us a call against 5.8, about 0.7 ms a token for SmolLM2, and
+    # more for a step's 20 inputs); inference graphs keep an input's mutation (the KV write) in
+    # the code itself. torch is pinned; any other shape of the object takes the plain call.
+    boxed = getattr(compiled, "current_callable", None)
+    if boxed is None or getattr(compiled, "inputs_to_check", None):
+        def boxed(args, compiled=compiled):
+            out = compiled(*args)
+            return out if isinstance(out, (tuple, list)) else (out,)
+    return boxed
 
 
 # ---- the spec: what QuantLinear / QuantEmbedding hold after packing --------------------------
@@ -126,10 +195,13 @@ class PackedSpec:
 
     def columns(self, parts: tuple[torch.Tensor, ...], idx=slice(None)) -> torch.Tensor:
         """W^T (in, len(idx)) in float32: the packed codes of output rows idx, dequantized."""
-        q, s, z = (p[..., idx] if p.numel() else p for p in parts)
-        if self.four_bit:
-            q = torch.stack([q & 15, q >> 4], dim=1).flatten(1, 2)  # (G, 32, n)
-        w = q.float().mul_(s.float().unsqueeze(1))
+        words, s, z = (p[..., idx] if p.numel() else p for p in parts)
+        w = words.view(torch.int32)  # (G, W, n)
+        bits = 4 if self.four_bit else 8
+        q = torch.stack([_item(w, k, bits) for k in range(32 // bits)], dim=2).flatten(1, 2)  # (G, L, n)
+        if not self.four_bit:
+            q.sub_(BYTE_BIAS)
+        w = q.mul_(s.float().unsqueeze(1))
         if z.numel():
             w.add_(z.float().unsqueeze(1))
         return w.flatten(0, 1)
@@ -144,6 +216,13 @@ class PackedSpec:
 
     def matvec(self, x: torch.Tensor, parts: tuple[torch.Tensor, ...]) -> torch.Tensor:
         """x (in,) float32 -> W x (out,): the compiled kernel on the codes."""
+        if _tracing:  # inside a decode step being traced (compile_steps): the torch lines themselves,
+            # on x written out first: else inductor inlines x's own ops (a norm, SwiGLU's
+            # silu) into every code's product
+            from torch._inductor import inductor_prims
+
+            x = inductor_prims.force_stride_order(x.contiguous(), (1,))
+            return (_matvec4 if self.four_bit else _matvec8)(x, *parts)
         if self.kernel is None:
             self.kernel = _kernel(self.four_bit, parts)
         return self.kernel([x.contiguous(), *parts])[0]
@@ -165,7 +244,7 @@ def pack_parts(blocks: torch.Tensor, spec: QuantSpec, chunk: int = 4096) -> tupl
     four = spec.qtype in FOUR_BIT
     L = 16 if spec.qtype in _SUB_16 else 32
     step = N if spec.qk_heads else chunk  # Q/K rows move within their head: one piece
-    out_q = torch.empty((K // L, L // 2 if four else L, N), dtype=torch.uint8 if four else torch.int8)
+    out_q = torch.empty((K // L, L // (8 if four else 4), N), dtype=torch.int32)
     out_s = torch.empty((K // L, N))
     out_z = None
     for r in range(0, N, step):
@@ -180,16 +259,17 @@ def pack_parts(blocks: torch.Tensor, spec: QuantSpec, chunk: int = 4096) -> tupl
         if spec.qtype == Q4_0:  # int8 q - 8 -> nibble q, and the offset -8 d (exact: d * q and 8 d are)
             q, z = q.view(torch.uint8).add(8), s * -8.0
         if four:
-            q = q[..., :16] | (q[..., 16:] << 4)  # element j in the low nibble, j + 16 in the high
-        elif q.dtype == torch.uint8:
-            q = q.view(torch.int8)  # unsigned codes of these types are < 64: int8 holds them
-        out_q[..., r : r + n] = q.permute(1, 2, 0)  # (G, L', rows): the lane runs over output rows
+            q = q[..., 0::2] | (q[..., 1::2] << 4)  # two codes a byte, the first in the low nibble
+        else:  # int8 (or unsigned codes under 64) -> q + 128 as a byte: the sign bit flipped
+            q = q.view(torch.uint8) ^ BYTE_BIAS if q.dtype == torch.int8 else q + BYTE_BIAS
+        words = q.contiguous().view(torch.int32)  # 4 bytes a word, the first in the lowest (little-endian)
+        out_q[..., r : r + n] = words.permute(1, 2, 0)  # (G, W, rows): the lane runs over output rows
         out_s[:, r : r + n] = s.t()
         if z is not None:
             if out_z is None:
                 out_z = torch.empty((K // L, N))
             out_z[:, r : r + n] = z.t()
-    return out_q, _narrow(out_s), _narrow(out_z) if out_z is not None else torch.empty(0)
+    return out_q.view(torch.float32), _narrow(out_s), _narrow(out_z) if out_z is not None else torch.empty(0)
 
 
 def packed_bytes(spec: QuantSpec) -> int:
@@ -202,7 +282,7 @@ def packed_bytes(spec: QuantSpec) -> int:
 
 def packable(module: torch.nn.Module) -> bool:
     return isinstance(module, (QuantLinear, QuantEmbedding)) and isinstance(module.spec, QuantSpec) \
-        and module.spec.qtype in _PACKED_TYPES
+        and module.spec.qtype in _PACKED_TYPES and sys.byteorder == "little"  # the words' byte order
 
 
 _PACKED_TYPES = set(QUANT_TYPES) - {0, 1, 30}  # the block types (F32, F16, BF16 are plain floats)
@@ -213,7 +293,7 @@ def base_packed_bytes(state_dict: dict, device: torch.device) -> int | None:
     they cannot be packed: not the cpu, no compiler for the kernels, or a quantized tensor
     of a kind pack leaves alone (MLX, or no quantized tensor at all). `state_dict` is a
     formats.base.Base's, held quantized: tensors and QuantTensors (parts, spec)."""
-    if device.type != "cpu" or compile_unavailable(device):
+    if device.type != "cpu" or sys.byteorder != "little" or compile_unavailable(device):
         return None
     total, quantized = 0, 0
     for t in state_dict.values():
@@ -261,3 +341,125 @@ def _page_out(t: torch.Tensor) -> None:
     if end > start:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), ctypes.c_int(advice))
+
+
+# ---- a whole block per token: compile_steps -------------------------------------------------
+#
+# With the products on the codes, a token of SmolLM2 spends as long again in the eager glue
+# around them (norms, rotary, views, the cache write, attention: about 60 small ops and their
+# Python a layer). compile_steps traces each block's own forward once for one token (make_fx,
+# the packed products as their torch lines, the cache as a StepKV: this layer's buffers over a
+# fixed span, the position a tensor) and hands the graph to inductor: one call a layer. Blocks
+# of the same structure and shapes share the compiled graph; a span (the positions attention
+# reads, masked past the token) is the cache's length up to SPAN_MIN, then powers of two, so a
+# long chat compiles a few spans, not one a token.
+
+SPAN_MIN = 256
+_STEPS: dict[tuple, object] = {}
+
+
+def _span(pos: int, max_len: int) -> int:
+    span = SPAN_MIN
+    while span < pos + 1:
+        span *= 2
+    return min(span, max_len)
+
+
+def _structure(block: torch.nn.Module) -> tuple:
+    """What makes two blocks' graphs differ besides tensor shapes: each module's type and its
+    plain settings (window, softcap, scale, is_global, eps, the block types of its specs)."""
+    out = []
+    for name, m in block.named_modules():
+        plain = tuple(sorted((k, v) for k, v in vars(m).items()
+                             if not k.startswith("_") and isinstance(v, (bool, int, float, str, type(None)))))
+        spec = getattr(m, "spec", None)
+        out.append((name, type(m).__name__, plain, (type(spec).__name__, getattr(spec, "qtype", None))))
+    return tuple(out)
+
+
+def _leaves(args) -> list:
+    """The items of nested tuples/lists, in order (the blocks' arguments: tensors, rotary
+    tables as tuples, the cache, the layer index)."""
+    out = []
+    for a in args:
+        out.extend(_leaves(a) if isinstance(a, (tuple, list)) else (a,))
+    return out
+
+
+def _rebuild(args, it):
+    return type(args)(_rebuild(a, it) if isinstance(a, (tuple, list)) else next(it) for a in args)
+
+
+class _StepForward:
+    """A block's forward: the compiled graph for one token of generation with a KVCache,
+    its own eager forward for everything else (prefill, training, other devices)."""
+
+    def __init__(self, block: torch.nn.Module, eager, notes: list):
+        self.block, self.eager, self.notes = block, eager, notes  # notes: shared, emptied once said
+        self.state: dict[str, torch.Tensor] | None = None
+        self.spans: dict[tuple, object] = {}  # (span, cache length) -> the compiled step this block calls
+
+    def __call__(self, *args):
+        x = args[0]
+        if _tracing or x.shape[0] != 1 or x.shape[1] != 1 or x.dtype != torch.float32 or x.device.type != "cpu" \
+                or torch.is_grad_enabled():
+            return self.eager(*args)
+        leaves = _leaves(args)
+        at = next((i for i, a in enumerate(leaves) if isinstance(a, KVCache)), None)
+        if at is None:
+            return self.eager(*args)
+        cache, layer = leaves[at], leaves[at + 1]  # every family passes (..., cache, layer)
+        span = _span(cache.pos, cache.max_len)
+        if self.state is None:
+            self.state = dict(self.block.named_parameters())
+            self.state.update(self.block.named_buffers())
+        inputs = [a for a in leaves if isinstance(a, torch.Tensor)]
+        inputs += [cache.k[layer][:, :, :span], cache.v[layer][:, :, :span], torch.tensor([cache.pos]),
+                   *self.state.values()]
+        step = self.spans.get((span, cache.max_len))  # the buffers' strides follow max_len
+        if step is None:
+            key = (_structure(self.block), repr([type(a).__name__ for a in leaves]),
+                   tuple((tuple(t.shape), t.stride(), t.dtype) for t in inputs))
+            step = _STEPS.get(key)
+            if step is None:
+                while self.notes:
+                    self.notes.pop()()
+                step = _STEPS[key] = self._compile(args, list(self.state), inputs)
+            self.spans[(span, cache.max_len)] = step
+        return step(inputs)[0]
+
+    def _compile(self, args, names: list[str], inputs: list[torch.Tensor]):
+        from torch.fx.experimental.proxy_tensor import make_fx
+        from torch.func import functional_call
+
+        global _tracing
+        leaves = _leaves(args)
+        n = sum(isinstance(a, torch.Tensor) for a in leaves)
+
+        def step(*flat):
+            tensors = iter(flat[:n])
+            cache = StepKV(*flat[n : n + 3])
+            it = iter([next(tensors) if isinstance(a, torch.Tensor) else cache if isinstance(a, KVCache) else a
+                       for a in leaves])
+            return functional_call(self.block, dict(zip(names, flat[n + 3 :])), _rebuild(args, it), tie_weights=False)
+
+        _tracing = True
+        try:
+            graph = make_fx(step, tracing_mode="fake")(*inputs)
+        finally:
+            _tracing = False
+        return _compile(graph, inputs)
+
+
+def compile_steps(model: torch.nn.Module, note=None) -> int:
+    """Give every block of a model (model.blocks) the compiled one-token forward (see above);
+    compiled on first use, `note()` called before the first compile. Returns how many
+    blocks; 0 where inductor cannot build (the reason is compile_unavailable's)."""
+    blocks = getattr(model, "blocks", None)
+    if blocks is None or compile_unavailable(torch.device("cpu")):
+        return 0
+    notes = [note] if note is not None else []
+    for block in blocks:
+        if not isinstance(block.__dict__.get("forward"), _StepForward):
+            block.forward = _StepForward(block, block.forward, notes)
+    return len(blocks)

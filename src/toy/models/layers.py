@@ -94,9 +94,11 @@ class KVCache:
     Sized by the caller to what a generation needs (prompt + new tokens), never to the
     model's whole context: a 32k-context 7B would take 8.6 GB before the first token.
     `reserve` grows it (an interactive chat, in chunks) and `truncate` drops positions
-    past a point (a chat re-rendered after a reply). Left uninitialised: only the first
-    `pos` positions are ever read. Written with slice assignment (plain tensor ops):
-    `index_copy_` in caches has broken on Apple's MPS backend."""
+    past a point (a chat re-rendered after a reply). Only the first
+    `pos` positions are ever read, except by a compiled decode step (models/decode.py),
+    which attends over a fixed length with the later positions masked: zeros there, so a
+    masked value is never a NaN left in the memory. Written with slice assignment (plain
+    tensor ops): `index_copy_` in caches has broken on Apple's MPS backend."""
 
     def __init__(self, n_layer: int, batch: int, n_kv_head: int, max_len: int, head_dim: int,
                  device: torch.device, dtype: torch.dtype):
@@ -108,7 +110,7 @@ class KVCache:
 
     def _new(self, n: int, device, dtype) -> torch.Tensor:
         b, h, d = self._shape
-        return torch.empty((b, h, n, d), device=device, dtype=dtype)
+        return torch.zeros((b, h, n, d), device=device, dtype=dtype)
 
     def reserve(self, n: int) -> None:
         """Room for at least n positions, keeping what is stored (one copy per layer)."""
@@ -135,6 +137,20 @@ class KVCache:
         return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
 
 
+class StepKV:
+    """The cache as a compiled decode step (models/decode.py) sees one layer of it: that
+    layer's key/value buffers cut to a fixed span of positions, and the new token's
+    position as a (1,) tensor, so that one compiled graph serves every position."""
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor):
+        self.k, self.v, self.pos = k, v, pos
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.k.index_copy_(2, self.pos, k)
+        self.v.index_copy_(2, self.pos, v)
+        return self.k, self.v
+
+
 def kv_cache_bytes(cfg, tokens: int, itemsize: int = 4) -> int:
     """Bytes a KV cache of `tokens` positions takes for a model config (keys and values,
     every layer, its K/V heads): what `toy infer` counts beside the weights."""
@@ -153,17 +169,22 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache | N
     softcap * tanh(score / softcap) before the softmax (Gemma 2), which SDPA cannot do,
     so that path computes the scores itself."""
     T = q.shape[2]
-    past = cache.pos if cache is not None else 0
-    if cache is not None:
-        k, v = cache.update(layer, k, v)  # (B, K, past+T, D)
     gqa = k.shape[1] != q.shape[1]
-    S = past + T  # keys
-    if past == 0 and not softcap and (window <= 0 or S <= window):
-        return F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, enable_gqa=gqa, scale=scale)
-    # The T queries sit at positions past..past+T-1: each sees the keys up to itself
-    # (every cached one after a prefill), and within the window when there is one.
-    qpos = past + torch.arange(T, device=q.device)[:, None]
-    kpos = torch.arange(S, device=q.device)[None, :]
+    if isinstance(cache, StepKV):  # a compiled decode step: the position is a tensor, the keys a fixed span
+        k, v = cache.update(layer, k, v)
+        qpos = cache.pos.view(1, 1)
+    else:
+        past = cache.pos if cache is not None else 0
+        if cache is not None:
+            k, v = cache.update(layer, k, v)  # (B, K, past+T, D)
+        S = past + T  # keys
+        if (past == 0 or T == 1) and not softcap and (window <= 0 or S <= window):
+            # Every key is seen: a whole prompt causally, or one new token (a decode step) all of them.
+            return F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, enable_gqa=gqa, scale=scale)
+        # The T queries sit at positions past..past+T-1: each sees the keys up to itself
+        # (every cached one after a prefill), and within the window when there is one.
+        qpos = past + torch.arange(T, device=q.device)[:, None]
+    kpos = torch.arange(k.shape[2], device=q.device)[None, :]
     m = kpos <= qpos  # (T, S)
     if window > 0:
         m = m & (kpos > qpos - window)
