@@ -18,7 +18,8 @@ from toy.tokenizer import encode_prompt, eos_id
 
 
 INFER_BASE_DTYPES = ("auto", "quantized", "bfloat16", "float32")
-PACK_PAYS = 256  # new tokens after which the packed kernels' and steps' compile (3-4 s once cached) has paid for itself
+# New tokens after which the packed kernels' and steps' compile (a few seconds once cached) has paid.
+PACK_PAYS = 256
 FIT = 0.8  # auto holds a float32 copy (and the KV cache) only where they take at most this share of free memory
 CACHE_CHUNK = 256  # an interactive chat's KV cache grows by this many positions at a time
 # Where the memory limits of a container are read (module constants, so a test can point them elsewhere).
@@ -343,7 +344,7 @@ def load_base_lm(model_path: Path, adapter: Path | None, device, base_dtype: str
         merge_lora(model)  # one weight per projection (float32 where the base is quantized)
     if dtype == "quantized" and packed is not None:  # asked for, or chosen by auto (see choose_base_dtype)
         # The products on the codes and each block's step for one token are compiled on first
-        # use: about 20 s the first time on a machine, 2-3 s once inductor has them cached.
+        # use: about 20 s the first time on a machine, a few seconds once inductor has them cached.
         decode.pack(model)
         decode.compile_steps(model, lambda: print(
             "note: compiling the one-token step for this model's blocks (about 20 s the first time on this machine, "

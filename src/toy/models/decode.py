@@ -21,7 +21,7 @@ with G groups of the input, N output rows. A decode step computes
 
 in one pass over the codes: inductor generates the loop (vectorised over n) from the
 few torch lines of `_matvec4` / `_matvec8`; the kernels are compiled once per shape
-(about a second each, then cached by inductor on disk). Every product and sum is float32:
+(a few seconds each the first time on a machine, then loaded from inductor's disk cache). Every product and sum is float32:
 the result equals the dequantized float32 matmul within float32 rounding (the sums are
 only reordered, multiply-adds fused; tests/test_decode.py holds it to 1e-5).
 
