@@ -7,7 +7,7 @@ VENV    := .venv
 VPY     := $(VENV)/bin/python
 STAMP   := $(VENV)/.toy-installed
 
-.PHONY: demo test test-fast bench smollm2 smollm2-dirs clean
+.PHONY: demo test test-fast lint bench smollm2 smollm2-dirs clean
 
 $(STAMP): pyproject.toml
 	test -x $(VPY) || $(PY) -m venv $(VENV)
@@ -37,3 +37,8 @@ clean:
 
 bench: $(STAMP)
 	$(VPY) bench/run.py
+
+# One formatter and one linter, both ruff (pyproject.toml: line length 100); CI runs it first.
+lint: $(STAMP)
+	$(VENV)/bin/ruff format --check src tests bench scripts
+	$(VENV)/bin/ruff check src tests bench scripts

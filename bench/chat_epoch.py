@@ -52,8 +52,19 @@ def run_toy(a) -> dict:
         n_conv = len(read_chat_jsonl(a.data).conversations)
         val = Path(d) / "val.jsonl"
         val.write_text("".join(a.data.read_text().splitlines(keepends=True)[:2]))
-        opts = RunConfig.for_recipe("lora", lora.FLAGS, model=str(a.model), data=str(a.data), val_data=str(val),
-                                    seed=0, seq_len=a.seq, batch_size=a.batch, eval_batches=1, epochs=1, steps=None)
+        opts = RunConfig.for_recipe(
+            "lora",
+            lora.FLAGS,
+            model=str(a.model),
+            data=str(a.data),
+            val_data=str(val),
+            seed=0,
+            seq_len=a.seq,
+            batch_size=a.batch,
+            eval_batches=1,
+            epochs=1,
+            steps=None,
+        )
         built = lora.build(opts, Project(root=None))  # epochs=1: the recipe derives the step count
     for note in built.notes:
         print(f"toy: {note}", file=sys.stderr)
@@ -61,16 +72,30 @@ def run_toy(a) -> dict:
     job.eval_batches = list  # no eval batches: time training only
     epoch_steps = built.derived["steps"]
     steps = min(epoch_steps, a.limit_steps or epoch_steps)
-    cfg = RunConfig(steps=steps, batch_size=a.batch, lr=LR, min_lr=LR, warmup=0, weight_decay=0.0, compile=a.compile)
+    cfg = RunConfig(
+        steps=steps,
+        batch_size=a.batch,
+        lr=LR,
+        min_lr=LR,
+        warmup=0,
+        weight_decay=0.0,
+        compile=a.compile,
+    )
     t0 = time.perf_counter()
     res = train(job, cfg, None, torch.device("cpu"), EventLog(None))
     epoch_s = time.perf_counter() - t0
     # Batch k is a pure function of k: count what was fed after the clock stopped.
     batches = [job.micro_batch(k) for k in range(steps)]
-    return {"epoch_s": epoch_s, "steps": steps, "epoch_steps": epoch_steps,
-            "conversations": job.config["conversations"], "dropped": n_conv - job.config["conversations"],
-            "supervised_tokens": sum(int(job.count(b)) for b in batches),
-            "tokens_fed": sum(b["ids"].numel() for b in batches), "final_loss": res.losses[-1]["loss"]}
+    return {
+        "epoch_s": epoch_s,
+        "steps": steps,
+        "epoch_steps": epoch_steps,
+        "conversations": job.config["conversations"],
+        "dropped": n_conv - job.config["conversations"],
+        "supervised_tokens": sum(int(job.count(b)) for b in batches),
+        "tokens_fed": sum(b["ids"].numel() for b in batches),
+        "final_loss": res.losses[-1]["loss"],
+    }
 
 
 def encode_hf(tok, messages: list[dict], seq: int) -> tuple[list[int], list[int]]:
@@ -78,6 +103,7 @@ def encode_hf(tok, messages: list[dict], seq: int) -> tuple[list[int], list[int]
 
     Assistant spans by the prefix method: render the conversation up to the turn with
     add_generation_prompt=True (start) and including it (end), compare token counts."""
+
     def ids(msgs, gen=False):
         text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
         return tok(text, add_special_tokens=False)["input_ids"]
@@ -95,15 +121,28 @@ def run_hf(a) -> dict:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(str(a.model.parent), gguf_file=a.model.name, dtype=torch.float32,
-                                                 attn_implementation="sdpa")
-    model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0,
-                                             target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
+    model = AutoModelForCausalLM.from_pretrained(
+        str(a.model.parent), gguf_file=a.model.name, dtype=torch.float32, attn_implementation="sdpa"
+    )
+    model = get_peft_model(
+        model,
+        LoraConfig(
+            r=8,
+            lora_alpha=16,
+            lora_dropout=0.0,
+            target_modules=["q_proj", "v_proj"],
+            task_type="CAUSAL_LM",
+        ),
+    )
     tok = AutoTokenizer.from_pretrained(str(a.model.parent), gguf_file=a.model.name)
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    convs = [json.loads(line)["messages"] for line in a.data.read_text().splitlines() if line.strip()]
+    convs = [
+        json.loads(line)["messages"] for line in a.data.read_text().splitlines() if line.strip()
+    ]
     samples = [encode_hf(tok, c, a.seq) for c in convs]
-    kept = [s for s in samples if any(t != -100 for t in s[1][1:])]  # a label at position 0 is never a target
+    kept = [
+        s for s in samples if any(t != -100 for t in s[1][1:])
+    ]  # a label at position 0 is never a target
     order = np.random.default_rng(0).permutation(len(kept))
     batches = []
     for i in range(0, len(kept), a.batch):
@@ -124,30 +163,44 @@ def run_hf(a) -> dict:
     t0 = time.perf_counter()
     opt = torch.optim.AdamW(params, lr=LR, weight_decay=0.0)
     for b in batches:
-        loss = model(**b, use_cache=False).loss  # mean over the batch's supervised (shifted) targets
+        loss = model(
+            **b, use_cache=False
+        ).loss  # mean over the batch's supervised (shifted) targets
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
         final_loss = loss.item()
     epoch_s = time.perf_counter() - t0
-    return {"epoch_s": epoch_s, "steps": len(batches), "epoch_steps": epoch_steps, "conversations": len(kept),
-            "dropped": len(samples) - len(kept),
-            "supervised_tokens": sum(int((b["labels"][:, 1:] != -100).sum()) for b in batches),
-            "tokens_fed": sum(b["input_ids"].numel() for b in batches), "final_loss": final_loss}
+    return {
+        "epoch_s": epoch_s,
+        "steps": len(batches),
+        "epoch_steps": epoch_steps,
+        "conversations": len(kept),
+        "dropped": len(samples) - len(kept),
+        "supervised_tokens": sum(int((b["labels"][:, 1:] != -100).sum()) for b in batches),
+        "tokens_fed": sum(b["input_ids"].numel() for b in batches),
+        "final_loss": final_loss,
+    }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--make-data", type=Path, metavar="OUT.jsonl", help="write the fixed dataset and exit")
+    ap.add_argument(
+        "--make-data", type=Path, metavar="OUT.jsonl", help="write the fixed dataset and exit"
+    )
     ap.add_argument("--n", type=int, default=240, help="--make-data: conversations (default 240)")
     ap.add_argument("--impl", choices=("toy", "hf"))
     ap.add_argument("--model", type=Path)
     ap.add_argument("--data", type=Path)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=512)
-    ap.add_argument("--compile", action="store_true", help="toy: --compile (torch.compile each block)")
-    ap.add_argument("--limit-steps", type=int, default=None, help="stop after N steps (smoke tests)")
+    ap.add_argument(
+        "--compile", action="store_true", help="toy: --compile (torch.compile each block)"
+    )
+    ap.add_argument(
+        "--limit-steps", type=int, default=None, help="stop after N steps (smoke tests)"
+    )
     a = ap.parse_args()
     if a.make_data:
         return make_data(a.make_data, a.n)
@@ -155,9 +208,16 @@ def main() -> None:
         ap.error("give --impl, --model and --data (or --make-data OUT.jsonl)")
     torch.manual_seed(0)
     out = (run_toy if a.impl == "toy" else run_hf)(a)
-    print(json.dumps({"impl": a.impl, **{k: round(v, 4) if isinstance(v, float) else v for k, v in out.items()},
-                      "limited": a.limit_steps is not None and out["steps"] < out["epoch_steps"],
-                      "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}))
+    print(
+        json.dumps(
+            {
+                "impl": a.impl,
+                **{k: round(v, 4) if isinstance(v, float) else v for k, v in out.items()},
+                "limited": a.limit_steps is not None and out["steps"] < out["epoch_steps"],
+                "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

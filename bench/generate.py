@@ -48,7 +48,9 @@ def run_llamacpp(a) -> dict:
     from llama_cpp import Llama
 
     t0 = time.perf_counter()
-    llm = Llama(model_path=str(a.model), n_ctx=512, n_threads=torch.get_num_threads(), verbose=False, seed=0)
+    llm = Llama(
+        model_path=str(a.model), n_ctx=512, n_threads=torch.get_num_threads(), verbose=False, seed=0
+    )
     load_s = time.perf_counter() - t0
     ids = llm.tokenize(PROMPT.encode(), add_bos=True)
     times, new = [], []
@@ -60,12 +62,20 @@ def run_llamacpp(a) -> dict:
         new.append(tok)
         if len(new) == a.tokens:
             break
-    return _rates(load_s, times) | {"text": llm.detokenize(new).decode(errors="replace"), "n": len(new)}
+    return _rates(load_s, times) | {
+        "text": llm.detokenize(new).decode(errors="replace"),
+        "n": len(new),
+    }
 
 
 def _rates(load_s: float, times: list[float]) -> dict:
-    return {"load_s": load_s, "prefill_s": times[0], "first_decode_s": times[1],
-            "tokens_per_s": (len(times) - 2) / sum(times[2:]), "end_to_end_s": load_s + sum(times)}
+    return {
+        "load_s": load_s,
+        "prefill_s": times[0],
+        "first_decode_s": times[1],
+        "tokens_per_s": (len(times) - 2) / sum(times[2:]),
+        "end_to_end_s": load_s + sum(times),
+    }
 
 
 def main() -> None:

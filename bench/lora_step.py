@@ -28,14 +28,31 @@ def run_toy(a) -> tuple[float, float]:
     from toy.train.config import RunConfig
     from toy.train.loop import train
 
-    opts = RunConfig.for_recipe("lora", lora.FLAGS, model=str(a.model), corpus=str(a.corpus), seed=0, seq_len=a.seq,
-                                batch_size=a.batch, eval_batches=1, base_dtype=a.base_dtype)
+    opts = RunConfig.for_recipe(
+        "lora",
+        lora.FLAGS,
+        model=str(a.model),
+        corpus=str(a.corpus),
+        seed=0,
+        seq_len=a.seq,
+        batch_size=a.batch,
+        eval_batches=1,
+        base_dtype=a.base_dtype,
+    )
     t0 = time.perf_counter()
     built = lora.build(opts, Project(root=None))
     load_s = time.perf_counter() - t0
     built.job.eval_batches = lambda: []  # time training only
-    cfg = RunConfig(steps=3 + a.steps, batch_size=a.batch, lr=1e-4, min_lr=1e-5, warmup=0, weight_decay=0.0,
-                      compile=a.compile, checkpointing=a.checkpointing)
+    cfg = RunConfig(
+        steps=3 + a.steps,
+        batch_size=a.batch,
+        lr=1e-4,
+        min_lr=1e-5,
+        warmup=0,
+        weight_decay=0.0,
+        compile=a.compile,
+        checkpointing=a.checkpointing,
+    )
     res = train(built.job, cfg, None, torch.device("cpu"), EventLog(None))
     return load_s, res.items_per_s  # measured after 3 warm-up steps, as `toy train` reports it
 
@@ -47,13 +64,27 @@ def peer(model_path: Path, corpus: Path, batch: int, seq: int):
 
     from toy.data.tokens import Windows, read_tokens
 
-    model = AutoModelForCausalLM.from_pretrained(str(model_path.parent), gguf_file=model_path.name,
-                                                 dtype=torch.float32, attn_implementation="sdpa")
-    model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0,
-                                             target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
+    model = AutoModelForCausalLM.from_pretrained(
+        str(model_path.parent),
+        gguf_file=model_path.name,
+        dtype=torch.float32,
+        attn_implementation="sdpa",
+    )
+    model = get_peft_model(
+        model,
+        LoraConfig(
+            r=8,
+            lora_alpha=16,
+            lora_dropout=0.0,
+            target_modules=["q_proj", "v_proj"],
+            task_type="CAUSAL_LM",
+        ),
+    )
     model.train()
     win = Windows(read_tokens(corpus, check_ids=False), seq, batch, seed=0)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, weight_decay=0.0)
+    opt = torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad], lr=1e-4, weight_decay=0.0
+    )
 
     def step(k: int) -> int:
         b = win.batch(k)
@@ -87,10 +118,23 @@ def main() -> None:
     ap.add_argument("--model", type=Path, required=True)
     ap.add_argument("--corpus", type=Path, required=True)
     ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--compile", action="store_true", help="toy: --compile (torch.compile each block)")
-    ap.add_argument("--checkpointing", action="store_true", help="toy: --checkpointing (recompute blocks)")
-    ap.add_argument("--tune-malloc", action="store_true", help="hf: with toy's allocator setting (runs.tune_malloc)")
-    ap.add_argument("--base-dtype", default="quantized", choices=("quantized", "float32"), help="toy: the base's form")
+    ap.add_argument(
+        "--compile", action="store_true", help="toy: --compile (torch.compile each block)"
+    )
+    ap.add_argument(
+        "--checkpointing", action="store_true", help="toy: --checkpointing (recompute blocks)"
+    )
+    ap.add_argument(
+        "--tune-malloc",
+        action="store_true",
+        help="hf: with toy's allocator setting (runs.tune_malloc)",
+    )
+    ap.add_argument(
+        "--base-dtype",
+        default="quantized",
+        choices=("quantized", "float32"),
+        help="toy: the base's form",
+    )
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=256)
     a = ap.parse_args()
@@ -100,8 +144,16 @@ def main() -> None:
 
         tune_malloc()  # what `toy train` does at start
     load_s, tps = (run_toy if a.impl == "toy" else run_hf)(a)
-    print(json.dumps({"impl": a.impl, "load_s": round(load_s, 3), "tokens_per_s": round(tps, 1),
-                      "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}))
+    print(
+        json.dumps(
+            {
+                "impl": a.impl,
+                "load_s": round(load_s, 3),
+                "tokens_per_s": round(tps, 1),
+                "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

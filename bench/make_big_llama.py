@@ -26,7 +26,9 @@ LAYERS, WIDTH, FFN, HEADS, KV = 22, 2048, 5632, 32, 4
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--smollm2", type=Path, required=True, help="SmolLM2 GGUF: its tokenizer metadata is copied")
+    ap.add_argument(
+        "--smollm2", type=Path, required=True, help="SmolLM2 GGUF: its tokenizer metadata is copied"
+    )
     ap.add_argument("--out", type=Path, required=True)
     a = ap.parse_args()
     from toy.formats.gguf_header import read_gguf_header
@@ -38,9 +40,16 @@ def main() -> None:
     tmp = a.out.with_suffix(".tmp")
     w = gguf.GGUFWriter(str(tmp), "llama")
     w.add_name("toy bench llama 1.07B (random, Q4_0)")
-    for k, v in {"context_length": 2048, "embedding_length": WIDTH, "feed_forward_length": FFN,
-                 "block_count": LAYERS, "attention.head_count": HEADS, "attention.head_count_kv": KV,
-                 "rope.dimension_count": WIDTH // HEADS, "vocab_size": vocab}.items():
+    for k, v in {
+        "context_length": 2048,
+        "embedding_length": WIDTH,
+        "feed_forward_length": FFN,
+        "block_count": LAYERS,
+        "attention.head_count": HEADS,
+        "attention.head_count_kv": KV,
+        "rope.dimension_count": WIDTH // HEADS,
+        "vocab_size": vocab,
+    }.items():
         w.add_uint32(f"llama.{k}", v)
     w.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
     w.add_float32("llama.rope.freq_base", 10000.0)
@@ -48,14 +57,20 @@ def main() -> None:
     for k, v in src.metadata.items():
         if k.startswith("tokenizer.") and k != "tokenizer.chat_template":
             vtype, item = src.kv_types[k]
-            w.add_key_value(k, v, vtype, item) if item is None else w.add_key_value(k, list(v), vtype, item)
+            w.add_key_value(k, v, vtype, item) if item is None else w.add_key_value(
+                k, list(v), vtype, item
+            )
     rng = np.random.default_rng(0)
     n_params = 0
 
     def matrix(name: str, rows: int, cols: int, std: float = 0.02) -> None:
         nonlocal n_params
         x = rng.standard_normal((rows, cols), dtype=np.float32) * std
-        w.add_tensor(name, gguf.quants.quantize(x, GGMLQuantizationType.Q4_0), raw_dtype=GGMLQuantizationType.Q4_0)
+        w.add_tensor(
+            name,
+            gguf.quants.quantize(x, GGMLQuantizationType.Q4_0),
+            raw_dtype=GGMLQuantizationType.Q4_0,
+        )
         n_params += rows * cols
 
     def norm(name: str) -> None:
@@ -83,8 +98,10 @@ def main() -> None:
     w.write_tensors_to_file()
     w.close()
     tmp.replace(a.out)
-    print(f"wrote {a.out}: {n_params / 1e9:.3f}B parameters, {a.out.stat().st_size / 1e6:.0f} MB, "
-          f"{time.perf_counter() - t0:.0f} s")
+    print(
+        f"wrote {a.out}: {n_params / 1e9:.3f}B parameters, {a.out.stat().st_size / 1e6:.0f} MB, "
+        f"{time.perf_counter() - t0:.0f} s"
+    )
 
 
 if __name__ == "__main__":

@@ -33,13 +33,26 @@ def run_toy(a) -> dict:
     from toy.train.config import RunConfig
     from toy.train.loop import train
 
-    opts = RunConfig.for_recipe("lora", lora.FLAGS, model=str(a.model), data=str(a.data), seed=0, seq_len=256,
-                                batch_size=4, eval_batches=1, targets="q_proj,v_proj", rank=8, alpha=16.0)
+    opts = RunConfig.for_recipe(
+        "lora",
+        lora.FLAGS,
+        model=str(a.model),
+        data=str(a.data),
+        seed=0,
+        seq_len=256,
+        batch_size=4,
+        eval_batches=1,
+        targets="q_proj,v_proj",
+        rank=8,
+        alpha=16.0,
+    )
     t0 = time.perf_counter()
     built = lora.build(opts, Project(root=None))
     load_s = time.perf_counter() - t0
     built.job.eval_batches = lambda: []  # time training only
-    cfg = RunConfig(steps=3 + a.steps, batch_size=4, lr=1e-4, min_lr=1e-5, warmup=0, weight_decay=0.0)
+    cfg = RunConfig(
+        steps=3 + a.steps, batch_size=4, lr=1e-4, min_lr=1e-5, warmup=0, weight_decay=0.0
+    )
     res = train(built.job, cfg, None, torch.device("cpu"), EventLog(None))
     return {"load_s": load_s, "tokens_per_s": res.items_per_s}
 
@@ -47,25 +60,69 @@ def run_toy(a) -> dict:
 def run_mlx(a) -> dict:
     with tempfile.TemporaryDirectory() as d:
         cfg = Path(d) / "lora.yaml"
-        cfg.write_text("lora_parameters:\n  rank: 8\n  scale: 2.0\n  dropout: 0.0\n"
-                       "  keys: [\"self_attn.q_proj\", \"self_attn.v_proj\"]\n")
-        cmd = [sys.executable, "-m", "mlx_lm", "lora", "--model", str(a.model), "--train", "--data", str(a.data),
-               "-c", str(cfg), "--num-layers", "-1", "--batch-size", "4", "--max-seq-length", "256",
-               "--iters", str(a.steps), "--learning-rate", "1e-4", "--steps-per-report", "1",
-               "--adapter-path", str(Path(d) / "adapters"), "--seed", "0"]
+        cfg.write_text(
+            "lora_parameters:\n  rank: 8\n  scale: 2.0\n  dropout: 0.0\n"
+            '  keys: ["self_attn.q_proj", "self_attn.v_proj"]\n'
+        )
+        cmd = [
+            sys.executable,
+            "-m",
+            "mlx_lm",
+            "lora",
+            "--model",
+            str(a.model),
+            "--train",
+            "--data",
+            str(a.data),
+            "-c",
+            str(cfg),
+            "--num-layers",
+            "-1",
+            "--batch-size",
+            "4",
+            "--max-seq-length",
+            "256",
+            "--iters",
+            str(a.steps),
+            "--learning-rate",
+            "1e-4",
+            "--steps-per-report",
+            "1",
+            "--adapter-path",
+            str(Path(d) / "adapters"),
+            "--seed",
+            "0",
+        ]
         t0 = time.perf_counter()
         try:
-            r = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout,
-                               env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"})
+            r = subprocess.run(
+                cmd,
+                capture_output=True,
+                text=True,
+                timeout=a.timeout,
+                env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"},
+            )
             out, timed_out = r.stdout, False
         except subprocess.TimeoutExpired as e:
-            out, timed_out = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or ""), True
+            out, timed_out = (
+                (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or ""),
+                True,
+            )
     wall = time.perf_counter() - t0
-    rates = [float(m) for m in re.findall(r"^\s*\d+\s+[\d.]+\s+([\d.]+)\s+", re.sub(r"\x1b\[[0-9;]*m", "", out),
-                                          flags=re.M)]
+    rates = [
+        float(m)
+        for m in re.findall(
+            r"^\s*\d+\s+[\d.]+\s+([\d.]+)\s+", re.sub(r"\x1b\[[0-9;]*m", "", out), flags=re.M
+        )
+    ]
     peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
-    return {"tokens_per_s": rates[-1] if rates else None, "iterations": len(rates), "timed_out": timed_out,
-            "wall_s": wall, "peak_rss_mb": peak}
+    return {
+        "tokens_per_s": rates[-1] if rates else None,
+        "iterations": len(rates),
+        "timed_out": timed_out,
+        "wall_s": wall,
+        "peak_rss_mb": peak,
+    }
 
 
 def main() -> None:
@@ -74,7 +131,9 @@ def main() -> None:
     ap.add_argument("--model", type=Path, required=True)
     ap.add_argument("--data", type=Path, required=True)
     ap.add_argument("--steps", type=int, default=6)
-    ap.add_argument("--timeout", type=float, default=1200, help="mlx: seconds before its run is stopped")
+    ap.add_argument(
+        "--timeout", type=float, default=1200, help="mlx: seconds before its run is stopped"
+    )
     a = ap.parse_args()
     out = run_toy(a) if a.impl == "toy" else run_mlx(a)
     if a.impl == "toy":

@@ -31,10 +31,15 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 
-KINDS = [("matmul", ("aten::mm", "aten::addmm", "aten::bmm", "aten::addmm_", "aten::linear")),
-         ("attention", ("scaled_dot_product",)),
-         ("optimizer", ("addcdiv", "addcmul", "lerp", "_foreach", "sqrt", "linalg_vector_norm", "clamp")),
-         ("loss", ("logsumexp", "log_softmax", "exp_", "scatter_add", "gather", "nll_loss"))]
+KINDS = [
+    ("matmul", ("aten::mm", "aten::addmm", "aten::bmm", "aten::addmm_", "aten::linear")),
+    ("attention", ("scaled_dot_product",)),
+    (
+        "optimizer",
+        ("addcdiv", "addcmul", "lerp", "_foreach", "sqrt", "linalg_vector_norm", "clamp"),
+    ),
+    ("loss", ("logsumexp", "log_softmax", "exp_", "scatter_add", "gather", "nll_loss")),
+]
 
 
 def kind(name: str) -> str:
@@ -51,24 +56,53 @@ def build(what: str):
 
     if what.startswith("scratch"):
         import scratch_step as S
+
         from toy.recipes import from_scratch
 
         arch = what.split("-")[1]
         path = S.corpus(Path(tempfile.mkdtemp()) / "synthetic.bin")
-        opts = RunConfig.for_recipe("from-scratch", corpus=str(path), arch=arch, preset="small", n_layer=S.L,
-                                    d_model=S.D, n_head=S.H, n_kv_head=S.H if arch == "llama" else None,
-                                    seq_len=S.T, batch_size=S.B, seed=0, eval_batches=1)
+        opts = RunConfig.for_recipe(
+            "from-scratch",
+            corpus=str(path),
+            arch=arch,
+            preset="small",
+            n_layer=S.L,
+            d_model=S.D,
+            n_head=S.H,
+            n_kv_head=S.H if arch == "llama" else None,
+            seq_len=S.T,
+            batch_size=S.B,
+            seed=0,
+            eval_batches=1,
+        )
         return from_scratch.build(opts, Project(root=None)).job
     from toy.recipes import lora
 
     model = Path.home() / ".cache" / "toy" / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
     if what == "lora":
-        opts = RunConfig.for_recipe("lora", lora.FLAGS, model=str(model), corpus=str(ROOT / "build" / "bench" / "smol.bin"),
-                                    seed=0, seq_len=256, batch_size=4, eval_batches=1)
+        opts = RunConfig.for_recipe(
+            "lora",
+            lora.FLAGS,
+            model=str(model),
+            corpus=str(ROOT / "build" / "bench" / "smol.bin"),
+            seed=0,
+            seq_len=256,
+            batch_size=4,
+            eval_batches=1,
+        )
     else:
         data = ROOT / "build" / "bench" / "chat.jsonl"
-        opts = RunConfig.for_recipe("lora", lora.FLAGS, model=str(model), data=str(data), val_data=str(data), seed=0,
-                                    seq_len=512, batch_size=4, eval_batches=1)
+        opts = RunConfig.for_recipe(
+            "lora",
+            lora.FLAGS,
+            model=str(model),
+            data=str(data),
+            val_data=str(data),
+            seed=0,
+            seq_len=512,
+            batch_size=4,
+            eval_batches=1,
+        )
     return lora.build(opts, Project(root=None)).job
 
 
@@ -78,7 +112,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--top", type=int, default=15)
-    ap.add_argument("--peer", action="store_true", help="profile the peer (transformers) instead of toy")
+    ap.add_argument(
+        "--peer", action="store_true", help="profile the peer (transformers) instead of toy"
+    )
     a = ap.parse_args()
 
     if a.peer:
@@ -143,19 +179,25 @@ def report(prof, tokens: int, wall: float, a) -> None:
     mm_flops = sum(e.flops for e in events if kind(e.key) == "matmul" and e.flops)
     ceiling = matmul_ceiling()
     who = "peer" if a.peer else "toy"
-    print(f"{a.what} {who}{' --compile' if a.compile else ''}: {a.steps} steps, {tokens / wall:,.0f} tokens/s "
-          f"under the profiler; {torch.get_num_threads()} threads; CPU kind {torch.backends.cpu.get_cpu_capability()}")
+    print(
+        f"{a.what} {who}{' --compile' if a.compile else ''}: {a.steps} steps, {tokens / wall:,.0f} tokens/s "
+        f"under the profiler; {torch.get_num_threads()} threads; CPU kind {torch.backends.cpu.get_cpu_capability()}"
+    )
     for k, us in sorted(by_kind.items(), key=lambda kv: -kv[1]):
         print(f"  {k:26s} {us / 1e6 / a.steps:7.3f} s/step  {us / total:6.1%}")
     deq = [e for e in events if e.key == "toy::dequantize"]
     if deq:
         us = sum(e.cpu_time_total for e in deq)
-        print(f"  {'of which: GGUF dequantization':26s} {us / 1e6 / a.steps:7.3f} s/step  {us / total:6.1%}  "
-              f"({sum(e.count for e in deq) // a.steps} calls a step: each quantized layer in forward and again in "
-              "backward, the head's vocabulary chunks twice)")
+        print(
+            f"  {'of which: GGUF dequantization':26s} {us / 1e6 / a.steps:7.3f} s/step  {us / total:6.1%}  "
+            f"({sum(e.count for e in deq) // a.steps} calls a step: each quantized layer in forward and again in "
+            "backward, the head's vocabulary chunks twice)"
+        )
     if mm_us:
-        print(f"  matmuls run at {mm_flops / (mm_us / 1e6) / 1e9:,.1f} GFLOP/s; the fp32 matmul ceiling "
-              f"is {ceiling / 1e9:,.1f} GFLOP/s ({mm_flops / (mm_us / 1e6) / ceiling:.0%})")
+        print(
+            f"  matmuls run at {mm_flops / (mm_us / 1e6) / 1e9:,.1f} GFLOP/s; the fp32 matmul ceiling "
+            f"is {ceiling / 1e9:,.1f} GFLOP/s ({mm_flops / (mm_us / 1e6) / ceiling:.0%})"
+        )
     print(events.table(sort_by="self_cpu_time_total", row_limit=a.top))
 
 

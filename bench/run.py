@@ -39,7 +39,13 @@ import tempfile
 import time
 from pathlib import Path
 
-ISA_ENV = {"avx2": {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"}}
+ISA_ENV = {
+    "avx2": {
+        "ATEN_CPU_CAPABILITY": "avx2",
+        "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+        "ONEDNN_MAX_CPU_ISA": "AVX2",
+    }
+}
 
 
 def restrict_isa(argv: list[str]) -> None:
@@ -81,21 +87,35 @@ def matmul_ceiling(n: int = 2048, reps: int = 10) -> float:
 
 
 def child(script: str, *args: str) -> dict:
-    r = subprocess.run([sys.executable, str(HERE / script), *args], capture_output=True, text=True, cwd=ROOT)
+    r = subprocess.run(
+        [sys.executable, str(HERE / script), *args], capture_output=True, text=True, cwd=ROOT
+    )
     if r.returncode != 0:
         raise SystemExit(f"bench child {script} {' '.join(args)} failed:\n{r.stderr[-3000:]}")
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-VARIANTS = {"hf": ["--impl", "hf"], "toy": ["--impl", "toy"], "toy --compile": ["--impl", "toy", "--compile"],
-            "toy --checkpointing": ["--impl", "toy", "--checkpointing"],
-            "toy --base-dtype float32": ["--impl", "toy", "--base-dtype", "float32"],
-            "hf, toy's malloc setting": ["--impl", "hf", "--tune-malloc"]}
-LORA_VARIANTS = ("hf", "toy", "toy --checkpointing", "toy --base-dtype float32", "toy --compile",
-                 "hf, toy's malloc setting")
+VARIANTS = {
+    "hf": ["--impl", "hf"],
+    "toy": ["--impl", "toy"],
+    "toy --compile": ["--impl", "toy", "--compile"],
+    "toy --checkpointing": ["--impl", "toy", "--checkpointing"],
+    "toy --base-dtype float32": ["--impl", "toy", "--base-dtype", "float32"],
+    "hf, toy's malloc setting": ["--impl", "hf", "--tune-malloc"],
+}
+LORA_VARIANTS = (
+    "hf",
+    "toy",
+    "toy --checkpointing",
+    "toy --base-dtype float32",
+    "toy --compile",
+    "hf, toy's malloc setting",
+)
 
 
-def alternate(script: str, args: list[str], repeats: int, variants=("hf", "toy")) -> dict[str, list[dict]]:
+def alternate(
+    script: str, args: list[str], repeats: int, variants=("hf", "toy")
+) -> dict[str, list[dict]]:
     """peer, toy, peer, toy, ...: drift in the machine's speed hits both alike."""
     out: dict[str, list[dict]] = {v: [] for v in variants}
     for _ in range(repeats):
@@ -110,10 +130,42 @@ def cli_tokens_per_s(arch: str, steps: int) -> float:
     if not corpus.is_file():
         child("scratch_step.py", "--write-corpus", str(corpus))
     with tempfile.TemporaryDirectory() as d:
-        r = subprocess.run([sys.executable, "-m", "toy", "train", "--corpus", str(corpus), "--arch", arch,
-                            "--n-layer", "6", "--d-model", "384", "--n-head", "6", "--n-kv-head", "6",
-                            "--seq-len", "256", "--batch-size", "8", "--steps", str(3 + steps), "--warmup", "0",
-                            "--eval-batches", "1", "--json", "--out", d], capture_output=True, text=True, cwd=ROOT)
+        r = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "toy",
+                "train",
+                "--corpus",
+                str(corpus),
+                "--arch",
+                arch,
+                "--n-layer",
+                "6",
+                "--d-model",
+                "384",
+                "--n-head",
+                "6",
+                "--n-kv-head",
+                "6",
+                "--seq-len",
+                "256",
+                "--batch-size",
+                "8",
+                "--steps",
+                str(3 + steps),
+                "--warmup",
+                "0",
+                "--eval-batches",
+                "1",
+                "--json",
+                "--out",
+                d,
+            ],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+        )
     if r.returncode != 0:
         raise SystemExit(f"toy train failed:\n{r.stderr[-3000:]}")
     return json.loads(r.stdout.strip().splitlines()[-1])["tokens_per_s"]
@@ -124,15 +176,23 @@ def med(rows: list[dict], key: str) -> float:
 
 
 def smollm2() -> Path | None:
-    r = subprocess.run(["bash", str(ROOT / "scripts" / "get-smollm2.sh"), str(ROOT / "build" / "bench")],
-                       capture_output=True, text=True, env={**os.environ, "PYTHON": sys.executable})
+    r = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "get-smollm2.sh"), str(ROOT / "build" / "bench")],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHON": sys.executable},
+    )
     return Path(r.stdout.strip().splitlines()[-1]) if r.returncode == 0 else None
 
 
 def smollm2_mlx() -> Path | None:
     """SmolLM2's MLX 4-bit twin (groups of 32), made once from the GGUF."""
-    r = subprocess.run(["bash", str(ROOT / "scripts" / "get-smollm2-dirs.sh"), "--q-group-size", "32"],
-                       capture_output=True, text=True, env={**os.environ, "PYTHON": sys.executable})
+    r = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "get-smollm2-dirs.sh"), "--q-group-size", "32"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHON": sys.executable},
+    )
     return Path(r.stdout.strip().splitlines()[-1]) if r.returncode == 0 else None
 
 
@@ -142,23 +202,33 @@ def make_text_data(d: Path, n: int = 64) -> None:
     text = (ROOT / "src" / "toy" / "data" / "assets" / "shakespeare" / "hamlet.txt").read_text()
     with open(d / "train.jsonl", "w") as f:
         for i in range(n):
-            f.write(json.dumps({"text": text[i * 1400:(i + 1) * 1400]}) + "\n")
+            f.write(json.dumps({"text": text[i * 1400 : (i + 1) * 1400]}) + "\n")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--only", default="matmul,scratch,lora,chat,big,generate,mlx")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--quick", action="store_true", help="fewer steps (a smoke run, not for the record)")
-    ap.add_argument("--isa", choices=sorted(ISA_ENV), help="hold torch, MKL and oneDNN to this instruction set")
+    ap.add_argument(
+        "--quick", action="store_true", help="fewer steps (a smoke run, not for the record)"
+    )
+    ap.add_argument(
+        "--isa", choices=sorted(ISA_ENV), help="hold torch, MKL and oneDNN to this instruction set"
+    )
     a = ap.parse_args()
     only = set(a.only.split(","))
     steps = "2" if a.quick else "6"
     results: dict = {
-        "machine": {"platform": platform.platform(), "processor": platform.processor(),
-                    "cpu_kind": torch.backends.cpu.get_cpu_capability(), "isa_restricted": a.isa,
-                    "cpus": os.cpu_count(), "torch": torch.__version__, "threads": torch.get_num_threads(),
-                    "python": platform.python_version()},
+        "machine": {
+            "platform": platform.platform(),
+            "processor": platform.processor(),
+            "cpu_kind": torch.backends.cpu.get_cpu_capability(),
+            "isa_restricted": a.isa,
+            "cpus": os.cpu_count(),
+            "torch": torch.__version__,
+            "threads": torch.get_num_threads(),
+            "python": platform.python_version(),
+        },
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
     rows: list[tuple[str, str, str, str]] = []
@@ -169,145 +239,363 @@ def main() -> None:
         rows.append(("1 matmul ceiling (fp32 2048^3)", f"{ceiling / 1e9:.1f} GFLOP/s", "", ""))
     if "scratch" in only:
         for arch in ("gpt2", "llama"):
-            r = alternate("scratch_step.py", ["--arch", arch, "--steps", steps], a.repeats,
-                          ("hf", "toy", "toy --compile"))
+            r = alternate(
+                "scratch_step.py",
+                ["--arch", arch, "--steps", steps],
+                a.repeats,
+                ("hf", "toy", "toy --compile"),
+            )
             hf_tps = med(r["hf"], "tokens_per_s")
             fpt = r["toy"][0]["flops_per_token"]
             results[f"scratch_{arch}"] = {"peer": r["hf"], "flops_per_token": fpt}
             for v in ("toy", "toy --compile"):
                 tps = med(r[v], "tokens_per_s")
                 frac = tps * fpt / ceiling if ceiling else float("nan")
-                results[f"scratch_{arch}"][v] = {"runs": r[v], "ratio": tps / hf_tps, "flops_fraction": frac}
-                rows.append((f"2 from-scratch {arch} 6x384 T256 B8, {v}", f"{tps:,.0f} tok/s ({frac:.0%} of matmul)",
-                             f"{hf_tps:,.0f} tok/s", f"{tps / hf_tps:.2f}x"))
+                results[f"scratch_{arch}"][v] = {
+                    "runs": r[v],
+                    "ratio": tps / hf_tps,
+                    "flops_fraction": frac,
+                }
+                rows.append(
+                    (
+                        f"2 from-scratch {arch} 6x384 T256 B8, {v}",
+                        f"{tps:,.0f} tok/s ({frac:.0%} of matmul)",
+                        f"{hf_tps:,.0f} tok/s",
+                        f"{tps / hf_tps:.2f}x",
+                    )
+                )
         cli = cli_tokens_per_s("llama", int(steps))
         bench_tps = med(results["scratch_llama"]["toy"]["runs"], "tokens_per_s")
         results["scratch_llama"]["cli_tokens_per_s"] = cli
-        rows.append(("  `toy train --json` tokens_per_s, same shape", f"{cli:,.0f} tok/s", "", f"{cli / bench_tps:.2f}x of the toy row"))
+        rows.append(
+            (
+                "  `toy train --json` tokens_per_s, same shape",
+                f"{cli:,.0f} tok/s",
+                "",
+                f"{cli / bench_tps:.2f}x of the toy row",
+            )
+        )
     model = smollm2() if {"lora", "chat", "big", "generate", "mlx"} & only else None
     if {"lora", "chat"} & only and model is None:
         rows.append(("3, 4 SmolLM2", "skipped: SmolLM2 not available", "", ""))
     if "lora" in only and model is not None:
         corpus = ROOT / "build" / "bench" / "smol.bin"
         if not corpus.is_file():
-            texts = sorted((ROOT / "src" / "toy" / "data" / "assets" / "shakespeare").glob("*.txt"))[:3]
-            subprocess.run([sys.executable, "-m", "toy", "prep", *map(str, texts), "--out", str(corpus),
-                            "--tokenizer", str(model)], check=True, capture_output=True)
-        r = alternate("lora_step.py", ["--model", str(model), "--corpus", str(corpus), "--steps", steps],
-                      a.repeats, LORA_VARIANTS)
+            texts = sorted(
+                (ROOT / "src" / "toy" / "data" / "assets" / "shakespeare").glob("*.txt")
+            )[:3]
+            subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "toy",
+                    "prep",
+                    *map(str, texts),
+                    "--out",
+                    str(corpus),
+                    "--tokenizer",
+                    str(model),
+                ],
+                check=True,
+                capture_output=True,
+            )
+        r = alternate(
+            "lora_step.py",
+            ["--model", str(model), "--corpus", str(corpus), "--steps", steps],
+            a.repeats,
+            LORA_VARIANTS,
+        )
         h = r["hf"]
         results["lora"] = {"peer": h, **{v: r[v] for v in LORA_VARIANTS[1:]}}
         for v in LORA_VARIANTS[1:]:
             t = r[v]
-            rows.append((f"3 LoRA SmolLM2 r8 q,v B4 T256, {v}", f"{med(t, 'tokens_per_s'):,.0f} tok/s",
-                         f"{med(h, 'tokens_per_s'):,.0f} tok/s",
-                         f"{med(t, 'tokens_per_s') / med(h, 'tokens_per_s'):.2f}x"))
-            rows.append(("    peak RSS", f"{med(t, 'peak_rss_mb'):,.0f} MB", f"{med(h, 'peak_rss_mb'):,.0f} MB",
-                         f"{med(t, 'peak_rss_mb') / med(h, 'peak_rss_mb'):.2f}x"))
+            rows.append(
+                (
+                    f"3 LoRA SmolLM2 r8 q,v B4 T256, {v}",
+                    f"{med(t, 'tokens_per_s'):,.0f} tok/s",
+                    f"{med(h, 'tokens_per_s'):,.0f} tok/s",
+                    f"{med(t, 'tokens_per_s') / med(h, 'tokens_per_s'):.2f}x",
+                )
+            )
+            rows.append(
+                (
+                    "    peak RSS",
+                    f"{med(t, 'peak_rss_mb'):,.0f} MB",
+                    f"{med(h, 'peak_rss_mb'):,.0f} MB",
+                    f"{med(t, 'peak_rss_mb') / med(h, 'peak_rss_mb'):.2f}x",
+                )
+            )
         t = r["toy"]
-        rows.append(("  model load (toy: quantized base)", f"{med(t, 'load_s'):.2f} s", f"{med(h, 'load_s'):.1f} s",
-                     f"{med(t, 'load_s') / med(h, 'load_s'):.3f}x"))
+        rows.append(
+            (
+                "  model load (toy: quantized base)",
+                f"{med(t, 'load_s'):.2f} s",
+                f"{med(h, 'load_s'):.1f} s",
+                f"{med(t, 'load_s') / med(h, 'load_s'):.3f}x",
+            )
+        )
     if "chat" in only and model is not None:
         data = ROOT / "build" / "bench" / "chat.jsonl"
         if not data.is_file():
             child("chat_epoch.py", "--make-data", str(data), "--n", "200")
         extra = ["--limit-steps", "2"] if a.quick else []
-        r = alternate("chat_epoch.py", ["--model", str(model), "--data", str(data), *extra],
-                      max(1, min(a.repeats, 2)))  # an epoch takes minutes: at most 2 repeats
+        r = alternate(
+            "chat_epoch.py",
+            ["--model", str(model), "--data", str(data), *extra],
+            max(1, min(a.repeats, 2)),
+        )  # an epoch takes minutes: at most 2 repeats
         t, h = r["toy"], r["hf"]
         results["chat"] = {"toy": t, "peer": h}
-        rows.append((f"4 chat SFT epoch, {t[0]['conversations']} convs, B4 T512", f"{med(t, 'epoch_s'):,.1f} s",
-                     f"{med(h, 'epoch_s'):,.1f} s", f"{med(h, 'epoch_s') / med(t, 'epoch_s'):.2f}x faster"))
-        rows.append(("  tokens through the model", f"{t[0]['tokens_fed']:,}", f"{h[0]['tokens_fed']:,}", ""))
-        rows.append(("  peak RSS", f"{med(t, 'peak_rss_mb'):,.0f} MB", f"{med(h, 'peak_rss_mb'):,.0f} MB",
-                     f"{med(t, 'peak_rss_mb') / med(h, 'peak_rss_mb'):.2f}x"))
+        rows.append(
+            (
+                f"4 chat SFT epoch, {t[0]['conversations']} convs, B4 T512",
+                f"{med(t, 'epoch_s'):,.1f} s",
+                f"{med(h, 'epoch_s'):,.1f} s",
+                f"{med(h, 'epoch_s') / med(t, 'epoch_s'):.2f}x faster",
+            )
+        )
+        rows.append(
+            ("  tokens through the model", f"{t[0]['tokens_fed']:,}", f"{h[0]['tokens_fed']:,}", "")
+        )
+        rows.append(
+            (
+                "  peak RSS",
+                f"{med(t, 'peak_rss_mb'):,.0f} MB",
+                f"{med(h, 'peak_rss_mb'):,.0f} MB",
+                f"{med(t, 'peak_rss_mb') / med(h, 'peak_rss_mb'):.2f}x",
+            )
+        )
     if "big" in only and model is not None:
         big = ROOT / "build" / "bench" / "big-q4_0.gguf"
         if not big.is_file():
-            subprocess.run([sys.executable, str(HERE / "make_big_llama.py"), "--smollm2", str(model), "--out", str(big)],
-                           check=True)
+            subprocess.run(
+                [
+                    sys.executable,
+                    str(HERE / "make_big_llama.py"),
+                    "--smollm2",
+                    str(model),
+                    "--out",
+                    str(big),
+                ],
+                check=True,
+            )
         corpus = ROOT / "build" / "bench" / "smol.bin"
         if not corpus.is_file():
-            texts = sorted((ROOT / "src" / "toy" / "data" / "assets" / "shakespeare").glob("*.txt"))[:3]
-            subprocess.run([sys.executable, "-m", "toy", "prep", *map(str, texts), "--out", str(corpus),
-                            "--tokenizer", str(model)], check=True, capture_output=True)
-        big_args = ["--model", str(big), "--corpus", str(corpus), "--steps", "1" if a.quick else "2",
-                    "--batch", "1", "--seq", "128"]
+            texts = sorted(
+                (ROOT / "src" / "toy" / "data" / "assets" / "shakespeare").glob("*.txt")
+            )[:3]
+            subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "toy",
+                    "prep",
+                    *map(str, texts),
+                    "--out",
+                    str(corpus),
+                    "--tokenizer",
+                    str(model),
+                ],
+                check=True,
+                capture_output=True,
+            )
+        big_args = [
+            "--model",
+            str(big),
+            "--corpus",
+            str(corpus),
+            "--steps",
+            "1" if a.quick else "2",
+            "--batch",
+            "1",
+            "--seq",
+            "128",
+        ]
         results["big"] = {}
         for v in ("toy", "toy --base-dtype float32"):
             t = child("lora_step.py", *VARIANTS[v], *big_args)
             results["big"][v] = t
-            rows.append((f"5 LoRA 1.07B llama Q4_0 B1 T128, {v}", f"{t['peak_rss_mb']:,.0f} MB peak RSS",
-                         f"{t['tokens_per_s']:,.1f} tok/s", f"load {t['load_s']:.1f} s"))
+            rows.append(
+                (
+                    f"5 LoRA 1.07B llama Q4_0 B1 T128, {v}",
+                    f"{t['peak_rss_mb']:,.0f} MB peak RSS",
+                    f"{t['tokens_per_s']:,.1f} tok/s",
+                    f"load {t['load_s']:.1f} s",
+                )
+            )
     if "generate" in only and model is not None:
         gen_args = ["--model", str(model), "--tokens", "16" if a.quick else "128"]
         results["generate"] = {}
-        impls = [("toy float32", ["--impl", "toy", "--base-dtype", "float32"]),
-                 ("toy quantized (packed, compiled step)", ["--impl", "toy", "--base-dtype", "quantized"])]
+        impls = [
+            ("toy float32", ["--impl", "toy", "--base-dtype", "float32"]),
+            (
+                "toy quantized (packed, compiled step)",
+                ["--impl", "toy", "--base-dtype", "quantized"],
+            ),
+        ]
         if importlib.util.find_spec("llama_cpp") is not None:
             impls.append(("llama.cpp", ["--impl", "llamacpp"]))
         else:
-            rows.append(("6 generation: llama.cpp", "skipped: llama-cpp-python not installed", "", ""))
+            rows.append(
+                ("6 generation: llama.cpp", "skipped: llama-cpp-python not installed", "", "")
+            )
         for name, args in impls:
-            results["generate"][name] = [child("generate.py", *args, *gen_args) for _ in range(max(1, a.repeats - 1))]
+            results["generate"][name] = [
+                child("generate.py", *args, *gen_args) for _ in range(max(1, a.repeats - 1))
+            ]
         peer = results["generate"].get("llama.cpp")
         for name, _ in impls:
             g = results["generate"][name]
             ratio = f"{med(g, 'tokens_per_s') / med(peer, 'tokens_per_s'):.2f}x" if peer else ""
-            rows.append((f"6 SmolLM2 Q4_1 greedy decode, {name}", f"{med(g, 'tokens_per_s'):,.1f} tok/s",
-                         f"{med(peer, 'tokens_per_s'):,.1f} tok/s" if peer else "", ratio))
-            rows.append(("    load + prefill + first decode step",
-                         f"{med(g, 'load_s') + med(g, 'prefill_s') + med(g, 'first_decode_s'):,.2f} s",
-                         f"{med(peer, 'load_s') + med(peer, 'prefill_s') + med(peer, 'first_decode_s'):,.2f} s"
-                         if peer else "", ""))
-            rows.append(("    peak RSS", f"{med(g, 'peak_rss_mb'):,.0f} MB",
-                         f"{med(peer, 'peak_rss_mb'):,.0f} MB" if peer else "",
-                         f"{med(g, 'peak_rss_mb') / med(peer, 'peak_rss_mb'):.2f}x" if peer else ""))
+            rows.append(
+                (
+                    f"6 SmolLM2 Q4_1 greedy decode, {name}",
+                    f"{med(g, 'tokens_per_s'):,.1f} tok/s",
+                    f"{med(peer, 'tokens_per_s'):,.1f} tok/s" if peer else "",
+                    ratio,
+                )
+            )
+            rows.append(
+                (
+                    "    load + prefill + first decode step",
+                    f"{med(g, 'load_s') + med(g, 'prefill_s') + med(g, 'first_decode_s'):,.2f} s",
+                    f"{med(peer, 'load_s') + med(peer, 'prefill_s') + med(peer, 'first_decode_s'):,.2f} s"
+                    if peer
+                    else "",
+                    "",
+                )
+            )
+            rows.append(
+                (
+                    "    peak RSS",
+                    f"{med(g, 'peak_rss_mb'):,.0f} MB",
+                    f"{med(peer, 'peak_rss_mb'):,.0f} MB" if peer else "",
+                    f"{med(g, 'peak_rss_mb') / med(peer, 'peak_rss_mb'):.2f}x" if peer else "",
+                )
+            )
         rows.append(("    file size", f"{model.stat().st_size / 1e6:,.0f} MB", "", ""))
     if "mlx" in only and model is not None:
         mlx_dir = smollm2_mlx()
         if mlx_dir is None:
-            rows.append(("7 MLX", "skipped: the MLX twin could not be made (scripts/get-smollm2-dirs.sh)", "", ""))
+            rows.append(
+                (
+                    "7 MLX",
+                    "skipped: the MLX twin could not be made (scripts/get-smollm2-dirs.sh)",
+                    "",
+                    "",
+                )
+            )
         else:
             data = ROOT / "build" / "bench" / "text"
             if not (data / "train.jsonl").is_file():
                 make_text_data(data)
             steps = "2" if a.quick else "6"
-            toy_mlx = [child("mlx_lora.py", "--impl", "toy", "--model", str(mlx_dir), "--data", str(data),
-                             "--steps", steps) for _ in range(max(1, a.repeats - 1))]
-            toy_gguf = [child("mlx_lora.py", "--impl", "toy", "--model", str(model), "--data", str(data),
-                              "--steps", steps) for _ in range(max(1, a.repeats - 1))]
+            toy_mlx = [
+                child(
+                    "mlx_lora.py",
+                    "--impl",
+                    "toy",
+                    "--model",
+                    str(mlx_dir),
+                    "--data",
+                    str(data),
+                    "--steps",
+                    steps,
+                )
+                for _ in range(max(1, a.repeats - 1))
+            ]
+            toy_gguf = [
+                child(
+                    "mlx_lora.py",
+                    "--impl",
+                    "toy",
+                    "--model",
+                    str(model),
+                    "--data",
+                    str(data),
+                    "--steps",
+                    steps,
+                )
+                for _ in range(max(1, a.repeats - 1))
+            ]
             peer = None
             if importlib.util.find_spec("mlx_lm") is not None:
-                peer = child("mlx_lora.py", "--impl", "mlx", "--model", str(mlx_dir), "--data", str(data),
-                             "--steps", "1" if a.quick else "2", "--timeout", "600" if a.quick else "1800")
+                peer = child(
+                    "mlx_lora.py",
+                    "--impl",
+                    "mlx",
+                    "--model",
+                    str(mlx_dir),
+                    "--data",
+                    str(data),
+                    "--steps",
+                    "1" if a.quick else "2",
+                    "--timeout",
+                    "600" if a.quick else "1800",
+                )
             results["mlx"] = {"toy_mlx": toy_mlx, "toy_gguf": toy_gguf, "peer": peer}
             tps = med(toy_mlx, "tokens_per_s")
             if peer and peer["tokens_per_s"]:
-                rows.append(("7 LoRA SmolLM2 MLX 4-bit r8 q,v B4 T256, toy vs mlx-lm", f"{tps:,.0f} tok/s",
-                             f"{peer['tokens_per_s']:,.1f} tok/s", f"{tps / peer['tokens_per_s']:.1f}x"))
+                rows.append(
+                    (
+                        "7 LoRA SmolLM2 MLX 4-bit r8 q,v B4 T256, toy vs mlx-lm",
+                        f"{tps:,.0f} tok/s",
+                        f"{peer['tokens_per_s']:,.1f} tok/s",
+                        f"{tps / peer['tokens_per_s']:.1f}x",
+                    )
+                )
             elif peer:
-                rows.append(("7 LoRA SmolLM2 MLX 4-bit r8 q,v B4 T256, toy vs mlx-lm", f"{tps:,.0f} tok/s",
-                             f"no iteration in {peer['wall_s']:.0f} s", ""))
+                rows.append(
+                    (
+                        "7 LoRA SmolLM2 MLX 4-bit r8 q,v B4 T256, toy vs mlx-lm",
+                        f"{tps:,.0f} tok/s",
+                        f"no iteration in {peer['wall_s']:.0f} s",
+                        "",
+                    )
+                )
             if peer:
-                rows.append(("    peak RSS", f"{med(toy_mlx, 'peak_rss_mb'):,.0f} MB", f"{peer['peak_rss_mb']:,.0f} MB",
-                             f"{med(toy_mlx, 'peak_rss_mb') / peer['peak_rss_mb']:.2f}x"))
-            rows.append(("  toy on the MLX 4-bit twin vs on the Q4_1 GGUF, peak RSS",
-                         f"{med(toy_mlx, 'peak_rss_mb'):,.0f} MB", f"{med(toy_gguf, 'peak_rss_mb'):,.0f} MB",
-                         f"{med(toy_mlx, 'peak_rss_mb') / med(toy_gguf, 'peak_rss_mb'):.2f}x"))
-            rows.append(("    tokens/s", f"{tps:,.0f} tok/s", f"{med(toy_gguf, 'tokens_per_s'):,.0f} tok/s",
-                         f"{tps / med(toy_gguf, 'tokens_per_s'):.2f}x"))
+                rows.append(
+                    (
+                        "    peak RSS",
+                        f"{med(toy_mlx, 'peak_rss_mb'):,.0f} MB",
+                        f"{peer['peak_rss_mb']:,.0f} MB",
+                        f"{med(toy_mlx, 'peak_rss_mb') / peer['peak_rss_mb']:.2f}x",
+                    )
+                )
+            rows.append(
+                (
+                    "  toy on the MLX 4-bit twin vs on the Q4_1 GGUF, peak RSS",
+                    f"{med(toy_mlx, 'peak_rss_mb'):,.0f} MB",
+                    f"{med(toy_gguf, 'peak_rss_mb'):,.0f} MB",
+                    f"{med(toy_mlx, 'peak_rss_mb') / med(toy_gguf, 'peak_rss_mb'):.2f}x",
+                )
+            )
+            rows.append(
+                (
+                    "    tokens/s",
+                    f"{tps:,.0f} tok/s",
+                    f"{med(toy_gguf, 'tokens_per_s'):,.0f} tok/s",
+                    f"{tps / med(toy_gguf, 'tokens_per_s'):.2f}x",
+                )
+            )
     out = ROOT / "bench" / "out"
     out.mkdir(parents=True, exist_ok=True)
-    name = f"results-{a.isa}.json" if a.isa else "results.json"  # a restricted run keeps the plain one
+    name = (
+        f"results-{a.isa}.json" if a.isa else "results.json"
+    )  # a restricted run keeps the plain one
     (out / name).write_text(json.dumps(results, indent=2))
     w = [max(len(r[i]) for r in rows + [("what", "toy", "peer", "toy/peer")]) for i in range(4)]
-    print(f"machine: {results['machine']['processor'] or platform.machine()}, CPU kind "
-          f"{results['machine']['cpu_kind']}, {results['machine']['cpus']} cpus, "
-          f"torch {torch.__version__} ({torch.get_num_threads()} threads)")
+    print(
+        f"machine: {results['machine']['processor'] or platform.machine()}, CPU kind "
+        f"{results['machine']['cpu_kind']}, {results['machine']['cpus']} cpus, "
+        f"torch {torch.__version__} ({torch.get_num_threads()} threads)"
+    )
     kind = results["machine"]["cpu_kind"] + (" (restricted)" if a.isa else "")
     for r in [("what", "toy", "peer (same run)", "toy/peer")] + rows:
-        print("  ".join(c.ljust(w[i]) for i, c in enumerate(r)) + ("" if r[0] == "what" else f"  [{kind}]"))
+        print(
+            "  ".join(c.ljust(w[i]) for i, c in enumerate(r))
+            + ("" if r[0] == "what" else f"  [{kind}]")
+        )
     print(f"wrote {out / name}")
 
 

@@ -45,9 +45,20 @@ def run_toy(a, path: Path) -> dict:
     from toy.train.config import RunConfig
     from toy.train.loop import train
 
-    opts = RunConfig.for_recipe("from-scratch", corpus=str(path), arch=a.arch, preset="small", n_layer=L, d_model=D,
-                                n_head=H, n_kv_head=H if a.arch == "llama" else None, seq_len=T, batch_size=B,
-                                seed=0, eval_batches=1)
+    opts = RunConfig.for_recipe(
+        "from-scratch",
+        corpus=str(path),
+        arch=a.arch,
+        preset="small",
+        n_layer=L,
+        d_model=D,
+        n_head=H,
+        n_kv_head=H if a.arch == "llama" else None,
+        seq_len=T,
+        batch_size=B,
+        seed=0,
+        eval_batches=1,
+    )
     built = from_scratch.build(opts, Project(root=None))
     built.job.eval_batches = lambda: []
     cfg = RunConfig(steps=3 + a.steps, batch_size=B, lr=1e-3, warmup=0, compile=a.compile)
@@ -55,7 +66,11 @@ def run_toy(a, path: Path) -> dict:
     m = built.job.model
     emb = m.embed_tokens.weight.numel() if hasattr(m, "embed_tokens") else m.wte.weight.numel()
     n = sum(p.numel() for p in m.parameters())
-    return {"tokens_per_s": res.items_per_s, "params": n, "flops_per_token": flops_per_token(n - emb, emb)}
+    return {
+        "tokens_per_s": res.items_per_s,
+        "params": n,
+        "flops_per_token": flops_per_token(n - emb, emb),
+    }
 
 
 def peer(arch: str, path: Path):
@@ -69,13 +84,28 @@ def peer(arch: str, path: Path):
         from toy.models.llama import LlamaConfig
 
         d_ff = LlamaConfig(d_model=D, n_head=H).d_ff  # the same SwiGLU width toy uses
-        cfg = transformers.LlamaConfig(vocab_size=V, hidden_size=D, intermediate_size=d_ff, num_hidden_layers=L,
-                                       num_attention_heads=H, num_key_value_heads=H, max_position_embeddings=T,
-                                       tie_word_embeddings=True)
+        cfg = transformers.LlamaConfig(
+            vocab_size=V,
+            hidden_size=D,
+            intermediate_size=d_ff,
+            num_hidden_layers=L,
+            num_attention_heads=H,
+            num_key_value_heads=H,
+            max_position_embeddings=T,
+            tie_word_embeddings=True,
+        )
         model = transformers.LlamaForCausalLM._from_config(cfg, attn_implementation="sdpa")
     else:
-        cfg = transformers.GPT2Config(vocab_size=V, n_embd=D, n_layer=L, n_head=H, n_positions=T,
-                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        cfg = transformers.GPT2Config(
+            vocab_size=V,
+            n_embd=D,
+            n_layer=L,
+            n_head=H,
+            n_positions=T,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+        )
         model = transformers.GPT2LMHeadModel._from_config(cfg, attn_implementation="sdpa")
     model.train()
     win = Windows(read_tokens(path), T, B, seed=0)
@@ -105,14 +135,20 @@ def run_hf(a, path: Path) -> dict:
             times.append(time.perf_counter() - t)
     n = sum(p.numel() for p in model.parameters())
     emb = model.get_input_embeddings().weight.numel()
-    return {"tokens_per_s": B * T / statistics.mean(times), "params": n, "flops_per_token": flops_per_token(n - emb, emb)}
+    return {
+        "tokens_per_s": B * T / statistics.mean(times),
+        "params": n,
+        "flops_per_token": flops_per_token(n - emb, emb),
+    }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--impl", choices=("toy", "hf"))
     ap.add_argument("--write-corpus", type=Path, metavar="PATH")
-    ap.add_argument("--compile", action="store_true", help="toy: --compile (torch.compile each block)")
+    ap.add_argument(
+        "--compile", action="store_true", help="toy: --compile (torch.compile each block)"
+    )
     ap.add_argument("--arch", choices=("llama", "gpt2"), default="llama")
     ap.add_argument("--steps", type=int, default=6)
     a = ap.parse_args()

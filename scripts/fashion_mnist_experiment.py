@@ -18,10 +18,10 @@ learning rate not yet decayed), not the best a run of that length could do.
 from __future__ import annotations
 
 import argparse
-import sys
 import json
 import os
 import platform
+import sys
 import time
 from pathlib import Path
 
@@ -35,7 +35,18 @@ from toy.train.loop import train
 from toy.train.progress import Reporter
 
 SRC = Path("/usr/share/datasets/fashion-mnist")
-CLASSES = ["tshirt-top", "trouser", "pullover", "dress", "coat", "sandal", "shirt", "sneaker", "bag", "ankle-boot"]
+CLASSES = [
+    "tshirt-top",
+    "trouser",
+    "pullover",
+    "dress",
+    "coat",
+    "sandal",
+    "shirt",
+    "sneaker",
+    "bag",
+    "ankle-boot",
+]
 
 
 def load(split: str) -> ImageSet:
@@ -55,12 +66,17 @@ class Timeline(Reporter):
         self.rows: list[dict] = []
         self.losses: list[float] = []
 
-    def step(self, step: int, loss: float, items_per_s: float | None, peak_mem: int | None = None) -> None:
+    def step(
+        self, step: int, loss: float, items_per_s: float | None, peak_mem: int | None = None
+    ) -> None:
         self.last_step_t = time.perf_counter()
         self.losses.append(loss)
         if step % 50 == 0:
-            print(f"step {step} loss {loss:.4f} {items_per_s or 0:.0f} img/s "
-                  f"train {self.last_step_t - self.t0 - self.eval_s:.0f}s", flush=True)
+            print(
+                f"step {step} loss {loss:.4f} {items_per_s or 0:.0f} img/s "
+                f"train {self.last_step_t - self.t0 - self.eval_s:.0f}s",
+                flush=True,
+            )
 
     def eval(self, step: int, metrics: dict[str, float]) -> None:
         now = time.perf_counter()
@@ -68,9 +84,14 @@ class Timeline(Reporter):
         self.eval_s += took
         train_s = self.last_step_t - self.t0 - (self.eval_s - took)
         recent = self.losses[-50:]
-        row = {"step": step, "train_s": round(train_s, 1), "eval_s": round(took, 1),
-               "test_accuracy": round(metrics["accuracy"], 4), "test_loss": round(metrics["val_loss"], 4),
-               "train_loss_last50": round(sum(recent) / len(recent), 4) if recent else None}
+        row = {
+            "step": step,
+            "train_s": round(train_s, 1),
+            "eval_s": round(took, 1),
+            "test_accuracy": round(metrics["accuracy"], 4),
+            "test_loss": round(metrics["val_loss"], 4),
+            "train_loss_last50": round(sum(recent) / len(recent), 4) if recent else None,
+        }
         self.rows.append(row)
         print(json.dumps(row), flush=True)
 
@@ -88,8 +109,12 @@ def main() -> None:
     ap.add_argument("--min-lr", type=float, default=2e-5)
     ap.add_argument("--warmup", type=int, default=100)
     ap.add_argument("--weight-decay", type=float, default=0.05)
-    ap.add_argument("--augment", default="none", help="crop-flip or none (the recipe's default is crop-flip; "
-                    "on 60k images and a few epochs it slows fitting, see docs/results.md)")
+    ap.add_argument(
+        "--augment",
+        default="none",
+        help="crop-flip or none (the recipe's default is crop-flip; "
+        "on 60k images and a few epochs it slows fitting, see docs/results.md)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--out", type=Path, help="write the results as JSON here")
@@ -100,32 +125,68 @@ def main() -> None:
     t = time.perf_counter()
     train_set, test_set = load("train"), load("t10k")
     load_s = time.perf_counter() - t
-    opts = RunConfig.for_recipe("vit-tiny", vit_tiny.FLAGS, preset="tiny", image_size=28, patch_size=a.patch_size,
-                                n_layer=a.n_layer, d_model=a.d_model, n_head=a.n_head, seed=a.seed,
-                                batch_size=a.batch_size, eval_batches=10**6, augment=a.augment)
+    opts = RunConfig.for_recipe(
+        "vit-tiny",
+        vit_tiny.FLAGS,
+        preset="tiny",
+        image_size=28,
+        patch_size=a.patch_size,
+        n_layer=a.n_layer,
+        d_model=a.d_model,
+        n_head=a.n_head,
+        seed=a.seed,
+        batch_size=a.batch_size,
+        eval_batches=10**6,
+        augment=a.augment,
+    )
     built = vit_tiny.make_job(train_set, test_set, opts, str(SRC / "train-*"), str(SRC / "t10k-*"))
-    cfg = RunConfig(steps=a.steps, batch_size=a.batch_size, lr=a.lr, min_lr=a.min_lr, warmup=a.warmup,
-                      weight_decay=a.weight_decay, clip=1.0, eval_every=a.eval_every, eval_batches=10**6,
-                      seed=a.seed)
-    machine = {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-               "cpus": len(os.sched_getaffinity(0)), "torch_threads": torch.get_num_threads(),
-               "torch": torch.__version__, "load_avg_start": os.getloadavg()}
+    cfg = RunConfig(
+        steps=a.steps,
+        batch_size=a.batch_size,
+        lr=a.lr,
+        min_lr=a.min_lr,
+        warmup=a.warmup,
+        weight_decay=a.weight_decay,
+        clip=1.0,
+        eval_every=a.eval_every,
+        eval_batches=10**6,
+        seed=a.seed,
+    )
+    machine = {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpus": len(os.sched_getaffinity(0)),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "load_avg_start": os.getloadavg(),
+    }
     print(f"{built.params:,} parameters, model {built.job.config['model']}, {machine}", flush=True)
     timeline = Timeline()
     res = train(built.job, cfg, None, torch.device("cpu"), EventLog(None), timeline)
     machine["load_avg_end"] = os.getloadavg()
-    out = {"command": " ".join(["python", "scripts/fashion_mnist_experiment.py", *sys.argv[1:]]),
-           "params": built.params, "model": built.job.config["model"], "train": cfg.to_dict(),
-           "machine": machine, "load_s": round(load_s, 1), "images_per_s": res.items_per_s,
-           "wall_s": round(res.wall_s, 1), "evals": timeline.rows}
+    out = {
+        "command": " ".join(["python", "scripts/fashion_mnist_experiment.py", *sys.argv[1:]]),
+        "params": built.params,
+        "model": built.job.config["model"],
+        "train": cfg.to_dict(),
+        "machine": machine,
+        "load_s": round(load_s, 1),
+        "images_per_s": res.items_per_s,
+        "wall_s": round(res.wall_s, 1),
+        "evals": timeline.rows,
+    }
     print(json.dumps(out))
     if a.out:
         a.out.write_text(json.dumps(out, indent=1) + "\n")
-    print("\n| step | epochs | train wall time | test accuracy | test loss |\n| ---: | ---: | ---: | ---: | ---: |")
+    print(
+        "\n| step | epochs | train wall time | test accuracy | test loss |\n| ---: | ---: | ---: | ---: | ---: |"
+    )
     for r in timeline.rows:
         ep = r["step"] * a.batch_size / len(train_set)
-        print(f"| {r['step']} | {ep:.2f} | {r['train_s'] / 60:.1f} min | {100 * r['test_accuracy']:.2f}% "
-              f"| {r['test_loss']:.3f} |")
+        print(
+            f"| {r['step']} | {ep:.2f} | {r['train_s'] / 60:.1f} min | {100 * r['test_accuracy']:.2f}% "
+            f"| {r['test_loss']:.3f} |"
+        )
 
 
 if __name__ == "__main__":

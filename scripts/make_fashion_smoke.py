@@ -19,9 +19,22 @@ from PIL import Image
 from toy.data.images import read_idx
 
 SRC = Path("/usr/share/datasets/fashion-mnist")
-OUT = Path(__file__).resolve().parents[1] / "src" / "toy" / "data" / "assets" / "fashion-mnist-smoke"
+OUT = (
+    Path(__file__).resolve().parents[1] / "src" / "toy" / "data" / "assets" / "fashion-mnist-smoke"
+)
 # Label index -> folder name (Fashion-MNIST's README names, made path-safe).
-CLASSES = ["tshirt-top", "trouser", "pullover", "dress", "coat", "sandal", "shirt", "sneaker", "bag", "ankle-boot"]
+CLASSES = [
+    "tshirt-top",
+    "trouser",
+    "pullover",
+    "dress",
+    "coat",
+    "sandal",
+    "shirt",
+    "sneaker",
+    "bag",
+    "ankle-boot",
+]
 
 ATTRIBUTION = """\
 # Fashion-MNIST smoke set
@@ -58,7 +71,18 @@ Taken from Debian's `dataset-fashion-mnist` package ({src}/train-*-ubyte.gz),
 by `scripts/make_fashion_smoke.py`.
 """
 
-NAMES = ["T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot"]
+NAMES = [
+    "T-shirt/top",
+    "Trouser",
+    "Pullover",
+    "Dress",
+    "Coat",
+    "Sandal",
+    "Shirt",
+    "Sneaker",
+    "Bag",
+    "Ankle boot",
+]
 
 
 def main() -> None:
@@ -78,8 +102,9 @@ def main() -> None:
             # optimize=True and no metadata: byte-stable output, ~300 bytes a file.
             Image.fromarray(images[i], "L").save(d / f"{j:03d}.png", optimize=True)
     rows = "\n".join(f"| {y} | {NAMES[y]} | `{c}/` |" for y, c in enumerate(CLASSES))
-    (a.out / "ATTRIBUTION.md").write_text(ATTRIBUTION.format(n=10 * a.per_class, per=a.per_class, rows=rows,
-                                                             src=a.src))
+    (a.out / "ATTRIBUTION.md").write_text(
+        ATTRIBUTION.format(n=10 * a.per_class, per=a.per_class, rows=rows, src=a.src)
+    )
     print(f"wrote {10 * a.per_class} PNGs to {a.out}")
 
 

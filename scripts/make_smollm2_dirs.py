@@ -54,7 +54,9 @@ def smollm2_gguf() -> tuple[Path, str]:
     from toy.cli.cmd_fetch import MODELS, cache_dir, fetch
 
     known = MODELS["smollm2"]
-    with tempfile.TemporaryDirectory() as d:  # fetch links the file into a dir; we want the cache copy
+    with (
+        tempfile.TemporaryDirectory() as d
+    ):  # fetch links the file into a dir; we want the cache copy
         fetch(known, Path(d))
     return cache_dir() / known.cached, known.sha256
 
@@ -94,8 +96,9 @@ def make_hf(gguf: Path, out: Path) -> None:
     model = AutoModelForCausalLM.from_config(config)
     model.load_state_dict(src.state_dict())  # strict: every tensor of the GGUF has its place
     model.to(torch.bfloat16)
-    model.generation_config = GenerationConfig(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                                               pad_token_id=tok.pad_token_id)
+    model.generation_config = GenerationConfig(
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id
+    )
     model.save_pretrained(out)
     tok.save_pretrained(out)  # tokenizer.json, tokenizer_config.json, chat_template.jinja
 
@@ -103,7 +106,14 @@ def make_hf(gguf: Path, out: Path) -> None:
 def make_mlx(hf_dir: Path, out: Path, bits: int, group_size: int) -> None:
     from mlx_lm import convert
 
-    convert(str(hf_dir), mlx_path=str(out), quantize=True, q_bits=bits, q_group_size=group_size, q_mode="affine")
+    convert(
+        str(hf_dir),
+        mlx_path=str(out),
+        quantize=True,
+        q_bits=bits,
+        q_group_size=group_size,
+        q_mode="affine",
+    )
     # transformers 5 nests rope_theta under rope_parameters; mlx-lm 0.32's llama reads only a top-level
     # rope_theta (default 10000, where SmolLM2 has 100000) and would give garbage. convert copies the
     # config as is, so add the top-level key, as a config written by transformers 4 has it.
@@ -120,31 +130,38 @@ def make_mlx(hf_dir: Path, out: Path, bits: int, group_size: int) -> None:
 def greedy_transformers(model, tok) -> str:
     import torch
 
-    ids = tok.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True,
-                                  return_tensors="pt", return_dict=True)
+    ids = tok.apply_chat_template(
+        [{"role": "user", "content": PROMPT}],
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
+    )
     with torch.no_grad():
         out = model.generate(**ids, max_new_tokens=MAX_NEW, do_sample=False)
-    return tok.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
+    return tok.decode(out[0, ids["input_ids"].shape[1] :], skip_special_tokens=True)
 
 
 def check(gguf: Path, hf_dir: Path, mlx_dir: Path) -> bool:
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     saved = load_file(hf_dir / "model.safetensors")
     want = load_gguf(gguf, torch.float32)[0].state_dict()
     same = [k for k in saved if torch.equal(saved[k], want[k].to(torch.bfloat16))]
-    log(f"weights: {len(same)} of {len(saved)} saved tensors equal the GGUF's (dequantized, rounded to bf16); "
-        f"not saved (tied): {sorted(set(want) - set(saved))}")
+    log(
+        f"weights: {len(same)} of {len(saved)} saved tensors equal the GGUF's (dequantized, rounded to bf16); "
+        f"not saved (tied): {sorted(set(want) - set(saved))}"
+    )
     if len(same) != len(saved):
         log("FAIL: the saved weights are not the GGUF's")
         return False
 
     torch.manual_seed(0)
     tok = AutoTokenizer.from_pretrained(hf_dir)
-    from_dir = greedy_transformers(AutoModelForCausalLM.from_pretrained(hf_dir), tok)  # bf16, as saved
+    from_dir = greedy_transformers(
+        AutoModelForCausalLM.from_pretrained(hf_dir), tok
+    )  # bf16, as saved
     from_gguf = greedy_transformers(*load_gguf(gguf, torch.bfloat16))
     from_gguf32 = greedy_transformers(*load_gguf(gguf, torch.float32))
     log(f"prompt: {PROMPT!r} (chat template, greedy, {MAX_NEW} new tokens)")
@@ -155,8 +172,12 @@ def check(gguf: Path, hf_dir: Path, mlx_dir: Path) -> bool:
     from mlx_lm import generate, load
 
     model, mtok = load(str(mlx_dir))
-    prompt = mtok.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True)
-    log(f"mlx_lm, {mlx_dir.name[-17:]}:  {generate(model, mtok, prompt=prompt, max_tokens=MAX_NEW)!r}")
+    prompt = mtok.apply_chat_template(
+        [{"role": "user", "content": PROMPT}], add_generation_prompt=True
+    )
+    log(
+        f"mlx_lm, {mlx_dir.name[-17:]}:  {generate(model, mtok, prompt=prompt, max_tokens=MAX_NEW)!r}"
+    )
     if from_dir != from_gguf:
         log("FAIL: the transformers directory does not give the GGUF's greedy text")
         return False
@@ -166,19 +187,36 @@ def check(gguf: Path, hf_dir: Path, mlx_dir: Path) -> bool:
 def main() -> int:
     from toy.cli.cmd_fetch import cache_dir, sha256
 
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--gguf", type=Path, help="SmolLM2 GGUF to start from (default: fetch the cached one, as "
-                   "scripts/get-smollm2.sh)")
-    p.add_argument("--check", action="store_true", help="compare greedy text: directory against GGUF, and MLX")
-    p.add_argument("--q-bits", type=int, default=4, choices=(2, 3, 4, 5, 6, 8), help="MLX bits (default 4)")
-    p.add_argument("--q-group-size", type=int, default=64, choices=(32, 64, 128),
-                   help="MLX group size (default 64, mlx-lm's; 32 matches the GGUF's Q4_1 blocks)")
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--gguf",
+        type=Path,
+        help="SmolLM2 GGUF to start from (default: fetch the cached one, as "
+        "scripts/get-smollm2.sh)",
+    )
+    p.add_argument(
+        "--check", action="store_true", help="compare greedy text: directory against GGUF, and MLX"
+    )
+    p.add_argument(
+        "--q-bits", type=int, default=4, choices=(2, 3, 4, 5, 6, 8), help="MLX bits (default 4)"
+    )
+    p.add_argument(
+        "--q-group-size",
+        type=int,
+        default=64,
+        choices=(32, 64, 128),
+        help="MLX group size (default 64, mlx-lm's; 32 matches the GGUF's Q4_1 blocks)",
+    )
     args = p.parse_args()
     if args.gguf is None:
         gguf, digest = smollm2_gguf()
     else:
         if not args.gguf.is_file():
-            log(f"error: --gguf {args.gguf}: no such file; give the SmolLM2 GGUF (scripts/get-smollm2.sh)")
+            log(
+                f"error: --gguf {args.gguf}: no such file; give the SmolLM2 GGUF (scripts/get-smollm2.sh)"
+            )
             return 2
         gguf, digest = args.gguf.resolve(), sha256(args.gguf)
 

@@ -24,9 +24,32 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-TINY = ["--preset", "tiny", "--batch-size", "4", "--seq-len", "32", "--eval-batches", "2", "--steps", "6"]
-LORA = ["--seq-len", "96", "--batch-size", "2", "--eval-batches", "2", "--lr", "1e-2", "--warmup", "0",
-        "--steps", "5"]
+TINY = [
+    "--preset",
+    "tiny",
+    "--batch-size",
+    "4",
+    "--seq-len",
+    "32",
+    "--eval-batches",
+    "2",
+    "--steps",
+    "6",
+]
+LORA = [
+    "--seq-len",
+    "96",
+    "--batch-size",
+    "2",
+    "--eval-batches",
+    "2",
+    "--lr",
+    "1e-2",
+    "--warmup",
+    "0",
+    "--steps",
+    "5",
+]
 
 
 def cases(d: Path) -> dict[str, list[str]]:
@@ -36,18 +59,88 @@ def cases(d: Path) -> dict[str, list[str]]:
         "from-scratch gpt2": ["--arch", "gpt2", "--corpus", d / "c.bin", *TINY],
         "from-scratch accum 2": ["--corpus", d / "c.bin", *TINY, "--grad-accum", "2"],
         "from-scratch checkpointing": ["--corpus", d / "c.bin", *TINY, "--checkpointing"],
-        "warm-start scratch": ["--recipe", "warm-start", "--donor", d / "donor.gguf", "--corpus", d / "w.bin",
-                               "--init", "scratch", *TINY],
-        "warm-start donor": ["--recipe", "warm-start", "--donor", d / "donor.gguf", "--corpus", d / "w.bin",
-                             "--init", "donor", "--d-model", "32", *TINY],
-        "warm-start pca": ["--recipe", "warm-start", "--donor", d / "donor.gguf", "--corpus", d / "w.bin",
-                           "--init", "pca", "--d-model", "32", *TINY],
-        "lora chat quantized": ["--recipe", "lora", "--model", d / "base.gguf", "--data", d / "chat.jsonl", *LORA],
-        "lora chat float32": ["--recipe", "lora", "--model", d / "base.gguf", "--data", d / "chat.jsonl", *LORA,
-                              "--base-dtype", "float32", "--targets", "q_proj,v_proj,down_proj"],
-        "lora tokens": ["--recipe", "lora", "--model", d / "base.gguf", "--corpus", d / "b.bin", *LORA],
-        "vit-tiny": ["--recipe", "vit-tiny", "--images", d / "img", "--preset", "tiny", "--batch-size", "8",
-                     "--steps", "5", "--eval-batches", "2"],
+        "warm-start scratch": [
+            "--recipe",
+            "warm-start",
+            "--donor",
+            d / "donor.gguf",
+            "--corpus",
+            d / "w.bin",
+            "--init",
+            "scratch",
+            *TINY,
+        ],
+        "warm-start donor": [
+            "--recipe",
+            "warm-start",
+            "--donor",
+            d / "donor.gguf",
+            "--corpus",
+            d / "w.bin",
+            "--init",
+            "donor",
+            "--d-model",
+            "32",
+            *TINY,
+        ],
+        "warm-start pca": [
+            "--recipe",
+            "warm-start",
+            "--donor",
+            d / "donor.gguf",
+            "--corpus",
+            d / "w.bin",
+            "--init",
+            "pca",
+            "--d-model",
+            "32",
+            *TINY,
+        ],
+        "lora chat quantized": [
+            "--recipe",
+            "lora",
+            "--model",
+            d / "base.gguf",
+            "--data",
+            d / "chat.jsonl",
+            *LORA,
+        ],
+        "lora chat float32": [
+            "--recipe",
+            "lora",
+            "--model",
+            d / "base.gguf",
+            "--data",
+            d / "chat.jsonl",
+            *LORA,
+            "--base-dtype",
+            "float32",
+            "--targets",
+            "q_proj,v_proj,down_proj",
+        ],
+        "lora tokens": [
+            "--recipe",
+            "lora",
+            "--model",
+            d / "base.gguf",
+            "--corpus",
+            d / "b.bin",
+            *LORA,
+        ],
+        "vit-tiny": [
+            "--recipe",
+            "vit-tiny",
+            "--images",
+            d / "img",
+            "--preset",
+            "tiny",
+            "--batch-size",
+            "8",
+            "--steps",
+            "5",
+            "--eval-batches",
+            "2",
+        ],
         "from-scratch 2 processes": ["--nproc", "2", "--corpus", d / "c.bin", *TINY],
     }
 
@@ -72,50 +165,105 @@ def make_inputs(d: Path) -> None:
     tok.add_special_tokens(["<|im_start|>", "<|im_end|>"])
     vocab = tok.get_vocab_size(with_added_tokens=True)
     write_llama_gguf(d / "donor.gguf", tiny_model(seed=3, vocab_size=vocab), tok)
-    assert main(["prep", str(d / "t.txt"), "--out", str(d / "w.bin"), "--tokenizer", str(d / "donor.gguf")]) == 0
+    assert (
+        main(
+            [
+                "prep",
+                str(d / "t.txt"),
+                "--out",
+                str(d / "w.bin"),
+                "--tokenizer",
+                str(d / "donor.gguf"),
+            ]
+        )
+        == 0
+    )
     base = tiny_model(vocab_size=vocab, max_seq_len=256)
-    q8 = {f"blk.{i}.{t}.weight": "Q8_0" for i in range(2) for t in ("attn_q", "attn_k", "attn_v", "attn_output",
-                                                                     "ffn_gate", "ffn_up", "ffn_down")}
+    q8 = {
+        f"blk.{i}.{t}.weight": "Q8_0"
+        for i in range(2)
+        for t in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+    }
     write_llama_gguf(d / "base.gguf", base, tok, qtypes=q8)
     write_jsonl(conversations(plays, 60, seed=1, turns=(1, 2), max_chars=150), d / "chat.jsonl")
-    assert main(["prep", str(d / "t.txt"), "--out", str(d / "b.bin"), "--tokenizer", str(d / "base.gguf")]) == 0
+    assert (
+        main(
+            [
+                "prep",
+                str(d / "t.txt"),
+                "--out",
+                str(d / "b.bin"),
+                "--tokenizer",
+                str(d / "base.gguf"),
+            ]
+        )
+        == 0
+    )
     import numpy as np
 
     rng = np.random.default_rng(0)
     for c in ("a", "b", "c"):
         (d / "img" / c).mkdir(parents=True)
         for i in range(12):
-            Image.fromarray(rng.integers(0, 255, (28, 28), dtype=np.uint8)).save(d / "img" / c / f"{i}.png")
+            Image.fromarray(rng.integers(0, 255, (28, 28), dtype=np.uint8)).save(
+                d / "img" / c / f"{i}.png"
+            )
 
 
 def run_all(src: Path, d: Path, out: Path, only: list[str] | None) -> dict[str, dict]:
-    env = {**os.environ, "PYTHONPATH": str(src), "TOY_CACHE": str(d / "cache"), "OMP_NUM_THREADS": "1"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(src),
+        "TOY_CACHE": str(d / "cache"),
+        "OMP_NUM_THREADS": "1",
+    }
     results = {}
     for name, argv in cases(d).items():
         if only and name not in only:
             continue
         rid = name.replace(" ", "-")
-        cmd = [sys.executable, "-m", "toy", "train", *map(str, argv), "--json", "--out", str(out), "--run-id", rid]
+        cmd = [
+            sys.executable,
+            "-m",
+            "toy",
+            "train",
+            *map(str, argv),
+            "--json",
+            "--out",
+            str(out),
+            "--run-id",
+            rid,
+        ]
         r = subprocess.run(cmd, cwd=d, env=env, capture_output=True, text=True, timeout=900)
         if r.returncode != 0:
             results[name] = {"error": (r.stderr.strip().splitlines() or ["?"])[-1]}
             continue
         j = json.loads(r.stdout.strip().splitlines()[-1])
         # The numbers as JSON text: the same bytes or not.
-        results[name] = {"losses": json.dumps(j["losses"]), "val_losses": json.dumps(j["val_losses"])}
+        results[name] = {
+            "losses": json.dumps(j["losses"]),
+            "val_losses": json.dumps(j["val_losses"]),
+        }
     return results
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("rev", help="the revision to compare this checkout with (a commit, tag or branch)")
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "rev", help="the revision to compare this checkout with (a commit, tag or branch)"
+    )
     ap.add_argument("--case", action="append", help="run only this case (repeatable)")
     ap.add_argument("--keep", action="store_true", help="keep the temporary directory")
     a = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="same-losses-"))
     wt = tmp / "rev"
     try:
-        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "-q", str(wt), a.rev], check=True)
+        subprocess.run(
+            ["git", "-C", str(ROOT), "worktree", "add", "--detach", "-q", str(wt), a.rev],
+            check=True,
+        )
         d = tmp / "inputs"
         d.mkdir()
         make_inputs(d)
@@ -128,10 +276,14 @@ def main() -> int:
             bad += not same
             what = "same losses" if same else f"DIFFER: {a.rev}: {b} / here: {n}"
             print(f"{name:28s} {what}")
-        print(f"{len(before) - bad} of {len(before)} cases give the same losses byte for byte as {a.rev}")
+        print(
+            f"{len(before) - bad} of {len(before)} cases give the same losses byte for byte as {a.rev}"
+        )
         return 1 if bad else 0
     finally:
-        subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(wt)], capture_output=True)
+        subprocess.run(
+            ["git", "-C", str(ROOT), "worktree", "remove", "--force", str(wt)], capture_output=True
+        )
         if not a.keep:
             shutil.rmtree(tmp, ignore_errors=True)
         else:

@@ -47,10 +47,15 @@ class Losses(Reporter):
     def __init__(self) -> None:
         self.losses: list[float] = []
 
-    def step(self, step: int, loss: float, items_per_s: float | None, peak_mem: int | None = None) -> None:
+    def step(
+        self, step: int, loss: float, items_per_s: float | None, peak_mem: int | None = None
+    ) -> None:
         self.losses.append(loss)
         if step % 50 == 0:
-            print(f"  step {step}: mean train loss of the last 50 steps {sum(self.losses[-50:]) / 50:.3f}", flush=True)
+            print(
+                f"  step {step}: mean train loss of the last 50 steps {sum(self.losses[-50:]) / 50:.3f}",
+                flush=True,
+            )
 
 
 def ablate(a: argparse.Namespace) -> None:
@@ -71,6 +76,7 @@ def ablate(a: argparse.Namespace) -> None:
 
     vit.ViT.reset_parameters = reset_parameters
     if a.pool == "mean":
+
         def features(self: vit.ViT, images: torch.Tensor) -> torch.Tensor:
             x = self.patch_embed(images).flatten(2).transpose(1, 2)  # (B, N, C)
             x = torch.cat([self.cls_token.expand(len(x), -1, -1), x], dim=1) + self.pos_embed
@@ -80,11 +86,22 @@ def ablate(a: argparse.Namespace) -> None:
 
         vit.ViT.features = features
     if a.norm == "standard":
-        vit_tiny.to_float = lambda x: (x.float() / 255 - 0.286) / 0.353  # Fashion-MNIST's pixel mean and std
+        vit_tiny.to_float = lambda x: (
+            (x.float() / 255 - 0.286) / 0.353
+        )  # Fashion-MNIST's pixel mean and std
     if a.label_smoothing:
         ce = F.cross_entropy
-        vit_tiny.F = type("F", (), {"cross_entropy": staticmethod(
-            lambda logits, y, reduction="mean": ce(logits, y, reduction=reduction, label_smoothing=a.label_smoothing))})
+        vit_tiny.F = type(
+            "F",
+            (),
+            {
+                "cross_entropy": staticmethod(
+                    lambda logits, y, reduction="mean": ce(
+                        logits, y, reduction=reduction, label_smoothing=a.label_smoothing
+                    )
+                )
+            },
+        )
 
 
 def main() -> None:
@@ -105,7 +122,9 @@ def main() -> None:
     ap.add_argument("--clip", type=float, default=1.0)
     ap.add_argument("--augment", default="auto")
     ap.add_argument("--pos", choices=("sincos", "timm"), default="sincos")
-    ap.add_argument("--block-init", default="fan-in", help="fan-in, timm, or the layers to keep fan-in scaled")
+    ap.add_argument(
+        "--block-init", default="fan-in", help="fan-in, timm, or the layers to keep fan-in scaled"
+    )
     ap.add_argument("--pool", choices=("cls", "mean"), default="cls")
     ap.add_argument("--patch-std", type=float)
     ap.add_argument("--norm", choices=("pm1", "standard"), default="pm1")
@@ -118,12 +137,35 @@ def main() -> None:
     train_set, test_set = load("train"), load("t10k")
     train_set = train_set.subset(torch.arange(len(train_set)) < a.n_train)
     test_set = test_set.subset(torch.arange(len(test_set)) < a.n_test)
-    given = {k: v for k, v in dict(lr=a.lr, min_lr=a.min_lr, warmup=a.warmup, weight_decay=a.weight_decay,
-                                    preset=a.preset, n_layer=a.n_layer, d_model=a.d_model,
-                                    n_head=a.n_head).items() if v is not None}
-    opts = RunConfig.for_recipe("vit-tiny", vit_tiny.FLAGS, **{**given, "image_size": 28, "patch_size": a.patch_size,
-                                "seed": a.seed, "batch_size": a.batch_size, "steps": a.steps,
-                                "augment": a.augment, "clip": a.clip, "eval_batches": 10**6})
+    given = {
+        k: v
+        for k, v in dict(
+            lr=a.lr,
+            min_lr=a.min_lr,
+            warmup=a.warmup,
+            weight_decay=a.weight_decay,
+            preset=a.preset,
+            n_layer=a.n_layer,
+            d_model=a.d_model,
+            n_head=a.n_head,
+        ).items()
+        if v is not None
+    }
+    opts = RunConfig.for_recipe(
+        "vit-tiny",
+        vit_tiny.FLAGS,
+        **{
+            **given,
+            "image_size": 28,
+            "patch_size": a.patch_size,
+            "seed": a.seed,
+            "batch_size": a.batch_size,
+            "steps": a.steps,
+            "augment": a.augment,
+            "clip": a.clip,
+            "eval_batches": 10**6,
+        },
+    )
     built = vit_tiny.make_job(train_set, test_set, opts, "train", "t10k")
     opts = opts.with_derived(built.derived)
     for note in built.notes:
@@ -132,10 +174,18 @@ def main() -> None:
     t0 = time.perf_counter()
     res = train(built.job, cfg, None, torch.device("cpu"), EventLog(None), Losses())
     args = " ".join(sys.argv[1:])
-    row = {"args": args, "model": {k: built.job.config["model"][k] for k in ("n_layer", "d_model", "n_head")},
-           "augment": built.job.config["augment"], "lr": cfg.lr, "warmup": cfg.warmup, "steps": cfg.steps,
-           "test_images": len(test_set), "test_accuracy": round(res.metrics[-1]["accuracy"], 4),
-           "test_loss": round(res.val_losses[-1]["loss"], 4), "wall_s": round(time.perf_counter() - t0)}
+    row = {
+        "args": args,
+        "model": {k: built.job.config["model"][k] for k in ("n_layer", "d_model", "n_head")},
+        "augment": built.job.config["augment"],
+        "lr": cfg.lr,
+        "warmup": cfg.warmup,
+        "steps": cfg.steps,
+        "test_images": len(test_set),
+        "test_accuracy": round(res.metrics[-1]["accuracy"], 4),
+        "test_loss": round(res.val_losses[-1]["loss"], 4),
+        "wall_s": round(time.perf_counter() - t0),
+    }
     print(json.dumps(row), flush=True)
 
 

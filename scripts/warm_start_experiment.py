@@ -43,8 +43,12 @@ def toy(*args: object) -> str:
 
 
 def get_donor(work: Path) -> Path:
-    r = subprocess.run(["bash", str(ROOT / "scripts" / "get-smollm2.sh"), str(work)], capture_output=True, text=True,
-                       env={**os.environ, "PYTHON": sys.executable})
+    r = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "get-smollm2.sh"), str(work)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHON": sys.executable},
+    )
     if r.returncode != 0:
         sys.exit(f"scripts/get-smollm2.sh failed: {r.stderr.strip()}")
     return Path(r.stdout.strip().splitlines()[-1])
@@ -62,9 +66,17 @@ def unigram_val_loss(train: Path, val: Path) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--work", default="/tmp/ws", help="scratch directory: donor link, corpus, runs (default /tmp/ws)")
-    ap.add_argument("--plays", default="hamlet,macbeth,othello,tempest", help="bundled plays to train on")
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--work",
+        default="/tmp/ws",
+        help="scratch directory: donor link, corpus, runs (default /tmp/ws)",
+    )
+    ap.add_argument(
+        "--plays", default="hamlet,macbeth,othello,tempest", help="bundled plays to train on"
+    )
     ap.add_argument("--inits", default="scratch,donor,pca")
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--eval-every", type=int, default=25)
@@ -77,8 +89,12 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--probe", action=argparse.BooleanOptionalAction, default=True,
-                    help="also measure the step-0 loss of the exact equal-width copy (d_model = donor width)")
+    ap.add_argument(
+        "--probe",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also measure the step-0 loss of the exact equal-width copy (d_model = donor width)",
+    )
     ap.add_argument("--results", default=str(ROOT / "docs" / "results.md"))
     ap.add_argument("--plot", default=str(ROOT / "docs" / "warm_start_loss.png"))
     ap.add_argument("--no-write", action="store_true", help="print the figures, leave docs/ alone")
@@ -90,28 +106,80 @@ def main() -> None:
     desc = json.loads(toy("describe", donor, "--json"))
     plays = [PLAYS / f"{p.strip()}.txt" for p in a.plays.split(",")]
     corpus = work / "corpus.bin"
-    prep = json.loads(toy("prep", *plays, "--tokenizer", donor, "--out", corpus, "--val-fraction", "0.1", "--force",
-                           "--json"))
-    print(f"corpus: {prep['train_tokens']:,} train / {prep['val_tokens']:,} val tokens, vocab {prep['vocab_size']:,}",
-          flush=True)
+    prep = json.loads(
+        toy(
+            "prep",
+            *plays,
+            "--tokenizer",
+            donor,
+            "--out",
+            corpus,
+            "--val-fraction",
+            "0.1",
+            "--force",
+            "--json",
+        )
+    )
+    print(
+        f"corpus: {prep['train_tokens']:,} train / {prep['val_tokens']:,} val tokens, vocab {prep['vocab_size']:,}",
+        flush=True,
+    )
     runs = work / "runs"
-    shape = ["--n-layer", a.n_layer, "--d-model", a.d_model, "--n-head", a.n_head, "--n-kv-head", a.n_kv_head,
-             "--seq-len", a.seq_len, "--batch-size", a.batch_size, "--lr", a.lr, "--seed", a.seed]
+    shape = [
+        "--n-layer",
+        a.n_layer,
+        "--d-model",
+        a.d_model,
+        "--n-head",
+        a.n_head,
+        "--n-kv-head",
+        a.n_kv_head,
+        "--seq-len",
+        a.seq_len,
+        "--batch-size",
+        a.batch_size,
+        "--lr",
+        a.lr,
+        "--seed",
+        a.seed,
+    ]
     results: dict[str, dict] = {}
     for init in a.inits.split(","):
         rid = f"ws-{init}"
         shutil.rmtree(runs / rid, ignore_errors=True)
         t0 = time.perf_counter()
-        out = toy("train", "--recipe", "warm-start", "--donor", donor, "--corpus", corpus, "--init", init, *shape,
-                  "--steps", a.steps, "--eval-every", a.eval_every, "--eval-batches", a.eval_batches,
-                  "--out", runs, "--run-id", rid, "--json")
+        out = toy(
+            "train",
+            "--recipe",
+            "warm-start",
+            "--donor",
+            donor,
+            "--corpus",
+            corpus,
+            "--init",
+            init,
+            *shape,
+            "--steps",
+            a.steps,
+            "--eval-every",
+            a.eval_every,
+            "--eval-batches",
+            a.eval_batches,
+            "--out",
+            runs,
+            "--run-id",
+            rid,
+            "--json",
+        )
         r = json.loads(out)
         r["process_s"] = time.perf_counter() - t0
         info = json.loads((runs / rid / "run.json").read_text())
         r["trainable"] = info["params"]
         results[init] = r
         vals = " ".join(f"{v['step']}:{v['loss']:.3f}" for v in r["val_losses"])
-        print(f"{init:8s} val {vals} | {r['tokens_per_s']:.0f} tok/s, {r['wall_s']:.0f}s", flush=True)
+        print(
+            f"{init:8s} val {vals} | {r['tokens_per_s']:.0f} tok/s, {r['wall_s']:.0f}s", flush=True
+        )
 
     probe = None
     if a.probe:
@@ -120,15 +188,46 @@ def main() -> None:
         width = desc["hyperparameters"]
         rid = "ws-probe-equal-width"
         shutil.rmtree(runs / rid, ignore_errors=True)
-        out = toy("train", "--recipe", "warm-start", "--donor", donor, "--corpus", corpus, "--init", "donor",
-                  "--n-layer", a.n_layer, "--d-model", width["d_model"], "--n-head", width["n_head"],
-                  "--n-kv-head", width["n_kv_head"], "--seq-len", a.seq_len, "--batch-size", a.batch_size,
-                  "--seed", a.seed, "--steps", 1, "--eval-batches", a.eval_batches, "--out", runs, "--run-id", rid,
-                  "--json")
+        out = toy(
+            "train",
+            "--recipe",
+            "warm-start",
+            "--donor",
+            donor,
+            "--corpus",
+            corpus,
+            "--init",
+            "donor",
+            "--n-layer",
+            a.n_layer,
+            "--d-model",
+            width["d_model"],
+            "--n-head",
+            width["n_head"],
+            "--n-kv-head",
+            width["n_kv_head"],
+            "--seq-len",
+            a.seq_len,
+            "--batch-size",
+            a.batch_size,
+            "--seed",
+            a.seed,
+            "--steps",
+            1,
+            "--eval-batches",
+            a.eval_batches,
+            "--out",
+            runs,
+            "--run-id",
+            rid,
+            "--json",
+        )
         r = json.loads(out)
         probe = {"d_model": width["d_model"], "val0": r["val_losses"][0]["loss"]}
-        print(f"probe: equal-width copy (d_model {width['d_model']}) val loss at step 0 {probe['val0']:.3f}",
-              flush=True)
+        print(
+            f"probe: equal-width copy (d_model {width['d_model']}) val loss at step 0 {probe['val0']:.3f}",
+            flush=True,
+        )
 
     unigram = unigram_val_loss(corpus, work / "corpus.val.bin")
     vocab = prep["vocab_size"]
@@ -136,14 +235,28 @@ def main() -> None:
     print(text)
     if a.no_write:
         return
-    toy("plot", *(runs / f"ws-{i}" for i in results), "--out", a.plot, "--title",
-        f"warm start from SmolLM2-135M's embedding: {a.n_layer} layers, d_model {a.d_model}")
+    toy(
+        "plot",
+        *(runs / f"ws-{i}" for i in results),
+        "--out",
+        a.plot,
+        "--title",
+        f"warm start from SmolLM2-135M's embedding: {a.n_layer} layers, d_model {a.d_model}",
+    )
     write_section(Path(a.results), text)
     print(f"wrote {a.results} and {a.plot}")
 
 
-def report(a, prep: dict, plays: list[Path], results: dict[str, dict], probe: dict | None, unigram: float,
-           vocab: int, desc: dict) -> str:
+def report(
+    a,
+    prep: dict,
+    plays: list[Path],
+    results: dict[str, dict],
+    probe: dict | None,
+    unigram: float,
+    vocab: int,
+    desc: dict,
+) -> str:
     inits = list(results)
     steps = sorted({v["step"] for r in results.values() for v in r["val_losses"]})
     val = {i: {v["step"]: v["loss"] for v in r["val_losses"]} for i, r in results.items()}
@@ -181,14 +294,22 @@ def report(a, prep: dict, plays: list[Path], results: dict[str, dict], probe: di
         best = min((val[i][s] for i in inits if s in val[i]), default=None)
         row = [f"**{c}**" if best is not None and c == f"{best:.3f}" else c for c in row]
         lines.append(f"| {s} | " + " | ".join(row) + " |")
-    lines += ["", "| init | trainable params | final train loss | final val loss | tokens/s | train wall time |",
-              "|---|---:|---:|---:|---:|---:|"]
+    lines += [
+        "",
+        "| init | trainable params | final train loss | final val loss | tokens/s | train wall time |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
     for i, r in results.items():
-        lines.append(f"| {i} | {r['trainable']:,} | {r['losses'][-1]['loss']:.3f} | "
-                     f"{r['val_losses'][-1]['loss']:.3f} | {r['tokens_per_s']:,.0f} | {r['wall_s']:.0f} s |")
+        lines.append(
+            f"| {i} | {r['trainable']:,} | {r['losses'][-1]['loss']:.3f} | "
+            f"{r['val_losses'][-1]['loss']:.3f} | {r['tokens_per_s']:,.0f} | {r['wall_s']:.0f} s |"
+        )
     if probe is not None:
-        lines += ["", f"Probe: the exact copy at the donor's width (`--init donor --d-model {probe['d_model']}`, "
-                  f"no rescale) starts at validation loss {probe['val0']:.3f}."]
+        lines += [
+            "",
+            f"Probe: the exact copy at the donor's width (`--init donor --d-model {probe['d_model']}`, "
+            f"no rescale) starts at validation loss {probe['val0']:.3f}.",
+        ]
     lines += ["", f"![validation and train loss]({Path(a.plot).name})", END]
     return "\n".join(lines)
 

@@ -38,7 +38,9 @@ INITS = ("scratch", "donor", "pca")
 
 
 def parse() -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--corpus", required=True, help="token file from `toy prep --tokenizer DONOR`")
     ap.add_argument("--donor", required=True, help="donor GGUF (its token_embd.weight)")
     ap.add_argument("--inits", nargs="+", default=list(INITS), choices=INITS)
@@ -52,21 +54,36 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--eval-batches", type=int, default=4)
-    ap.add_argument("--eval-every", type=int, default=20, help="validation every N steps: the curves")
+    ap.add_argument(
+        "--eval-every", type=int, default=20, help="validation every N steps: the curves"
+    )
     ap.add_argument("--freeze-embed-steps", type=int, default=0, help="donor and pca only")
     ap.add_argument("--embed-lr-scale", type=float, help="all three inits (default: the recipe's)")
-    ap.add_argument("--scratch-embed-lr-scale", type=float,
-                    help="scratch only, e.g. 1 for the baseline before the embedding LR became 3 x --lr")
+    ap.add_argument(
+        "--scratch-embed-lr-scale",
+        type=float,
+        help="scratch only, e.g. 1 for the baseline before the embedding LR became 3 x --lr",
+    )
     ap.add_argument("--label", help="config cell (default: built from the settings)")
     ap.add_argument("--cache", default="warm_start_probe.jsonl", help="JSON lines of finished runs")
     ap.add_argument("--out", help="where run directories go (default: a temporary directory)")
     ap.add_argument("--python", default=sys.executable)
-    ap.add_argument("--jobs", type=int, default=1,
-                    help="runs at once (each with OMP_NUM_THREADS=1 unless it is set); 2 on 2 cores")
-    ap.add_argument("--curves", action="store_true",
-                    help="also print the validation curve by step (mean over seeds) for each init")
-    ap.add_argument("--cached-only", action="store_true",
-                    help="run nothing: print the row from the runs already in --cache")
+    ap.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="runs at once (each with OMP_NUM_THREADS=1 unless it is set); 2 on 2 cores",
+    )
+    ap.add_argument(
+        "--curves",
+        action="store_true",
+        help="also print the validation curve by step (mean over seeds) for each init",
+    )
+    ap.add_argument(
+        "--cached-only",
+        action="store_true",
+        help="run nothing: print the row from the runs already in --cache",
+    )
     return ap.parse_args()
 
 
@@ -87,21 +104,54 @@ def settings(a: argparse.Namespace, init: str, seed: int) -> dict:
         "eval_batches": a.eval_batches,
         "eval_every": a.eval_every,
         "freeze_embed_steps": 0 if init == "scratch" else a.freeze_embed_steps,
-        "embed_lr_scale": (a.scratch_embed_lr_scale if init == "scratch" and a.scratch_embed_lr_scale is not None
-                           else a.embed_lr_scale),
+        "embed_lr_scale": (
+            a.scratch_embed_lr_scale
+            if init == "scratch" and a.scratch_embed_lr_scale is not None
+            else a.embed_lr_scale
+        ),
     }
 
 
 def run_one(a: argparse.Namespace, s: dict, out: str) -> list[list[float]]:
     """The run's validation curve: [[step, loss], ...]."""
     cmd = [
-        a.python, "-m", "toy", "train", "--recipe", "warm-start",
-        "--donor", s["donor"], "--corpus", s["corpus"], "--init", s["init"],
-        "--n-layer", str(s["n_layer"]), "--d-model", str(s["d_model"]),
-        "--n-head", str(s["n_head"]), "--n-kv-head", str(s["n_kv_head"]),
-        "--seq-len", str(s["seq_len"]), "--batch-size", str(s["batch_size"]),
-        "--lr", str(s["lr"]), "--eval-batches", str(s["eval_batches"]), "--eval-every", str(s["eval_every"]),
-        "--steps", str(s["steps"]), "--seed", str(s["seed"]), "--json", "--out", out,
+        a.python,
+        "-m",
+        "toy",
+        "train",
+        "--recipe",
+        "warm-start",
+        "--donor",
+        s["donor"],
+        "--corpus",
+        s["corpus"],
+        "--init",
+        s["init"],
+        "--n-layer",
+        str(s["n_layer"]),
+        "--d-model",
+        str(s["d_model"]),
+        "--n-head",
+        str(s["n_head"]),
+        "--n-kv-head",
+        str(s["n_kv_head"]),
+        "--seq-len",
+        str(s["seq_len"]),
+        "--batch-size",
+        str(s["batch_size"]),
+        "--lr",
+        str(s["lr"]),
+        "--eval-batches",
+        str(s["eval_batches"]),
+        "--eval-every",
+        str(s["eval_every"]),
+        "--steps",
+        str(s["steps"]),
+        "--seed",
+        str(s["seed"]),
+        "--json",
+        "--out",
+        out,
     ]
     if s["freeze_embed_steps"]:
         cmd += ["--freeze-embed-steps", str(s["freeze_embed_steps"])]
@@ -119,9 +169,17 @@ def cell(xs: list[float], signed: bool = False) -> str:
     if not xs:
         return "-"
     m = statistics.fmean(xs)
-    return f"{m:+.3f} [{min(xs):+.3f}, {max(xs):+.3f}]" if signed and len(xs) > 1 else (
-        f"{m:+.3f}" if signed else
-        f"{m:.3f} [{min(xs):.3f}, {max(xs):.3f}]" if len(xs) > 1 else f"{m:.3f}")
+    return (
+        f"{m:+.3f} [{min(xs):+.3f}, {max(xs):+.3f}]"
+        if signed and len(xs) > 1
+        else (
+            f"{m:+.3f}"
+            if signed
+            else f"{m:.3f} [{min(xs):.3f}, {max(xs):.3f}]"
+            if len(xs) > 1
+            else f"{m:.3f}"
+        )
+    )
 
 
 def main() -> None:
@@ -160,22 +218,32 @@ def main() -> None:
         return [loss[(init, s)] for s in a.seeds if (init, s) in loss]
 
     def diff(init: str) -> list[float]:
-        return [loss[(init, s)] - loss[("scratch", s)] for s in a.seeds
-                if (init, s) in loss and ("scratch", s) in loss]
+        return [
+            loss[(init, s)] - loss[("scratch", s)]
+            for s in a.seeds
+            if (init, s) in loss and ("scratch", s) in loss
+        ]
 
     label = a.label or (
         f"{a.steps} steps, lr {a.lr:g}"
         + (f", freeze {a.freeze_embed_steps}" if a.freeze_embed_steps else "")
         + (f", embed LR x{a.embed_lr_scale:g}" if a.embed_lr_scale is not None else "")
-        + (f", scratch embed LR x{a.scratch_embed_lr_scale:g}" if a.scratch_embed_lr_scale is not None else "")
+        + (
+            f", scratch embed LR x{a.scratch_embed_lr_scale:g}"
+            if a.scratch_embed_lr_scale is not None
+            else ""
+        )
     )
     cells = [label, cell(col("scratch"))]
     cells += [cell(col(i)) if i in a.inits else "-" for i in ("donor", "pca")]
     cells += [cell(diff(i), signed=True) if i in a.inits else "-" for i in ("donor", "pca")]
     have = {i: ",".join(str(s) for s in a.seeds if (i, s) in loss) for i in ("scratch", *a.inits)}
     full = ",".join(str(s) for s in a.seeds)
-    cells.append(full if all(v == full for v in have.values())
-                 else "; ".join(f"{i} {v or 'none'}" for i, v in have.items()) + " (incomplete)")
+    cells.append(
+        full
+        if all(v == full for v in have.values())
+        else "; ".join(f"{i} {v or 'none'}" for i, v in have.items()) + " (incomplete)"
+    )
     print("| " + " | ".join(cells) + " |")
     if a.curves:
         inits = ("scratch", *[i for i in ("donor", "pca") if i in a.inits])

@@ -46,8 +46,14 @@ def run_toy(*argv, cwd=None, timeout=600, env=None):
 
     e = dict(os.environ)
     e.update(env or {})
-    return subprocess.run([sys.executable, "-m", "toy", *map(str, argv)], cwd=cwd, capture_output=True,
-                          text=True, timeout=timeout, env=e)
+    return subprocess.run(
+        [sys.executable, "-m", "toy", *map(str, argv)],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=e,
+    )
 
 
 def assert_every_parameter_learns(model) -> None:

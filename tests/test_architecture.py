@@ -9,7 +9,18 @@ import pytest
 SRC = Path(__file__).resolve().parents[1] / "src" / "toy"
 
 # Bottom to top. A module may import toy modules of its own layer or lower ones only.
-LAYERS = ["errors", "runs", "tokenizer", "models", "lora", "data", "formats", "train", "recipes", "cli"]
+LAYERS = [
+    "errors",
+    "runs",
+    "tokenizer",
+    "models",
+    "lora",
+    "data",
+    "formats",
+    "train",
+    "recipes",
+    "cli",
+]
 RANK = {name: i for i, name in enumerate(LAYERS)}
 # What recipes share without being recipes: the recipe table and the decoder-LM part.
 SHARED_RECIPE_PARTS = ("toy.recipes", "toy.recipes.lm")
@@ -47,8 +58,15 @@ def toy_imports(path: Path, src: Path = SRC) -> list[tuple[int, str]]:
             else:
                 mod = node.module or ""
             if mod.split(".")[0] == "toy":
-                if node.module is None or mod in ("toy", "toy.models", "toy.data", "toy.formats", "toy.train",
-                                                  "toy.recipes", "toy.cli"):
+                if node.module is None or mod in (
+                    "toy",
+                    "toy.models",
+                    "toy.data",
+                    "toy.formats",
+                    "toy.train",
+                    "toy.recipes",
+                    "toy.cli",
+                ):
                     out += [(node.lineno, f"{mod}.{a.name}") for a in node.names]
                 else:
                     out.append((node.lineno, mod))
@@ -73,7 +91,12 @@ def violations(src: Path = SRC) -> list[str]:
                 bad.append(f"{where}: models imports only torch and toy.models")
             if mine == "data" and theirs == "models":
                 bad.append(f"{where}: data never imports models")
-            if mine == "recipes" and theirs == "recipes" and me != "toy.recipes" and imp not in SHARED_RECIPE_PARTS:
+            if (
+                mine == "recipes"
+                and theirs == "recipes"
+                and me != "toy.recipes"
+                and imp not in SHARED_RECIPE_PARTS
+            ):
                 bad.append(f"{where}: a recipe never imports another recipe")
             if theirs == "cli" and mine != "cli":
                 bad.append(f"{where}: nothing imports cli")
@@ -112,9 +135,12 @@ def test_cli_holds_no_training_policy():
     """`toy train` is argparse and a call into train.run: the loop, the schedule, jobs and
     checkpoints are the run's business, not the command line's."""
     policy = ("toy.train.loop", "toy.train.schedule", "toy.train.job", "toy.formats.checkpoint")
-    bad = [f"{p.name}:{line} imports {imp}" for p in sorted((SRC / "cli").glob("*.py"))
-           for line, imp in toy_imports(p) if imp.startswith(policy) and (p.name == "cmd_train.py"
-                                                                          or not imp.startswith(policy[-1]))]
+    bad = [
+        f"{p.name}:{line} imports {imp}"
+        for p in sorted((SRC / "cli").glob("*.py"))
+        for line, imp in toy_imports(p)
+        if imp.startswith(policy) and (p.name == "cmd_train.py" or not imp.startswith(policy[-1]))
+    ]
     assert bad == []
     assert any(imp == "toy.train.run" for _, imp in toy_imports(SRC / "cli" / "cmd_train.py"))
 
@@ -126,7 +152,11 @@ def test_no_probing_of_recipes_or_models_in_train():
     bad = []
     for p in sorted((SRC / "train").glob("*.py")):
         for node in ast.walk(ast.parse(p.read_text())):
-            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("hasattr", "getattr"):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Name)
+                and node.func.id in ("hasattr", "getattr")
+            ):
                 target, attr = node.args[0], node.args[1]
                 if isinstance(attr, ast.Constant) and ast.unparse(target) != "os":
                     bad.append(f"train/{p.name}:{node.lineno} {ast.unparse(node)}")

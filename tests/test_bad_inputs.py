@@ -31,7 +31,9 @@ def kit(tmp_path_factory):
     tok.add_special_tokens(["<|im_start|>", "<|im_end|>"])
     model = tiny_model(vocab_size=tok.get_vocab_size(with_added_tokens=True), max_seq_len=128)
     good = write_llama_gguf(d / "good.gguf", model, tok)
-    chat = write_jsonl(conversations(bundled_text_paths(), 10, seed=0, max_chars=100), d / "chat.jsonl")
+    chat = write_jsonl(
+        conversations(bundled_text_paths(), 10, seed=0, max_chars=100), d / "chat.jsonl"
+    )
     return {"d": d, "tok": tok, "model": model, "good": good, "chat": chat}
 
 
@@ -40,6 +42,7 @@ def _field_offset(data: bytes, name: bytes) -> int:
 
 
 # ---- GGUF: each builder returns the broken file's path
+
 
 def gguf_random(k, p):
     p.write_bytes(np.random.default_rng(1).bytes(8192))
@@ -55,8 +58,14 @@ def _cut(frac_or_where):
 
         data = k["good"].read_bytes()
         h = read_gguf_header(k["good"])
-        at = {"header": 12, "kv": 200, "tensor_info": h.data_start - 40, "data": h.data_start + 500}[frac_or_where]
+        at = {
+            "header": 12,
+            "kv": 200,
+            "tensor_info": h.data_start - 40,
+            "data": h.data_start + 500,
+        }[frac_or_where]
         p.write_bytes(data[:at])
+
     return build
 
 
@@ -70,7 +79,9 @@ def gguf_tensor_out_of_bounds(k, p):
     data = bytearray(k["good"].read_bytes())
     at = _field_offset(data, b"blk.1.ffn_down.weight")
     n_dims = struct.unpack_from("<I", data, at)[0]
-    struct.pack_into("<Q", data, at + 4 + 8 * n_dims + 4, 1 << 40)  # its data offset, far past the end
+    struct.pack_into(
+        "<Q", data, at + 4 + 8 * n_dims + 4, 1 << 40
+    )  # its data offset, far past the end
     p.write_bytes(bytes(data))
 
 
@@ -95,7 +106,9 @@ def gguf_missing_tensor(k, p):
 
 
 def gguf_misshapen_tensor(k, p):
-    write_llama_gguf(p, k["model"], k["tok"], replace={"blk.0.attn_q.weight": np.zeros((32, 64), np.float32)})
+    write_llama_gguf(
+        p, k["model"], k["tok"], replace={"blk.0.attn_q.weight": np.zeros((32, 64), np.float32)}
+    )
 
 
 def gguf_unsupported_arch(k, p):
@@ -132,8 +145,21 @@ def test_gguf(kit, toy_cli, tmp_path, case):
     build, needle = GGUF_CASES[case]
     p = tmp_path / "broken.gguf"
     build(kit, p)
-    commands = [["train", "--recipe", "lora", "--model", p, "--data", kit["chat"], "--out", tmp_path / "runs"],
-                ["infer", "--model", p, "--prompt", "x"], ["describe", p]]
+    commands = [
+        [
+            "train",
+            "--recipe",
+            "lora",
+            "--model",
+            p,
+            "--data",
+            kit["chat"],
+            "--out",
+            tmp_path / "runs",
+        ],
+        ["infer", "--model", p, "--prompt", "x"],
+        ["describe", p],
+    ]
     for argv in commands:
         t0 = time.perf_counter()
         code, _, err = toy_cli(*argv)
@@ -161,6 +187,7 @@ def test_describe_shows_a_gguf_it_cannot_load_then_says_why(kit, toy_cli, tmp_pa
 
 # ---- token files
 
+
 def tokens_bad_magic(k, p):
     write_tokens(p, np.arange(500) % 300, 300)
     p.write_bytes(b"XXXXXXXX" + p.read_bytes()[8:])
@@ -179,8 +206,11 @@ def tokens_id_too_big(k, p):
     p.write_bytes(bytes(data))
 
 
-TOKEN_CASES = {"bad magic": (tokens_bad_magic, "bad magic"), "truncated": (tokens_truncated, "truncated"),
-               "token id >= vocab": (tokens_id_too_big, "outside the vocabulary")}
+TOKEN_CASES = {
+    "bad magic": (tokens_bad_magic, "bad magic"),
+    "truncated": (tokens_truncated, "truncated"),
+    "token id >= vocab": (tokens_id_too_big, "outside the vocabulary"),
+}
 
 
 @pytest.mark.parametrize("case", list(TOKEN_CASES))
@@ -197,8 +227,17 @@ def test_token_file_vocab_mismatch_with_the_model(kit, toy_cli, tmp_path):
     p = tmp_path / "other.bin"
     code, _, err = toy_cli("prep", bundled_text_paths()[1], "--out", p, "--vocab-size", "260")
     assert code == 0, err
-    code, _, err = toy_cli("train", "--recipe", "lora", "--model", kit["good"], "--corpus", p,
-                           "--out", tmp_path / "runs")
+    code, _, err = toy_cli(
+        "train",
+        "--recipe",
+        "lora",
+        "--model",
+        kit["good"],
+        "--corpus",
+        p,
+        "--out",
+        tmp_path / "runs",
+    )
     check_one_line(code, err, "other.bin", "another tokenizer")
 
 
@@ -208,16 +247,23 @@ NOTHING = "no example to learn from in"
 CHAT_CASES = {
     "binary garbage": (b"\x00\xff\xfe\x81garbage\x00\n" * 5, "5 lines skipped: 5 not UTF-8"),
     "wrong schema": (b'{"txt": "not a chat"}\n[1, 2, 3]\n', NOTHING),
-    "unknown roles": (b'{"messages": [{"role": "wizard", "content": "hi"}, {"role": "assistant", "content": "x"}]}\n',
-                      "1 unknown role"),
+    "unknown roles": (
+        b'{"messages": [{"role": "wizard", "content": "hi"}, {"role": "assistant", "content": "x"}]}\n',
+        "1 unknown role",
+    ),
     "empty file": (b"", NOTHING),
-    "all invalid": (b'{"messages": []}\n{"messages": [{"role": "user", "content": "only a question"}]}\n', NOTHING),
+    "all invalid": (
+        b'{"messages": []}\n{"messages": [{"role": "user", "content": "only a question"}]}\n',
+        NOTHING,
+    ),
     # Before, this trained a step on the first line's lone end-of-turn token and exited 0.
-    "nothing to learn": (b'{"messages": [{"role": "assistant", "content": ""}]}\n'
-                         b'{"messages": [{"role": "wizard", "content": "hi"}, {"role": "assistant", "content": "x"}]}\n'
-                         b'{"messages": "hello"}\n',
-                         '(3 lines skipped: 1 no assistant reply with content, 1 unknown role, 1 "messages" not '
-                         'a list)'),
+    "nothing to learn": (
+        b'{"messages": [{"role": "assistant", "content": ""}]}\n'
+        b'{"messages": [{"role": "wizard", "content": "hi"}, {"role": "assistant", "content": "x"}]}\n'
+        b'{"messages": "hello"}\n',
+        '(3 lines skipped: 1 no assistant reply with content, 1 unknown role, 1 "messages" not '
+        "a list)",
+    ),
 }
 
 
@@ -226,7 +272,9 @@ def test_chat_jsonl(kit, toy_cli, tmp_path, case):
     blob, needle = CHAT_CASES[case]
     p = tmp_path / "broken.jsonl"
     p.write_bytes(blob)
-    code, _, err = toy_cli("train", "--recipe", "lora", "--model", kit["good"], "--data", p, "--out", tmp_path / "r")
+    code, _, err = toy_cli(
+        "train", "--recipe", "lora", "--model", kit["good"], "--data", p, "--out", tmp_path / "r"
+    )
     last = err.strip().splitlines()[-1] if err.strip() else ""
     assert code == 2 and "broken.jsonl" in last and needle in last and "Traceback" not in err
     assert NOTHING in last
@@ -237,8 +285,18 @@ def test_chat_jsonl(kit, toy_cli, tmp_path, case):
 def test_chat_jsonl_strict_stops_at_the_first_bad_line(kit, toy_cli, tmp_path):
     p = tmp_path / "mixed.jsonl"
     p.write_bytes(kit["chat"].read_bytes() + b"{broken\n")
-    code, _, err = toy_cli("train", "--recipe", "lora", "--model", kit["good"], "--data", p, "--strict",
-                           "--out", tmp_path / "r")
+    code, _, err = toy_cli(
+        "train",
+        "--recipe",
+        "lora",
+        "--model",
+        kit["good"],
+        "--data",
+        p,
+        "--strict",
+        "--out",
+        tmp_path / "r",
+    )
     check_one_line(code, err, "mixed.jsonl:11")
 
 
@@ -246,20 +304,37 @@ def test_not_chat_jsonl_at_all_is_refused_in_few_lines(kit, toy_cli, tmp_path):
     # Before: 500 "not valid JSON" warnings, then the error.
     p = tmp_path / "notes.txt"
     p.write_text("".join(f"a note, line {i}\n" for i in range(500)))
-    code, _, err = toy_cli("train", "--recipe", "lora", "--model", kit["good"], "--data", p, "--out", tmp_path / "r")
+    code, _, err = toy_cli(
+        "train", "--recipe", "lora", "--model", kit["good"], "--data", p, "--out", tmp_path / "r"
+    )
     lines = err.strip().splitlines()
-    assert code == 2 and len(lines) == 6 and all(f"notes.txt:{i}: not valid JSON" in lines[i - 1] for i in range(1, 6))
-    assert "notes.txt does not look like training JSONL: none of its first 50 lines is an example" in lines[-1]
+    assert (
+        code == 2
+        and len(lines) == 6
+        and all(f"notes.txt:{i}: not valid JSON" in lines[i - 1] for i in range(1, 6))
+    )
+    assert (
+        "notes.txt does not look like training JSONL: none of its first 50 lines is an example"
+        in lines[-1]
+    )
     assert not (tmp_path / "r").exists()
 
 
 # ---- chat templates: one conversation the template cannot render is skipped, as a bad line is
 
-REJECT_SYSTEM = ("{% for m in messages %}{% if m.role == 'system' %}{{ raise_exception('no system role') }}{% endif %}"
-                 "<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
-                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-Q, A = {"role": "user", "content": "Who is there?"}, {"role": "assistant", "content": "Nay, answer me."}
-SYSTEM, HELLO = {"role": "system", "content": "Be brief."}, {"role": "assistant", "content": "Well met."}
+REJECT_SYSTEM = (
+    "{% for m in messages %}{% if m.role == 'system' %}{{ raise_exception('no system role') }}{% endif %}"
+    "<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+Q, A = (
+    {"role": "user", "content": "Who is there?"},
+    {"role": "assistant", "content": "Nay, answer me."},
+)
+SYSTEM, HELLO = (
+    {"role": "system", "content": "Be brief."},
+    {"role": "assistant", "content": "Well met."},
+)
 
 
 def _model_with_template(kit, tmp_path, template) -> Path:
@@ -272,15 +347,33 @@ def _chat_file(tmp_path, *convs) -> Path:
     return p
 
 
-@pytest.mark.parametrize("template,bad,needle", [
-    (REJECT_SYSTEM, [SYSTEM, Q, A], "chat template rejected the conversation: no system role"),
-    # SmolLM2's default system prompt, before a chat that opens with the assistant: not prefix-stable.
-    (SMOLLM2, [HELLO, Q, A], "chat template is not prefix-stable at message 0"),
-], ids=["raise_exception", "smollm2 opening reply"])
-def test_a_conversation_the_template_cannot_render_is_skipped(kit, toy_cli, tmp_path, template, bad, needle):
+@pytest.mark.parametrize(
+    "template,bad,needle",
+    [
+        (REJECT_SYSTEM, [SYSTEM, Q, A], "chat template rejected the conversation: no system role"),
+        # SmolLM2's default system prompt, before a chat that opens with the assistant: not prefix-stable.
+        (SMOLLM2, [HELLO, Q, A], "chat template is not prefix-stable at message 0"),
+    ],
+    ids=["raise_exception", "smollm2 opening reply"],
+)
+def test_a_conversation_the_template_cannot_render_is_skipped(
+    kit, toy_cli, tmp_path, template, bad, needle
+):
     model = _model_with_template(kit, tmp_path, template)
     data = _chat_file(tmp_path, [Q, A], bad, [Q, A])
-    args = ("train", "--recipe", "lora", "--model", model, "--data", data, "--steps", "1", "--seq-len", "128")
+    args = (
+        "train",
+        "--recipe",
+        "lora",
+        "--model",
+        model,
+        "--data",
+        data,
+        "--steps",
+        "1",
+        "--seq-len",
+        "128",
+    )
     code, out, err = toy_cli(*args, "--out", tmp_path / "r")
     assert code == 0, err
     assert f"warning: {data}:2: {needle}" in err and "conversation skipped" in err
@@ -290,45 +383,69 @@ def test_a_conversation_the_template_cannot_render_is_skipped(kit, toy_cli, tmp_
     assert not (tmp_path / "strict").exists()
 
 
-@pytest.mark.parametrize("template,needle", [
-    ("{% for m in messages %}{{ m.content }}", "syntax error"),
-    ("{{ ''.__class__.__mro__ }}", "refused by the sandbox"),
-    ("{{ raise_exception('not today') }}", "renders none of all 3 conversations in"),
-], ids=["syntax", "sandbox", "rejects all"])
+@pytest.mark.parametrize(
+    "template,needle",
+    [
+        ("{% for m in messages %}{{ m.content }}", "syntax error"),
+        ("{{ ''.__class__.__mro__ }}", "refused by the sandbox"),
+        ("{{ raise_exception('not today') }}", "renders none of all 3 conversations in"),
+    ],
+    ids=["syntax", "sandbox", "rejects all"],
+)
 def test_a_template_that_renders_nothing_is_one_error(kit, toy_cli, tmp_path, template, needle):
     model = _model_with_template(kit, tmp_path, template)
     data = _chat_file(tmp_path, [Q, A], [SYSTEM, Q, A], [Q, A])
-    code, _, err = toy_cli("train", "--recipe", "lora", "--model", model, "--data", data, "--out", tmp_path / "r")
+    code, _, err = toy_cli(
+        "train", "--recipe", "lora", "--model", model, "--data", data, "--out", tmp_path / "r"
+    )
     check_one_line(code, err, "tpl.gguf", needle)  # no warning per conversation
     assert not (tmp_path / "r").exists()
 
 
 # ---- adapter directories
 
+
 def test_adapter_run_directory_without_final(kit, toy_cli, tmp_path):
     run = tmp_path / "unfinished"
     (run / "checkpoints").mkdir(parents=True)
     (run / "run.json").write_text("{}")
-    for argv in (["infer", "--model", kit["good"], "--adapter", run, "--prompt", "x"],
-                 ["export", run, "--format", "peft"]):
+    for argv in (
+        ["infer", "--model", kit["good"], "--adapter", run, "--prompt", "x"],
+        ["export", run, "--format", "peft"],
+    ):
         code, _, err = toy_cli(*argv)
-        check_one_line(code, err, "unfinished: has no final/ yet (the run did not finish)", "toy train --resume")
-    code, _, err = toy_cli("infer", "--model", kit["good"], "--adapter", tmp_path / "nowhere", "--prompt", "x")
+        check_one_line(
+            code,
+            err,
+            "unfinished: has no final/ yet (the run did not finish)",
+            "toy train --resume",
+        )
+    code, _, err = toy_cli(
+        "infer", "--model", kit["good"], "--adapter", tmp_path / "nowhere", "--prompt", "x"
+    )
     check_one_line(code, err, "--adapter", "nowhere: no such run or adapter directory")
 
 
 # ---- conflicting flags
 
 CONFLICTS = [
-    (["prep", "x.txt", "--out", "x.bin", "--vocab-size", "300", "--tokenizer", "t.json"], "conflict"),
+    (
+        ["prep", "x.txt", "--out", "x.bin", "--vocab-size", "300", "--tokenizer", "t.json"],
+        "conflict",
+    ),
     (["train", "--recipe", "lora", "--data", "{chat}", "--corpus", "{chat}"], "conflict"),
-    (["train", "--recipe", "lora", "--data", "{chat}", "--steps", "3", "--epochs", "1"], "conflict"),
+    (
+        ["train", "--recipe", "lora", "--data", "{chat}", "--steps", "3", "--epochs", "1"],
+        "conflict",
+    ),
     (["infer", "--model", "{gguf}", "--prompt", "a", "--chat", "b"], "conflict"),
     (["train", "--resume", "somewhere", "--run-id", "x"], "somewhere"),
 ]
 
 
-@pytest.mark.parametrize("argv,needle", CONFLICTS, ids=[" ".join(a[:3]) + "..." + a[-2] for a, _ in CONFLICTS])
+@pytest.mark.parametrize(
+    "argv,needle", CONFLICTS, ids=[" ".join(a[:3]) + "..." + a[-2] for a, _ in CONFLICTS]
+)
 def test_conflicting_flags(kit, toy_cli, tmp_path, monkeypatch, argv, needle):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "x.txt").write_text("hello world " * 50)

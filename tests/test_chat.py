@@ -8,12 +8,20 @@ import json
 import numpy as np
 import pytest
 
-from toy.data.chat import ConversationError, encode_chat, pad_batch, read_chat_jsonl, render_template
+from toy.data.chat import (
+    ConversationError,
+    encode_chat,
+    pad_batch,
+    read_chat_jsonl,
+    render_template,
+)
 from toy.errors import InputError, ToyError
 from toy.tokenizer import train_bpe
 
-CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
-          "'<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+CHATML = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
+    "'<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
 
 # SmolLM2-Instruct's template (ChatML plus a default system prompt).
 SMOLLM2 = """{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system
@@ -34,11 +42,15 @@ CONV = [
 
 @pytest.fixture(scope="module")
 def tok():
-    texts = ["What is the capital of France? Paris. And of Italy? Rome, naturally.",
-             "You are terse. You are a helpful AI assistant named SmolLM, trained by Hugging Face",
-             "system user assistant"] * 4
+    texts = [
+        "What is the capital of France? Paris. And of Italy? Rome, naturally.",
+        "You are terse. You are a helpful AI assistant named SmolLM, trained by Hugging Face",
+        "system user assistant",
+    ] * 4
     t = train_bpe(texts, vocab_size=300)
-    t.add_special_tokens(["<|im_start|>", "<|im_end|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"])
+    t.add_special_tokens(
+        ["<|im_start|>", "<|im_end|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+    )
     return t
 
 
@@ -60,13 +72,19 @@ def test_every_assistant_turn_supervised(tok, template):
     ids, mask = encode_chat(tok, template, CONV, max_len=1024, bos_token="", eos_token="<|im_end|>")
     assert len(ids) == len(mask)
     text = render_template(template, CONV, False, "", "<|im_end|>")
-    assert ids == tok.encode(text, add_special_tokens=False).ids  # one tokenization of the whole text
+    assert (
+        ids == tok.encode(text, add_special_tokens=False).ids
+    )  # one tokenization of the whole text
     # Both turns, not only the last (ANCHORS pitfall 1), each with its end-of-turn token.
     assert supervised_runs(tok, ids, mask) == ["Paris.<|im_end|>", " Rome, naturally 🙂<|im_end|>"]
     # The newline after <|im_end|> and the assistant header are not targets.
     im_end, im_start = tok.token_to_id("<|im_end|>"), tok.token_to_id("<|im_start|>")
     ends = [t for t in range(len(ids)) if ids[t] == im_end]
-    assert [mask[t] for t in ends] == [0] * (len(ends) - 3) + [1, 0, 1]  # ..., assistant, user, assistant
+    assert [mask[t] for t in ends] == [0] * (len(ends) - 3) + [
+        1,
+        0,
+        1,
+    ]  # ..., assistant, user, assistant
     assert all(mask[t + 1] == 0 for t in ends if t + 1 < len(ids))  # the "\n" after <|im_end|>
     assert all(mask[t] == 0 for t in range(len(ids)) if ids[t] == im_start)
     assert mask[0] == 0
@@ -74,10 +92,14 @@ def test_every_assistant_turn_supervised(tok, template):
 
 def test_llama3_style_template(tok):
     # No newline after the end-of-turn token, a BOS from the template, a two-newline header.
-    tpl = ("{{ bos_token }}{% for m in messages %}{{ '<|start_header_id|>' + m['role'] + '<|end_header_id|>\n\n'"
-           " + m['content'] + '<|eot_id|>' }}{% endfor %}{% if add_generation_prompt %}"
-           "{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}")
-    ids, mask = encode_chat(tok, tpl, CONV, max_len=1024, bos_token="<|endoftext|>", eos_token="<|eot_id|>")
+    tpl = (
+        "{{ bos_token }}{% for m in messages %}{{ '<|start_header_id|>' + m['role'] + '<|end_header_id|>\n\n'"
+        " + m['content'] + '<|eot_id|>' }}{% endfor %}{% if add_generation_prompt %}"
+        "{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
+    )
+    ids, mask = encode_chat(
+        tok, tpl, CONV, max_len=1024, bos_token="<|endoftext|>", eos_token="<|eot_id|>"
+    )
     assert ids[0] == tok.token_to_id("<|endoftext|>") and mask[0] == 0
     assert supervised_runs(tok, ids, mask) == ["Paris.<|eot_id|>", " Rome, naturally 🙂<|eot_id|>"]
 
@@ -106,9 +128,13 @@ def test_template_not_prefix_stable(tok):
 
 
 def test_bos_and_raise_exception():
-    tpl = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'system' %}"
-           "{{ raise_exception('System role not supported') }}{% endif %}{{ m['content'] }}{% endfor %}")
-    assert render_template(tpl, [{"role": "user", "content": "hi"}], False, "<s>", "</s>") == "<s>hi"
+    tpl = (
+        "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'system' %}"
+        "{{ raise_exception('System role not supported') }}{% endif %}{{ m['content'] }}{% endfor %}"
+    )
+    assert (
+        render_template(tpl, [{"role": "user", "content": "hi"}], False, "<s>", "</s>") == "<s>hi"
+    )
     with pytest.raises(InputError, match="rejected the conversation: System role not supported"):
         render_template(tpl, CONV, False, "<s>", "</s>")
 
@@ -116,16 +142,22 @@ def test_bos_and_raise_exception():
 def test_trim_blocks_like_hf():
     # trim_blocks drops the newline after a block tag, lstrip_blocks the indent before one.
     tpl = "{% for m in messages %}\n    {% if true %}{{ m['content'] }}\n    {% endif %}\n{% endfor %}"
-    assert render_template(tpl, CONV[:2], False, "", "") == "You are terse.\nWhat is the capital of France?\n"
+    assert (
+        render_template(tpl, CONV[:2], False, "", "")
+        == "You are terse.\nWhat is the capital of France?\n"
+    )
 
 
-@pytest.mark.parametrize("template", [
-    "{{ ''.__class__.__mro__[1].__subclasses__() }}",
-    "{{ cycler.__init__.__globals__.os.popen('echo pwned').read() }}",
-    "{{ cycler.__init__.__globals__.os }}",
-    "{% set x = messages.append({'role': 'user'}) %}",
-    "{{ self._TemplateReference__context }}",
-])
+@pytest.mark.parametrize(
+    "template",
+    [
+        "{{ ''.__class__.__mro__[1].__subclasses__() }}",
+        "{{ cycler.__init__.__globals__.os.popen('echo pwned').read() }}",
+        "{{ cycler.__init__.__globals__.os }}",
+        "{% set x = messages.append({'role': 'user'}) %}",
+        "{{ self._TemplateReference__context }}",
+    ],
+)
 def test_sandbox_escape_fails_safely(template):
     with pytest.raises(InputError) as e:
         render_template(template, CONV, False, "", "")
@@ -143,14 +175,24 @@ def test_template_syntax_error_names_line():
 def test_what_one_conversation_cannot_render_is_told_apart_from_a_broken_template(tok):
     """A ConversationError concerns one conversation (the recipe skips it); any other
     InputError is the template's own fault and would hit every conversation."""
-    opens_with_reply = [{"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Hi."}]
-    rejecting = "{% if messages[0]['role'] == 'system' %}{{ raise_exception('no system role') }}{% endif %}" + CHATML
-    for template, conv in [(SMOLLM2, opens_with_reply),  # the default system prompt breaks prefix-stability
-                           (rejecting, CONV),
-                           ("{{ messages[0]['content'] + 1 }}", CONV)]:  # fails at run time on this data
+    opens_with_reply = [
+        {"role": "assistant", "content": "Hello."},
+        {"role": "user", "content": "Hi."},
+    ]
+    rejecting = (
+        "{% if messages[0]['role'] == 'system' %}{{ raise_exception('no system role') }}{% endif %}"
+        + CHATML
+    )
+    for template, conv in [
+        (SMOLLM2, opens_with_reply),  # the default system prompt breaks prefix-stability
+        (rejecting, CONV),
+        ("{{ messages[0]['content'] + 1 }}", CONV),
+    ]:  # fails at run time on this data
         with pytest.raises(ConversationError):
             encode_chat(tok, template, conv, max_len=1024, bos_token="", eos_token="")
-    encode_chat(tok, rejecting, CONV[1:], max_len=1024, bos_token="", eos_token="")  # the others still render
+    encode_chat(
+        tok, rejecting, CONV[1:], max_len=1024, bos_token="", eos_token=""
+    )  # the others still render
     for template in ("{% for m in messages %}", "{{ ''.__class__.__mro__ }}"):
         with pytest.raises(InputError) as e:
             encode_chat(tok, template, CONV, max_len=1024, bos_token="", eos_token="")
@@ -158,6 +200,7 @@ def test_what_one_conversation_cannot_render_is_told_apart_from_a_broken_templat
 
 
 # --------------------------------------------------------------------------- JSONL
+
 
 def write_lines(path, lines):
     path.write_bytes(b"".join((l if isinstance(l, bytes) else l.encode()) + b"\n" for l in lines))
@@ -168,36 +211,61 @@ GOOD = json.dumps({"messages": CONV[1:3]})
 
 
 def test_jsonl_skips_and_counts(tmp_path):
-    p = write_lines(tmp_path / "chat.jsonl", [
-        "# a comment",
-        "",
-        GOOD,
-        "   ",
-        b"\xff\xfe\x00garbage\x80",                                           # 5: binary
-        "{not json",                                                          # 6
-        json.dumps({"txt": "hello"}),                                         # 7: wrong schema
-        json.dumps({"messages": [{"role": "robot", "content": "x"}]}),        # 8: unknown role
-        json.dumps({"messages": []}),                                         # 9: empty
-        json.dumps({"messages": [{"role": "user", "content": "hi"}]}),        # 10: no assistant
-        json.dumps({"messages": [{"role": "user", "content": 3}, {"role": "assistant", "content": "x"}]}),  # 11
-        json.dumps([1, 2]),                                                   # 12
-        json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": " "}]}),  # 13
-        json.dumps({"messages": CONV, "id": 7}),
-    ])
+    p = write_lines(
+        tmp_path / "chat.jsonl",
+        [
+            "# a comment",
+            "",
+            GOOD,
+            "   ",
+            b"\xff\xfe\x00garbage\x80",  # 5: binary
+            "{not json",  # 6
+            json.dumps({"txt": "hello"}),  # 7: wrong schema
+            json.dumps({"messages": [{"role": "robot", "content": "x"}]}),  # 8: unknown role
+            json.dumps({"messages": []}),  # 9: empty
+            json.dumps({"messages": [{"role": "user", "content": "hi"}]}),  # 10: no assistant
+            json.dumps(
+                {
+                    "messages": [
+                        {"role": "user", "content": 3},
+                        {"role": "assistant", "content": "x"},
+                    ]
+                }
+            ),  # 11
+            json.dumps([1, 2]),  # 12
+            json.dumps(
+                {
+                    "messages": [
+                        {"role": "user", "content": "hi"},
+                        {"role": "assistant", "content": " "},
+                    ]
+                }
+            ),  # 13
+            json.dumps({"messages": CONV, "id": 7}),
+        ],
+    )
     warnings: list[str] = []
     chat = read_chat_jsonl(p, strict=False, warn=warnings.append)
     assert chat.n_skipped == 9 and len(chat.conversations) == 2
     assert chat.conversations[0] == CONV[1:3] and chat.conversations[1] == CONV
     assert chat.lines == [3, 14]  # each conversation keeps its line, for later warnings
     # The first five bad lines one by one, then one line for the rest.
-    assert len(warnings) == 6 and [w.split(":")[1] for w in warnings[:5]] == ["5", "6", "7", "8", "9"]
+    assert len(warnings) == 6 and [w.split(":")[1] for w in warnings[:5]] == [
+        "5",
+        "6",
+        "7",
+        "8",
+        "9",
+    ]
     assert all(w.startswith(str(p) + ":") and "\n" not in w for w in warnings)
     assert "not UTF-8" in warnings[0] and "not valid JSON" in warnings[1]
-    assert "no \"messages\", \"prompt\"/\"completion\" or \"text\" key (keys: txt)" in warnings[2]
+    assert 'no "messages", "prompt"/"completion" or "text" key (keys: txt)' in warnings[2]
     assert "unknown role 'robot'" in warnings[3]
     assert "is empty" in warnings[4]
     assert warnings[5].startswith(f"{p}: ... and 4 more invalid lines (")
-    assert chat.skipped["no assistant reply with content"] == 2  # no assistant turn, or only an empty one
+    assert (
+        chat.skipped["no assistant reply with content"] == 2
+    )  # no assistant turn, or only an empty one
 
 
 def test_jsonl_default_warns_on_stderr(tmp_path, capsys):
@@ -208,19 +276,28 @@ def test_jsonl_default_warns_on_stderr(tmp_path, capsys):
 
 
 def test_jsonl_strict(tmp_path):
-    p = write_lines(tmp_path / "c.jsonl", [GOOD, GOOD, json.dumps({"messages": [{"role": "bot", "content": ""}]}), "{"])
+    p = write_lines(
+        tmp_path / "c.jsonl",
+        [GOOD, GOOD, json.dumps({"messages": [{"role": "bot", "content": ""}]}), "{"],
+    )
     with pytest.raises(InputError, match=rf"{p}:3: messages\[0\] has unknown role 'bot'"):
         read_chat_jsonl(p, strict=True)
 
 
 def test_jsonl_empty_missing_all_invalid(tmp_path):
-    with pytest.raises(InputError, match="no example to learn from in .* only blank lines and comments"):
+    with pytest.raises(
+        InputError, match="no example to learn from in .* only blank lines and comments"
+    ):
         read_chat_jsonl(write_lines(tmp_path / "e.jsonl", ["", "# only comments"]), strict=False)
     (tmp_path / "z.jsonl").write_bytes(b"")
     with pytest.raises(InputError, match="no example to learn from"):
         read_chat_jsonl(tmp_path / "z.jsonl", strict=False)
-    with pytest.raises(InputError, match=r"\(2 lines skipped: 1 not valid JSON, 1 not a JSON object\); each line"):
-        read_chat_jsonl(write_lines(tmp_path / "bad.jsonl", ["{", "[]"]), strict=False, warn=lambda m: None)
+    with pytest.raises(
+        InputError, match=r"\(2 lines skipped: 1 not valid JSON, 1 not a JSON object\); each line"
+    ):
+        read_chat_jsonl(
+            write_lines(tmp_path / "bad.jsonl", ["{", "[]"]), strict=False, warn=lambda m: None
+        )
     with pytest.raises(InputError, match="no such file"):
         read_chat_jsonl(tmp_path / "missing.jsonl", strict=False)
     with pytest.raises(InputError, match="is a directory"):
@@ -231,15 +308,27 @@ def test_jsonl_empty_missing_all_invalid(tmp_path):
 def test_jsonl_nothing_to_learn(tmp_path):
     """An empty reply, an unknown role, messages that are not a list: nothing to train on.
     (Before, the empty reply was kept and trained on: it supervised one <|im_end|>.)"""
-    p = write_lines(tmp_path / "it.jsonl", [
-        json.dumps({"messages": [{"role": "assistant", "content": ""}]}),
-        json.dumps({"messages": [{"role": "wizard", "content": "hi"}, {"role": "assistant", "content": "x"}]}),
-        json.dumps({"messages": "hello"}),
-    ])
+    p = write_lines(
+        tmp_path / "it.jsonl",
+        [
+            json.dumps({"messages": [{"role": "assistant", "content": ""}]}),
+            json.dumps(
+                {
+                    "messages": [
+                        {"role": "wizard", "content": "hi"},
+                        {"role": "assistant", "content": "x"},
+                    ]
+                }
+            ),
+            json.dumps({"messages": "hello"}),
+        ],
+    )
     with pytest.raises(InputError) as e:
         read_chat_jsonl(p, warn=lambda m: None)
-    assert str(e.value).startswith(f"no example to learn from in {p} (3 lines skipped: "
-                                   '1 no assistant reply with content, 1 unknown role, 1 "messages" not a list)')
+    assert str(e.value).startswith(
+        f"no example to learn from in {p} (3 lines skipped: "
+        '1 no assistant reply with content, 1 unknown role, 1 "messages" not a list)'
+    )
 
 
 def test_jsonl_a_wrong_kind_of_file_stops_early(tmp_path):
@@ -250,9 +339,11 @@ def test_jsonl_a_wrong_kind_of_file_stops_early(tmp_path):
     with pytest.raises(InputError) as e:
         read_chat_jsonl(p, warn=warnings.append)
     assert len(warnings) == 5
-    assert str(e.value).startswith(f"{p} does not look like training JSONL: none of its first 50 lines is an example "
-                            "(line 1: not valid JSON (Expecting value at column 1)); each line must be one of "
-                            '{"messages": ')
+    assert str(e.value).startswith(
+        f"{p} does not look like training JSONL: none of its first 50 lines is an example "
+        "(line 1: not valid JSON (Expecting value at column 1)); each line must be one of "
+        '{"messages": '
+    )
     # One good conversation among many bad lines is chat JSONL with bad lines: read to the end.
     p.write_text(GOOD + "\n" + "".join(f"note number {i}\n" for i in range(500)))
     warnings.clear()
@@ -270,6 +361,7 @@ def test_jsonl_bom_and_crlf(tmp_path):
 
 # --------------------------------------------------------------------------- padding
 
+
 def sample(n: int, start: int) -> tuple[list[int], list[int]]:
     return list(range(start, start + n)), [1] * n
 
@@ -283,6 +375,7 @@ def test_pad_batch():
 
 
 # --------------------------------------------------------------------------- length-grouped batches
+
 
 def test_length_batches_cover_every_sample_within_the_budget_and_keep_their_count():
     from toy.data.chat import length_batches

@@ -29,16 +29,28 @@ def base(tmp_path_factory):
     model = tiny_model(vocab_size=tok.get_vocab_size(with_added_tokens=True), max_seq_len=256)
     gguf = write_llama_gguf(d / "base.gguf", model, tok)
     convs = conversations(bundled_text_paths(), 60, seed=2, turns=(1, 2), max_chars=200)
-    return {"gguf": gguf, "chat": write_jsonl(convs[:20], d / "chat.jsonl"),
-            "val": write_jsonl(convs[20:], d / "val.jsonl")}
+    return {
+        "gguf": gguf,
+        "chat": write_jsonl(convs[:20], d / "chat.jsonl"),
+        "val": write_jsonl(convs[20:], d / "val.jsonl"),
+    }
 
 
 def _evals(base, n: int) -> list[dict[str, torch.Tensor]]:
     from toy.recipes import lora
     from toy.runs import Project
 
-    cfg = RunConfig.for_recipe("lora", lora.FLAGS, model=str(base["gguf"]), data=str(base["chat"]),
-                               val_data=str(base["val"]), seq_len=128, batch_size=1, steps=1, eval_batches=n)
+    cfg = RunConfig.for_recipe(
+        "lora",
+        lora.FLAGS,
+        model=str(base["gguf"]),
+        data=str(base["chat"]),
+        val_data=str(base["val"]),
+        seq_len=128,
+        batch_size=1,
+        steps=1,
+        eval_batches=n,
+    )
     return lora.build(cfg, Project(root=None)).job.eval_batches()
 
 
@@ -64,7 +76,10 @@ def test_chat_eval_batches_honours_the_flag_with_a_spread_sample(base):
         again = _evals(base, n)
         assert all(torch.equal(a["ids"], b["ids"]) for a, b in zip(picked, again))  # deterministic
         for b in picked:  # each is one of the held-out batches, whole
-            assert any(torch.equal(b["ids"], e["ids"]) and torch.equal(b["targets"], e["targets"]) for e in every)
+            assert any(
+                torch.equal(b["ids"], e["ids"]) and torch.equal(b["targets"], e["targets"])
+                for e in every
+            )
     # Spread over the lengths: the sample of 3 has a shorter and a longer batch than the median.
     w = sorted(b["ids"].shape[1] for b in _evals(base, 3))
     median = widths[len(widths) // 2]
@@ -82,8 +97,31 @@ def test_a_chat_run_evaluates_eval_batches_batches(base, toy_cli, tmp_path, monk
         return real(job, batches, *a, **k)
 
     monkeypatch.setattr(loop, "evaluate", counting)
-    code, _, err = toy_cli("train", "--recipe", "lora", "--model", base["gguf"], "--data", base["chat"],
-                           "--val-data", base["val"], "--seq-len", "128", "--batch-size", "1", "--steps", "2",
-                           "--warmup", "0", "--eval-every", "1", "--eval-batches", "1", "--out", tmp_path, "--json")
+    code, _, err = toy_cli(
+        "train",
+        "--recipe",
+        "lora",
+        "--model",
+        base["gguf"],
+        "--data",
+        base["chat"],
+        "--val-data",
+        base["val"],
+        "--seq-len",
+        "128",
+        "--batch-size",
+        "1",
+        "--steps",
+        "2",
+        "--warmup",
+        "0",
+        "--eval-every",
+        "1",
+        "--eval-batches",
+        "1",
+        "--out",
+        tmp_path,
+        "--json",
+    )
     assert code == 0, err
     assert seen == [1, 1, 1]  # before step 1, after steps 1 and 2

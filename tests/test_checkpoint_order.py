@@ -16,7 +16,11 @@ def _ckpt(root, step):
 def test_listing_sorts_by_step_number(tmp_path):
     for s in (1000000, 999999, 998):
         _ckpt(tmp_path, s)
-    assert [d.name for d in list_checkpoints(tmp_path)] == ["step-000998", "step-999999", "step-1000000"]
+    assert [d.name for d in list_checkpoints(tmp_path)] == [
+        "step-000998",
+        "step-999999",
+        "step-1000000",
+    ]
 
 
 def test_pruning_keeps_the_newest(tmp_path):

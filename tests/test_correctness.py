@@ -5,6 +5,7 @@ before its fix."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import shutil
@@ -27,7 +28,18 @@ from toy.train.config import RunConfig  # noqa: E402
 from toy.train.schedule import Schedule  # noqa: E402
 
 TINY = ["--preset", "tiny", "--batch-size", "4", "--seq-len", "32", "--eval-batches", "2", "--json"]
-LORA = ["--seq-len", "128", "--batch-size", "2", "--eval-batches", "2", "--lr", "1e-2", "--warmup", "0"]
+LORA = [
+    "--seq-len",
+    "128",
+    "--batch-size",
+    "2",
+    "--eval-batches",
+    "2",
+    "--lr",
+    "1e-2",
+    "--warmup",
+    "0",
+]
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +47,12 @@ def corpus(tmp_path_factory):
     from toy.cli.main import main
 
     d = tmp_path_factory.mktemp("corpus")
-    assert main(["prep", str(bundled_text_paths()[0]), "--out", str(d / "c.bin"), "--vocab-size", "400"]) == 0
+    assert (
+        main(
+            ["prep", str(bundled_text_paths()[0]), "--out", str(d / "c.bin"), "--vocab-size", "400"]
+        )
+        == 0
+    )
     return d / "c.bin"
 
 
@@ -48,7 +65,10 @@ def base(tmp_path_factory):
     tok.add_special_tokens(["<|im_start|>", "<|im_end|>"])
     model = tiny_model(vocab_size=tok.get_vocab_size(with_added_tokens=True), max_seq_len=256)
     path = write_llama_gguf(d / "base.gguf", model, tok)
-    chat = write_jsonl(conversations(bundled_text_paths(), 40, seed=1, turns=(1, 2), max_chars=150), d / "chat.jsonl")
+    chat = write_jsonl(
+        conversations(bundled_text_paths(), 40, seed=1, turns=(1, 2), max_chars=150),
+        d / "chat.jsonl",
+    )
     return {"gguf": path, "chat": chat, "dir": d}
 
 
@@ -64,10 +84,24 @@ def step_events(run_dir: Path) -> list[dict]:
 
 # ---------------------------------------------------------------- 2. the last step is checkpointed
 
+
 def test_the_last_step_is_always_checkpointed_and_a_finished_run_extends(corpus, toy_cli, tmp_path):
     # 45 steps with --save-every 40: the checkpoint used to stay at step 40 of 40... of 45.
-    run_json(toy_cli, "train", "--corpus", corpus, "--out", tmp_path, *TINY, "--steps", "7", "--save-every", "5",
-             "--run-id", "r")
+    run_json(
+        toy_cli,
+        "train",
+        "--corpus",
+        corpus,
+        "--out",
+        tmp_path,
+        *TINY,
+        "--steps",
+        "7",
+        "--save-every",
+        "5",
+        "--run-id",
+        "r",
+    )
     ckpts = sorted(p.name for p in (tmp_path / "r" / "checkpoints").iterdir())
     assert ckpts == ["step-000005", "step-000007"]
     r = run_json(toy_cli, "train", "--resume", tmp_path / "r", "--steps", "9", "--json")
@@ -80,11 +114,24 @@ def test_the_last_step_is_always_checkpointed_and_a_finished_run_extends(corpus,
 
 
 def test_a_run_without_save_every_still_leaves_its_last_step(corpus, toy_cli, tmp_path):
-    run_json(toy_cli, "train", "--corpus", corpus, "--out", tmp_path, *TINY, "--steps", "3", "--run-id", "r")
+    run_json(
+        toy_cli,
+        "train",
+        "--corpus",
+        corpus,
+        "--out",
+        tmp_path,
+        *TINY,
+        "--steps",
+        "3",
+        "--run-id",
+        "r",
+    )
     assert [p.name for p in (tmp_path / "r" / "checkpoints").iterdir()] == ["step-000003"]
 
 
 # ---------------------------------------------------------------- 3. the LR of an extension
+
 
 def test_schedule_same_total_is_unchanged_and_warmup_extension_equals_an_unbroken_run():
     s = Schedule(1e-3, 1e-4, warmup=10, total=40)
@@ -123,36 +170,77 @@ def test_extension_lr_end_to_end_and_a_second_resume_keeps_the_curve(corpus, toy
     r = run_json(toy_cli, "train", "--resume", tmp_path / "cut", "--json")
     full = [x for x in json.loads(json.dumps(step_events(tmp_path / "r")))]
     again = step_events(tmp_path / "cut")[-2:]
-    assert [(e["step"], e["lr"], e["loss"]) for e in again] == [(e["step"], e["lr"], e["loss"]) for e in full[-2:]]
+    assert [(e["step"], e["lr"], e["loss"]) for e in again] == [
+        (e["step"], e["lr"], e["loss"]) for e in full[-2:]
+    ]
     assert r["losses"][-1]["loss"] == full[-1]["loss"]
 
 
 # ---------------------------------------------------------------- 4. one resolved config
 
+
 def test_lora_epochs_run_extends_with_steps(base, toy_cli, tmp_path):
-    r = run_json(toy_cli, "train", "--recipe", "lora", "--model", base["gguf"], "--data", base["chat"], "--out",
-                 tmp_path, *LORA, "--epochs", "1", "--json", "--run-id", "e")
+    r = run_json(
+        toy_cli,
+        "train",
+        "--recipe",
+        "lora",
+        "--model",
+        base["gguf"],
+        "--data",
+        base["chat"],
+        "--out",
+        tmp_path,
+        *LORA,
+        "--epochs",
+        "1",
+        "--json",
+        "--run-id",
+        "e",
+    )
     n = r["steps"]
     r2 = run_json(toy_cli, "train", "--resume", tmp_path / "e", "--steps", str(n + 2), "--json")
-    assert [x["step"] for x in r2["losses"]] == list(range(1, n + 3))  # it trained the two new steps
+    assert [x["step"] for x in r2["losses"]] == list(
+        range(1, n + 3)
+    )  # it trained the two new steps
     assert [e["step"] for e in step_events(tmp_path / "e")][-2:] == [n + 1, n + 2]
     cfg = json.loads((tmp_path / "e" / "run.json").read_text())["config"]
     assert cfg["steps"] == n + 2 and cfg["epochs"] == 1 and cfg["seq_len"] == 128
 
 
 def test_run_json_records_the_resolved_config(base, toy_cli, tmp_path):
-    run_json(toy_cli, "train", "--recipe", "lora", "--model", base["gguf"], "--data", base["chat"], "--out",
-             tmp_path, *LORA, "--epochs", "2", "--json", "--run-id", "e", "--seq-len", "100000")
+    run_json(
+        toy_cli,
+        "train",
+        "--recipe",
+        "lora",
+        "--model",
+        base["gguf"],
+        "--data",
+        base["chat"],
+        "--out",
+        tmp_path,
+        *LORA,
+        "--epochs",
+        "2",
+        "--json",
+        "--run-id",
+        "e",
+        "--seq-len",
+        "100000",
+    )
     cfg = json.loads((tmp_path / "e" / "run.json").read_text())["config"]
     assert set(cfg) == set(RunConfig.keys())
     assert cfg["seq_len"] == 256  # clamped to the GGUF's context, as trained
     assert isinstance(cfg["steps"], int) and cfg["steps"] >= 2  # --epochs resolved into steps
-    assert cfg["rank"] == 8 and cfg["lr"] == 1e-2 and cfg["weight_decay"] == 0.0  # recipe defaults and flags
+    assert (
+        cfg["rank"] == 8 and cfg["lr"] == 1e-2 and cfg["weight_decay"] == 0.0
+    )  # recipe defaults and flags
 
 
 def test_run_config_is_read_only_and_refuses_unknown_records():
     c = RunConfig()
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         c.steps = 3  # frozen
     from toy.errors import InputError
 
@@ -169,6 +257,7 @@ def test_every_recipe_flag_is_a_config_field():
 
 # ---------------------------------------------------------------- 7. RNG per rank
 
+
 def test_lora_dropout_follows_the_seed_not_the_process_state(base, tmp_path):
     """The loop seeds each process from (seed, rank): what ran before in the process
     (here: other draws from torch's generator) must not change the losses."""
@@ -179,11 +268,25 @@ def test_lora_dropout_follows_the_seed_not_the_process_state(base, tmp_path):
     def losses(noise: int) -> list[float]:
         torch.manual_seed(noise)
         torch.rand(noise)
-        cfg = RunConfig.for_recipe("lora", lora.FLAGS, model=str(base["gguf"]), data=str(base["chat"]), seed=3,
-                                   seq_len=128, batch_size=2, dropout=0.3, steps=3, warmup=0, lr=1e-2)
+        cfg = RunConfig.for_recipe(
+            "lora",
+            lora.FLAGS,
+            model=str(base["gguf"]),
+            data=str(base["chat"]),
+            seed=3,
+            seq_len=128,
+            batch_size=2,
+            dropout=0.3,
+            steps=3,
+            warmup=0,
+            lr=1e-2,
+        )
         built = lora.build(cfg, Project(root=None))
         tc = cfg.with_derived(built.derived)
-        return [x["loss"] for x in train(built.job, tc, None, torch.device("cpu"), EventLog(None)).losses]
+        return [
+            x["loss"]
+            for x in train(built.job, tc, None, torch.device("cpu"), EventLog(None)).losses
+        ]
 
     assert losses(1) == losses(12345)
 
@@ -221,6 +324,7 @@ def test_checkpoint_keeps_every_ranks_rng_and_restores_its_own(tmp_path):
 
 # ---------------------------------------------------------------- the loss on chat batches
 
+
 def test_chat_batches_shift_by_one_and_ignore_what_is_not_supervised():
     from toy.data.chat import to_batch
 
@@ -235,19 +339,27 @@ def test_masked_head_loss_equals_cross_entropy_on_the_supervised_positions():
     from toy.train.job import lm_loss
 
     torch.manual_seed(0)
-    model = Llama(LlamaConfig(vocab_size=300, n_layer=2, d_model=32, n_head=4, n_kv_head=2, max_seq_len=32))
+    model = Llama(
+        LlamaConfig(vocab_size=300, n_layer=2, d_model=32, n_head=4, n_kv_head=2, max_seq_len=32)
+    )
     ids = torch.randint(0, 300, (3, 12))
     targets = torch.randint(0, 300, (3, 12))
     targets[0, :5] = IGNORE
     targets[2, 7:] = IGNORE
     got, n = lm_loss(model, {"ids": ids, "targets": targets})
-    want = F.cross_entropy(model(ids).flatten(0, 1), targets.flatten(), ignore_index=IGNORE, reduction="sum")
+    want = F.cross_entropy(
+        model(ids).flatten(0, 1), targets.flatten(), ignore_index=IGNORE, reduction="sum"
+    )
     assert int(n) == int((targets != IGNORE).sum()) == 36 - 5 - 5
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
     # and its gradient
     g1 = torch.autograd.grad(got, model.layers[0].mlp.up_proj.weight)[0]
-    g2 = torch.autograd.grad(F.cross_entropy(model(ids).flatten(0, 1), targets.flatten(), ignore_index=IGNORE,
-                                             reduction="sum"), model.layers[0].mlp.up_proj.weight)[0]
+    g2 = torch.autograd.grad(
+        F.cross_entropy(
+            model(ids).flatten(0, 1), targets.flatten(), ignore_index=IGNORE, reduction="sum"
+        ),
+        model.layers[0].mlp.up_proj.weight,
+    )[0]
     assert torch.allclose(g1, g2, rtol=1e-4, atol=1e-6)
 
 
@@ -258,47 +370,98 @@ def test_one_epoch_feeds_every_conversation_exactly_once(base):
     from toy.runs import Project
 
     for accum in (1, 2, 3):
-        cfg = RunConfig.for_recipe("lora", lora.FLAGS, model=str(base["gguf"]), data=str(base["chat"]), seq_len=128,
-                                   batch_size=2, grad_accum=accum, epochs=1, steps=None)
+        cfg = RunConfig.for_recipe(
+            "lora",
+            lora.FLAGS,
+            model=str(base["gguf"]),
+            data=str(base["chat"]),
+            seq_len=128,
+            batch_size=2,
+            grad_accum=accum,
+            epochs=1,
+            steps=None,
+        )
         built = lora.build(cfg, Project(root=None))
-        steps, n_conv, n_batches = built.derived["steps"], built.job.config["conversations"], built.job.config["batches"]
+        steps, n_conv, n_batches = (
+            built.derived["steps"],
+            built.job.config["conversations"],
+            built.job.config["batches"],
+        )
         assert steps == math.ceil(n_batches / accum)
         rows = sum(int(built.job.micro_batch(k)["ids"].shape[0]) for k in range(n_batches))
         assert rows == n_conv  # the epoch's batches hold every conversation once
-        assert int(built.job.micro_batch(n_batches)["ids"].shape[0]) > 0  # the next epoch starts over
+        assert (
+            int(built.job.micro_batch(n_batches)["ids"].shape[0]) > 0
+        )  # the next epoch starts over
 
 
 # ---------------------------------------------------------------- 9. one data resolution
 
+
 def test_lora_token_stream_checks_the_validation_split(base, toy_cli, tmp_path):
-    code, _, err = toy_cli("prep", bundled_text_paths()[1], "--out", tmp_path / "c.bin", "--tokenizer", base["gguf"],
-                           "--val-fraction", "0.0005")
+    code, _, err = toy_cli(
+        "prep",
+        bundled_text_paths()[1],
+        "--out",
+        tmp_path / "c.bin",
+        "--tokenizer",
+        base["gguf"],
+        "--val-fraction",
+        "0.0005",
+    )
     assert code == 0, err
-    code, _, err = toy_cli("train", "--recipe", "lora", "--model", base["gguf"], "--corpus", tmp_path / "c.bin",
-                           "--out", tmp_path / "runs", *LORA)
-    assert code == 2 and "c.val.bin" in err and "validation tokens" in err, err  # never silently dropped
+    code, _, err = toy_cli(
+        "train",
+        "--recipe",
+        "lora",
+        "--model",
+        base["gguf"],
+        "--corpus",
+        tmp_path / "c.bin",
+        "--out",
+        tmp_path / "runs",
+        *LORA,
+    )
+    assert code == 2 and "c.val.bin" in err and "validation tokens" in err, (
+        err
+    )  # never silently dropped
 
 
-def test_lora_token_stream_refuses_a_corpus_without_the_models_tokenizer_hash(base, toy_cli, tmp_path):
+def test_lora_token_stream_refuses_a_corpus_without_the_models_tokenizer_hash(
+    base, toy_cli, tmp_path
+):
     import numpy as np
 
     from toy.data.tokens import write_tokens
 
     vocab = 402
     write_tokens(tmp_path / "n.bin", np.arange(5000) % vocab, vocab)  # no hash: unknown tokenizer
-    code, _, err = toy_cli("train", "--recipe", "lora", "--model", base["gguf"], "--corpus", tmp_path / "n.bin",
-                           "--out", tmp_path / "runs", *LORA)
+    code, _, err = toy_cli(
+        "train",
+        "--recipe",
+        "lora",
+        "--model",
+        base["gguf"],
+        "--corpus",
+        tmp_path / "n.bin",
+        "--out",
+        tmp_path / "runs",
+        *LORA,
+    )
     assert code == 2 and "no tokenizer hash" in err and "toy prep" in err, err
 
 
 # ---------------------------------------------------------------- 1. tying after FSDP
+
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
 def test_materialize_ties_each_architectures_head_again(arch):
     from toy.models import registry
 
     model = registry.build_model(registry.build_config(arch, "tiny", 100))
-    model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())  # what FSDP's gather leaves
+    model.lm_head.weight = torch.nn.Parameter(
+        model.lm_head.weight.detach().clone()
+    )  # what FSDP's gather leaves
     model.tie_weights()
     emb = model.embed_tokens if arch == "llama" else model.wte
     assert model.lm_head.weight is emb.weight

@@ -19,11 +19,26 @@ from toy.data.prep import bundled_text_paths  # noqa: E402
 from toy.errors import InputError  # noqa: E402
 from toy.tokenizer import train_bpe  # noqa: E402
 
-CHATML = ("{% if tools %}<|im_start|>system\nTools: {{ tools | tojson }}<|im_end|>\n{% endif %}"
-          "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
-          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-COMMON = ["--seq-len", "192", "--batch-size", "4", "--eval-batches", "2", "--lr", "1e-2", "--warmup", "0",
-          "--steps", "8", "--json"]
+CHATML = (
+    "{% if tools %}<|im_start|>system\nTools: {{ tools | tojson }}<|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+COMMON = [
+    "--seq-len",
+    "192",
+    "--batch-size",
+    "4",
+    "--eval-batches",
+    "2",
+    "--lr",
+    "1e-2",
+    "--warmup",
+    "0",
+    "--steps",
+    "8",
+    "--json",
+]
 
 
 @pytest.fixture(scope="module")
@@ -42,8 +57,9 @@ def bases(tok, tmp_path_factory):
     model = tiny_model(vocab_size=tok.get_vocab_size(with_added_tokens=True), max_seq_len=256)
     with_tpl = write_llama_gguf(d / "chat.gguf", model, tok, chat_template=CHATML)
     plain_tok = train_bpe([bundled_text_paths()[1].read_text()[:20000]], vocab_size=300)
-    plain = write_llama_gguf(d / "plain.gguf", tiny_model(vocab_size=300, max_seq_len=256), plain_tok,
-                             chat_template="")
+    plain = write_llama_gguf(
+        d / "plain.gguf", tiny_model(vocab_size=300, max_seq_len=256), plain_tok, chat_template=""
+    )
     return {"chat": with_tpl, "plain": plain, "dir": d}
 
 
@@ -58,12 +74,17 @@ def supervised(tok, ids, mask) -> str:
 
 # ------------------------------------------------------------------ masks, token by token
 
+
 def test_prompt_completion_through_the_template(tok):
     ex = Example("prompt", prompt="Who is there?", completion="Nay, answer me.")
     ids, mask = encode_example(tok, CHATML, ex, 200, "", "", tok.token_to_id("<|im_end|>"))
     text = tok.decode(ids, skip_special_tokens=False)
-    assert text == ("<|im_start|>user\nWho is there?<|im_end|>\n<|im_start|>assistant\nNay, answer me.<|im_end|>\n")
-    assert supervised(tok, ids, mask) == "Nay, answer me.<|im_end|>"  # the reply and its end, nothing else
+    assert text == (
+        "<|im_start|>user\nWho is there?<|im_end|>\n<|im_start|>assistant\nNay, answer me.<|im_end|>\n"
+    )
+    assert (
+        supervised(tok, ids, mask) == "Nay, answer me.<|im_end|>"
+    )  # the reply and its end, nothing else
 
 
 def test_prompt_completion_joined_without_a_template(tok):
@@ -81,59 +102,90 @@ def test_text_supervises_every_token_and_ends_with_eos(tok):
     body = tok.encode(ex.text, add_special_tokens=False).ids
     ids, mask = encode_example(tok, None, ex, 200, "", "", eos)
     assert ids == body + [eos] and mask == [0] + [1] * len(body)  # nothing predicts the first token
-    with_bos = Tokenizer.from_str(tok.to_str())  # a tokenizer whose rules add BOS (a GGUF's add_bos_token)
-    with_bos.post_processor = processors.TemplateProcessing(single=["<|im_start|>", "$A"],
-                                                            special_tokens=[("<|im_start|>", bos)])
+    with_bos = Tokenizer.from_str(
+        tok.to_str()
+    )  # a tokenizer whose rules add BOS (a GGUF's add_bos_token)
+    with_bos.post_processor = processors.TemplateProcessing(
+        single=["<|im_start|>", "$A"], special_tokens=[("<|im_start|>", bos)]
+    )
     ids, mask = encode_example(with_bos, None, ex, 200, "", "", eos)
     assert ids == [bos] + body + [eos] and mask == [0] + [1] * (len(body) + 1)
 
 
 def test_tools_reach_the_template_and_every_assistant_turn_stays_supervised(tok):
     tools = [{"type": "function", "function": {"name": "ring_bell", "parameters": {}}}]
-    ex = Example("messages", messages=({"role": "user", "content": "Knock?"},
-                                       {"role": "assistant", "content": "Who's there?"},
-                                       {"role": "user", "content": "Ring."},
-                                       {"role": "assistant", "content": "Ding."}), tools=tools)
+    ex = Example(
+        "messages",
+        messages=(
+            {"role": "user", "content": "Knock?"},
+            {"role": "assistant", "content": "Who's there?"},
+            {"role": "user", "content": "Ring."},
+            {"role": "assistant", "content": "Ding."},
+        ),
+        tools=tools,
+    )
     ids, mask = encode_example(tok, CHATML, ex, 400, "", "", None)
     assert '"ring_bell"' in tok.decode(ids, skip_special_tokens=False)
     assert supervised(tok, ids, mask) == "Who's there?<|im_end|>Ding.<|im_end|>"
 
 
 def test_a_file_that_mixes_formats_names_the_first_line_that_differs(tmp_path):
-    p = write(tmp_path / "mix.jsonl", [{"prompt": "a", "completion": "b"}, {"prompt": "c", "completion": "d"},
-                                       {"text": "e"}])
-    with pytest.raises(InputError, match=rf"{p}:3: a {{\"text\"}} document, in a file of "
-                                         r"a {\"prompt\", \"completion\"} pairs \(from line 1\)"):
+    p = write(
+        tmp_path / "mix.jsonl",
+        [{"prompt": "a", "completion": "b"}, {"prompt": "c", "completion": "d"}, {"text": "e"}],
+    )
+    with pytest.raises(
+        InputError,
+        match=rf"{p}:3: a {{\"text\"}} document, in a file of "
+        r"a {\"prompt\", \"completion\"} pairs \(from line 1\)",
+    ):
         read_chat_jsonl(p)
 
 
 # ------------------------------------------------------------------ each trains, through the CLI
 
+
 def _rows(kind: str, n: int = 30) -> list:
-    lines = [line.strip() for line in bundled_text_paths()[2].read_text().splitlines() if len(line.strip()) > 20]
+    lines = [
+        line.strip()
+        for line in bundled_text_paths()[2].read_text().splitlines()
+        if len(line.strip()) > 20
+    ]
     if kind == "prompt":
         return [{"prompt": lines[2 * i], "completion": " " + lines[2 * i + 1]} for i in range(n)]
     if kind == "text":
         return [{"text": " ".join(lines[3 * i : 3 * i + 3])} for i in range(n)]
     tools = [{"name": "exit"}]
-    return [{"messages": [{"role": "user", "content": lines[2 * i]}, {"role": "assistant", "content": lines[2 * i + 1]}],
-             "tools": tools} for i in range(n)]
+    return [
+        {
+            "messages": [
+                {"role": "user", "content": lines[2 * i]},
+                {"role": "assistant", "content": lines[2 * i + 1]},
+            ],
+            "tools": tools,
+        }
+        for i in range(n)
+    ]
 
 
 def _train(toy_cli, base, data, out, *extra):
-    code, out_text, err = toy_cli("train", "--recipe", "lora", "--model", base, "--data", data, "--out", out, *COMMON,
-                                  *extra)
+    code, out_text, err = toy_cli(
+        "train", "--recipe", "lora", "--model", base, "--data", data, "--out", out, *COMMON, *extra
+    )
     assert code == 0, err
     return json.loads(out_text), err
 
 
-@pytest.mark.parametrize("kind, base", [("prompt", "chat"), ("prompt", "plain"), ("text", "plain"),
-                                        ("messages", "chat")])
+@pytest.mark.parametrize(
+    "kind, base", [("prompt", "chat"), ("prompt", "plain"), ("text", "plain"), ("messages", "chat")]
+)
 def test_each_format_trains(kind, base, bases, toy_cli, tmp_path):
     data = write(tmp_path / f"{kind}.jsonl", _rows(kind))
     r, _ = _train(toy_cli, bases[base], data, tmp_path / "runs")
     val = [x["loss"] for x in r["val_losses"]]
-    assert len(r["losses"]) == 8 and val[-1] < val[0]  # lr 1e-2 on a tiny model: the held-out loss falls
+    assert (
+        len(r["losses"]) == 8 and val[-1] < val[0]
+    )  # lr 1e-2 on a tiny model: the held-out loss falls
     run = json.loads((Path(r["run_dir"]) / "run.json").read_text())
     assert run["job"].get("data_format", "messages") == kind
 
@@ -145,15 +197,37 @@ def test_a_data_directory_uses_train_and_valid(bases, toy_cli, tmp_path):
     write(d / "valid.jsonl", _rows("prompt", 34)[30:])
     r, err = _train(toy_cli, bases["chat"], d, tmp_path / "runs")
     run = json.loads((Path(r["run_dir"]) / "run.json").read_text())
-    assert run["job"]["conversations"] == 30  # nothing held out of train.jsonl: valid.jsonl is the held-out set
+    assert (
+        run["job"]["conversations"] == 30
+    )  # nothing held out of train.jsonl: valid.jsonl is the held-out set
     assert run["job"]["val_data"] == str(d / "valid.jsonl") and len(r["val_losses"]) == 2
-    code, _, err = toy_cli("train", "--recipe", "lora", "--model", bases["chat"], "--data", tmp_path, "--out",
-                           tmp_path / "r2", *COMMON)
+    code, _, err = toy_cli(
+        "train",
+        "--recipe",
+        "lora",
+        "--model",
+        bases["chat"],
+        "--data",
+        tmp_path,
+        "--out",
+        tmp_path / "r2",
+        *COMMON,
+    )
     assert code == 2 and "holds train.jsonl" in err
 
 
 def test_a_conversation_file_on_a_base_without_a_template_is_refused(bases, toy_cli, tmp_path):
     data = write(tmp_path / "c.jsonl", _rows("messages"))
-    code, _, err = toy_cli("train", "--recipe", "lora", "--model", bases["plain"], "--data", data, "--out",
-                           tmp_path / "r", *COMMON)
+    code, _, err = toy_cli(
+        "train",
+        "--recipe",
+        "lora",
+        "--model",
+        bases["plain"],
+        "--data",
+        data,
+        "--out",
+        tmp_path / "r",
+        *COMMON,
+    )
     assert code == 2 and "has no chat template" in err and not (tmp_path / "r").exists()

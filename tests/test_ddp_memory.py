@@ -15,7 +15,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-pytestmark = pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="needs Linux /proc/self/smaps")
+pytestmark = pytest.mark.skipif(
+    not Path("/proc/self/smaps").exists(), reason="needs Linux /proc/self/smaps"
+)
 
 # Runs under torchrun: `toy train` as the CLI runs it, with the loop's DDP wrapping and its
 # run watched. Each rank writes what it measured to $PROBE_OUT/rank-N.json.
@@ -80,12 +82,34 @@ def quant_base(tmp_path_factory):
     d = tmp_path_factory.mktemp("ddpmem")
     text = bundled_text_paths()[0].read_text()[:40000]
     tok = train_bpe([text[i : i + 400] for i in range(0, len(text), 400)], vocab_size=400)
-    model = tiny_model(vocab_size=tok.get_vocab_size(with_added_tokens=True), n_layer=4, d_model=256, n_head=4,
-                       n_kv_head=2, d_ff=768, max_seq_len=128)
-    qtypes = {gguf_name(n): ("Q4_0" if "mlp" in n else "Q8_0")
-              for n, p in model.named_parameters() if p.dim() == 2}
+    model = tiny_model(
+        vocab_size=tok.get_vocab_size(with_added_tokens=True),
+        n_layer=4,
+        d_model=256,
+        n_head=4,
+        n_kv_head=2,
+        d_ff=768,
+        max_seq_len=128,
+    )
+    qtypes = {
+        gguf_name(n): ("Q4_0" if "mlp" in n else "Q8_0")
+        for n, p in model.named_parameters()
+        if p.dim() == 2
+    }
     gguf = write_llama_gguf(d / "base.gguf", model, tok, qtypes=qtypes)
-    assert main(["prep", str(bundled_text_paths()[1]), "--out", str(d / "t.bin"), "--tokenizer", str(gguf)]) == 0
+    assert (
+        main(
+            [
+                "prep",
+                str(bundled_text_paths()[1]),
+                "--out",
+                str(d / "t.bin"),
+                "--tokenizer",
+                str(gguf),
+            ]
+        )
+        == 0
+    )
     return {"gguf": gguf, "tokens": d / "t.bin", "dir": d}
 
 
@@ -93,23 +117,66 @@ def quantized_bytes(path: Path) -> int:
     from toy.formats.gguf_header import read_gguf_header
 
     h = read_gguf_header(path)
-    return sum(ti.nbytes for ti in h.tensors.values() if ti.qtype.name not in ("F32", "F16", "BF16"))
+    return sum(
+        ti.nbytes for ti in h.tensors.values() if ti.qtype.name not in ("F32", "F16", "BF16")
+    )
 
 
 def test_ddp_leaves_the_mapped_base_shared(quant_base, tmp_path):
     base = quantized_bytes(quant_base["gguf"])
-    assert base > 2_000_000  # the effect measured is the base's size: make it stand out of the noise
+    assert (
+        base > 2_000_000
+    )  # the effect measured is the base's size: make it stand out of the noise
     probe = tmp_path / "probe.py"
     probe.write_text(PROBE)
     out = tmp_path / "ranks"
     out.mkdir()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOY_DIST_TIMEOUT": "240", "PROBE_GGUF": str(quant_base["gguf"]),
-           "PROBE_OUT": str(out)}
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
-                        str(probe), "train", "--recipe", "lora", "--model", quant_base["gguf"], "--base-dtype",
-                        "quantized", "--corpus", quant_base["tokens"], "--seq-len", "64", "--batch-size", "2",
-                        "--steps", "2", "--eval-batches", "1", "--warmup", "0", "--out", tmp_path / "runs",
-                        "--run-id", "m", "--json"], capture_output=True, text=True, timeout=300, env=env)
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "TOY_DIST_TIMEOUT": "240",
+        "PROBE_GGUF": str(quant_base["gguf"]),
+        "PROBE_OUT": str(out),
+    }
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            "--standalone",
+            str(probe),
+            "train",
+            "--recipe",
+            "lora",
+            "--model",
+            quant_base["gguf"],
+            "--base-dtype",
+            "quantized",
+            "--corpus",
+            quant_base["tokens"],
+            "--seq-len",
+            "64",
+            "--batch-size",
+            "2",
+            "--steps",
+            "2",
+            "--eval-batches",
+            "1",
+            "--warmup",
+            "0",
+            "--out",
+            tmp_path / "runs",
+            "--run-id",
+            "m",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     for rank in (0, 1):
         seen = json.loads((out / f"rank-{rank}.json").read_text())
@@ -126,13 +193,52 @@ def test_ddp_losses_on_a_quantized_base_match_one_process(quant_base, tmp_path):
     on the same global batch."""
     from conftest import run_toy
 
-    args = ["train", "--recipe", "lora", "--model", quant_base["gguf"], "--base-dtype", "quantized", "--corpus",
-            quant_base["tokens"], "--seq-len", "64", "--steps", "3", "--eval-batches", "1", "--warmup", "0",
-            "--lr", "1e-2", "--json", "--out", tmp_path]
+    args = [
+        "train",
+        "--recipe",
+        "lora",
+        "--model",
+        quant_base["gguf"],
+        "--base-dtype",
+        "quantized",
+        "--corpus",
+        quant_base["tokens"],
+        "--seq-len",
+        "64",
+        "--steps",
+        "3",
+        "--eval-batches",
+        "1",
+        "--warmup",
+        "0",
+        "--lr",
+        "1e-2",
+        "--json",
+        "--out",
+        tmp_path,
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOY_DIST_TIMEOUT": "240"}
-    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
-                          "-m", "toy", *map(str, args), "--batch-size", "2", "--run-id", "two"],
-                         capture_output=True, text=True, timeout=300, env=env)
+    two = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            "--standalone",
+            "-m",
+            "toy",
+            *map(str, args),
+            "--batch-size",
+            "2",
+            "--run-id",
+            "two",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert two.returncode == 0, two.stderr[-3000:]
     one = run_toy(*args, "--batch-size", "4", "--run-id", "one", env={"OMP_NUM_THREADS": "1"})
     assert one.returncode == 0, one.stderr[-3000:]

@@ -19,13 +19,19 @@ from toy.models.quant import QuantEmbedding, QuantLinear, QuantSpec, dequantize
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_quant import BLOCK_TYPES, random_blocks  # noqa: E402
 
-pytestmark = pytest.mark.skipif(decode.compile_unavailable(torch.device("cpu")) is not None,
-                                reason=str(decode.compile_unavailable(torch.device("cpu"))))
+pytestmark = pytest.mark.skipif(
+    decode.compile_unavailable(torch.device("cpu")) is not None,
+    reason=str(decode.compile_unavailable(torch.device("cpu"))),
+)
 
-MILD_F16 = np.array([0x1800, 0x1C00, 0x2000, 0x2400, 0x9800, 0xA000, 0x1234, 0x2345, 0x0000], dtype=np.uint16)
+MILD_F16 = np.array(
+    [0x1800, 0x1C00, 0x2000, 0x2400, 0x9800, 0xA000, 0x1234, 0x2345, 0x0000], dtype=np.uint16
+)
 
 
-def linear(qtype, rows: int, cols: int, seed: int, qk_heads: int = 0) -> tuple[QuantLinear, torch.Tensor]:
+def linear(
+    qtype, rows: int, cols: int, seed: int, qk_heads: int = 0
+) -> tuple[QuantLinear, torch.Tensor]:
     """A QuantLinear over random blocks (scales between 2^-9 and 2^-6, some negative or
     zero) and its float32 weight as models/quant dequantizes it."""
     raw = torch.from_numpy(random_blocks(qtype, rows, cols, MILD_F16, seed))
@@ -95,11 +101,14 @@ def test_base_packed_bytes_says_what_packs():
     norm = torch.ones(32)
     got = decode.base_packed_bytes({"w": q8, "norm": norm}, torch.device("cpu"))
     assert got == decode.packed_bytes(q8.spec) + 32 * 4 == 8 * (32 + 8) + 128
-    assert decode.base_packed_bytes({"norm": norm}, torch.device("cpu")) is None  # nothing quantized
+    assert (
+        decode.base_packed_bytes({"norm": norm}, torch.device("cpu")) is None
+    )  # nothing quantized
     assert decode.base_packed_bytes({"w": q8}, torch.device("meta")) is None  # not the cpu
 
 
 # ---------------------------------------------------------------- through the command line
+
 
 @pytest.fixture(scope="module")
 def quant_gguf(tmp_path_factory):
@@ -112,11 +121,22 @@ def quant_gguf(tmp_path_factory):
     d = tmp_path_factory.mktemp("decode")
     text = bundled_text_paths()[0].read_text()[:40000]
     tok = train_bpe([text[i : i + 400] for i in range(0, len(text), 400)], vocab_size=400)
-    model = tiny_model(vocab_size=tok.get_vocab_size(with_added_tokens=True), n_layer=2, d_model=128, n_head=4,
-                       n_kv_head=2, d_ff=384, max_seq_len=512, seed=3)
+    model = tiny_model(
+        vocab_size=tok.get_vocab_size(with_added_tokens=True),
+        n_layer=2,
+        d_model=128,
+        n_head=4,
+        n_kv_head=2,
+        d_ff=384,
+        max_seq_len=512,
+        seed=3,
+    )
     kinds = {"mlp": "Q4_0", "self_attn": "Q4_1", "embed": "Q8_0"}
-    qtypes = {gguf_name(n): next(v for k, v in kinds.items() if k in n)
-              for n, p in model.named_parameters() if p.dim() == 2}
+    qtypes = {
+        gguf_name(n): next(v for k, v in kinds.items() if k in n)
+        for n, p in model.named_parameters()
+        if p.dim() == 2
+    }
     return write_llama_gguf(d / "q.gguf", model, tok, qtypes=qtypes)
 
 
@@ -126,7 +146,9 @@ def test_toy_infer_quantized_gives_the_float32_text(quant_gguf, toy_cli, monkeyp
     packed, steps = [], []
     real, real_steps = decode.pack, decode.compile_steps
     monkeypatch.setattr(decode, "pack", lambda m: packed.append(real(m)) or packed[-1])
-    monkeypatch.setattr(decode, "compile_steps", lambda m, note=None: steps.append(real_steps(m, note)) or steps[-1])
+    monkeypatch.setattr(
+        decode, "compile_steps", lambda m, note=None: steps.append(real_steps(m, note)) or steps[-1]
+    )
     args = ["infer", "--model", quant_gguf, "--prompt", "ROMEO. What", "--temperature", "0"]
     code, f32, err = toy_cli(*args, "--max-new-tokens", "40", "--base-dtype", "float32")
     assert code == 0, err
@@ -147,7 +169,17 @@ def test_toy_infer_quantized_gives_the_float32_text(quant_gguf, toy_cli, monkeyp
 def test_without_a_compiler_quantized_still_generates(quant_gguf, toy_cli, monkeypatch):
     """No C++ compiler: nothing is packed and the layers are dequantized per use, as before."""
     monkeypatch.setattr(decode, "compile_unavailable", lambda device: "no C++ compiler (test)")
-    args = ["infer", "--model", quant_gguf, "--prompt", "ROMEO. What", "--temperature", "0", "--max-new-tokens", "30"]
+    args = [
+        "infer",
+        "--model",
+        quant_gguf,
+        "--prompt",
+        "ROMEO. What",
+        "--temperature",
+        "0",
+        "--max-new-tokens",
+        "30",
+    ]
     code, q, err = toy_cli(*args, "--base-dtype", "quantized")
     assert code == 0, err
     code, f32, err = toy_cli(*args, "--base-dtype", "float32")
@@ -156,7 +188,10 @@ def test_without_a_compiler_quantized_still_generates(quant_gguf, toy_cli, monke
 
 # ---------------------------------------------------------------- a block compiled for one token
 
-def _greedy_logits(model, prompt: list[int], steps: int, max_len: int, grow_to: int) -> torch.Tensor:
+
+def _greedy_logits(
+    model, prompt: list[int], steps: int, max_len: int, grow_to: int
+) -> torch.Tensor:
     """Greedy decoding's logits: the prompt's, then one token at a time; midway the cache grows
     (as a chat's does: new buffers, other strides)."""
     cache = model.new_cache(1, max_len)
@@ -188,7 +223,9 @@ def test_a_compiled_step_gives_the_eager_logits(name, monkeypatch):
     # a cache grown to 64 (other strides) read over a doubled span
     assert spans == {(8, 20), (20, 20), (16, 64)}
     assert torch.allclose(compiled, eager, rtol=1e-5, atol=1e-5), (compiled - eager).abs().max()
-    with torch.enable_grad():  # anything with a gradient (training): the eager forward, nothing compiled
+    with (
+        torch.enable_grad()
+    ):  # anything with a gradient (training): the eager forward, nothing compiled
         compiled_before = len(decode._STEPS)
         assert model.hidden(torch.tensor([[1]]), model.new_cache(1, 4)).requires_grad
         assert len(decode._STEPS) == compiled_before

@@ -20,10 +20,27 @@ from toy.data.dialogue import conversations, write_jsonl  # noqa: E402
 from toy.data.prep import bundled_text_paths  # noqa: E402
 
 IDS = torch.randint(3, model_dirs.VOCAB, (1, 30), generator=torch.Generator().manual_seed(2))
-TRAIN = ["--seq-len", "384", "--batch-size", "4", "--eval-batches", "2", "--lr", "2e-2", "--warmup", "0",
-         "--steps", "6", "--targets", "q_proj,v_proj,down_proj", "--json"]
-needs_mlx = pytest.mark.skipif(importlib.util.find_spec("mlx_lm") is None,
-                               reason="mlx-lm (a test-only dependency) is the MLX reference")
+TRAIN = [
+    "--seq-len",
+    "384",
+    "--batch-size",
+    "4",
+    "--eval-batches",
+    "2",
+    "--lr",
+    "2e-2",
+    "--warmup",
+    "0",
+    "--steps",
+    "6",
+    "--targets",
+    "q_proj,v_proj,down_proj",
+    "--json",
+]
+needs_mlx = pytest.mark.skipif(
+    importlib.util.find_spec("mlx_lm") is None,
+    reason="mlx-lm (a test-only dependency) is the MLX reference",
+)
 
 
 @pytest.fixture(scope="module")
@@ -31,13 +48,26 @@ def chat(tmp_path_factory):
     root = tmp_path_factory.mktemp("dir-adapters")
     model_dirs.set_root(root / "models")
     (root / "models").mkdir()
-    return write_jsonl(conversations(bundled_text_paths(), 60, seed=3, turns=(1, 1), max_chars=80),
-                       root / "chat.jsonl")
+    return write_jsonl(
+        conversations(bundled_text_paths(), 60, seed=3, turns=(1, 1), max_chars=80),
+        root / "chat.jsonl",
+    )
 
 
 def train(toy_cli, base: Path, chat: Path, out: Path, *extra) -> Path:
-    code, o, err = toy_cli("train", "--recipe", "lora", "--model-path", base, "--data", chat, "--out", out,
-                           *TRAIN, *extra)
+    code, o, err = toy_cli(
+        "train",
+        "--recipe",
+        "lora",
+        "--model-path",
+        base,
+        "--data",
+        chat,
+        "--out",
+        out,
+        *TRAIN,
+        *extra,
+    )
     assert code == 0, err
     r = json.loads(o.strip().splitlines()[-1])
     val = [v["loss"] for v in r["val_losses"]]
@@ -53,7 +83,9 @@ def toy_adapted_logits(run: Path) -> torch.Tensor:
 
     sd, cfg = load_peft_adapter(run / "final")
     model = read_base(cfg["base_model_name_or_path"], "float32").build_model()
-    apply_lora(model, sorted({k.rsplit(".", 2)[-2] for k in sd}), cfg["r"], cfg["lora_alpha"], 0.0, seed=0)
+    apply_lora(
+        model, sorted({k.rsplit(".", 2)[-2] for k in sd}), cfg["r"], cfg["lora_alpha"], 0.0, seed=0
+    )
     load_lora_state_dict(model, sd)
     with torch.no_grad():
         return model(IDS)
@@ -69,14 +101,18 @@ def test_peft_and_merged_transformers_directory(chat, toy_cli, tmp_path):
     # PEFT on transformers' own model of the directory.
     code, _, err = toy_cli("export", run, "--format", "peft", "--out", tmp_path / "peft")
     assert code == 0, err
-    assert json.loads((tmp_path / "peft" / "adapter_config.json").read_text())["base_model_name_or_path"] == str(base)
+    assert json.loads((tmp_path / "peft" / "adapter_config.json").read_text())[
+        "base_model_name_or_path"
+    ] == str(base)
     from peft import PeftModel
 
     with torch.no_grad():
         theirs = PeftModel.from_pretrained(hf_model(base), tmp_path / "peft").eval()(IDS).logits
     torch.testing.assert_close(theirs, ours, atol=1e-3, rtol=0)
     # The adapter merged into a transformers directory of the base's dtype.
-    code, out, err = toy_cli("export", run, "--format", "transformers", "--merge", "--out", tmp_path / "merged")
+    code, out, err = toy_cli(
+        "export", run, "--format", "transformers", "--merge", "--out", tmp_path / "merged"
+    )
     assert code == 0 and "transformers model, the adapter merged in" in out, err
     with torch.no_grad():
         merged = hf_model(tmp_path / "merged")(IDS).logits
@@ -91,14 +127,22 @@ def test_mlx_adapter_and_fused_directory(chat, toy_cli, tmp_path):
     from mlx_lm.utils import load_model
 
     base = mlx_dir("llama", 4, 32)
-    run = train(toy_cli, base, chat, tmp_path, "--output", tmp_path / "trainer-out" / "adapters.safetensors")
+    run = train(
+        toy_cli, base, chat, tmp_path, "--output", tmp_path / "trainer-out" / "adapters.safetensors"
+    )
     ours = toy_adapted_logits(run)
     code, _, err = toy_cli("export", run, "--format", "mlx", "--out", tmp_path / "mlx")
     assert code == 0, err
     cfg = json.loads((tmp_path / "mlx" / "adapter_config.json").read_text())
-    assert cfg["num_layers"] == 2 and cfg["lora_parameters"]["keys"] == ["mlp.down_proj", "self_attn.q_proj",
-                                                                         "self_attn.v_proj"]
-    for adapter in (tmp_path / "mlx", tmp_path / "trainer-out"):  # toy export, and the trainer's --output FILE
+    assert cfg["num_layers"] == 2 and cfg["lora_parameters"]["keys"] == [
+        "mlp.down_proj",
+        "self_attn.q_proj",
+        "self_attn.v_proj",
+    ]
+    for adapter in (
+        tmp_path / "mlx",
+        tmp_path / "trainer-out",
+    ):  # toy export, and the trainer's --output FILE
         model, _ = load_model(base)
         load_adapters(model, str(adapter))
         theirs = torch.from_numpy(np.array(model(mx.array(IDS.numpy())).astype(mx.float32)))
@@ -106,8 +150,10 @@ def test_mlx_adapter_and_fused_directory(chat, toy_cli, tmp_path):
     # Fused into the MLX base, re-quantized to its 4 bits, group 32 (as mlx_lm.fuse).
     code, _, err = toy_cli("export", run, "--format", "mlx", "--merge", "--out", tmp_path / "fused")
     assert code == 0, err
-    assert json.loads((tmp_path / "fused" / "config.json").read_text())["quantization"] == \
-        json.loads((base / "config.json").read_text())["quantization"]
+    assert (
+        json.loads((tmp_path / "fused" / "config.json").read_text())["quantization"]
+        == json.loads((base / "config.json").read_text())["quantization"]
+    )
     fused = mlx_logits(tmp_path / "fused", IDS)
     plain = mlx_logits(base, IDS)
     # Re-quantizing rounds the update: the fused model is far nearer the adapted one than the base is.
@@ -117,6 +163,10 @@ def test_mlx_adapter_and_fused_directory(chat, toy_cli, tmp_path):
 def test_an_mlx_merge_needs_an_mlx_base(chat, toy_cli, tmp_path):
     run = train(toy_cli, tiny_dir("qwen3"), chat, tmp_path)
     code, _, err = toy_cli("export", run, "--format", "mlx", "--merge", "--out", tmp_path / "x")
-    assert code == 2 and "is a transformers directory; merge into it with --format transformers" in err
-    code, _, err = toy_cli("export", run, "--format", "gguf", "--merge", "--out", tmp_path / "x.gguf")
+    assert (
+        code == 2 and "is a transformers directory; merge into it with --format transformers" in err
+    )
+    code, _, err = toy_cli(
+        "export", run, "--format", "gguf", "--merge", "--out", tmp_path / "x.gguf"
+    )
     assert code == 2 and "--format transformers or mlx" in err

@@ -11,12 +11,24 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import run_toy
+
 from toy.data.prep import bundled_text_paths
 
-TINY = ["--preset", "tiny", "--seq-len", "32", "--eval-batches", "2", "--steps", "6", "--eval-every", "3",
-        "--warmup", "2"]
+TINY = [
+    "--preset",
+    "tiny",
+    "--seq-len",
+    "32",
+    "--eval-batches",
+    "2",
+    "--steps",
+    "6",
+    "--eval-every",
+    "3",
+    "--warmup",
+    "2",
+]
 
 
 @pytest.fixture(scope="module")
@@ -24,15 +36,34 @@ def corpus(tmp_path_factory):
     from toy.cli.main import main
 
     d = tmp_path_factory.mktemp("corpus")
-    assert main(["prep", str(bundled_text_paths()[0]), "--out", str(d / "c.bin"), "--vocab-size", "400"]) == 0
+    assert (
+        main(
+            ["prep", str(bundled_text_paths()[0]), "--out", str(d / "c.bin"), "--vocab-size", "400"]
+        )
+        == 0
+    )
     return d / "c.bin"
 
 
 def torchrun(*argv, nproc=2, timeout=300):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOY_DIST_TIMEOUT": "240"}
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-                           "--standalone", "-m", "toy", *map(str, argv)], capture_output=True, text=True,
-                          timeout=timeout, env=env)
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            str(nproc),
+            "--standalone",
+            "-m",
+            "toy",
+            *map(str, argv),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
 
 
 def losses(stdout: str) -> list[float]:
@@ -48,37 +79,92 @@ def close(a, b, rel=1e-5):
 @pytest.fixture(scope="module")
 def single(corpus, tmp_path_factory):
     out = tmp_path_factory.mktemp("single")
-    r = run_toy("train", "--corpus", corpus, "--out", out, *TINY, "--batch-size", "4", "--json", "--run-id", "one",
-                env={"OMP_NUM_THREADS": "1"})
+    r = run_toy(
+        "train",
+        "--corpus",
+        corpus,
+        "--out",
+        out,
+        *TINY,
+        "--batch-size",
+        "4",
+        "--json",
+        "--run-id",
+        "one",
+        env={"OMP_NUM_THREADS": "1"},
+    )
     assert r.returncode == 0, r.stderr
     return losses(r.stdout), json.loads(r.stdout.strip())
 
 
 def test_torchrun_two_processes_match_one(corpus, single, tmp_path):
-    r = torchrun("train", "--corpus", corpus, "--out", tmp_path, *TINY, "--batch-size", "2", "--json",
-                 "--run-id", "two")
+    r = torchrun(
+        "train",
+        "--corpus",
+        corpus,
+        "--out",
+        tmp_path,
+        *TINY,
+        "--batch-size",
+        "2",
+        "--json",
+        "--run-id",
+        "two",
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])  # rank 0 alone prints
     assert len([ln for ln in r.stdout.splitlines() if ln.startswith("{")]) == 1
     close(losses(r.stdout), single[0])
     close([v["loss"] for v in out["val_losses"]], [v["loss"] for v in single[1]["val_losses"]])
     info = json.loads((tmp_path / "two" / "run.json").read_text())
-    assert info["distributed"] == {"world_size": 2, "backend": "gloo", "global_batch": 4, "fsdp": False}
+    assert info["distributed"] == {
+        "world_size": 2,
+        "backend": "gloo",
+        "global_batch": 4,
+        "fsdp": False,
+    }
     started = json.loads((tmp_path / "two" / "events.jsonl").read_text().splitlines()[0])
     assert started["world_size"] == 2 and started["global_batch"] == 4
 
 
 def test_nproc_flag_matches_one(corpus, single, tmp_path):
-    r = run_toy("train", "--nproc", "2", "--corpus", corpus, "--out", tmp_path, *TINY, "--batch-size", "2",
-                "--json", "--run-id", "n2", env={"OMP_NUM_THREADS": "1", "TOY_DIST_TIMEOUT": "240"})
+    r = run_toy(
+        "train",
+        "--nproc",
+        "2",
+        "--corpus",
+        corpus,
+        "--out",
+        tmp_path,
+        *TINY,
+        "--batch-size",
+        "2",
+        "--json",
+        "--run-id",
+        "n2",
+        env={"OMP_NUM_THREADS": "1", "TOY_DIST_TIMEOUT": "240"},
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     close(losses(r.stdout), single[0])
 
 
 def test_grad_accum_across_processes(corpus, single, tmp_path):
     # 2 processes x batch 1 x 2 micro-steps = the same global batch of 4.
-    r = torchrun("train", "--corpus", corpus, "--out", tmp_path, *TINY, "--batch-size", "1", "--grad-accum", "2",
-                 "--json", "--run-id", "acc")
+    r = torchrun(
+        "train",
+        "--corpus",
+        corpus,
+        "--out",
+        tmp_path,
+        *TINY,
+        "--batch-size",
+        "1",
+        "--grad-accum",
+        "2",
+        "--json",
+        "--run-id",
+        "acc",
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     close(losses(r.stdout), single[0])
 
@@ -86,8 +172,21 @@ def test_grad_accum_across_processes(corpus, single, tmp_path):
 def test_ddp_resume_is_exact(corpus, tmp_path):
     import shutil
 
-    r = torchrun("train", "--corpus", corpus, "--out", tmp_path, *TINY, "--batch-size", "2", "--json",
-                 "--run-id", "full", "--save-every", "3")
+    r = torchrun(
+        "train",
+        "--corpus",
+        corpus,
+        "--out",
+        tmp_path,
+        *TINY,
+        "--batch-size",
+        "2",
+        "--json",
+        "--run-id",
+        "full",
+        "--save-every",
+        "3",
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     full = losses(r.stdout)
     shutil.copytree(tmp_path / "full", tmp_path / "cut")
@@ -101,8 +200,22 @@ def test_ddp_resume_is_exact(corpus, tmp_path):
 def test_fsdp_on_gloo_matches_and_resumes(corpus, single, tmp_path):
     import shutil
 
-    r = torchrun("train", "--corpus", corpus, "--out", tmp_path, *TINY, "--batch-size", "2", "--json",
-                 "--run-id", "fsdp", "--fsdp", "--save-every", "3")
+    r = torchrun(
+        "train",
+        "--corpus",
+        corpus,
+        "--out",
+        tmp_path,
+        *TINY,
+        "--batch-size",
+        "2",
+        "--json",
+        "--run-id",
+        "fsdp",
+        "--fsdp",
+        "--save-every",
+        "3",
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     full = losses(r.stdout)
     close(full, single[0], rel=1e-4)  # reduce-scatter sums in another order than one process
@@ -128,6 +241,7 @@ def test_nproc_refuses_bad_values(toy_cli, capsys):
 
 # ---------------------------------------------------------------- every recipe under FSDP and DDP
 
+
 @pytest.fixture(scope="module")
 def lora_base(tmp_path_factory):
     """A tiny llama GGUF with a ChatML-aware tokenizer, chat data from the plays, and a
@@ -145,8 +259,23 @@ def lora_base(tmp_path_factory):
     tok.add_special_tokens(["<|im_start|>", "<|im_end|>"])
     model = tiny_model(vocab_size=tok.get_vocab_size(with_added_tokens=True), max_seq_len=256)
     gguf = write_llama_gguf(d / "base.gguf", model, tok)
-    chat = write_jsonl(conversations(bundled_text_paths(), 40, seed=1, turns=(1, 2), max_chars=150), d / "chat.jsonl")
-    assert main(["prep", str(bundled_text_paths()[1]), "--out", str(d / "t.bin"), "--tokenizer", str(gguf)]) == 0
+    chat = write_jsonl(
+        conversations(bundled_text_paths(), 40, seed=1, turns=(1, 2), max_chars=150),
+        d / "chat.jsonl",
+    )
+    assert (
+        main(
+            [
+                "prep",
+                str(bundled_text_paths()[1]),
+                "--out",
+                str(d / "t.bin"),
+                "--tokenizer",
+                str(gguf),
+            ]
+        )
+        == 0
+    )
     return {"gguf": gguf, "chat": chat, "tokens": d / "t.bin", "dir": d}
 
 
@@ -158,16 +287,70 @@ def donor(tmp_path_factory):
     return make_donor(tmp_path_factory.mktemp("warm"))
 
 
-LORA = ["--recipe", "lora", "--seq-len", "128", "--eval-batches", "2", "--lr", "1e-2", "--warmup", "0", "--steps", "4"]
+LORA = [
+    "--recipe",
+    "lora",
+    "--seq-len",
+    "128",
+    "--eval-batches",
+    "2",
+    "--lr",
+    "1e-2",
+    "--warmup",
+    "0",
+    "--steps",
+    "4",
+]
 FSDP_CASES = {
     "gpt2": lambda c, lb, dn: ["--arch", "gpt2", "--corpus", c, *TINY, "--batch-size", "2"],
-    "warm-start": lambda c, lb, dn: ["--recipe", "warm-start", "--donor", dn["gguf"], "--corpus", dn["corpus"],
-                                     "--preset", "tiny", "--seq-len", "32", "--eval-batches", "2", "--steps", "4",
-                                     "--batch-size", "2"],
-    "lora-tokens": lambda c, lb, dn: [*LORA, "--model", lb["gguf"], "--corpus", lb["tokens"], "--batch-size", "2"],
-    "lora-chat": lambda c, lb, dn: [*LORA, "--model", lb["gguf"], "--data", lb["chat"], "--batch-size", "2"],
-    "vit-tiny": lambda c, lb, dn: ["--recipe", "vit-tiny", "--preset", "tiny", "--batch-size", "8", "--steps", "4",
-                                   "--eval-batches", "2"],
+    "warm-start": lambda c, lb, dn: [
+        "--recipe",
+        "warm-start",
+        "--donor",
+        dn["gguf"],
+        "--corpus",
+        dn["corpus"],
+        "--preset",
+        "tiny",
+        "--seq-len",
+        "32",
+        "--eval-batches",
+        "2",
+        "--steps",
+        "4",
+        "--batch-size",
+        "2",
+    ],
+    "lora-tokens": lambda c, lb, dn: [
+        *LORA,
+        "--model",
+        lb["gguf"],
+        "--corpus",
+        lb["tokens"],
+        "--batch-size",
+        "2",
+    ],
+    "lora-chat": lambda c, lb, dn: [
+        *LORA,
+        "--model",
+        lb["gguf"],
+        "--data",
+        lb["chat"],
+        "--batch-size",
+        "2",
+    ],
+    "vit-tiny": lambda c, lb, dn: [
+        "--recipe",
+        "vit-tiny",
+        "--preset",
+        "tiny",
+        "--batch-size",
+        "8",
+        "--steps",
+        "4",
+        "--eval-batches",
+        "2",
+    ],
 }
 
 
@@ -185,20 +368,46 @@ def test_fsdp_trains_every_architecture_and_recipe(case, corpus, lora_base, dono
     one[one.index("--batch-size") + 1] = str(2 * int(batch))
     if case == "lora-chat":  # a chat batch is a whole length-grouped batch: 2 per step on 1 process
         one = [*argv, "--grad-accum", "2"]
-    s = run_toy("train", *one, "--json", "--out", tmp_path, "--run-id", "s", env={"OMP_NUM_THREADS": "1"})
+    s = run_toy(
+        "train", *one, "--json", "--out", tmp_path, "--run-id", "s", env={"OMP_NUM_THREADS": "1"}
+    )
     assert s.returncode == 0, s.stderr[-3000:]
     close(losses(r.stdout), losses(s.stdout), rel=1e-4)
 
 
-def test_chat_lora_under_ddp_matches_one_process_and_resumes_on_another_world_size(lora_base, tmp_path):
+def test_chat_lora_under_ddp_matches_one_process_and_resumes_on_another_world_size(
+    lora_base, tmp_path
+):
     import shutil
 
-    args = [*LORA, "--model", lora_base["gguf"], "--data", lora_base["chat"], "--batch-size", "2", "--dropout", "0.0"]
-    r = torchrun("train", *args, "--json", "--out", tmp_path, "--run-id", "two", "--save-every", "2")
+    args = [
+        *LORA,
+        "--model",
+        lora_base["gguf"],
+        "--data",
+        lora_base["chat"],
+        "--batch-size",
+        "2",
+        "--dropout",
+        "0.0",
+    ]
+    r = torchrun(
+        "train", *args, "--json", "--out", tmp_path, "--run-id", "two", "--save-every", "2"
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     two = losses(r.stdout)
-    s = run_toy("train", *args, "--grad-accum", "2", "--json", "--out", tmp_path, "--run-id", "one",
-                env={"OMP_NUM_THREADS": "1"})
+    s = run_toy(
+        "train",
+        *args,
+        "--grad-accum",
+        "2",
+        "--json",
+        "--out",
+        tmp_path,
+        "--run-id",
+        "one",
+        env={"OMP_NUM_THREADS": "1"},
+    )
     assert s.returncode == 0, s.stderr[-3000:]
     close(two, losses(s.stdout))
     # The 2-process run, cut after step 2, resumed on ONE process: the same global batches
@@ -208,6 +417,9 @@ def test_chat_lora_under_ddp_matches_one_process_and_resumes_on_another_world_si
     shutil.rmtree(tmp_path / "cut" / "final")
     r = run_toy("train", "--resume", tmp_path / "cut", "--json", env={"OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stderr[-3000:]
-    resumed = [e["loss"] for e in map(json.loads, (tmp_path / "cut" / "events.jsonl").read_text().splitlines())
-               if e["event"] == "step"][-2:]
+    resumed = [
+        e["loss"]
+        for e in map(json.loads, (tmp_path / "cut" / "events.jsonl").read_text().splitlines())
+        if e["event"] == "step"
+    ][-2:]
     close(resumed, two[2:])

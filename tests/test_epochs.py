@@ -28,16 +28,22 @@ def _steps(out: str) -> int:
 
 
 def test_from_scratch_epochs_is_one_pass_of_the_windows(small_corpus, toy_cli, tmp_path):
-    code, out, err = toy_cli("train", "--corpus", small_corpus, "--epochs", "2", "--out", tmp_path, *TINY)
+    code, out, err = toy_cli(
+        "train", "--corpus", small_corpus, "--epochs", "2", "--out", tmp_path, *TINY
+    )
     assert code == 0, err
     windows = (len(read_tokens(small_corpus)) - 1) // 32
-    assert _steps(out) == 2 * math.ceil(windows / 4) and len(json.loads(out)["losses"]) == _steps(out)
+    assert _steps(out) == 2 * math.ceil(windows / 4) and len(json.loads(out)["losses"]) == _steps(
+        out
+    )
     run = json.loads((tmp_path / json.loads(out)["run_id"] / "run.json").read_text())
     assert run["config"]["steps"] == _steps(out) and run["config"]["epochs"] == 2
 
 
 def test_epochs_and_steps_conflict(small_corpus, toy_cli, tmp_path):
-    code, _, err = toy_cli("train", "--corpus", small_corpus, "--epochs", "1", "--steps", "3", "--out", tmp_path)
+    code, _, err = toy_cli(
+        "train", "--corpus", small_corpus, "--epochs", "1", "--steps", "3", "--out", tmp_path
+    )
     assert code == 2 and "--epochs and --steps conflict" in err
 
 
@@ -45,8 +51,20 @@ def test_warm_start_epochs(tmp_path, toy_cli):
     from test_warm_start import make_donor
 
     donor = make_donor(tmp_path)
-    code, out, err = toy_cli("train", "--recipe", "warm-start", "--donor", donor["gguf"], "--corpus", donor["corpus"],
-                             "--epochs", "1", "--out", tmp_path / "runs", *TINY)
+    code, out, err = toy_cli(
+        "train",
+        "--recipe",
+        "warm-start",
+        "--donor",
+        donor["gguf"],
+        "--corpus",
+        donor["corpus"],
+        "--epochs",
+        "1",
+        "--out",
+        tmp_path / "runs",
+        *TINY,
+    )
     assert code == 0, err
     windows = (len(read_tokens(donor["corpus"])) - 1) // 32
     assert _steps(out) == math.ceil(windows / 4)
@@ -55,9 +73,25 @@ def test_warm_start_epochs(tmp_path, toy_cli):
 def test_vit_epochs_is_one_pass_of_the_images(tmp_path, toy_cli):
     from test_vit import make_folder
 
-    folder = make_folder(tmp_path / "img", per_class=10)  # 2 classes; 10% of each held out: 18 training images
-    code, out, err = toy_cli("train", "--recipe", "vit-tiny", "--images", folder, "--preset", "tiny",
-                             "--batch-size", "4", "--epochs", "2", "--json", "--out", tmp_path / "runs")
+    folder = make_folder(
+        tmp_path / "img", per_class=10
+    )  # 2 classes; 10% of each held out: 18 training images
+    code, out, err = toy_cli(
+        "train",
+        "--recipe",
+        "vit-tiny",
+        "--images",
+        folder,
+        "--preset",
+        "tiny",
+        "--batch-size",
+        "4",
+        "--epochs",
+        "2",
+        "--json",
+        "--out",
+        tmp_path / "runs",
+    )
     assert code == 0, err
     run = json.loads((tmp_path / "runs" / json.loads(out)["run_id"] / "run.json").read_text())
     assert _steps(out) == 2 * math.ceil(run["job"]["n_train"] / 4)

@@ -28,12 +28,27 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gguf_fixtures import tiny_model  # noqa: E402
 
 from toy.formats.gguf import _load_tensor, read_gguf, read_gguf_header, unpermute_qk  # noqa: E402
-from toy.formats.gguf_write import (read_lora_gguf, tokenizer_metadata, write_gpt2_gguf,  # noqa: E402
-                                    write_llama_gguf, write_lora_gguf, write_merged_gguf, write_model_gguf)
+from toy.formats.gguf_write import (
+    read_lora_gguf,
+    tokenizer_metadata,
+    write_gpt2_gguf,  # noqa: E402
+    write_llama_gguf,
+    write_lora_gguf,
+    write_merged_gguf,
+    write_model_gguf,
+)
 from toy.lora import apply_lora, load_lora_state_dict, lora_state_dict, merge_lora  # noqa: E402
 from toy.tokenizer import from_gguf_metadata, train_bpe  # noqa: E402
 
-CORPUS = Path(__file__).resolve().parents[1] / "src" / "toy" / "data" / "assets" / "shakespeare" / "hamlet.txt"
+CORPUS = (
+    Path(__file__).resolve().parents[1]
+    / "src"
+    / "toy"
+    / "data"
+    / "assets"
+    / "shakespeare"
+    / "hamlet.txt"
+)
 ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 TEXTS = [
     "To be, or not to be: that is the question.",
@@ -48,6 +63,7 @@ TEXTS = [
 
 
 # ------------------------------------------------------------------ fixtures
+
 
 @pytest.fixture(scope="module")
 def tok():
@@ -74,6 +90,7 @@ def _logits(m, ids):
 
 # ------------------------------------------------------------------ full model round trips
 
+
 def test_f32_roundtrip_identical(tmp_path, model, tok):
     rep = write_llama_gguf(tmp_path / "m.gguf", model, tok, dtype="f32")
     assert rep.tensor_types == {"F32": 20} and rep.notes == []
@@ -88,7 +105,10 @@ def test_f32_roundtrip_identical(tmp_path, model, tok):
     assert meta["general.architecture"] == "llama" and meta["general.file_type"] == 0
     assert meta["tokenizer.ggml.model"] == "gpt2" and meta["tokenizer.ggml.pre"] == "gpt-2"
     assert meta["llama.rope.dimension_count"] == 16 and meta["llama.attention.head_count_kv"] == 2
-    assert not (tmp_path / "m.gguf").with_suffix(".tmp").exists() and len(list(tmp_path.iterdir())) == 1
+    assert (
+        not (tmp_path / "m.gguf").with_suffix(".tmp").exists()
+        and len(list(tmp_path.iterdir())) == 1
+    )
 
 
 def test_untied_output_written(tmp_path, tok):
@@ -113,8 +133,12 @@ def test_qk_rows_are_permuted_in_the_file(tmp_path, model, tok):
     q = _load_tensor(buf, h.tensors["blk.1.attn_q.weight"]).numpy()
     k = _load_tensor(buf, h.tensors["blk.1.attn_k.weight"]).numpy()
     sd = model.state_dict()
-    np.testing.assert_array_equal(q, converter_permute(sd["layers.1.self_attn.q_proj.weight"].numpy(), 4))
-    np.testing.assert_array_equal(k, converter_permute(sd["layers.1.self_attn.k_proj.weight"].numpy(), 2))
+    np.testing.assert_array_equal(
+        q, converter_permute(sd["layers.1.self_attn.q_proj.weight"].numpy(), 4)
+    )
+    np.testing.assert_array_equal(
+        k, converter_permute(sd["layers.1.self_attn.k_proj.weight"].numpy(), 2)
+    )
 
 
 @pytest.mark.parametrize("dtype", ["f16", "q8_0"])
@@ -143,7 +167,9 @@ def test_lossy_dtypes_within_tolerance(tmp_path, model, tok, dtype):
 
 
 def test_q8_0_falls_back_to_f16_for_short_rows(tmp_path, tok):
-    m = tiny_model(vocab_size=tok.get_vocab_size(with_added_tokens=True), d_ff=48)  # ffn_down rows: 48
+    m = tiny_model(
+        vocab_size=tok.get_vocab_size(with_added_tokens=True), d_ff=48
+    )  # ffn_down rows: 48
     rep = write_llama_gguf(tmp_path / "q.gguf", m, tok, dtype="q8_0")
     assert rep.tensor_types == {"Q8_0": 13, "F32": 5, "F16": 2}
     assert any("ffn_down" in n and "f16" in n for n in rep.notes)
@@ -215,18 +241,24 @@ def test_gpt2_roundtrip(tmp_path, tok):
     n = tok.get_vocab_size(with_added_tokens=True)
     for bias in (True, False):
         torch.manual_seed(0)
-        m = GPT2(GPT2Config(vocab_size=n, n_layer=2, d_model=64, n_head=4, max_seq_len=64, bias=bias)).eval()
+        m = GPT2(
+            GPT2Config(vocab_size=n, n_layer=2, d_model=64, n_head=4, max_seq_len=64, bias=bias)
+        ).eval()
         with torch.no_grad():
             for p in m.parameters():
                 p.add_(torch.randn_like(p) * 0.05)
         rep = write_model_gguf(tmp_path / f"g{bias}.gguf", m, tok)
         h = read_gguf_header(rep.path)
-        assert h.metadata["general.architecture"] == "gpt2" and h.metadata["gpt2.context_length"] == 64
+        assert (
+            h.metadata["general.architecture"] == "gpt2" and h.metadata["gpt2.context_length"] == 64
+        )
         assert h.tensors["blk.0.attn_qkv.weight"].ne == (64, 192)  # GGUF ne [in, out]
         assert h.tensors["position_embd.weight"].ne == (64, 64) and "output.weight" not in h.tensors
         buf = np.memmap(rep.path, dtype=np.uint8, mode="c")
         sd = {t: _load_tensor(buf, h.tensors[g]) for g, t in gpt2_tensor_map(m.cfg).items()}
-        back = GPT2(GPT2Config(vocab_size=n, n_layer=2, d_model=64, n_head=4, max_seq_len=64, bias=True)).eval()
+        back = GPT2(
+            GPT2Config(vocab_size=n, n_layer=2, d_model=64, n_head=4, max_seq_len=64, bias=True)
+        ).eval()
         back.load_state_dict(sd, strict=False)
         ids = _ids(tok, "To be, or not to be")
         assert torch.equal(_logits(back, ids), _logits(m, ids))
@@ -247,10 +279,13 @@ def test_vit_is_refused(tmp_path):
 def _vit_cfg():
     from toy.models.vit import VitConfig
 
-    return VitConfig(image_size=28, patch_size=7, n_layer=1, d_model=32, n_head=2, d_ff=64, n_classes=3)
+    return VitConfig(
+        image_size=28, patch_size=7, n_layer=1, d_model=32, n_head=2, d_ff=64, n_classes=3
+    )
 
 
 # ------------------------------------------------------------------ LoRA adapter GGUF
+
 
 def _adapted(model, rank=4, alpha=8.0, seed=1):
     """A copy of `model` with LoRA on every projection and large random A and B (a
@@ -261,7 +296,7 @@ def _adapted(model, rank=4, alpha=8.0, seed=1):
     apply_lora(m, ALL_TARGETS, rank, alpha, 0.0, seed=seed)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for k, p in lora_state_dict(m).items():
+        for _k, p in lora_state_dict(m).items():
             p.copy_(torch.randn(p.shape, generator=g) * 0.3)
     return m
 
@@ -279,10 +314,16 @@ def test_lora_gguf_applied_like_llamacpp_equals_toy_merge(tmp_path, model, tok):
 
     h = read_gguf_header(rep.path)
     assert h.metadata["general.type"] == "adapter" and h.metadata["adapter.type"] == "lora"
-    assert h.metadata["general.architecture"] == "llama" and h.metadata["adapter.lora.alpha"] == alpha
+    assert (
+        h.metadata["general.architecture"] == "llama" and h.metadata["adapter.lora.alpha"] == alpha
+    )
     base_h = read_gguf_header(base_path)
     for stem in ("blk.0.attn_q.weight", "blk.1.ffn_down.weight"):
-        a, b, w = h.tensors[stem + ".lora_a"].ne, h.tensors[stem + ".lora_b"].ne, base_h.tensors[stem].ne
+        a, b, w = (
+            h.tensors[stem + ".lora_a"].ne,
+            h.tensors[stem + ".lora_b"].ne,
+            base_h.tensors[stem].ne,
+        )
         # llama-adapter.cpp's checks, in GGUF ne order.
         assert w[0] == a[0] and w[1] == b[1] and a[1] == b[0] == rank
 
@@ -293,9 +334,15 @@ def test_lora_gguf_applied_like_llamacpp_equals_toy_merge(tmp_path, model, tok):
 
     merged = merge_lora(_adapted(model, rank, alpha)).state_dict()
     buf = np.memmap(base_path, dtype=np.uint8, mode="r")
-    names = {"attn_q": ("self_attn.q_proj", 4), "attn_k": ("self_attn.k_proj", 2), "attn_v": ("self_attn.v_proj", 0),
-             "attn_output": ("self_attn.o_proj", 0), "ffn_gate": ("mlp.gate_proj", 0),
-             "ffn_up": ("mlp.up_proj", 0), "ffn_down": ("mlp.down_proj", 0)}
+    names = {
+        "attn_q": ("self_attn.q_proj", 4),
+        "attn_k": ("self_attn.k_proj", 2),
+        "attn_v": ("self_attn.v_proj", 0),
+        "attn_output": ("self_attn.o_proj", 0),
+        "ffn_gate": ("mlp.gate_proj", 0),
+        "ffn_up": ("mlp.up_proj", 0),
+        "ffn_down": ("mlp.down_proj", 0),
+    }
     naive_differs = False
     for stem, (a, b) in ad.pairs.items():
         _, i, kind, _ = stem.split(".")
@@ -307,8 +354,11 @@ def test_lora_gguf_applied_like_llamacpp_equals_toy_merge(tmp_path, model, tok):
         want = merged[f"layers.{i}.{toy_name}.weight"].double()
         torch.testing.assert_close(w_new, want, rtol=0, atol=1e-5, msg=stem)
         if heads:  # the same check with B left in toy's order must fail: the test can tell
-            bad = unpermute_qk(w_file + (alpha / rank) * (lsd[f"layers.{i}.{toy_name}.lora_B"].double()
-                                                          @ a.double()), heads)
+            bad = unpermute_qk(
+                w_file
+                + (alpha / rank) * (lsd[f"layers.{i}.{toy_name}.lora_B"].double() @ a.double()),
+                heads,
+            )
             naive_differs |= not torch.allclose(bad, want, atol=1e-3)
     assert naive_differs
 
@@ -331,7 +381,9 @@ def test_lora_gguf_refuses_what_llamacpp_cannot_take(tmp_path, model):
 
 
 def test_merged_gguf_equals_toy_base_plus_adapter(tmp_path, model, tok):
-    base_path = write_llama_gguf(tmp_path / "base.gguf", model, tok, dtype="q8_0").path  # a quantized base
+    base_path = write_llama_gguf(
+        tmp_path / "base.gguf", model, tok, dtype="q8_0"
+    ).path  # a quantized base
     base = read_gguf(base_path)
     lsd = lora_state_dict(_adapted(model))
     rep = write_merged_gguf(tmp_path / "merged.gguf", base, lsd, rank=4, alpha=8.0, dtype="f32")
@@ -350,10 +402,13 @@ def test_merged_gguf_equals_toy_base_plus_adapter(tmp_path, model, tok):
     ref = base.build_model()
     apply_lora(ref, ALL_TARGETS, 4, 8.0, 0.0, seed=0)
     load_lora_state_dict(ref, lsd)
-    torch.testing.assert_close(_logits(merged.build_model(), ids), _logits(ref, ids), rtol=0, atol=3e-4)
+    torch.testing.assert_close(
+        _logits(merged.build_model(), ids), _logits(ref, ids), rtol=0, atol=3e-4
+    )
 
 
 # ------------------------------------------------------------------ the command line
+
 
 @pytest.fixture(scope="module")
 def lora_run(tmp_path_factory, tok, model):
@@ -366,12 +421,46 @@ def lora_run(tmp_path_factory, tok, model):
     from toy.data.prep import bundled_text_paths
 
     d = tmp_path_factory.mktemp("lora-run")
-    base = fixture_write(d / "base.gguf", tiny_model(vocab_size=tok.get_vocab_size(with_added_tokens=True),
-                                                     max_seq_len=256), tok)
-    chat = write_jsonl(conversations(bundled_text_paths(), 30, seed=1, turns=(1, 2), max_chars=150), d / "c.jsonl")
-    code = main(["train", "--recipe", "lora", "--model", str(base), "--data", str(chat), "--out", str(d / "runs"),
-                 "--run-id", "l1", "--steps", "3", "--seq-len", "128", "--batch-size", "2", "--eval-batches", "1",
-                 "--lr", "3e-2", "--warmup", "0", "--targets", ",".join(ALL_TARGETS), "--rank", "4", "--json"])
+    base = fixture_write(
+        d / "base.gguf",
+        tiny_model(vocab_size=tok.get_vocab_size(with_added_tokens=True), max_seq_len=256),
+        tok,
+    )
+    chat = write_jsonl(
+        conversations(bundled_text_paths(), 30, seed=1, turns=(1, 2), max_chars=150), d / "c.jsonl"
+    )
+    code = main(
+        [
+            "train",
+            "--recipe",
+            "lora",
+            "--model",
+            str(base),
+            "--data",
+            str(chat),
+            "--out",
+            str(d / "runs"),
+            "--run-id",
+            "l1",
+            "--steps",
+            "3",
+            "--seq-len",
+            "128",
+            "--batch-size",
+            "2",
+            "--eval-batches",
+            "1",
+            "--lr",
+            "3e-2",
+            "--warmup",
+            "0",
+            "--targets",
+            ",".join(ALL_TARGETS),
+            "--rank",
+            "4",
+            "--json",
+        ]
+    )
     assert code == 0
     return {"run": d / "runs" / "l1", "base": base}
 
@@ -382,7 +471,9 @@ def _toy_with_adapter(base_path: Path, adapter_dir: Path):
     base = read_gguf(base_path)
     m = base.build_model()
     sd, cfg = load_peft_adapter(adapter_dir)
-    apply_lora(m, sorted({k.rsplit(".", 2)[-2] for k in sd}), cfg["r"], cfg["lora_alpha"], 0.0, seed=0)
+    apply_lora(
+        m, sorted({k.rsplit(".", 2)[-2] for k in sd}), cfg["r"], cfg["lora_alpha"], 0.0, seed=0
+    )
     load_lora_state_dict(m, sd)
     return m.eval(), sd, cfg
 
@@ -397,10 +488,14 @@ def test_cli_export_lora_run_all_formats(lora_run, toy_cli, tmp_path, tok):
     r = json.loads(out)
     # --merge defaults to keep: the base's bytes, adapted tensors f32 on this f32 base (f16 on others)
     assert r["format"] == "toy/export-v1" and r["dtype"] == "keep" and r["merged"]
-    assert Path(r["path"]) == run / "export" / "l1-merged-keep.gguf" and r["tensor_types"] == {"F32": 20}
+    assert Path(r["path"]) == run / "export" / "l1-merged-keep.gguf" and r["tensor_types"] == {
+        "F32": 20
+    }
     merged = read_gguf(r["path"])
     # Merging rounds W + s*B@A once in float32: agreement to float32 rounding, not bits.
-    torch.testing.assert_close(_logits(merged.build_model(), ids), _logits(ref, ids), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        _logits(merged.build_model(), ids), _logits(ref, ids), rtol=1e-5, atol=1e-5
+    )
 
     code, out, err = toy_cli("export", run, "--format", "gguf-lora", "--out", tmp_path / "a.gguf")
     assert code == 0, err
@@ -409,15 +504,30 @@ def test_cli_export_lora_run_all_formats(lora_run, toy_cli, tmp_path, tok):
     assert ad.alpha == cfg["lora_alpha"] and ad.rank == cfg["r"]
     assert ad.lora_sd.keys() == sd.keys() and all(torch.equal(ad.lora_sd[k], sd[k]) for k in sd)
 
-    code, out, err = toy_cli("export", run / "final", "--format", "peft", "--out", tmp_path / "peft")
+    code, out, err = toy_cli(
+        "export", run / "final", "--format", "peft", "--out", tmp_path / "peft"
+    )
     assert code == 0, err
     assert sorted(p.name for p in (tmp_path / "peft").iterdir()) == [
-        "adapter_config.json", "adapter_model.safetensors", "tokenizer.json"]
-    assert (tmp_path / "peft" / "adapter_model.safetensors").read_bytes() == \
-        (run / "final" / "adapter_model.safetensors").read_bytes()
+        "adapter_config.json",
+        "adapter_model.safetensors",
+        "tokenizer.json",
+    ]
+    assert (tmp_path / "peft" / "adapter_model.safetensors").read_bytes() == (
+        run / "final" / "adapter_model.safetensors"
+    ).read_bytes()
 
-    code, out, err = toy_cli("export", run, "--format", "gguf", "--merge", "--dtype", "q8_0",
-                             "--out", tmp_path / "q.gguf")
+    code, out, err = toy_cli(
+        "export",
+        run,
+        "--format",
+        "gguf",
+        "--merge",
+        "--dtype",
+        "q8_0",
+        "--out",
+        tmp_path / "q.gguf",
+    )
     assert code == 0, err
     assert read_gguf_header(tmp_path / "q.gguf").metadata["general.file_type"] == 7
 
@@ -432,7 +542,9 @@ def test_cli_lora_base_override_and_missing_base(lora_run, toy_cli, tmp_path):
     cfg["base_model_name_or_path"] = str(tmp_path / "gone.gguf")
     cfg_path.write_text(json.dumps(cfg))
     code, _, err = toy_cli("export", run, "--format", "gguf-lora")
-    assert code == 2 and "gone.gguf" in err and "--model" in err and len(err.strip().splitlines()) == 1
+    assert (
+        code == 2 and "gone.gguf" in err and "--model" in err and len(err.strip().splitlines()) == 1
+    )
     code, out, err = toy_cli("export", run, "--format", "gguf-lora", "--model", lora_run["base"])
     assert code == 0, err
     # A different file as the base: refused when it comes from the run, noted when forced with --model.
@@ -453,16 +565,23 @@ def test_peft_adapter_loads_in_hf_peft_on_transformers_gguf(lora_run, tmp_path, 
     peft = pytest.importorskip("peft")
     from toy.cli.main import main
 
-    assert main(["export", str(lora_run["run"]), "--format", "peft", "--out", str(tmp_path / "peft")]) == 0
+    assert (
+        main(["export", str(lora_run["run"]), "--format", "peft", "--out", str(tmp_path / "peft")])
+        == 0
+    )
     base = lora_run["base"]
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(base.parent), gguf_file=base.name).eval()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        str(base.parent), gguf_file=base.name
+    ).eval()
     pm = peft.PeftModel.from_pretrained(hf, str(tmp_path / "peft")).eval()
     ref, _, _ = _toy_with_adapter(base, tmp_path / "peft")
     ids = _ids(tok)
     with torch.no_grad():
         got = pm(ids).logits
     want = _logits(ref, ids)
-    assert float((want - _logits(read_gguf(base).build_model(), ids)).abs().max()) > 1e-3  # the adapter matters
+    assert (
+        float((want - _logits(read_gguf(base).build_model(), ids)).abs().max()) > 1e-3
+    )  # the adapter matters
     torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
 
 
@@ -473,9 +592,36 @@ def scratch_run(tmp_path_factory):
     from toy.data.prep import bundled_text_paths
 
     d = tmp_path_factory.mktemp("scratch")
-    assert main(["prep", str(bundled_text_paths()[0]), "--out", str(d / "c.bin"), "--vocab-size", "400"]) == 0
-    assert main(["train", "--corpus", str(d / "c.bin"), "--out", str(d / "runs"), "--run-id", "s1", "--preset",
-                 "tiny", "--batch-size", "4", "--seq-len", "32", "--eval-batches", "1", "--steps", "4"]) == 0
+    assert (
+        main(
+            ["prep", str(bundled_text_paths()[0]), "--out", str(d / "c.bin"), "--vocab-size", "400"]
+        )
+        == 0
+    )
+    assert (
+        main(
+            [
+                "train",
+                "--corpus",
+                str(d / "c.bin"),
+                "--out",
+                str(d / "runs"),
+                "--run-id",
+                "s1",
+                "--preset",
+                "tiny",
+                "--batch-size",
+                "4",
+                "--seq-len",
+                "32",
+                "--eval-batches",
+                "1",
+                "--steps",
+                "4",
+            ]
+        )
+        == 0
+    )
     return d / "runs" / "s1"
 
 
@@ -544,23 +690,41 @@ def test_bad_requests_exit_2(scratch_run, lora_run, toy_cli, tmp_path, capsys):
 
 # ------------------------------------------------------------------ toy describe
 
+
 def test_describe_a_lora_adapter_gguf(tmp_path, model, tok, toy_cli):
     """`toy describe adapter.gguf` used to refuse it as a model it could not load."""
     path = tmp_path / "adapter.gguf"
-    write_lora_gguf(path, lora_state_dict(_adapted(model, rank=4)), alpha=8, base=model.cfg, name="mine")
+    write_lora_gguf(
+        path, lora_state_dict(_adapted(model, rank=4)), alpha=8, base=model.cfg, name="mine"
+    )
     code, out, err = toy_cli("describe", path)
     assert code == 0, err
     assert out.endswith("\n") and not out.endswith("\n\n")
     n = model.cfg.n_layer
-    assert "adapter       LoRA adapter for a llama base: rank 4, alpha 8 (update scaled by alpha/rank = 2)" in out
+    assert (
+        "adapter       LoRA adapter for a llama base: rank 4, alpha 8 (update scaled by alpha/rank = 2)"
+        in out
+    )
     assert f"attn_q x{n}, attn_v x{n}" in out and f"({7 * n} matrices in {n} layers)" in out
     assert "name          mine" in out and "--lora" in out
     code, out, err = toy_cli("describe", path, "--json")
     d = json.loads(out)
-    assert (d["format"], d["type"], d["adapter_type"], d["arch"]) == ("toy/describe-v1", "adapter", "lora", "llama")
+    assert (d["format"], d["type"], d["adapter_type"], d["arch"]) == (
+        "toy/describe-v1",
+        "adapter",
+        "lora",
+        "llama",
+    )
     assert (d["rank"], d["alpha"], d["n_layers"], d["n_matrices"]) == (4, 8.0, n, 7 * n)
-    assert set(d["targets"]) == {"attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight",
-                                 "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight"}
+    assert set(d["targets"]) == {
+        "attn_q.weight",
+        "attn_k.weight",
+        "attn_v.weight",
+        "attn_output.weight",
+        "ffn_gate.weight",
+        "ffn_up.weight",
+        "ffn_down.weight",
+    }
     assert d["problems"] == [] and d["n_tensors"] == 14 * n
 
 
@@ -571,7 +735,9 @@ def test_describe_an_adapter_llamacpp_could_not_apply(tmp_path, toy_cli):
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_type("adapter")
     w.add_string("adapter.type", "lora")
-    w.add_tensor("blk.0.attn_q.weight.lora_a", np.zeros((4, 16), dtype=np.float32))  # no lora_b, no alpha
+    w.add_tensor(
+        "blk.0.attn_q.weight.lora_a", np.zeros((4, 16), dtype=np.float32)
+    )  # no lora_b, no alpha
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -591,6 +757,7 @@ def test_describe_a_model_ends_with_a_newline(tmp_path, model, tok, toy_cli):
 
 # ------------------------------------------------------------------ toy list
 
+
 def test_toy_list(scratch_run, lora_run, toy_cli, tmp_path, monkeypatch, model, tok):
     import shutil
 
@@ -599,13 +766,17 @@ def test_toy_list(scratch_run, lora_run, toy_cli, tmp_path, monkeypatch, model, 
     (proj / "toy.toml").write_text("")
     write_llama_gguf(proj / "data" / "good.gguf", model, tok, name="good")
     (proj / "data" / "sub" / "broken.gguf").write_bytes(b"GGUF\3\0\0\0" + b"\xff" * 40)
-    write_lora_gguf(proj / "data" / "adapter.gguf", lora_state_dict(_adapted(model)), alpha=8, base=model.cfg)
+    write_lora_gguf(
+        proj / "data" / "adapter.gguf", lora_state_dict(_adapted(model)), alpha=8, base=model.cfg
+    )
     write_gpt2_gguf(proj / "data" / "g2.gguf", _tiny_gpt2(tok), tok)
     shutil.copytree(scratch_run, proj / "runs" / "s1")
     failed = proj / "runs" / "f1"
     failed.mkdir(parents=True)
     (failed / "run.json").write_text(json.dumps({"recipe": "lora", "arch": "llama", "params": 10}))
-    (failed / "events.jsonl").write_text(json.dumps({"event": "run_failed", "error": "non-finite loss at step 3"}))
+    (failed / "events.jsonl").write_text(
+        json.dumps({"event": "run_failed", "error": "non-finite loss at step 3"})
+    )
     broken_run = proj / "runs" / "b1"
     broken_run.mkdir()
     (broken_run / "run.json").write_text("{not json")
@@ -618,7 +789,7 @@ def test_toy_list(scratch_run, lora_run, toy_cli, tmp_path, monkeypatch, model, 
     lines = out.splitlines()
     assert lines[0] == "models (data, runs/*/export):"
     runs_at = lines.index("runs (runs):")
-    models, runs = lines[1:runs_at], lines[runs_at + 1:]
+    models, runs = lines[1:runs_at], lines[runs_at + 1 :]
 
     def fields(rows, name):
         return next(r for r in rows if r.split()[0] == name).split()
@@ -627,7 +798,10 @@ def test_toy_list(scratch_run, lora_run, toy_cli, tmp_path, monkeypatch, model, 
     assert fields(models, "data/sub/broken.gguf")[1:3] == ["?", "unreadable"] and "ERROR:" in out
     assert fields(models, "data/adapter.gguf")[1:5] == ["llama", "lora", "adapter", "r4"]
     assert fields(models, "data/g2.gguf")[1] == "gpt2"
-    assert fields(models, "runs/s1/export/s1-f32.gguf")[1:3] == ["llama", "model"]  # exports are listed
+    assert fields(models, "runs/s1/export/s1-f32.gguf")[1:3] == [
+        "llama",
+        "model",
+    ]  # exports are listed
     assert fields(runs, "s1")[1:3] == ["from-scratch", "llama"] and "finished" in fields(runs, "s1")
     assert fields(runs, "f1")[1:3] == ["lora", "llama"] and "failed" in fields(runs, "f1")
     assert "non-finite loss" in out and "unreadable run.json" in fields(runs, "b1")[-1] + " " + out
@@ -647,7 +821,14 @@ def test_toy_list(scratch_run, lora_run, toy_cli, tmp_path, monkeypatch, model, 
     r = json.loads(out)
     assert r["format"] == "toy/list-v1"
     by_name = {Path(m["path"]).name: m for m in r["models"]}
-    assert set(by_name) == {"good.gguf", "broken.gguf", "adapter.gguf", "g2.gguf", "copy.gguf", "s1-f32.gguf"}
+    assert set(by_name) == {
+        "good.gguf",
+        "broken.gguf",
+        "adapter.gguf",
+        "g2.gguf",
+        "copy.gguf",
+        "s1-f32.gguf",
+    }
     assert by_name["adapter.gguf"]["rank"] == 4 and by_name["adapter.gguf"]["alpha"] == 8.0
     assert by_name["good.gguf"]["n_params"] == sum(p.numel() for p in model.parameters())
     assert by_name["good.gguf"]["arch"] == "llama" and by_name["good.gguf"]["file_size"] > 0
@@ -662,8 +843,15 @@ def test_toy_list(scratch_run, lora_run, toy_cli, tmp_path, monkeypatch, model, 
 def _tiny_gpt2(tok):
     from toy.models.gpt2 import GPT2, GPT2Config
 
-    return GPT2(GPT2Config(vocab_size=tok.get_vocab_size(with_added_tokens=True), n_layer=1, d_model=32, n_head=2,
-                           max_seq_len=32)).eval()
+    return GPT2(
+        GPT2Config(
+            vocab_size=tok.get_vocab_size(with_added_tokens=True),
+            n_layer=1,
+            d_model=32,
+            n_head=2,
+            max_seq_len=32,
+        )
+    ).eval()
 
 
 def test_exports_checkpoints_and_models_are_readable_by_others(tmp_path, toy_cli):
@@ -673,17 +861,46 @@ def test_exports_checkpoints_and_models_are_readable_by_others(tmp_path, toy_cli
 
     old = os.umask(0o022)
     try:
-        assert toy_cli("prep", bundled_text_paths()[0], "--out", tmp_path / "c.bin", "--vocab-size", "300")[0] == 0
-        code, _, err = toy_cli("train", "--corpus", tmp_path / "c.bin", "--out", tmp_path / "runs", "--run-id", "m",
-                               "--preset", "tiny", "--batch-size", "2", "--seq-len", "16", "--eval-batches", "1",
-                               "--steps", "2", "--save-every", "1")
+        assert (
+            toy_cli(
+                "prep", bundled_text_paths()[0], "--out", tmp_path / "c.bin", "--vocab-size", "300"
+            )[0]
+            == 0
+        )
+        code, _, err = toy_cli(
+            "train",
+            "--corpus",
+            tmp_path / "c.bin",
+            "--out",
+            tmp_path / "runs",
+            "--run-id",
+            "m",
+            "--preset",
+            "tiny",
+            "--batch-size",
+            "2",
+            "--seq-len",
+            "16",
+            "--eval-batches",
+            "1",
+            "--steps",
+            "2",
+            "--save-every",
+            "1",
+        )
         assert code == 0, err
         run = tmp_path / "runs" / "m"
         assert toy_cli("export", run, "--format", "gguf")[0] == 0
     finally:
         os.umask(old)
-    files = [run / "export" / "m-f32.gguf", run / "final" / "model.safetensors", run / "run.json",
-             *sorted((run / "checkpoints").glob("step-*/*")), tmp_path / "c.bin", tmp_path / "c.tokenizer.json"]
+    files = [
+        run / "export" / "m-f32.gguf",
+        run / "final" / "model.safetensors",
+        run / "run.json",
+        *sorted((run / "checkpoints").glob("step-*/*")),
+        tmp_path / "c.bin",
+        tmp_path / "c.tokenizer.json",
+    ]
     assert len(files) > 6
     for f in files:
         assert f.stat().st_mode & 0o777 == 0o644, (f, oct(f.stat().st_mode))

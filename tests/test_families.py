@@ -17,8 +17,14 @@ from tiny_families import FAMILIES, SLIDING_WINDOW, tiny_family  # noqa: E402,F4
 from toy.formats.gguf import read_gguf  # noqa: E402
 
 pytestmark = pytest.mark.slow
-TOY_CLASS = {"llama": "Llama", "mistral": "Llama", "qwen3": "Llama", "phi3": "Phi3", "gemma3": "Gemma",
-             "gemma2": "Gemma"}
+TOY_CLASS = {
+    "llama": "Llama",
+    "mistral": "Llama",
+    "qwen3": "Llama",
+    "phi3": "Phi3",
+    "gemma3": "Gemma",
+    "gemma2": "Gemma",
+}
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -70,12 +76,52 @@ def test_lora_trains_and_exports_in_the_files_own_architecture(family, tiny_fami
     from toy.lora import apply_lora, load_lora_state_dict
 
     tf = tiny_family(family)
-    assert main(["prep", str(bundled_text_paths()[2]), "--out", str(tmp_path / "c.bin"), "--tokenizer",
-                 str(tf.gguf)]) == 0
+    assert (
+        main(
+            [
+                "prep",
+                str(bundled_text_paths()[2]),
+                "--out",
+                str(tmp_path / "c.bin"),
+                "--tokenizer",
+                str(tf.gguf),
+            ]
+        )
+        == 0
+    )
     targets = "qkv_proj,gate_up_proj" if family == "phi3" else "q_proj,k_proj,v_proj,up_proj"
-    assert main(["train", "--recipe", "lora", "--model", str(tf.gguf), "--corpus", str(tmp_path / "c.bin"),
-                 "--steps", "3", "--seq-len", "48", "--batch-size", "2", "--lr", "5e-2", "--warmup", "0",
-                 "--targets", targets, "--out", str(tmp_path), "--run-id", "r", "--eval-batches", "1"]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "--recipe",
+                "lora",
+                "--model",
+                str(tf.gguf),
+                "--corpus",
+                str(tmp_path / "c.bin"),
+                "--steps",
+                "3",
+                "--seq-len",
+                "48",
+                "--batch-size",
+                "2",
+                "--lr",
+                "5e-2",
+                "--warmup",
+                "0",
+                "--targets",
+                targets,
+                "--out",
+                str(tmp_path),
+                "--run-id",
+                "r",
+                "--eval-batches",
+                "1",
+            ]
+        )
+        == 0
+    )
     final = tmp_path / "r" / "final"
     sd, cfg = load_peft_adapter(final)
     assert set(cfg["target_modules"]) == set(targets.split(","))
@@ -92,10 +138,26 @@ def test_lora_trains_and_exports_in_the_files_own_architecture(family, tiny_fami
     assert float((ours - base).abs().max()) > 1e-3  # the adapter changes the model
     torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-4)
     # gguf-lora: the file's architecture, the base's tensor names
-    assert main(["export", str(tmp_path / "r"), "--format", "gguf-lora", "--out", str(tmp_path / "a.gguf")]) == 0
+    assert (
+        main(
+            [
+                "export",
+                str(tmp_path / "r"),
+                "--format",
+                "gguf-lora",
+                "--out",
+                str(tmp_path / "a.gguf"),
+            ]
+        )
+        == 0
+    )
     h = read_gguf_header(tmp_path / "a.gguf")
     arch = json.loads((tmp_path / "r" / "run.json").read_text())["arch"]
-    assert h.metadata["general.architecture"] == arch == read_gguf_header(tf.gguf).metadata["general.architecture"]
+    assert (
+        h.metadata["general.architecture"]
+        == arch
+        == read_gguf_header(tf.gguf).metadata["general.architecture"]
+    )
     base_names = set(read_gguf_header(tf.gguf).tensors)
     assert {n.rsplit(".", 1)[0] for n in h.tensors} <= base_names
     assert (tmp_path / "r" / "checkpoints").is_dir()
@@ -112,17 +174,67 @@ def test_warm_start_takes_a_donor_of_any_family(family, tiny_family, tmp_path):
     from toy.formats.gguf import read_gguf_tensor
 
     tf = tiny_family(family)
-    assert main(["prep", str(bundled_text_paths()[3]), "--out", str(tmp_path / "c.bin"), "--tokenizer",
-                 str(tf.gguf)]) == 0
-    assert main(["train", "--recipe", "warm-start", "--donor", str(tf.gguf), "--corpus", str(tmp_path / "c.bin"),
-                 "--init", "donor", "--preset", "tiny", "--d-model", "64", "--n-head", "4", "--steps", "2",
-                 "--seq-len", "32", "--batch-size", "2", "--eval-batches", "1", "--lr", "1e-9", "--min-lr", "0", "--warmup", "0",
-                 "--out", str(tmp_path), "--run-id", "w", "--json"]) == 0
+    assert (
+        main(
+            [
+                "prep",
+                str(bundled_text_paths()[3]),
+                "--out",
+                str(tmp_path / "c.bin"),
+                "--tokenizer",
+                str(tf.gguf),
+            ]
+        )
+        == 0
+    )
+    assert (
+        main(
+            [
+                "train",
+                "--recipe",
+                "warm-start",
+                "--donor",
+                str(tf.gguf),
+                "--corpus",
+                str(tmp_path / "c.bin"),
+                "--init",
+                "donor",
+                "--preset",
+                "tiny",
+                "--d-model",
+                "64",
+                "--n-head",
+                "4",
+                "--steps",
+                "2",
+                "--seq-len",
+                "32",
+                "--batch-size",
+                "2",
+                "--eval-batches",
+                "1",
+                "--lr",
+                "1e-9",
+                "--min-lr",
+                "0",
+                "--warmup",
+                "0",
+                "--out",
+                str(tmp_path),
+                "--run-id",
+                "w",
+                "--json",
+            ]
+        )
+        == 0
+    )
     from safetensors.torch import load_file
 
     emb = load_file(tmp_path / "w" / "final" / "model.safetensors")["embed_tokens.weight"]
     table = read_gguf_tensor(tf.gguf, "token_embd.weight")
     assert emb.shape == table.shape
-    torch.testing.assert_close(emb, table, rtol=0, atol=1e-6)  # copied as they are (equal widths), lr ~0
+    torch.testing.assert_close(
+        emb, table, rtol=0, atol=1e-6
+    )  # copied as they are (equal widths), lr ~0
     info = json.loads((tmp_path / "w" / "run.json").read_text())
     assert info["job"]["donor_arch"] == {"gemma3": "gemma3", "phi3": "phi3"}[family]

@@ -79,15 +79,29 @@ def test_gguf_plan_names_and_shapes_are_the_modules(name, arch):
     assert planned == {k: tuple(v.shape) for k, v in sd.items()}
     # The config reader takes a header's keys back to the same shape.
     shapes = {g: p.shape for g, p in plan.items()}
-    keys = {f"{arch}.{k}": v for k, v in dict(
-        embedding_length=cfg.d_model, block_count=cfg.n_layer, feed_forward_length=cfg.d_ff,
-        **{"attention.head_count": cfg.n_head, "attention.head_count_kv": cfg.n_kv_head,
-           "attention.key_length": cfg.head_dim, "attention.sliding_window": getattr(cfg, "sliding_window", 0),
-           "rope.dimension_count": getattr(cfg, "rope_dim", cfg.head_dim),
-           "context_length": cfg.max_seq_len}).items()}
+    keys = {
+        f"{arch}.{k}": v
+        for k, v in dict(
+            embedding_length=cfg.d_model,
+            block_count=cfg.n_layer,
+            feed_forward_length=cfg.d_ff,
+            **{
+                "attention.head_count": cfg.n_head,
+                "attention.head_count_kv": cfg.n_kv_head,
+                "attention.key_length": cfg.head_dim,
+                "attention.sliding_window": getattr(cfg, "sliding_window", 0),
+                "rope.dimension_count": getattr(cfg, "rope_dim", cfg.head_dim),
+                "context_length": cfg.max_seq_len,
+            },
+        ).items()
+    }
     read = fam.archs[arch].config(Keys(keys, shapes))
-    assert (read.n_layer, read.d_model, read.n_head, read.vocab_size) == (cfg.n_layer, cfg.d_model, cfg.n_head,
-                                                                          cfg.vocab_size)
+    assert (read.n_layer, read.d_model, read.n_head, read.vocab_size) == (
+        cfg.n_layer,
+        cfg.d_model,
+        cfg.n_head,
+        cfg.vocab_size,
+    )
 
 
 @pytest.mark.parametrize("name", [f for f in FAMILIES if registry.family(f).presets])
@@ -98,8 +112,11 @@ def test_presets_build(name):
         if preset != "tiny":
             continue  # the big ones take seconds to build; their fields are checked below
         extra = {"n_classes": 3} if not fam.language_model else {}
-        cfg = registry.build_config(name, preset, 96, **extra) if fam.language_model else \
-            fam.config(**fam.presets[preset], **extra)
+        cfg = (
+            registry.build_config(name, preset, 96, **extra)
+            if fam.language_model
+            else fam.config(**fam.presets[preset], **extra)
+        )
         assert isinstance(fam.model(cfg), nn.Module)
     for preset, fields in fam.presets.items():
         assert set(fields) <= {f.name for f in dataclasses.fields(fam.config)}, (preset, fields)

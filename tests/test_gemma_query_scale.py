@@ -19,8 +19,14 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from tiny_families import (GEMMA_IDS, SLIDING_WINDOW, _randomize, convert, converter_dir,  # noqa: E402
-                           save_gemma_tokenizer)
+from tiny_families import (
+    GEMMA_IDS,
+    SLIDING_WINDOW,
+    _randomize,
+    convert,
+    converter_dir,  # noqa: E402
+    save_gemma_tokenizer,
+)
 
 from toy.formats.gguf import read_gguf  # noqa: E402
 
@@ -34,16 +40,36 @@ SCALAR = D_MODEL // N_HEAD  # 16, not HEAD_DIM: queries scaled by 1/4, not 1/sqr
 def hf_config(family: str, vocab_size: int):
     import transformers as tf
 
-    shape = dict(hidden_size=D_MODEL, intermediate_size=64, num_hidden_layers=LAYERS_27B[family],
-                 num_attention_heads=N_HEAD, num_key_value_heads=2, head_dim=HEAD_DIM, query_pre_attn_scalar=SCALAR,
-                 rms_norm_eps=1e-6, vocab_size=vocab_size, max_position_embeddings=2048, sliding_window=SLIDING_WINDOW,
-                 tie_word_embeddings=True, **GEMMA_IDS)
+    shape = dict(
+        hidden_size=D_MODEL,
+        intermediate_size=64,
+        num_hidden_layers=LAYERS_27B[family],
+        num_attention_heads=N_HEAD,
+        num_key_value_heads=2,
+        head_dim=HEAD_DIM,
+        query_pre_attn_scalar=SCALAR,
+        rms_norm_eps=1e-6,
+        vocab_size=vocab_size,
+        max_position_embeddings=2048,
+        sliding_window=SLIDING_WINDOW,
+        tie_word_embeddings=True,
+        **GEMMA_IDS,
+    )
     if family == "gemma2":
-        return tf.Gemma2Config(**shape, rope_theta=10_000.0, attn_logit_softcapping=4.0, final_logit_softcapping=3.0)
-    rope = {"full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
-            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}}
-    return tf.Gemma3TextConfig(**shape, rope_parameters=rope, final_logit_softcapping=3.0,
-                               attn_logit_softcapping=None, architectures=["Gemma3ForCausalLM"])
+        return tf.Gemma2Config(
+            **shape, rope_theta=10_000.0, attn_logit_softcapping=4.0, final_logit_softcapping=3.0
+        )
+    rope = {
+        "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+    }
+    return tf.Gemma3TextConfig(
+        **shape,
+        rope_parameters=rope,
+        final_logit_softcapping=3.0,
+        attn_logit_softcapping=None,
+        architectures=["Gemma3ForCausalLM"],
+    )
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +92,10 @@ def tiny27b(tmp_path_factory):
         for f in tok.iterdir():
             shutil.copy(f, hf_dir / f.name)
         gguf = convert(converter, hf_dir, work / f"{family}.gguf", "f32", name=f"tiny-{family}-27b")
-        out[family] = (gguf, AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval())
+        out[family] = (
+            gguf,
+            AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval(),
+        )
     return out
 
 
@@ -80,7 +109,9 @@ def test_the_file_is_read_with_the_27b_query_scalar(family, tiny27b):
     from toy.formats.gguf_plan import family_of
 
     h = read_gguf_header(tiny27b[family][0])
-    assert h.metadata[f"{family}.attention.key_length"] == HEAD_DIM  # the file's head size, not the scalar
+    assert (
+        h.metadata[f"{family}.attention.key_length"] == HEAD_DIM
+    )  # the file's head size, not the scalar
     cfg = family_of(h).config(h)
     assert cfg.head_dim == HEAD_DIM and cfg.query_pre_attn_scalar == SCALAR
 
@@ -127,7 +158,9 @@ def test_llamacpp_logits_equal_transformers(family, tiny27b):
             greedy.append(t)
             if len(greedy) == 8:
                 break
-        ref = hf.generate(torch.tensor([ids[:8]]), max_new_tokens=8, do_sample=False)[0, 8:].tolist()
+        ref = hf.generate(torch.tensor([ids[:8]]), max_new_tokens=8, do_sample=False)[
+            0, 8:
+        ].tolist()
         assert greedy == ref
     finally:
         llm.close()

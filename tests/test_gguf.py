@@ -4,7 +4,6 @@ transformers (slow)."""
 
 from __future__ import annotations
 
-import os
 import struct
 import sys
 import time
@@ -17,18 +16,37 @@ import torch
 
 import toy.formats.gguf as gguf_mod
 from toy.errors import InputError
-from toy.formats.gguf import (describe_gguf, permute_qk, read_gguf, read_gguf_header, read_gguf_tokenizer,
-                              unpermute_qk)
+from toy.formats.gguf import (
+    describe_gguf,
+    permute_qk,
+    read_gguf,
+    read_gguf_header,
+    read_gguf_tokenizer,
+    unpermute_qk,
+)
 from toy.tokenizer import from_gguf_metadata, gguf_special_ids, train_bpe
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # for gguf_fixtures under any import mode
-from gguf_fixtures import (converter_permute, smollm2_gguf, tiny_model, tokenizer_fields,  # noqa: E402,F401
-                           write_llama_gguf)
+from gguf_fixtures import (
+    converter_permute,
+    tiny_model,
+    tokenizer_fields,  # noqa: E402,F401
+    write_llama_gguf,
+)
 
-CORPUS = Path(__file__).resolve().parents[1] / "src" / "toy" / "data" / "assets" / "shakespeare" / "hamlet.txt"
+CORPUS = (
+    Path(__file__).resolve().parents[1]
+    / "src"
+    / "toy"
+    / "data"
+    / "assets"
+    / "shakespeare"
+    / "hamlet.txt"
+)
 
 
 # ------------------------------------------------------------------ tiny fixtures
+
 
 @pytest.fixture(scope="module")
 def tiny_tok():
@@ -59,6 +77,7 @@ def _check_error(exc: pytest.ExceptionInfo, path: Path, *words: str) -> str:
 
 # ------------------------------------------------------------------ round trips
 
+
 def test_roundtrip_logits_equal(tiny):
     """A llama written with the converter's Q/K permutation loads back to the same
     function: read_gguf undoes the permutation for toy's half-split rotary."""
@@ -66,7 +85,14 @@ def test_roundtrip_logits_equal(tiny):
     m = read_gguf(path)
     assert m.arch == "llama"
     c = m.config
-    assert (c.n_layer, c.d_model, c.n_head, c.n_kv_head, c.head_dim, c.d_ff) == (2, 64, 4, 2, 16, model.cfg.d_ff)
+    assert (c.n_layer, c.d_model, c.n_head, c.n_kv_head, c.head_dim, c.d_ff) == (
+        2,
+        64,
+        4,
+        2,
+        16,
+        model.cfg.d_ff,
+    )
     assert c.vocab_size == tok.get_vocab_size() and c.tie_embeddings and not c.qkv_bias
     assert "lm_head.weight" not in m.state_dict
     assert all(t.dtype == torch.float32 for t in m.state_dict.values())
@@ -128,17 +154,24 @@ def test_quantized_tensors_dequantize_in_torch_order(tmp_path, tiny_tok):
     """Q8_0 / Q4_1 tensors come back dequantized, (out, in) oriented and un-permuted:
     close to the originals within each type's rounding error."""
     model = tiny_model(seed=3, vocab_size=tiny_tok.get_vocab_size())
-    q = {"blk.0.attn_q.weight": "Q8_0", "blk.0.attn_k.weight": "Q4_1", "blk.0.ffn_down.weight": "Q8_0",
-         "blk.1.ffn_gate.weight": "Q4_1", "token_embd.weight": "Q8_0"}
+    q = {
+        "blk.0.attn_q.weight": "Q8_0",
+        "blk.0.attn_k.weight": "Q4_1",
+        "blk.0.ffn_down.weight": "Q8_0",
+        "blk.1.ffn_gate.weight": "Q4_1",
+        "token_embd.weight": "Q8_0",
+    }
     path = write_llama_gguf(tmp_path / "quant.gguf", model, tiny_tok, qtypes=q)
     m = read_gguf(path)
     assert m.tensor_types["Q8_0"] == 3 and m.tensor_types["Q4_1"] == 2
     sd = model.state_dict()
-    for g, toy_name, tol in (("blk.0.attn_q.weight", "layers.0.self_attn.q_proj.weight", 0.01),
-                             ("blk.0.attn_k.weight", "layers.0.self_attn.k_proj.weight", 0.1),
-                             ("blk.0.ffn_down.weight", "layers.0.mlp.down_proj.weight", 0.01),
-                             ("blk.1.ffn_gate.weight", "layers.1.mlp.gate_proj.weight", 0.1),
-                             ("token_embd.weight", "embed_tokens.weight", 0.01)):
+    for g, toy_name, tol in (
+        ("blk.0.attn_q.weight", "layers.0.self_attn.q_proj.weight", 0.01),
+        ("blk.0.attn_k.weight", "layers.0.self_attn.k_proj.weight", 0.1),
+        ("blk.0.ffn_down.weight", "layers.0.mlp.down_proj.weight", 0.01),
+        ("blk.1.ffn_gate.weight", "layers.1.mlp.gate_proj.weight", 0.1),
+        ("token_embd.weight", "embed_tokens.weight", 0.01),
+    ):
         got, want = m.state_dict[toy_name], sd[toy_name]
         assert got.shape == want.shape, g
         err = (got - want).abs().max().item()
@@ -160,8 +193,12 @@ def test_header_agrees_with_gguf_reader(tiny):
     assert [t.name for t in r.tensors] == list(h.tensors)
     for t in r.tensors:
         ti = h.tensors[t.name]
-        assert (tuple(int(x) for x in t.shape), t.tensor_type, t.data_offset, t.n_bytes) == \
-            (ti.ne, ti.qtype, ti.offset, ti.nbytes)
+        assert (tuple(int(x) for x in t.shape), t.tensor_type, t.data_offset, t.n_bytes) == (
+            ti.ne,
+            ti.qtype,
+            ti.offset,
+            ti.nbytes,
+        )
 
 
 def test_describe_reads_header_only(tiny, monkeypatch):
@@ -176,11 +213,19 @@ def test_describe_reads_header_only(tiny, monkeypatch):
     d = describe_gguf(path)
     hp = d["hyperparameters"]
     assert d["arch"] == "llama" and d["file_size"] == path.stat().st_size
-    assert (hp["n_layer"], hp["d_model"], hp["n_head"], hp["n_kv_head"], hp["d_ff"]) == (2, 64, 4, 2, model.cfg.d_ff)
+    assert (hp["n_layer"], hp["d_model"], hp["n_head"], hp["n_kv_head"], hp["d_ff"]) == (
+        2,
+        64,
+        4,
+        2,
+        model.cfg.d_ff,
+    )
     assert hp["context_length"] == 64 and hp["vocab_size"] == tok.get_vocab_size()
     assert d["n_params"] == model.num_params()  # tied embedding counted once
     assert d["tensor_types"] == {"F32": 2 + 9 * 2}
-    assert d["tokenizer"]["model"] == "gpt2" and d["tokenizer"]["vocab_size"] == tok.get_vocab_size()
+    assert (
+        d["tokenizer"]["model"] == "gpt2" and d["tokenizer"]["vocab_size"] == tok.get_vocab_size()
+    )
     eos = tok.token_to_id("<|endoftext|>")
     assert d["tokenizer"]["special_tokens"]["eos"] == {"id": eos, "token": "<|endoftext|>"}
     assert d["tokenizer"]["special_tokens"]["pad"] is None
@@ -189,9 +234,14 @@ def test_describe_reads_header_only(tiny, monkeypatch):
 
 # ------------------------------------------------------------------ tokenizer
 
-TEXTS = ["To be, or not to be: that is the question.", "  spaces   and\ttabs\n\nnewlines  ",
-         "numbers 12345 and 3.14159", "héllo wörld — ünïcödé 世界 🙂", "def f(x):\n    return x**2  # sq",
-         "<|endoftext|>after the end"]
+TEXTS = [
+    "To be, or not to be: that is the question.",
+    "  spaces   and\ttabs\n\nnewlines  ",
+    "numbers 12345 and 3.14159",
+    "héllo wörld — ünïcödé 世界 🙂",
+    "def f(x):\n    return x**2  # sq",
+    "<|endoftext|>after the end",
+]
 
 
 def test_tokenizer_roundtrip(tiny):
@@ -212,10 +262,15 @@ def test_tokenizer_roundtrip(tiny):
 
 def _meta(tok, **extra) -> dict:
     f = tokenizer_fields(tok)
-    meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "default", "tokenizer.ggml.tokens": f["tokens"],
-            "tokenizer.ggml.merges": f["merges"], "tokenizer.ggml.token_type": f["types"],
-            "tokenizer.ggml.bos_token_id": tok.token_to_id("<|endoftext|>"),
-            "tokenizer.ggml.eos_token_id": tok.token_to_id("<|endoftext|>")}
+    meta = {
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": "default",
+        "tokenizer.ggml.tokens": f["tokens"],
+        "tokenizer.ggml.merges": f["merges"],
+        "tokenizer.ggml.token_type": f["types"],
+        "tokenizer.ggml.bos_token_id": tok.token_to_id("<|endoftext|>"),
+        "tokenizer.ggml.eos_token_id": tok.token_to_id("<|endoftext|>"),
+    }
     meta.update(extra)
     return meta
 
@@ -243,7 +298,9 @@ def test_tokenizer_pre_variants(tiny_tok, pre):
         assert tok.decode(tok.encode(text).ids, skip_special_tokens=False) == text
     pieces = [p for p, _ in tok.pre_tokenizer.pre_tokenize_str(" 2024 x")]
     if pre in ("smollm", "qwen2"):  # every digit on its own
-        assert "2" in pieces and "0" in pieces and "Ġ2024" not in pieces and "2024" not in pieces, pieces
+        assert "2" in pieces and "0" in pieces and "Ġ2024" not in pieces and "2024" not in pieces, (
+            pieces
+        )
     elif pre == "llama-bpe":  # digits in groups of up to three
         assert "202" in pieces and "4" in pieces, pieces
     else:
@@ -251,10 +308,15 @@ def test_tokenizer_pre_variants(tiny_tok, pre):
 
 
 def test_tokenizer_unsupported(tiny_tok):
-    with pytest.raises(InputError, match=r"tokenizer model 't5' \(unigram\) is not supported yet; "
-                                         r"supported: gpt2 \(BPE\), llama \(sentencepiece\)"):
+    with pytest.raises(
+        InputError,
+        match=r"tokenizer model 't5' \(unigram\) is not supported yet; "
+        r"supported: gpt2 \(BPE\), llama \(sentencepiece\)",
+    ):
         from_gguf_metadata({"tokenizer.ggml.model": "t5", "tokenizer.ggml.tokens": ["a"]})
-    with pytest.raises(InputError, match="pre-tokenizer 'mystery' is not supported; supported: default"):
+    with pytest.raises(
+        InputError, match="pre-tokenizer 'mystery' is not supported; supported: default"
+    ):
         from_gguf_metadata(_meta(tiny_tok, **{"tokenizer.ggml.pre": "mystery"}))
     with pytest.raises(InputError, match="no tokenizer"):
         from_gguf_metadata({}, source="x.gguf")
@@ -265,6 +327,7 @@ def test_tokenizer_unsupported(tiny_tok):
 
 
 # ------------------------------------------------------------------ bad inputs
+
 
 def test_missing_file_and_directory(tmp_path):
     p = tmp_path / "nope.gguf"
@@ -326,7 +389,9 @@ def _key(name: str, vtype: int) -> bytes:
     return struct.pack("<Q", len(name)) + name.encode() + struct.pack("<I", vtype)
 
 
-@pytest.mark.parametrize("case", ["counts", "array", "string", "key", "dims", "huge_tensor", "nested"])
+@pytest.mark.parametrize(
+    "case", ["counts", "array", "string", "key", "dims", "huge_tensor", "nested"]
+)
 def test_hostile_headers_fail_fast(tmp_path, case):
     """Counts and lengths a header merely claims are checked against the file size before
     anything is read or allocated: each fails at once with a named reason."""
@@ -337,9 +402,16 @@ def test_hostile_headers_fail_fast(tmp_path, case):
         "string": _header(0, 1) + _key("s", 8) + struct.pack("<Q", 1 << 62) + pad,
         "key": _header(0, 1) + struct.pack("<Q", 1 << 40) + pad,
         "dims": _header(1, 0) + struct.pack("<Q", 1) + b"t" + struct.pack("<I", 100) + pad,
-        "huge_tensor": _header(1, 0) + struct.pack("<Q", 1) + b"t" + struct.pack("<IQQIQ", 2, 1 << 40, 1 << 40, 0, 0)
+        "huge_tensor": _header(1, 0)
+        + struct.pack("<Q", 1)
+        + b"t"
+        + struct.pack("<IQQIQ", 2, 1 << 40, 1 << 40, 0, 0)
         + pad,
-        "nested": _header(0, 1) + _key("n", 9) + struct.pack("<IQ", 9, 10) + struct.pack("<IQ", 9, 10) * 4 + pad,
+        "nested": _header(0, 1)
+        + _key("n", 9)
+        + struct.pack("<IQ", 9, 10)
+        + struct.pack("<IQ", 9, 10) * 4
+        + pad,
     }[case]
     p = tmp_path / f"{case}.gguf"
     p.write_bytes(data)
@@ -350,10 +422,13 @@ def test_hostile_headers_fail_fast(tmp_path, case):
     _check_error(e, p, "corrupt", "truncated")
 
 
-@pytest.mark.parametrize("key, value, words", [
-    ("llama.block_count", 1 << 31, "block_count 2147483648 cannot be right"),
-    ("llama.context_length", 1 << 31, "context_length 2147483648 is beyond"),
-])
+@pytest.mark.parametrize(
+    "key, value, words",
+    [
+        ("llama.block_count", 1 << 31, "block_count 2147483648 cannot be right"),
+        ("llama.context_length", 1 << 31, "context_length 2147483648 is beyond"),
+    ],
+)
 def test_absurd_hyperparameters(tmp_path, tiny, key, value, words):
     """Hyper-parameters the tensors do not bound are checked before anything is sized by them."""
     data = bytearray(tiny[2].read_bytes())
@@ -367,7 +442,9 @@ def test_absurd_hyperparameters(tmp_path, tiny, key, value, words):
     with pytest.raises(InputError) as e:
         read_gguf(p)
     _check_error(e, p, words)
-    assert words in describe_gguf(p)["load_error"]  # describe shows the file, then says why it cannot load
+    assert (
+        words in describe_gguf(p)["load_error"]
+    )  # describe shows the file, then says why it cannot load
     assert time.perf_counter() - t0 < 1.0
 
 
@@ -407,8 +484,12 @@ def test_missing_tensor(tmp_path, tiny_tok):
 
 def test_misshapen_tensor(tmp_path, tiny_tok):
     model = tiny_model(vocab_size=tiny_tok.get_vocab_size())
-    p = write_llama_gguf(tmp_path / "shape.gguf", model, tiny_tok,
-                         replace={"blk.0.attn_q.weight": np.zeros((32, 64), np.float32)})
+    p = write_llama_gguf(
+        tmp_path / "shape.gguf",
+        model,
+        tiny_tok,
+        replace={"blk.0.attn_q.weight": np.zeros((32, 64), np.float32)},
+    )
     with pytest.raises(InputError) as e:
         read_gguf(p)
     msg = _check_error(e, p, "misshapen tensor 'blk.0.attn_q.weight'")
@@ -417,7 +498,9 @@ def test_misshapen_tensor(tmp_path, tiny_tok):
 
 def test_unexpected_tensor_and_rope_scaling(tmp_path, tiny_tok):
     model = tiny_model(vocab_size=tiny_tok.get_vocab_size())
-    p = write_llama_gguf(tmp_path / "scaled.gguf", model, tiny_tok, extra_kv={"llama.rope.scaling.type": "yarn"})
+    p = write_llama_gguf(
+        tmp_path / "scaled.gguf", model, tiny_tok, extra_kv={"llama.rope.scaling.type": "yarn"}
+    )
     with pytest.raises(InputError) as e:
         read_gguf(p)
     _check_error(e, p, "rope scaling (yarn) is not supported")
@@ -448,7 +531,9 @@ def smol(smollm2_gguf):
 def hf_smol(smollm2_gguf):
     transformers = pytest.importorskip("transformers")
     d, name = str(smollm2_gguf.parent), smollm2_gguf.name
-    model = transformers.AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        d, gguf_file=name, dtype=torch.float32
+    ).eval()
     tok = transformers.AutoTokenizer.from_pretrained(d, gguf_file=name)
     return model, tok
 
@@ -460,7 +545,13 @@ def test_smollm2_describe(smollm2_gguf):
     assert time.perf_counter() - t0 < 5
     hp = d["hyperparameters"]
     assert d["arch"] == "llama"
-    assert (hp["n_layer"], hp["d_model"], hp["n_head"], hp["n_kv_head"], hp["d_ff"]) == (30, 576, 9, 3, 1536)
+    assert (hp["n_layer"], hp["d_model"], hp["n_head"], hp["n_kv_head"], hp["d_ff"]) == (
+        30,
+        576,
+        9,
+        3,
+        1536,
+    )
     assert hp["vocab_size"] == 49152 and hp["rope_theta"] == 100000.0 and hp["tie_embeddings"]
     assert {"Q4_1", "Q8_0", "F32"} <= set(d["tensor_types"])
     assert d["tokenizer"]["model"] == "gpt2" and d["tokenizer"]["vocab_size"] == 49152
@@ -476,8 +567,14 @@ def test_smollm2_logits_match_transformers(smol, hf_smol, record_property):
     same function as transformers' GGUF loader."""
     _, model, tok = smol
     hf, _ = hf_smol
-    ids = torch.tensor([tok.encode("<|im_start|>user\nWhat is the capital of France?<|im_end|>\n"
-                                   "<|im_start|>assistant\n").ids])
+    ids = torch.tensor(
+        [
+            tok.encode(
+                "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n"
+                "<|im_start|>assistant\n"
+            ).ids
+        ]
+    )
     with torch.no_grad():
         diff = (model(ids) - hf(ids).logits).abs().max().item()
     record_property("max_abs_logit_diff", diff)
@@ -529,5 +626,6 @@ def test_smollm2_header_agrees_with_gguf_reader(smollm2_gguf):
     for k, f in r.fields.items():
         if not k.startswith("GGUF."):
             assert f.contents() == h.metadata[k], k
-    assert [(t.name, t.tensor_type, t.data_offset) for t in r.tensors] == \
-        [(ti.name, ti.qtype, ti.offset) for ti in h.tensors.values()]
+    assert [(t.name, t.tensor_type, t.data_offset) for t in r.tensors] == [
+        (ti.name, ti.qtype, ti.offset) for ti in h.tensors.values()
+    ]

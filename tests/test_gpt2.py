@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import assert_every_parameter_learns
+
 from toy.models.gpt2 import GPT2, GPT2Config
 
 V = 97
@@ -70,12 +70,16 @@ def test_generate_stops_at_the_context():
 
     m = tiny(max_seq_len=16).eval()
     out = list(generate(m, [1, 2, 3], max_new_tokens=100, temperature=0))
-    assert 0 < len(out) <= 16 - 3 + 1  # learned positions end at max_seq_len: generation must stop there
+    assert (
+        0 < len(out) <= 16 - 3 + 1
+    )  # learned positions end at max_seq_len: generation must stop there
 
 
 def test_residual_projections_have_scaled_init():
     m = tiny(n_layer=8, d_model=128, n_head=4)
-    assert m.h[0].attn.c_proj.weight.std().item() == pytest.approx(0.02 / 4, rel=0.1)  # 0.02 / sqrt(2 * 8)
+    assert m.h[0].attn.c_proj.weight.std().item() == pytest.approx(
+        0.02 / 4, rel=0.1
+    )  # 0.02 / sqrt(2 * 8)
     assert m.h[0].mlp.c_proj.weight.std().item() == pytest.approx(0.02 / 4, rel=0.1)
     assert m.h[0].attn.c_attn.weight.std().item() == pytest.approx(0.02, rel=0.1)
 
@@ -94,15 +98,28 @@ def to_hf_state(m: GPT2) -> dict[str, torch.Tensor]:
 def test_parity_with_transformers_gpt2():
     transformers = pytest.importorskip("transformers")
     m = tiny().eval()
-    with torch.no_grad():  # random everything, biases and LayerNorms too: zeros/ones would hide a swap
+    with (
+        torch.no_grad()
+    ):  # random everything, biases and LayerNorms too: zeros/ones would hide a swap
         for p in m.parameters():
             p.copy_(torch.randn_like(p) * 0.2)
     cfg = m.cfg
     hc = transformers.GPT2Config(
-        vocab_size=cfg.vocab_size, n_embd=cfg.d_model, n_layer=cfg.n_layer, n_head=cfg.n_head,
-        n_positions=cfg.max_seq_len, n_inner=cfg.d_ff, layer_norm_epsilon=cfg.norm_eps,
-        activation_function="gelu_new", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-        bos_token_id=0, eos_token_id=0, tie_word_embeddings=True)
+        vocab_size=cfg.vocab_size,
+        n_embd=cfg.d_model,
+        n_layer=cfg.n_layer,
+        n_head=cfg.n_head,
+        n_positions=cfg.max_seq_len,
+        n_inner=cfg.d_ff,
+        layer_norm_epsilon=cfg.norm_eps,
+        activation_function="gelu_new",
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+        tie_word_embeddings=True,
+    )
     hf = transformers.GPT2LMHeadModel(hc).eval()
     res = hf.load_state_dict(to_hf_state(m), strict=False)
     assert not res.unexpected_keys
@@ -122,14 +139,38 @@ def corpus(tmp_path_factory):
     from toy.data.prep import bundled_text_paths
 
     d = tmp_path_factory.mktemp("corpus")
-    assert main(["prep", str(bundled_text_paths()[0]), "--out", str(d / "c.bin"), "--vocab-size", "384"]) == 0
+    assert (
+        main(
+            ["prep", str(bundled_text_paths()[0]), "--out", str(d / "c.bin"), "--vocab-size", "384"]
+        )
+        == 0
+    )
     return d / "c.bin"
 
 
 def test_train_gpt2_then_infer(corpus, toy_cli, tmp_path):
-    code, out, err = toy_cli("train", "--arch", "gpt2", "--preset", "tiny", "--corpus", corpus, "--out", tmp_path,
-                             "--batch-size", "4", "--seq-len", "32", "--steps", "4", "--eval-batches", "1",
-                             "--run-id", "g", "--json")
+    code, out, err = toy_cli(
+        "train",
+        "--arch",
+        "gpt2",
+        "--preset",
+        "tiny",
+        "--corpus",
+        corpus,
+        "--out",
+        tmp_path,
+        "--batch-size",
+        "4",
+        "--seq-len",
+        "32",
+        "--steps",
+        "4",
+        "--eval-batches",
+        "1",
+        "--run-id",
+        "g",
+        "--json",
+    )
     assert code == 0, err
     r = json.loads(out)
     assert r["arch"] == "gpt2" and len(r["losses"]) == 4 and r["tokens_per_s"] > 0
@@ -142,8 +183,20 @@ def test_train_gpt2_then_infer(corpus, toy_cli, tmp_path):
     model, _, _ = load_model_dir(final)
     assert isinstance(model, GPT2) and model.lm_head.weight is model.wte.weight
 
-    g = [toy_cli("infer", "--run", r["run_dir"], "--prompt", "HAMLET.", "--max-new-tokens", "10",
-                 "--temperature", "0") for _ in range(2)]
+    g = [
+        toy_cli(
+            "infer",
+            "--run",
+            r["run_dir"],
+            "--prompt",
+            "HAMLET.",
+            "--max-new-tokens",
+            "10",
+            "--temperature",
+            "0",
+        )
+        for _ in range(2)
+    ]
     assert g[0][0] == 0, g[0][2]
     assert g[0][1].startswith("HAMLET.") and len(g[0][1]) > len("HAMLET.\n")
     assert g[0][1] == g[1][1]  # greedy is deterministic

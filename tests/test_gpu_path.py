@@ -11,13 +11,13 @@ from collections import Counter
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from toy.data.chat import to_batch
 from toy.lora import apply_lora
 from toy.models import losses
 from toy.models.llama import Llama, LlamaConfig
-from toy.data.chat import to_batch
 from toy.runs import EventLog
-from toy.train.job import Job, lm_loss, lm_prepare
 from toy.train.config import RunConfig
+from toy.train.job import Job, lm_loss, lm_prepare
 from toy.train.loop import Trainer
 from toy.train.progress import Reporter
 
@@ -45,7 +45,11 @@ class Dispatch(TorchDispatchMode):
 
 def tiny(seed=0) -> Llama:
     torch.manual_seed(seed)
-    return Llama(LlamaConfig(vocab_size=V, d_model=C, n_layer=2, n_head=4, n_kv_head=2, d_ff=64, max_seq_len=64))
+    return Llama(
+        LlamaConfig(
+            vocab_size=V, d_model=C, n_layer=2, n_head=4, n_kv_head=2, d_ff=64, max_seq_len=64
+        )
+    )
 
 
 def batch(k=0, rows=4, T=32, prompt=5) -> dict[str, torch.Tensor]:
@@ -86,7 +90,11 @@ def test_autocast_cast_once_for_a_frozen_head_and_a_bf16_base_never_cast(monkeyp
     for n, p in m.named_parameters():
         if "lora_" in n:
             p.data = p.data.float()
-    base = [p for n, p in m.named_parameters() if not p.requires_grad and p.dim() == 2 and p is not m.lm_head.weight]
+    base = [
+        p
+        for n, p in m.named_parameters()
+        if not p.requires_grad and p.dim() == 2 and p is not m.lm_head.weight
+    ]
     assert base
     b = lm_prepare(batch())
     with Dispatch() as d:
@@ -111,7 +119,9 @@ def test_the_cast_once_head_gives_autocasts_loss_and_gradients(monkeypatch):
         loss = losses.linear_cross_entropy(h, w, t)
     loss.backward()
     hr, wr = h0.clone().requires_grad_(), w0.clone().requires_grad_()
-    ref = torch.nn.functional.cross_entropy((hr.bfloat16() @ wr.bfloat16().T).float(), t, reduction="sum")
+    ref = torch.nn.functional.cross_entropy(
+        (hr.bfloat16() @ wr.bfloat16().T).float(), t, reduction="sum"
+    )
     ref.backward()
     torch.testing.assert_close(loss.float(), ref, rtol=1e-3, atol=0)
     torch.testing.assert_close(h.grad, hr.grad, rtol=2e-2, atol=2e-2)
@@ -138,10 +148,21 @@ def test_a_training_step_reads_the_device_once():
     """One optimizer step of 2 micro-batches: the loss read at the end is the only read
     of a tensor's value (AdamW's step counters are host tensors by design: not counted)."""
     m = tiny()
-    job = Job(recipe="t", model=m, micro_batch=lambda k: batch(k), eval_batches=lambda: [],
-              save_final=lambda p: None)
-    tr = Trainer(job, RunConfig(steps=3, grad_accum=2, warmup=0), None, torch.device("cpu"), EventLog(None),
-                 Reporter())
+    job = Job(
+        recipe="t",
+        model=m,
+        micro_batch=lambda k: batch(k),
+        eval_batches=lambda: [],
+        save_final=lambda p: None,
+    )
+    tr = Trainer(
+        job,
+        RunConfig(steps=3, grad_accum=2, warmup=0),
+        None,
+        torch.device("cpu"),
+        EventLog(None),
+        Reporter(),
+    )
     tr.step(1)
     steps = [s["step"] for s in tr.opt.state.values()]
     with Dispatch(ignore_reads_of=steps) as d:
@@ -160,9 +181,17 @@ def test_prefetch_never_changes_the_batches():
         seen.append(k)
         return batch(k)
 
-    job = Job(recipe="t", model=m, micro_batch=micro, eval_batches=lambda: [], save_final=lambda p: None)
-    tr = Trainer(job, RunConfig(steps=3, grad_accum=2, warmup=0), None, torch.device("cpu"), EventLog(None),
-                 Reporter())
+    job = Job(
+        recipe="t", model=m, micro_batch=micro, eval_batches=lambda: [], save_final=lambda p: None
+    )
+    tr = Trainer(
+        job,
+        RunConfig(steps=3, grad_accum=2, warmup=0),
+        None,
+        torch.device("cpu"),
+        EventLog(None),
+        Reporter(),
+    )
     tr.step(1)
     assert seen == [0, 1, 2, 3] and tr._next[0] == 2  # step 2's micro-batches 2, 3 already made
     got = tr._take_batches(2)
@@ -175,11 +204,15 @@ def test_compile_buckets_chat_lengths_to_a_few_shapes_without_changing_the_loss(
     g = torch.Generator().manual_seed(0)
     widths, losses_eq = set(), []
     for n in (7, 20, 33, 50, 63):
-        samples = [(torch.randint(0, V, (n + j,), generator=g).tolist(), [0] * 3 + [1] * (n + j - 3))
-                   for j in range(3)]
+        samples = [
+            (torch.randint(0, V, (n + j,), generator=g).tolist(), [0] * 3 + [1] * (n + j - 3))
+            for j in range(3)
+        ]
         plain, bucketed = to_batch(samples, 0), to_batch(samples, 0, bucket=16, seq_len=64)
         widths.add(bucketed["ids"].shape[1])
-        assert bucketed["ids"].shape[1] % 16 == 0 and bucketed["ids"].shape[1] >= plain["ids"].shape[1]
+        assert (
+            bucketed["ids"].shape[1] % 16 == 0 and bucketed["ids"].shape[1] >= plain["ids"].shape[1]
+        )
         a, b = lm_loss(m, lm_prepare(plain))[0], lm_loss(m, lm_prepare(bucketed))[0]
         losses_eq.append(torch.allclose(a, b, rtol=1e-5))
     assert widths == {16, 32, 48, 64} and all(losses_eq)

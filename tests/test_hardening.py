@@ -27,7 +27,9 @@ def test_no_pickle_anywhere():
         text = path.read_text()
         for i, line in enumerate(text.splitlines(), 1):
             code = line.split("#", 1)[0]
-            if re.search(r"\b(import pickle|from pickle|import cPickle|import dill|import joblib)\b", code):
+            if re.search(
+                r"\b(import pickle|from pickle|import cPickle|import dill|import joblib)\b", code
+            ):
                 bad.append(f"{path.name}:{i}: {line.strip()}")
             if re.search(r"\btorch\.save\(", code):
                 bad.append(f"{path.name}:{i}: {line.strip()}")
@@ -59,8 +61,13 @@ def test_template_cannot_reach_the_os(tmp_path):
     ]
     for t in attacks:
         with pytest.raises(InputError) as e:
-            render_template(t, [{"role": "user", "content": "hi"}], add_generation_prompt=True,
-                            bos_token="", eos_token="")
+            render_template(
+                t,
+                [{"role": "user", "content": "hi"}],
+                add_generation_prompt=True,
+                bos_token="",
+                eos_token="",
+            )
         assert "\n" not in str(e.value)
     assert not marker.exists()
 
@@ -71,7 +78,9 @@ def test_full_disk_during_checkpoint_keeps_the_last_good_one(tmp_path, monkeypat
     from toy.formats import model_dir  # noqa: F401  imported now, so it binds the real save_tensors, not
     # the flaky one below (the CLI imports modules lazily: the patch would outlive this test)
 
-    code, _, err = toy_cli("prep", bundled_text_paths()[0], "--out", tmp_path / "c.bin", "--vocab-size", "300")
+    code, _, err = toy_cli(
+        "prep", bundled_text_paths()[0], "--out", tmp_path / "c.bin", "--vocab-size", "300"
+    )
     assert code == 0, err
     real = ckpt.save_tensors
     calls = {"n": 0}
@@ -83,25 +92,68 @@ def test_full_disk_during_checkpoint_keeps_the_last_good_one(tmp_path, monkeypat
         return real(path, tensors, metadata)
 
     monkeypatch.setattr(ckpt, "save_tensors", flaky)
-    code, _, err = toy_cli("train", "--corpus", tmp_path / "c.bin", "--out", tmp_path / "runs", "--run-id", "full",
-                           "--preset", "tiny", "--batch-size", "2", "--seq-len", "16", "--steps", "6",
-                           "--save-every", "2", "--eval-batches", "1")
+    code, _, err = toy_cli(
+        "train",
+        "--corpus",
+        tmp_path / "c.bin",
+        "--out",
+        tmp_path / "runs",
+        "--run-id",
+        "full",
+        "--preset",
+        "tiny",
+        "--batch-size",
+        "2",
+        "--seq-len",
+        "16",
+        "--steps",
+        "6",
+        "--save-every",
+        "2",
+        "--eval-batches",
+        "1",
+    )
     assert code == 1 and "No space left" in err and "checkpoint" in err
     root = tmp_path / "runs" / "full" / "checkpoints"
     assert sorted(p.name for p in root.iterdir()) == ["step-000002"]  # no temp dir, no half step-4
     assert (root / "step-000002" / "state.json").is_file()
-    events = [json.loads(x) for x in (tmp_path / "runs" / "full" / "events.jsonl").read_text().splitlines()]
+    events = [
+        json.loads(x)
+        for x in (tmp_path / "runs" / "full" / "events.jsonl").read_text().splitlines()
+    ]
     assert events[-1]["event"] == "run_failed" and events[-1]["step"] == 4
 
 
 def test_keep_last(tmp_path, toy_cli):
     from toy.data.prep import bundled_text_paths
 
-    code, _, err = toy_cli("prep", bundled_text_paths()[0], "--out", tmp_path / "c.bin", "--vocab-size", "300")
+    code, _, err = toy_cli(
+        "prep", bundled_text_paths()[0], "--out", tmp_path / "c.bin", "--vocab-size", "300"
+    )
     assert code == 0, err
-    code, _, err = toy_cli("train", "--corpus", tmp_path / "c.bin", "--out", tmp_path, "--run-id", "k",
-                           "--preset", "tiny", "--batch-size", "2", "--seq-len", "16", "--steps", "8",
-                           "--save-every", "2", "--keep-last", "3", "--eval-batches", "1")
+    code, _, err = toy_cli(
+        "train",
+        "--corpus",
+        tmp_path / "c.bin",
+        "--out",
+        tmp_path,
+        "--run-id",
+        "k",
+        "--preset",
+        "tiny",
+        "--batch-size",
+        "2",
+        "--seq-len",
+        "16",
+        "--steps",
+        "8",
+        "--save-every",
+        "2",
+        "--keep-last",
+        "3",
+        "--eval-batches",
+        "1",
+    )
     assert code == 0, err
     names = sorted(p.name for p in (tmp_path / "k" / "checkpoints").iterdir())
     assert names == ["step-000004", "step-000006", "step-000008"]
@@ -110,13 +162,17 @@ def test_keep_last(tmp_path, toy_cli):
 def test_unwritable_out_is_a_clear_error(tmp_path, toy_cli):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
-    code, _, err = toy_cli("train", "--out", blocker / "runs", "--preset", "tiny", "--steps", "1", "--seq-len", "16")
+    code, _, err = toy_cli(
+        "train", "--out", blocker / "runs", "--preset", "tiny", "--steps", "1", "--seq-len", "16"
+    )
     assert code == 2 and "cannot create run directory" in err and len(err.strip().splitlines()) == 1
 
 
 # ------------------------------------------------------------------ fuzzing (bounded)
 
-FUZZ = settings(max_examples=150, deadline=2000, suppress_health_check=[HealthCheck.function_scoped_fixture])
+FUZZ = settings(
+    max_examples=150, deadline=2000, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 
 
 def _valid_gguf(tmp_path_factory) -> bytes:
@@ -156,7 +212,9 @@ def test_fuzz_gguf_header(valid_gguf, tmp_path, data):
     elif choice == "random":
         blob = bytearray(b"GGUF" + data.draw(st.binary(max_size=400)))
     else:  # absurd tensor / kv counts in an otherwise valid header
-        blob[8:24] = struct.pack("<QQ", data.draw(st.integers(0, 2**64 - 1)), data.draw(st.integers(0, 2**64 - 1)))
+        blob[8:24] = struct.pack(
+            "<QQ", data.draw(st.integers(0, 2**64 - 1)), data.draw(st.integers(0, 2**64 - 1))
+        )
     p = tmp_path / "f.gguf"
     p.write_bytes(bytes(blob))
     try:
@@ -182,10 +240,19 @@ def test_fuzz_token_file(tmp_path, blob, keep_header):
 
 
 @FUZZ
-@given(lines=st.lists(st.one_of(st.binary(max_size=80).map(lambda b: b.decode("latin-1")),
-                                st.just('{"messages": [{"role": "user", "content": "hi"}, '
-                                        '{"role": "assistant", "content": "yo"}]}'),
-                                st.just('{"messages": [{"role": "wizard", "content": 1}]}')), max_size=8))
+@given(
+    lines=st.lists(
+        st.one_of(
+            st.binary(max_size=80).map(lambda b: b.decode("latin-1")),
+            st.just(
+                '{"messages": [{"role": "user", "content": "hi"}, '
+                '{"role": "assistant", "content": "yo"}]}'
+            ),
+            st.just('{"messages": [{"role": "wizard", "content": 1}]}'),
+        ),
+        max_size=8,
+    )
+)
 def test_fuzz_chat_jsonl(tmp_path, lines):
     from toy.data.chat import read_chat_jsonl
 
@@ -193,6 +260,8 @@ def test_fuzz_chat_jsonl(tmp_path, lines):
     p.write_bytes("\n".join(lines).encode("utf-8", "surrogateescape"))
     try:
         chat = read_chat_jsonl(p, warn=lambda m: None)
-        assert all(m["role"] in ("system", "user", "assistant") for c in chat.conversations for m in c)
+        assert all(
+            m["role"] in ("system", "user", "assistant") for c in chat.conversations for m in c
+        )
     except ToyError as e:
         assert "\n" not in str(e)

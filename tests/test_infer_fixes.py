@@ -11,7 +11,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gguf_fixtures import CHATML, gemma3_gguf, tiny_model, write_llama_gguf  # noqa: E402,F401
@@ -38,17 +37,44 @@ def kit(tmp_path_factory):
     bos, eos = tok.token_to_id("<s>"), tok.token_to_id("</s>")
     asks_bos = {"tokenizer.ggml.bos_token_id": bos, "tokenizer.ggml.add_bos_token": True}
     chatml = CHATML + "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-    k = {"dir": d, "tok": tok, "bos": bos, "eos": eos,
-         "plain": write_llama_gguf(d / "plain.gguf", model, tok, chat_template=chatml),
-         "bos_gguf": write_llama_gguf(d / "bos.gguf", model, tok, extra_kv=asks_bos, chat_template=chatml),
-         "bos_eos": write_llama_gguf(d / "boseos.gguf", model, tok, chat_template=chatml, extra_kv={
-             **asks_bos, "tokenizer.ggml.eos_token_id": eos, "tokenizer.ggml.add_eos_token": True}),
-         "bos_tmpl": write_llama_gguf(d / "bostmpl.gguf", model, tok, extra_kv=asks_bos,
-                                      chat_template="{{ bos_token }}" + chatml),
-         "long": write_llama_gguf(d / "long.gguf", tiny_model(vocab_size=n, max_seq_len=1 << 20), tok,
-                                  chat_template=chatml)}
-    k["chat"] = write_jsonl(conversations(bundled_text_paths(), 30, seed=1, turns=(1, 2), max_chars=120),
-                            d / "chat.jsonl")
+    k = {
+        "dir": d,
+        "tok": tok,
+        "bos": bos,
+        "eos": eos,
+        "plain": write_llama_gguf(d / "plain.gguf", model, tok, chat_template=chatml),
+        "bos_gguf": write_llama_gguf(
+            d / "bos.gguf", model, tok, extra_kv=asks_bos, chat_template=chatml
+        ),
+        "bos_eos": write_llama_gguf(
+            d / "boseos.gguf",
+            model,
+            tok,
+            chat_template=chatml,
+            extra_kv={
+                **asks_bos,
+                "tokenizer.ggml.eos_token_id": eos,
+                "tokenizer.ggml.add_eos_token": True,
+            },
+        ),
+        "bos_tmpl": write_llama_gguf(
+            d / "bostmpl.gguf",
+            model,
+            tok,
+            extra_kv=asks_bos,
+            chat_template="{{ bos_token }}" + chatml,
+        ),
+        "long": write_llama_gguf(
+            d / "long.gguf",
+            tiny_model(vocab_size=n, max_seq_len=1 << 20),
+            tok,
+            chat_template=chatml,
+        ),
+    }
+    k["chat"] = write_jsonl(
+        conversations(bundled_text_paths(), 30, seed=1, turns=(1, 2), max_chars=120),
+        d / "chat.jsonl",
+    )
     return k
 
 
@@ -77,6 +103,7 @@ class Spy:
 
 # ---------------------------------------------------------------- KV cache sized to the generation
 
+
 def test_new_cache_holds_the_prompt_plus_max_new_tokens_not_the_context():
     from toy.models.generate import generate
 
@@ -93,7 +120,9 @@ def test_new_cache_holds_the_prompt_plus_max_new_tokens_not_the_context():
     made.clear()
     real = small.new_cache
     small.new_cache = lambda b, n: made.append(real(b, n)) or made[-1]
-    assert len(list(generate(small, list(range(1, 13)), 50, temperature=0.0))) == 5  # the last from position 15
+    assert (
+        len(list(generate(small, list(range(1, 13)), 50, temperature=0.0))) == 5
+    )  # the last from position 15
     assert [c.max_len for c in made] == [16]
 
 
@@ -111,8 +140,17 @@ def test_cache_grows_in_chunks_and_gives_the_same_text():
 
 def test_a_1m_context_gguf_allocates_only_what_the_generation_needs(kit, toy_cli, monkeypatch):
     spy = Spy(monkeypatch)
-    code, out, err = toy_cli("infer", "--model", kit["long"], "--prompt", "ROMEO.", "--max-new-tokens", "5",
-                             "--temperature", "0")
+    code, out, err = toy_cli(
+        "infer",
+        "--model",
+        kit["long"],
+        "--prompt",
+        "ROMEO.",
+        "--max-new-tokens",
+        "5",
+        "--temperature",
+        "0",
+    )
     assert code == 0, err
     n_prompt = len(kit["tok"].encode("ROMEO.", add_special_tokens=False).ids)
     assert [c.max_len for c in spy.caches] == [n_prompt + 5]
@@ -129,17 +167,39 @@ def test_auto_counts_the_kv_cache_in_its_memory_check(kit, toy_cli, monkeypatch)
     new = 300
     tokens = len(kit["tok"].encode("ROMEO.", add_special_tokens=False).ids) + new
     cache = 2 * 2 * 2 * 16 * 4 * tokens  # (k, v) x 2 layers x 2 kv heads x head dim 16 x float32
-    monkeypatch.setattr(cmd_infer, "available_memory", lambda: int((weights + cache / 2) / cmd_infer.FIT))
+    monkeypatch.setattr(
+        cmd_infer, "available_memory", lambda: int((weights + cache / 2) / cmd_infer.FIT)
+    )
     spy = Spy(monkeypatch)
-    code, out, err = toy_cli("infer", "--model", kit["long"], "--prompt", "ROMEO.", "--max-new-tokens", str(new),
-                             "--temperature", "0")
+    code, out, err = toy_cli(
+        "infer",
+        "--model",
+        kit["long"],
+        "--prompt",
+        "ROMEO.",
+        "--max-new-tokens",
+        str(new),
+        "--temperature",
+        "0",
+    )
     assert code == 0, err
     assert "holding the model quantized" in err and "KV cache" in err
     assert spy.caches[0].max_len == tokens
     # With room for both, float32 and no note.
-    monkeypatch.setattr(cmd_infer, "available_memory", lambda: int((weights + 2 * cache) / cmd_infer.FIT))
-    code, out, err = toy_cli("infer", "--model", kit["long"], "--prompt", "ROMEO.", "--max-new-tokens", "4",
-                             "--temperature", "0")
+    monkeypatch.setattr(
+        cmd_infer, "available_memory", lambda: int((weights + 2 * cache) / cmd_infer.FIT)
+    )
+    code, out, err = toy_cli(
+        "infer",
+        "--model",
+        kit["long"],
+        "--prompt",
+        "ROMEO.",
+        "--max-new-tokens",
+        "4",
+        "--temperature",
+        "0",
+    )
     assert code == 0 and "quantized" not in err, err
 
 
@@ -169,9 +229,14 @@ def test_interactive_chat_grows_its_cache_and_matches_a_fresh_generation(kit, to
 
     monkeypatch.setattr(cmd_infer, "CACHE_CHUNK", 16)
     spy = Spy(monkeypatch)
-    code, err, turns = _chat_session(toy_cli, monkeypatch, kit["plain"],
-                                     ["Who is there?", "Nay, answer me: stand, and unfold yourself.", ""],
-                                     "--max-new-tokens", "12")
+    code, err, turns = _chat_session(
+        toy_cli,
+        monkeypatch,
+        kit["plain"],
+        ["Who is there?", "Nay, answer me: stand, and unfold yourself.", ""],
+        "--max-new-tokens",
+        "12",
+    )
     assert code == 0, err
     assert len(turns) == 2
     # One cache for the whole chat, grown in chunks of 16 as the conversation got longer.
@@ -181,8 +246,9 @@ def test_interactive_chat_grows_its_cache_and_matches_a_fresh_generation(kit, to
     lm = cmd_infer.load_base_lm(Path(kit["plain"]), None, "cpu", "float32")
     full = []
     for messages, reply in turns:
-        text = render_template(lm.template, messages, add_generation_prompt=True, bos_token=lm.bos,
-                               eos_token=lm.eos)
+        text = render_template(
+            lm.template, messages, add_generation_prompt=True, bos_token=lm.bos, eos_token=lm.eos
+        )
         ids = lm.tok.encode(text, add_special_tokens=False).ids
         full.append(ids)
         fresh = list(generate(lm.model, ids, 12, temperature=0.0, stop_ids=lm.stop))
@@ -190,17 +256,19 @@ def test_interactive_chat_grows_its_cache_and_matches_a_fresh_generation(kit, to
     # The second turn fed only what the cache did not hold yet: the end of its prompt.
     assert spy.prompts[0] == full[0]
     fed = spy.prompts[1]
-    assert 0 < len(fed) <= len(full[1]) - len(full[0]) and full[1][-len(fed):] == fed
+    assert 0 < len(fed) <= len(full[1]) - len(full[0]) and full[1][-len(fed) :] == fed
 
 
 def test_a_reply_cut_at_max_new_tokens_says_so(kit, toy_cli, monkeypatch):
-    code, err, turns = _chat_session(toy_cli, monkeypatch, kit["plain"], ["Who is there?", ""],
-                                     "--max-new-tokens", "3")
+    code, err, turns = _chat_session(
+        toy_cli, monkeypatch, kit["plain"], ["Who is there?", ""], "--max-new-tokens", "3"
+    )
     assert code == 0, err
     assert "[reply cut at --max-new-tokens 3]" in err
 
 
 # ---------------------------------------------------------------- memory check with cgroups
+
 
 def _meminfo(tmp_path, gb: float) -> Path:
     p = tmp_path / "meminfo"
@@ -215,28 +283,64 @@ def _files(root: Path, files: dict[str, str]) -> Path:
     return root
 
 
-@pytest.mark.parametrize("tree, self_cgroup, want_gb", [
-    ({"memory.max": str(4 * GIB), "memory.current": str(GIB)}, "0::/\n", 3),  # v2: limit minus usage
-    ({"memory.max": "max", "memory.current": str(GIB)}, "0::/\n", 16),  # v2, no limit
-    ({"memory/memory.limit_in_bytes": str(2 * GIB), "memory/memory.usage_in_bytes": str(GIB // 2)},
-     "4:memory:/\n", 1.5),  # v1
-    ({"memory/memory.limit_in_bytes": "9223372036854771712", "memory/memory.usage_in_bytes": "1"},
-     "4:memory:/\n", 16),  # v1, no limit (the largest page count)
-    ({}, "0::/\n", 16),  # no cgroup files at all
-    ({"memory.max": str(4 * GIB)}, "0::/\n", 16),  # no usage file: unreadable, ignored
-    ({"a/memory.max": str(GIB), "a/memory.current": "0", "a/b/memory.max": "max", "a/b/memory.current": "0"},
-     "0::/a/b\n", 1),  # the limit sits on an ancestor of the process's cgroup
-    ({"memory/memory.limit_in_bytes": str(GIB), "memory/memory.usage_in_bytes": "0"},
-     "4:memory:/docker/abc\n", 1),  # v1 mounted at the container's own cgroup
-    ({"memory.max": str(64 * GIB), "memory.current": "0"}, "0::/\n", 16),  # a limit above MemAvailable
-])
+@pytest.mark.parametrize(
+    "tree, self_cgroup, want_gb",
+    [
+        (
+            {"memory.max": str(4 * GIB), "memory.current": str(GIB)},
+            "0::/\n",
+            3,
+        ),  # v2: limit minus usage
+        ({"memory.max": "max", "memory.current": str(GIB)}, "0::/\n", 16),  # v2, no limit
+        (
+            {
+                "memory/memory.limit_in_bytes": str(2 * GIB),
+                "memory/memory.usage_in_bytes": str(GIB // 2),
+            },
+            "4:memory:/\n",
+            1.5,
+        ),  # v1
+        (
+            {
+                "memory/memory.limit_in_bytes": "9223372036854771712",
+                "memory/memory.usage_in_bytes": "1",
+            },
+            "4:memory:/\n",
+            16,
+        ),  # v1, no limit (the largest page count)
+        ({}, "0::/\n", 16),  # no cgroup files at all
+        ({"memory.max": str(4 * GIB)}, "0::/\n", 16),  # no usage file: unreadable, ignored
+        (
+            {
+                "a/memory.max": str(GIB),
+                "a/memory.current": "0",
+                "a/b/memory.max": "max",
+                "a/b/memory.current": "0",
+            },
+            "0::/a/b\n",
+            1,
+        ),  # the limit sits on an ancestor of the process's cgroup
+        (
+            {"memory/memory.limit_in_bytes": str(GIB), "memory/memory.usage_in_bytes": "0"},
+            "4:memory:/docker/abc\n",
+            1,
+        ),  # v1 mounted at the container's own cgroup
+        (
+            {"memory.max": str(64 * GIB), "memory.current": "0"},
+            "0::/\n",
+            16,
+        ),  # a limit above MemAvailable
+    ],
+)
 def test_available_memory_takes_the_container_limit(tmp_path, tree, self_cgroup, want_gb):
     from toy.cli.cmd_infer import available_memory
 
     root = _files(tmp_path / "cgroup", tree)
     root.mkdir(exist_ok=True)
     (tmp_path / "self").write_text(self_cgroup)
-    got = available_memory(cgroup_root=root, self_cgroup=tmp_path / "self", meminfo=_meminfo(tmp_path, 16))
+    got = available_memory(
+        cgroup_root=root, self_cgroup=tmp_path / "self", meminfo=_meminfo(tmp_path, 16)
+    )
     assert got == int(want_gb * GIB)
 
 
@@ -247,12 +351,22 @@ def test_auto_holds_quantized_inside_a_small_container(kit, toy_cli, monkeypatch
     (tmp_path / "self").write_text("0::/\n")
     monkeypatch.setattr(cmd_infer, "CGROUP_ROOT", root)
     monkeypatch.setattr(cmd_infer, "SELF_CGROUP", tmp_path / "self")
-    code, out, err = toy_cli("infer", "--model", kit["plain"], "--prompt", "ROMEO.", "--max-new-tokens", "2",
-                             "--temperature", "0")
+    code, out, err = toy_cli(
+        "infer",
+        "--model",
+        kit["plain"],
+        "--prompt",
+        "ROMEO.",
+        "--max-new-tokens",
+        "2",
+        "--temperature",
+        "0",
+    )
     assert code == 0 and "holding the model quantized" in err, err
 
 
 # ---------------------------------------------------------------- --run brings its own model
+
 
 @pytest.fixture(scope="module")
 def runs(kit, tmp_path_factory):
@@ -266,18 +380,68 @@ def runs(kit, tmp_path_factory):
     (d / "proj" / "data").mkdir(parents=True)
     (d / "proj" / "toy.toml").write_text("")
     shutil.copyfile(kit["plain"], d / "proj" / "data" / "base.gguf")
-    assert main(["prep", str(bundled_text_paths()[1]), "--out", str(d / "c.bin"), "--vocab-size", "300"]) == 0
-    assert main(["train", "--corpus", str(d / "c.bin"), "--out", str(d), "--preset", "tiny", "--batch-size", "2",
-                 "--seq-len", "16", "--eval-batches", "1", "--steps", "2", "--run-id", "full"]) == 0
+    assert (
+        main(
+            ["prep", str(bundled_text_paths()[1]), "--out", str(d / "c.bin"), "--vocab-size", "300"]
+        )
+        == 0
+    )
+    assert (
+        main(
+            [
+                "train",
+                "--corpus",
+                str(d / "c.bin"),
+                "--out",
+                str(d),
+                "--preset",
+                "tiny",
+                "--batch-size",
+                "2",
+                "--seq-len",
+                "16",
+                "--eval-batches",
+                "1",
+                "--steps",
+                "2",
+                "--run-id",
+                "full",
+            ]
+        )
+        == 0
+    )
     cwd = os.getcwd()
     os.chdir(d / "proj")
     try:
-        assert main(["train", "--recipe", "lora", "--model", "data/base.gguf", "--data", str(kit["chat"]),
-                     "--out", "runs", "--run-id", "lora", "--steps", "2", *LORA]) == 0
+        assert (
+            main(
+                [
+                    "train",
+                    "--recipe",
+                    "lora",
+                    "--model",
+                    "data/base.gguf",
+                    "--data",
+                    str(kit["chat"]),
+                    "--out",
+                    "runs",
+                    "--run-id",
+                    "lora",
+                    "--steps",
+                    "2",
+                    *LORA,
+                ]
+            )
+            == 0
+        )
     finally:
         os.chdir(cwd)
-    return {"full": d / "full", "lora": d / "proj" / "runs" / "lora", "base": d / "proj" / "data" / "base.gguf",
-            "dir": d}
+    return {
+        "full": d / "full",
+        "lora": d / "proj" / "runs" / "lora",
+        "base": d / "proj" / "data" / "base.gguf",
+        "dir": d,
+    }
 
 
 def _one_line_2(code, err, *parts):
@@ -290,27 +454,53 @@ def _one_line_2(code, err, *parts):
 def test_run_refuses_what_it_already_brings(kit, runs, toy_cli):
     code, _, err = toy_cli("infer", "--run", runs["full"], "--model", kit["plain"], "--prompt", "x")
     _one_line_2(code, err, "--run", "--model", "its own weights")
-    code, _, err = toy_cli("infer", "--run", runs["full"], "--adapter", runs["lora"], "--prompt", "x")
+    code, _, err = toy_cli(
+        "infer", "--run", runs["full"], "--adapter", runs["lora"], "--prompt", "x"
+    )
     _one_line_2(code, err, "--run", "--adapter")
-    code, _, err = toy_cli("infer", "--run", runs["lora"], "--adapter", runs["lora"], "--prompt", "x")
+    code, _, err = toy_cli(
+        "infer", "--run", runs["lora"], "--adapter", runs["lora"], "--prompt", "x"
+    )
     _one_line_2(code, err, "--run", "--adapter", "brings its adapter")
     # A LoRA run's base may still be overridden with --model, as its help says.
-    code, out, err = toy_cli("infer", "--run", runs["lora"], "--model", runs["base"], "--prompt", "ROMEO.",
-                             "--max-new-tokens", "2", "--temperature", "0")
+    code, out, err = toy_cli(
+        "infer",
+        "--run",
+        runs["lora"],
+        "--model",
+        runs["base"],
+        "--prompt",
+        "ROMEO.",
+        "--max-new-tokens",
+        "2",
+        "--temperature",
+        "0",
+    )
     assert code == 0 and out.startswith("ROMEO."), err
 
 
 # ---------------------------------------------------------------- a LoRA run's base from anywhere
 
-def test_a_lora_run_records_its_base_absolutely_and_infers_from_another_folder(runs, toy_cli, monkeypatch,
-                                                                               tmp_path):
+
+def test_a_lora_run_records_its_base_absolutely_and_infers_from_another_folder(
+    runs, toy_cli, monkeypatch, tmp_path
+):
     cfg = json.loads((runs["lora"] / "final" / "adapter_config.json").read_text())
     job = json.loads((runs["lora"] / "run.json").read_text())["job"]
     assert cfg["base_model_name_or_path"] == str(runs["base"].resolve())
     assert job["model"] == str(runs["base"].resolve())
     monkeypatch.chdir(tmp_path)
-    code, out, err = toy_cli("infer", "--run", runs["lora"], "--prompt", "ROMEO.", "--max-new-tokens", "2",
-                             "--temperature", "0")
+    code, out, err = toy_cli(
+        "infer",
+        "--run",
+        runs["lora"],
+        "--prompt",
+        "ROMEO.",
+        "--max-new-tokens",
+        "2",
+        "--temperature",
+        "0",
+    )
     assert code == 0 and out.startswith("ROMEO."), err
 
 
@@ -327,11 +517,14 @@ def _copy_run(runs, dest: Path, base: str | None) -> Path:
     return run
 
 
-def test_an_older_run_with_a_relative_base_resolves_as_export_does(runs, toy_cli, monkeypatch, tmp_path):
+def test_an_older_run_with_a_relative_base_resolves_as_export_does(
+    runs, toy_cli, monkeypatch, tmp_path
+):
     run = _copy_run(runs, tmp_path / "old", "data/base.gguf")  # as runs recorded it before
     monkeypatch.chdir(tmp_path)  # outside the project: found against the project root
-    code, out, err = toy_cli("infer", "--run", run, "--prompt", "ROMEO.", "--max-new-tokens", "2",
-                             "--temperature", "0")
+    code, out, err = toy_cli(
+        "infer", "--run", run, "--prompt", "ROMEO.", "--max-new-tokens", "2", "--temperature", "0"
+    )
     assert code == 0 and out.startswith("ROMEO."), err
     code, out, err = toy_cli("export", run, "--format", "gguf-lora", "--out", tmp_path / "a.gguf")
     assert code == 0, err
@@ -349,7 +542,9 @@ def test_a_missing_or_changed_base_is_one_clear_error(runs, toy_cli, monkeypatch
     run = _copy_run(runs, tmp_path / "changed", str(other))
     code, _, err = toy_cli("infer", "--run", run, "--prompt", "x")
     _one_line_2(code, err, "changed since the run trained")
-    code, out, err = toy_cli("infer", "--run", run, "--model", other, "--prompt", "ROMEO.", "--max-new-tokens", "2")
+    code, out, err = toy_cli(
+        "infer", "--run", run, "--model", other, "--prompt", "ROMEO.", "--max-new-tokens", "2"
+    )
     assert code == 0 and "not the file the adapter was trained on" in err, err
 
 
@@ -357,8 +552,24 @@ def test_an_older_lora_run_with_a_relative_model_still_resumes(kit, toy_cli, mon
     (tmp_path / "data").mkdir()
     shutil.copyfile(kit["plain"], tmp_path / "data" / "base.gguf")
     monkeypatch.chdir(tmp_path)
-    code, _, err = toy_cli("train", "--recipe", "lora", "--model", "data/base.gguf", "--data", kit["chat"],
-                           "--out", "runs", "--run-id", "r", "--steps", "4", "--save-every", "2", *LORA)
+    code, _, err = toy_cli(
+        "train",
+        "--recipe",
+        "lora",
+        "--model",
+        "data/base.gguf",
+        "--data",
+        kit["chat"],
+        "--out",
+        "runs",
+        "--run-id",
+        "r",
+        "--steps",
+        "4",
+        "--save-every",
+        "2",
+        *LORA,
+    )
     assert code == 0, err
     run = tmp_path / "runs" / "r"
     info = json.loads((run / "run.json").read_text())
@@ -372,20 +583,42 @@ def test_an_older_lora_run_with_a_relative_model_still_resumes(kit, toy_cli, mon
 
 # ---------------------------------------------------------------- BOS / EOS as the file asks
 
+
 def test_prompt_gets_the_files_bos(kit, toy_cli, monkeypatch):
     plain_ids = kit["tok"].encode("ROMEO.", add_special_tokens=False).ids
-    for gguf, want in ((kit["plain"], plain_ids), (kit["bos_gguf"], [kit["bos"], *plain_ids]),
-                       (kit["bos_eos"], [kit["bos"], *plain_ids])):  # a prompt to continue never ends in EOS
+    for gguf, want in (
+        (kit["plain"], plain_ids),
+        (kit["bos_gguf"], [kit["bos"], *plain_ids]),
+        (kit["bos_eos"], [kit["bos"], *plain_ids]),
+    ):  # a prompt to continue never ends in EOS
         spy = Spy(monkeypatch)
-        code, out, err = toy_cli("infer", "--model", gguf, "--prompt", "ROMEO.", "--max-new-tokens", "2",
-                                 "--temperature", "0")
+        code, out, err = toy_cli(
+            "infer",
+            "--model",
+            gguf,
+            "--prompt",
+            "ROMEO.",
+            "--max-new-tokens",
+            "2",
+            "--temperature",
+            "0",
+        )
         assert code == 0, err
         assert spy.prompts[0] == want, gguf.name
     # A prompt that already starts with the BOS text gets no second one; an empty one is BOS alone.
     spy = Spy(monkeypatch)
     for prompt in ("<s>ROMEO.", ""):
-        code, out, err = toy_cli("infer", "--model", kit["bos_gguf"], "--prompt", prompt, "--max-new-tokens", "2",
-                                 "--temperature", "0")
+        code, out, err = toy_cli(
+            "infer",
+            "--model",
+            kit["bos_gguf"],
+            "--prompt",
+            prompt,
+            "--max-new-tokens",
+            "2",
+            "--temperature",
+            "0",
+        )
         assert code == 0, err
     assert spy.prompts == [[kit["bos"], *plain_ids], [kit["bos"]]]
 
@@ -393,24 +626,40 @@ def test_prompt_gets_the_files_bos(kit, toy_cli, monkeypatch):
 def test_chat_gets_one_bos(kit, toy_cli, monkeypatch):
     for gguf in ("plain", "bos_gguf", "bos_tmpl"):
         spy = Spy(monkeypatch)
-        code, out, err = toy_cli("infer", "--model", kit[gguf], "--chat", "Who is there?", "--max-new-tokens", "2",
-                                 "--temperature", "0")
+        code, out, err = toy_cli(
+            "infer",
+            "--model",
+            kit[gguf],
+            "--chat",
+            "Who is there?",
+            "--max-new-tokens",
+            "2",
+            "--temperature",
+            "0",
+        )
         assert code == 0, err
         ids = spy.prompts[0]
-        assert ids.count(kit["bos"]) == (0 if gguf == "plain" else 1) and (gguf == "plain" or ids[0] == kit["bos"])
+        assert ids.count(kit["bos"]) == (0 if gguf == "plain" else 1) and (
+            gguf == "plain" or ids[0] == kit["bos"]
+        )
 
 
 def test_chat_training_gets_the_bos_inference_gives(kit):
     from toy.data.chat import encode_chat
     from toy.formats.gguf import read_gguf_tokenizer
 
-    msgs = [{"role": "user", "content": "Who is there?"}, {"role": "assistant", "content": "Nay, answer me."}]
+    msgs = [
+        {"role": "user", "content": "Who is there?"},
+        {"role": "assistant", "content": "Nay, answer me."},
+    ]
     tmpl = CHATML
     for gguf, bos in (("plain", 0), ("bos_gguf", 1)):
         tok = read_gguf_tokenizer(kit[gguf])
         ids, mask = encode_chat(tok, tmpl, msgs, 200, "<s>", "</s>")
         assert ids.count(kit["bos"]) == bos and (not bos or (ids[0] == kit["bos"] and mask[0] == 0))
-    ids, _ = encode_chat(read_gguf_tokenizer(kit["bos_gguf"]), "{{ bos_token }}" + tmpl, msgs, 200, "<s>", "</s>")
+    ids, _ = encode_chat(
+        read_gguf_tokenizer(kit["bos_gguf"]), "{{ bos_token }}" + tmpl, msgs, 200, "<s>", "</s>"
+    )
     assert ids.count(kit["bos"]) == 1
 
 
@@ -425,11 +674,15 @@ def test_prep_with_a_gguf_marks_each_document_as_the_file_asks(kit, toy_cli, tmp
     tok = kit["tok"]
     plain = [tok.encode(t, add_special_tokens=False).ids for t in texts]
     end = tok.token_to_id("<|endoftext|>")
-    for gguf, want in (("plain", [i for p in plain for i in (*p, end)]),  # as before: the end-of-text separator
-                       ("bos_gguf", [i for p in plain for i in (kit["bos"], *p, end)]),
-                       ("bos_eos", [i for p in plain for i in (kit["bos"], *p, kit["eos"])])):
+    for gguf, want in (
+        ("plain", [i for p in plain for i in (*p, end)]),  # as before: the end-of-text separator
+        ("bos_gguf", [i for p in plain for i in (kit["bos"], *p, end)]),
+        ("bos_eos", [i for p in plain for i in (kit["bos"], *p, kit["eos"])]),
+    ):
         out = tmp_path / f"{gguf}.bin"
-        code, _, err = toy_cli("prep", docs, "--out", out, "--tokenizer", kit[gguf], "--val-fraction", "0")
+        code, _, err = toy_cli(
+            "prep", docs, "--out", out, "--tokenizer", kit[gguf], "--val-fraction", "0"
+        )
         assert code == 0, err
         tf = read_tokens(out)
         assert np.asarray(tf.tokens).tolist() == want, gguf
@@ -437,14 +690,27 @@ def test_prep_with_a_gguf_marks_each_document_as_the_file_asks(kit, toy_cli, tmp
 
 
 def test_token_stream_lora_trains_on_a_bos_corpus(kit, toy_cli, tmp_path):
-    code, _, err = toy_cli("prep", bundled_text_paths()[1], "--out", tmp_path / "c.bin", "--tokenizer",
-                           kit["bos_gguf"])
+    code, _, err = toy_cli(
+        "prep", bundled_text_paths()[1], "--out", tmp_path / "c.bin", "--tokenizer", kit["bos_gguf"]
+    )
     assert code == 0, err
     from toy.data.tokens import read_tokens
 
     assert int(np.asarray(read_tokens(tmp_path / "c.bin").tokens)[0]) == kit["bos"]
-    code, _, err = toy_cli("train", "--recipe", "lora", "--model", kit["bos_gguf"], "--corpus", tmp_path / "c.bin",
-                           "--out", tmp_path, "--steps", "1", *LORA)
+    code, _, err = toy_cli(
+        "train",
+        "--recipe",
+        "lora",
+        "--model",
+        kit["bos_gguf"],
+        "--corpus",
+        tmp_path / "c.bin",
+        "--out",
+        tmp_path,
+        "--steps",
+        "1",
+        *LORA,
+    )
     assert code == 0, err
 
 
@@ -453,16 +719,26 @@ def test_gemma3_prompt_continues_sanely_with_its_bos(gemma3_gguf):
     The The ..."; with it (as transformers and llama.cpp encode) it stays on topic."""
     from conftest import run_toy
 
-    r = run_toy("infer", "--model", gemma3_gguf, "--prompt", "The capital of France is", "--temperature", "0",
-                "--max-new-tokens", "12")
+    r = run_toy(
+        "infer",
+        "--model",
+        gemma3_gguf,
+        "--prompt",
+        "The capital of France is",
+        "--temperature",
+        "0",
+        "--max-new-tokens",
+        "12",
+    )
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("The capital of France is")
-    tail = r.stdout[len("The capital of France is"):]
+    tail = r.stdout[len("The capital of France is") :]
     assert "the capital of the country of France" in tail, tail
     assert "The The" not in tail
 
 
 # ---------------------------------------------------------------- toy fetch --list
+
 
 def test_fetch_list_says_gemma3_270m_is_a_base_model(toy_cli):
     code, out, err = toy_cli("fetch", "--list", "--json")

@@ -2,8 +2,8 @@
 
 import pytest
 import torch
-
 from conftest import assert_every_parameter_learns
+
 from toy.models.llama import Llama, LlamaConfig
 
 
@@ -66,12 +66,21 @@ def test_parity_with_transformers_llama():
     m = tiny(n_kv_head=2).eval()
     cfg = m.cfg
     hc = transformers.LlamaConfig(
-        vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.d_ff,
-        num_hidden_layers=cfg.n_layer, num_attention_heads=cfg.n_head, num_key_value_heads=cfg.n_kv_head,
-        max_position_embeddings=cfg.max_seq_len, rms_norm_eps=cfg.norm_eps, rope_theta=cfg.rope_theta,
-        tie_word_embeddings=True)
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.d_model,
+        intermediate_size=cfg.d_ff,
+        num_hidden_layers=cfg.n_layer,
+        num_attention_heads=cfg.n_head,
+        num_key_value_heads=cfg.n_kv_head,
+        max_position_embeddings=cfg.max_seq_len,
+        rms_norm_eps=cfg.norm_eps,
+        rope_theta=cfg.rope_theta,
+        tie_word_embeddings=True,
+    )
     hf = transformers.LlamaForCausalLM(hc).eval()
-    sd = {("model." + k if not k.startswith("lm_head") else k): v for k, v in m.state_dict().items()}
+    sd = {
+        ("model." + k if not k.startswith("lm_head") else k): v for k, v in m.state_dict().items()
+    }
     res = hf.load_state_dict(sd, strict=True)
     assert not res.missing_keys and not res.unexpected_keys
     x = torch.randint(0, cfg.vocab_size, (2, 24))

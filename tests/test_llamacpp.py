@@ -25,7 +25,9 @@ from pathlib import Path
 import pytest
 import torch
 
-llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (pip install -e .[llamacpp])")
+llama_cpp = pytest.importorskip(
+    "llama_cpp", reason="llama-cpp-python is not installed (pip install -e .[llamacpp])"
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gguf_fixtures import smollm2_gguf  # noqa: E402,F401
@@ -71,9 +73,18 @@ def _llama(path: Path, lora: Path | None = None, n_ctx: int = 512, logits_all: b
 
     C.llama_model_default_params = params
     try:
-        return llama_cpp.Llama(model_path=str(path), lora_path=str(lora) if lora else None, n_ctx=n_ctx,
-                               n_threads=2, n_batch=512, logits_all=logits_all, verbose=False, seed=0,
-                               type_k=C.GGML_TYPE_F32, type_v=C.GGML_TYPE_F32)
+        return llama_cpp.Llama(
+            model_path=str(path),
+            lora_path=str(lora) if lora else None,
+            n_ctx=n_ctx,
+            n_threads=2,
+            n_batch=512,
+            logits_all=logits_all,
+            verbose=False,
+            seed=0,
+            type_k=C.GGML_TYPE_F32,
+            type_v=C.GGML_TYPE_F32,
+        )
     finally:
         C.llama_model_default_params = orig
 
@@ -98,7 +109,9 @@ def _teacher_forced_margin(model, prompt: list[int], chosen: list[int]) -> float
     if not chosen:
         return 0.0
     ids = torch.tensor([prompt + chosen])
-    logits = model(ids)[0, len(prompt) - 1 : -1]  # (len(chosen), V): logits that predicted each chosen token
+    logits = model(ids)[
+        0, len(prompt) - 1 : -1
+    ]  # (len(chosen), V): logits that predicted each chosen token
     picked = logits.gather(1, torch.tensor(chosen)[:, None])[:, 0]
     return float((logits.max(-1).values - picked).max())
 
@@ -117,11 +130,14 @@ def _show(label: str, tok, prompt, toy_ids, cpp_ids, margin=None) -> None:
     print(f"\n[{label}] prompt {tok.decode(prompt)[-60:]!r}")
     print(f"  toy      ({len(toy_ids)} tokens): {tok.decode(toy_ids)!r}")
     print(f"  llama.cpp({len(cpp_ids)} tokens): {tok.decode(cpp_ids)!r}")
-    print(f"  identical tokens: {same}/{max(len(toy_ids), len(cpp_ids))}"
-          + (f"; teacher-forced max logit gap {margin:.4f}" if margin is not None else ""))
+    print(
+        f"  identical tokens: {same}/{max(len(toy_ids), len(cpp_ids))}"
+        + (f"; teacher-forced max logit gap {margin:.4f}" if margin is not None else "")
+    )
 
 
 # ------------------------------------------------------------------ from scratch
+
 
 @pytest.fixture(scope="module")
 def scratch(tmp_path_factory):
@@ -134,17 +150,51 @@ def scratch(tmp_path_factory):
     from toy.formats.model_dir import save_model_dir
 
     d = tmp_path_factory.mktemp("lcpp-scratch")
-    assert main(["prep", str(bundled_text_paths()[0]), "--out", str(d / "c.bin"), "--vocab-size", "512"]) == 0
+    assert (
+        main(
+            ["prep", str(bundled_text_paths()[0]), "--out", str(d / "c.bin"), "--vocab-size", "512"]
+        )
+        == 0
+    )
     runs = {}
     for arch in ("llama", "gpt2"):
-        assert main(["train", "--corpus", str(d / "c.bin"), "--out", str(d / "runs"), "--run-id", arch,
-                     "--arch", arch, "--preset", "tiny", "--batch-size", "8", "--seq-len", "64", "--steps", "80",
-                     "--lr", "1e-2", "--warmup", "5", "--eval-batches", "1", "--eval-every", "1000"]) == 0
+        assert (
+            main(
+                [
+                    "train",
+                    "--corpus",
+                    str(d / "c.bin"),
+                    "--out",
+                    str(d / "runs"),
+                    "--run-id",
+                    arch,
+                    "--arch",
+                    arch,
+                    "--preset",
+                    "tiny",
+                    "--batch-size",
+                    "8",
+                    "--seq-len",
+                    "64",
+                    "--steps",
+                    "80",
+                    "--lr",
+                    "1e-2",
+                    "--warmup",
+                    "5",
+                    "--eval-batches",
+                    "1",
+                    "--eval-every",
+                    "1000",
+                ]
+            )
+            == 0
+        )
         runs[arch] = d / "runs" / arch
     rnd = d / "runs" / "random"
     save_model_dir(rnd / "final", tiny_model(vocab_size=512), tokenizer=d / "c.tokenizer.json")
     runs["random"] = rnd
-    for name, run in runs.items():
+    for _name, run in runs.items():
         for dtype in ("f32", "f16", "q8_0"):
             assert main(["export", str(run), "--format", "gguf", "--dtype", dtype]) == 0
     return runs
@@ -200,13 +250,16 @@ def test_from_scratch_f32_logits_match(scratch, name):
     with torch.no_grad():
         want = model(torch.tensor([prompt]))[0]
     diff = float((got - want).abs().max())
-    print(f"\n[{name} f32 logits] {len(prompt)} positions: max |llama.cpp - toy| = {diff:.2e} "
-          f"(logit std {float(want.std()):.2f})")
+    print(
+        f"\n[{name} f32 logits] {len(prompt)} positions: max |llama.cpp - toy| = {diff:.2e} "
+        f"(logit std {float(want.std()):.2f})"
+    )
     assert diff < 1e-3 * max(1.0, float(want.abs().max()))
     assert torch.equal(got.argmax(-1), want.argmax(-1))
 
 
 # ------------------------------------------------------------------ SmolLM2 + LoRA
+
 
 @pytest.fixture(scope="module")
 def smol(tmp_path_factory, smollm2_gguf):
@@ -217,18 +270,82 @@ def smol(tmp_path_factory, smollm2_gguf):
     from toy.formats.gguf_write import gguf_tokenizer_kv, write_llama_gguf
 
     d = tmp_path_factory.mktemp("lcpp-smol")
-    chat = write_jsonl(conversations(bundled_text_paths(), 24, seed=3, turns=(1, 1), max_chars=200), d / "c.jsonl")
-    assert main(["train", "--recipe", "lora", "--model", str(smollm2_gguf), "--data", str(chat), "--out",
-                 str(d / "runs"), "--run-id", "smol", "--steps", "6", "--seq-len", "128", "--batch-size", "2",
-                 "--eval-batches", "1", "--lr", "4e-3", "--warmup", "0", "--targets", ALL_TARGETS]) == 0
+    chat = write_jsonl(
+        conversations(bundled_text_paths(), 24, seed=3, turns=(1, 1), max_chars=200), d / "c.jsonl"
+    )
+    assert (
+        main(
+            [
+                "train",
+                "--recipe",
+                "lora",
+                "--model",
+                str(smollm2_gguf),
+                "--data",
+                str(chat),
+                "--out",
+                str(d / "runs"),
+                "--run-id",
+                "smol",
+                "--steps",
+                "6",
+                "--seq-len",
+                "128",
+                "--batch-size",
+                "2",
+                "--eval-batches",
+                "1",
+                "--lr",
+                "4e-3",
+                "--warmup",
+                "0",
+                "--targets",
+                ALL_TARGETS,
+            ]
+        )
+        == 0
+    )
     run = d / "runs" / "smol"
-    assert main(["export", str(run), "--format", "gguf-lora", "--out", str(d / "adapter.gguf")]) == 0
-    assert main(["export", str(run), "--format", "gguf", "--merge", "--dtype", "f32",
-                 "--out", str(d / "merged.gguf")]) == 0
-    assert main(["export", str(run), "--format", "gguf", "--merge", "--out", str(d / "merged-keep.gguf")]) == 0
+    assert (
+        main(["export", str(run), "--format", "gguf-lora", "--out", str(d / "adapter.gguf")]) == 0
+    )
+    assert (
+        main(
+            [
+                "export",
+                str(run),
+                "--format",
+                "gguf",
+                "--merge",
+                "--dtype",
+                "f32",
+                "--out",
+                str(d / "merged.gguf"),
+            ]
+        )
+        == 0
+    )
+    assert (
+        main(
+            [
+                "export",
+                str(run),
+                "--format",
+                "gguf",
+                "--merge",
+                "--out",
+                str(d / "merged-keep.gguf"),
+            ]
+        )
+        == 0
+    )
     base = read_gguf(smollm2_gguf)
-    write_llama_gguf(d / "base-f32.gguf", base.build_model(), tokenizer_kv=gguf_tokenizer_kv(base.metadata),
-                     name="SmolLM2-135M-Instruct (f32 from Q4_1)")
+    write_llama_gguf(
+        d / "base-f32.gguf",
+        base.build_model(),
+        tokenizer_kv=gguf_tokenizer_kv(base.metadata),
+        name="SmolLM2-135M-Instruct (f32 from Q4_1)",
+    )
     return {"run": run, "dir": d, "base": smollm2_gguf}
 
 
@@ -244,21 +361,41 @@ def smol_toy(smol):
     lm = load_base_lm(smol["base"], None, "cpu")  # base only: toy's reader, tokenizer, stop ids
     sd, cfg = load_peft_adapter(smol["run"] / "final")
     adapted = read_gguf(smol["base"]).build_model()
-    apply_lora(adapted, sorted({k.rsplit(".", 2)[-2] for k in sd}), cfg["r"], cfg["lora_alpha"], 0.0, seed=0)
+    apply_lora(
+        adapted,
+        sorted({k.rsplit(".", 2)[-2] for k in sd}),
+        cfg["r"],
+        cfg["lora_alpha"],
+        0.0,
+        seed=0,
+    )
     load_lora_state_dict(adapted, sd)
-    text = render_template(lm.template, [{"role": "user", "content": "Who is there? Speak, and tell me your name."}],
-                           add_generation_prompt=True, bos_token=lm.bos, eos_token=lm.eos)
+    text = render_template(
+        lm.template,
+        [{"role": "user", "content": "Who is there? Speak, and tell me your name."}],
+        add_generation_prompt=True,
+        bos_token=lm.bos,
+        eos_token=lm.eos,
+    )
     prompt = lm.tok.encode(text, add_special_tokens=False).ids
-    return {"base": lm.model, "adapted": adapted.eval(), "tok": lm.tok, "stop": lm.stop, "prompt": prompt,
-            "text": text}
+    return {
+        "base": lm.model,
+        "adapted": adapted.eval(),
+        "tok": lm.tok,
+        "stop": lm.stop,
+        "prompt": prompt,
+        "text": text,
+    }
 
 
 @pytest.mark.slow
 def test_smollm2_tokenizer_ids_match(smol, smol_toy):
     llm = _llama(smol["dir"] / "merged.gguf", n_ctx=256)
     for text in TEXTS + [smol_toy["text"]]:
-        assert llm.tokenize(text.encode(), add_bos=False, special=True) == smol_toy["tok"].encode(
-            text, add_special_tokens=False).ids, text
+        assert (
+            llm.tokenize(text.encode(), add_bos=False, special=True)
+            == smol_toy["tok"].encode(text, add_special_tokens=False).ids
+        ), text
 
 
 @pytest.mark.slow
@@ -267,21 +404,27 @@ def test_smollm2_adapter_changes_toys_text(smol_toy):
     base = _toy_greedy(t["base"], t["prompt"], N_NEW, t["stop"])
     adapted = _toy_greedy(t["adapted"], t["prompt"], N_NEW, t["stop"])
     _show("toy: SmolLM2 base vs base+adapter", t["tok"], t["prompt"], base, adapted)
-    assert base != adapted  # otherwise the llama.cpp comparisons below prove nothing about the adapter
+    assert (
+        base != adapted
+    )  # otherwise the llama.cpp comparisons below prove nothing about the adapter
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["lora-on-f32-base", "merged-f32", "lora-on-q4_1-base", "merged-keep"])
+@pytest.mark.parametrize(
+    "case", ["lora-on-f32-base", "merged-f32", "lora-on-q4_1-base", "merged-keep"]
+)
 def test_smollm2_with_adapter_greedy_text_matches(smol, smol_toy, case):
     """merged-keep is `toy export --merge`'s default: the Q4_1 base's untouched tensors
     as they are, the adapted ones f16 (the old default requantized them to Q4_1, and
     llama.cpp answered with the base model's text word for word)."""
     t = smol_toy
     d = smol["dir"]
-    model_path, lora = {"lora-on-f32-base": (d / "base-f32.gguf", d / "adapter.gguf"),
-                        "merged-f32": (d / "merged.gguf", None),
-                        "lora-on-q4_1-base": (smol["base"], d / "adapter.gguf"),
-                        "merged-keep": (d / "merged-keep.gguf", None)}[case]
+    model_path, lora = {
+        "lora-on-f32-base": (d / "base-f32.gguf", d / "adapter.gguf"),
+        "merged-f32": (d / "merged.gguf", None),
+        "lora-on-q4_1-base": (smol["base"], d / "adapter.gguf"),
+        "merged-keep": (d / "merged-keep.gguf", None),
+    }[case]
     llm = _llama(model_path, lora)
     want = _toy_greedy(t["adapted"], t["prompt"], N_NEW, t["stop"])
     got = _cpp_greedy(llm, t["prompt"], N_NEW, t["stop"])
@@ -305,7 +448,11 @@ def test_adapter_file_metadata_as_llamacpp_reads_it(smol):
     from toy.formats.gguf import read_gguf_header
 
     meta = read_gguf_header(smol["dir"] / "adapter.gguf").metadata
-    assert (meta["general.type"], meta["adapter.type"], meta["general.architecture"]) == ("adapter", "lora", "llama")
+    assert (meta["general.type"], meta["adapter.type"], meta["general.architecture"]) == (
+        "adapter",
+        "lora",
+        "llama",
+    )
     cfg = json.loads((smol["run"] / "final" / "adapter_config.json").read_text())
     assert meta["adapter.lora.alpha"] == cfg["lora_alpha"]
 
@@ -323,16 +470,77 @@ def gem(tmp_path_factory, gemma3_gguf):
     from toy.data.dialogue import conversations, write_jsonl
 
     d = tmp_path_factory.mktemp("lcpp-gemma")
-    chat = write_jsonl(conversations(bundled_text_paths(), 24, seed=3, turns=(1, 1), max_chars=200), d / "c.jsonl")
-    assert main(["train", "--recipe", "lora", "--model", str(gemma3_gguf), "--data", str(chat), "--out",
-                 str(d / "runs"), "--run-id", "g", "--steps", "5", "--seq-len", "128", "--batch-size", "2",
-                 "--eval-batches", "1", "--lr", "4e-3", "--warmup", "0", "--targets", ALL_TARGETS]) == 0
+    chat = write_jsonl(
+        conversations(bundled_text_paths(), 24, seed=3, turns=(1, 1), max_chars=200), d / "c.jsonl"
+    )
+    assert (
+        main(
+            [
+                "train",
+                "--recipe",
+                "lora",
+                "--model",
+                str(gemma3_gguf),
+                "--data",
+                str(chat),
+                "--out",
+                str(d / "runs"),
+                "--run-id",
+                "g",
+                "--steps",
+                "5",
+                "--seq-len",
+                "128",
+                "--batch-size",
+                "2",
+                "--eval-batches",
+                "1",
+                "--lr",
+                "4e-3",
+                "--warmup",
+                "0",
+                "--targets",
+                ALL_TARGETS,
+            ]
+        )
+        == 0
+    )
     run = d / "runs" / "g"
-    assert main(["export", str(run), "--format", "gguf-lora", "--out", str(d / "adapter.gguf")]) == 0
-    assert main(["export", str(run), "--format", "gguf", "--merge", "--dtype", "f32", "--out",
-                 str(d / "merged-f32.gguf")]) == 0
-    assert main(["export", str(run), "--format", "gguf", "--merge", "--dtype", "base", "--out",
-                 str(d / "merged-base.gguf")]) == 0
+    assert (
+        main(["export", str(run), "--format", "gguf-lora", "--out", str(d / "adapter.gguf")]) == 0
+    )
+    assert (
+        main(
+            [
+                "export",
+                str(run),
+                "--format",
+                "gguf",
+                "--merge",
+                "--dtype",
+                "f32",
+                "--out",
+                str(d / "merged-f32.gguf"),
+            ]
+        )
+        == 0
+    )
+    assert (
+        main(
+            [
+                "export",
+                str(run),
+                "--format",
+                "gguf",
+                "--merge",
+                "--dtype",
+                "base",
+                "--out",
+                str(d / "merged-base.gguf"),
+            ]
+        )
+        == 0
+    )
     return {"run": run, "dir": d, "base": gemma3_gguf}
 
 
@@ -347,12 +555,30 @@ def gem_toy(gem):
     lm = load_base_lm(gem["base"], None, torch.device("cpu"))
     sd, cfg = load_peft_adapter(gem["run"] / "final")
     adapted = read_gguf(gem["base"]).build_model()
-    apply_lora(adapted, sorted({k.rsplit(".", 2)[-2] for k in sd}), cfg["r"], cfg["lora_alpha"], 0.0, seed=0)
+    apply_lora(
+        adapted,
+        sorted({k.rsplit(".", 2)[-2] for k in sd}),
+        cfg["r"],
+        cfg["lora_alpha"],
+        0.0,
+        seed=0,
+    )
     load_lora_state_dict(adapted, sd)
-    text = render_template(lm.template, [{"role": "user", "content": "Who is there? Speak, and tell me your name."}],
-                           add_generation_prompt=True, bos_token=lm.bos, eos_token=lm.eos)
+    text = render_template(
+        lm.template,
+        [{"role": "user", "content": "Who is there? Speak, and tell me your name."}],
+        add_generation_prompt=True,
+        bos_token=lm.bos,
+        eos_token=lm.eos,
+    )
     prompt = lm.tok.encode(text, add_special_tokens=False).ids
-    return {"base": lm.model, "adapted": adapted.eval(), "tok": lm.tok, "stop": lm.stop, "prompt": prompt}
+    return {
+        "base": lm.model,
+        "adapted": adapted.eval(),
+        "tok": lm.tok,
+        "stop": lm.stop,
+        "prompt": prompt,
+    }
 
 
 @pytest.mark.slow

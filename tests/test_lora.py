@@ -15,8 +15,14 @@ import torch.nn as nn
 
 from toy.errors import InputError, UsageError
 from toy.formats.peft import load_peft_adapter, save_peft_adapter
-from toy.lora import (LoRALinear, apply_lora, load_lora_state_dict, lora_parameters, lora_state_dict,
-                      merge_lora)
+from toy.lora import (
+    LoRALinear,
+    apply_lora,
+    load_lora_state_dict,
+    lora_parameters,
+    lora_state_dict,
+    merge_lora,
+)
 from toy.models.llama import Llama, LlamaConfig
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -39,7 +45,7 @@ def ids(seed: int = 1, B: int = 2, T: int = 12) -> torch.Tensor:
 def perturb_b(model: nn.Module, seed: int = 3, scale: float = 0.05) -> None:
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for name, m in model.named_modules():
+        for _name, m in model.named_modules():
             if isinstance(m, LoRALinear):
                 m.lora_B.copy_(torch.randn(m.lora_B.shape, generator=g) * scale)
 
@@ -100,10 +106,14 @@ def test_seeded_init():
             assert torch.count_nonzero(s1[k]) == 0
         else:
             assert not torch.equal(s1[k], s3[k])
-            bound = 1 / s1[k].shape[1] ** 0.5  # kaiming_uniform(a=sqrt(5)) = U(-1/sqrt(in), 1/sqrt(in))
+            bound = (
+                1 / s1[k].shape[1] ** 0.5
+            )  # kaiming_uniform(a=sqrt(5)) = U(-1/sqrt(in), 1/sqrt(in))
             assert s1[k].abs().max() <= bound
     # Different modules get different A.
-    assert not torch.equal(s1["layers.0.self_attn.q_proj.lora_A"], s1["layers.1.self_attn.q_proj.lora_A"])
+    assert not torch.equal(
+        s1["layers.0.self_attn.q_proj.lora_A"], s1["layers.1.self_attn.q_proj.lora_A"]
+    )
 
 
 def test_base_state_dict_loads_strict_into_wrapped_model():
@@ -126,8 +136,12 @@ def test_lora_state_dict_roundtrip_strict():
     apply_lora(src, ["q_proj"], rank=4, alpha=8, dropout=0.0, seed=0)
     perturb_b(src)
     sd = lora_state_dict(src)
-    assert sorted(sd) == ["layers.0.self_attn.q_proj.lora_A", "layers.0.self_attn.q_proj.lora_B",
-                          "layers.1.self_attn.q_proj.lora_A", "layers.1.self_attn.q_proj.lora_B"]
+    assert sorted(sd) == [
+        "layers.0.self_attn.q_proj.lora_A",
+        "layers.0.self_attn.q_proj.lora_B",
+        "layers.1.self_attn.q_proj.lora_A",
+        "layers.1.self_attn.q_proj.lora_B",
+    ]
     dst = tiny_model()
     apply_lora(dst, ["q_proj"], rank=4, alpha=8, dropout=0.0, seed=1)
     load_lora_state_dict(dst, sd)
@@ -136,19 +150,29 @@ def test_lora_state_dict_roundtrip_strict():
     with pytest.raises(InputError, match="missing"):
         load_lora_state_dict(dst, {k: v for k, v in sd.items() if "layers.1" not in k})
     with pytest.raises(InputError, match="wrong shape"):
-        load_lora_state_dict(dst, {k: (v[:2] if k.endswith("lora_A") else v) for k, v in sd.items()})
+        load_lora_state_dict(
+            dst, {k: (v[:2] if k.endswith("lora_A") else v) for k, v in sd.items()}
+        )
     with pytest.raises(InputError, match="unexpected"):
-        load_lora_state_dict(dst, {**sd, "layers.0.self_attn.k_proj.lora_A": sd["layers.0.self_attn.q_proj.lora_A"]})
+        load_lora_state_dict(
+            dst, {**sd, "layers.0.self_attn.k_proj.lora_A": sd["layers.0.self_attn.q_proj.lora_A"]}
+        )
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(rank=0), "--rank must be >= 1, got 0"),
-    (dict(targets=["qq_proj"]), "--targets 'qq_proj' is not a valid target; choose from: q_proj"),
-    (dict(targets=["lm_head"]), "--targets lm_head is not allowed.*tied"),
-    (dict(targets=[]), "--targets must be a non-empty list"),
-    (dict(alpha=0), "--alpha must be > 0, got 0"),
-    (dict(dropout=1.0), r"--dropout must be in \[0, 1\), got 1.0"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(rank=0), "--rank must be >= 1, got 0"),
+        (
+            dict(targets=["qq_proj"]),
+            "--targets 'qq_proj' is not a valid target; choose from: q_proj",
+        ),
+        (dict(targets=["lm_head"]), "--targets lm_head is not allowed.*tied"),
+        (dict(targets=[]), "--targets must be a non-empty list"),
+        (dict(alpha=0), "--alpha must be > 0, got 0"),
+        (dict(dropout=1.0), r"--dropout must be in \[0, 1\), got 1.0"),
+    ],
+)
 def test_bad_args(kwargs, match):
     args = dict(targets=["q_proj"], rank=4, alpha=8.0, dropout=0.0, seed=0) | kwargs
     model = tiny_model()
@@ -166,15 +190,26 @@ def test_bad_args_reported_together():
 
 # --------------------------------------------------------------------------- PEFT
 
+
 def hf_twin(model: Llama):
     """An HF LlamaForCausalLM with exactly the toy model's weights."""
     transformers = pytest.importorskip("transformers")
     c = model.cfg
     hf_cfg = transformers.LlamaConfig(
-        vocab_size=c.vocab_size, hidden_size=c.d_model, intermediate_size=c.d_ff,
-        num_hidden_layers=c.n_layer, num_attention_heads=c.n_head, num_key_value_heads=c.n_kv_head,
-        head_dim=c.head_dim, max_position_embeddings=c.max_seq_len, rms_norm_eps=c.norm_eps,
-        rope_theta=c.rope_theta, tie_word_embeddings=True, attention_bias=False, mlp_bias=False)
+        vocab_size=c.vocab_size,
+        hidden_size=c.d_model,
+        intermediate_size=c.d_ff,
+        num_hidden_layers=c.n_layer,
+        num_attention_heads=c.n_head,
+        num_key_value_heads=c.n_kv_head,
+        head_dim=c.head_dim,
+        max_position_embeddings=c.max_seq_len,
+        rms_norm_eps=c.norm_eps,
+        rope_theta=c.rope_theta,
+        tie_word_embeddings=True,
+        attention_bias=False,
+        mlp_bias=False,
+    )
     hf = transformers.LlamaForCausalLM(hf_cfg).eval()
     sd = {"model." + k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}
     missing, unexpected = hf.load_state_dict(sd, strict=False)
@@ -195,9 +230,19 @@ def test_peft_adapter_loads_in_hf_peft(tmp_path):
     perturb_b(model, scale=0.2)
     model.eval()
     sd = lora_state_dict(model)
-    out = save_peft_adapter(tmp_path / "adapter", sd, rank=4, alpha=16, dropout=0.05, targets=targets,
-                            base_model_name_or_path="toy/tiny")
-    assert sorted(p.name for p in out.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    out = save_peft_adapter(
+        tmp_path / "adapter",
+        sd,
+        rank=4,
+        alpha=16,
+        dropout=0.05,
+        targets=targets,
+        base_model_name_or_path="toy/tiny",
+    )
+    assert sorted(p.name for p in out.iterdir()) == [
+        "adapter_config.json",
+        "adapter_model.safetensors",
+    ]
     cfg = json.loads((out / "adapter_config.json").read_text())
     assert cfg["r"] == 4 and cfg["lora_alpha"] == 16 and cfg["peft_type"] == "LORA"
 
@@ -209,7 +254,9 @@ def test_peft_adapter_loads_in_hf_peft(tmp_path):
     with torch.no_grad(), pm.disable_adapter():
         assert (pm(x).logits - toy_logits).abs().max() > 1e-3
     # PEFT's own state dict has exactly our tensors.
-    got = peft.get_peft_model_state_dict(pm, save_embedding_layers=False)  # "auto" would look the base up on the hub
+    got = peft.get_peft_model_state_dict(
+        pm, save_embedding_layers=False
+    )  # "auto" would look the base up on the hub
     assert len(got) == len(sd)
 
     sd2, cfg2 = load_peft_adapter(out)
@@ -219,14 +266,19 @@ def test_peft_adapter_loads_in_hf_peft(tmp_path):
 
 def test_peft_key_names(tmp_path):
     from safetensors import safe_open
+
     model = tiny_model()
     apply_lora(model, ["q_proj", "down_proj"], rank=2, alpha=4, dropout=0.0, seed=0)
     save_peft_adapter(tmp_path, lora_state_dict(model), 2, 4, 0.0, ["q_proj", "down_proj"], "base")
     with safe_open(str(tmp_path / "adapter_model.safetensors"), "pt") as f:
         keys = sorted(f.keys())
-        assert f.get_tensor("base_model.model.model.layers.0.mlp.down_proj.lora_B.weight").shape == (64, 2)
+        assert f.get_tensor(
+            "base_model.model.model.layers.0.mlp.down_proj.lora_B.weight"
+        ).shape == (64, 2)
     assert keys[0] == "base_model.model.model.layers.0.mlp.down_proj.lora_A.weight"
-    assert "base_model.model.model.layers.1.self_attn.q_proj.lora_B.weight" in keys and len(keys) == 8
+    assert (
+        "base_model.model.model.layers.1.self_attn.q_proj.lora_B.weight" in keys and len(keys) == 8
+    )
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp files left
 
 
@@ -248,8 +300,11 @@ def test_peft_load_errors(tmp_path):
         load_peft_adapter(tmp_path)
     (tmp_path / "adapter_config.json").write_text(json.dumps(cfg))
     from safetensors.torch import save_file
-    save_file({"base_model.model.lm_head.lora_A.weight": torch.zeros(2, 64)},
-              str(tmp_path / "adapter_model.safetensors"))
+
+    save_file(
+        {"base_model.model.lm_head.lora_A.weight": torch.zeros(2, 64)},
+        str(tmp_path / "adapter_model.safetensors"),
+    )
     with pytest.raises(InputError, match="lm_head is the tied embedding"):
         load_peft_adapter(tmp_path)
     (tmp_path / "adapter_model.safetensors").write_bytes(b"garbage")

@@ -20,7 +20,18 @@ from toy.data.prep import bundled_text_paths  # noqa: E402
 from toy.runs import read_events  # noqa: E402
 from toy.tokenizer import train_bpe  # noqa: E402
 
-COMMON = ["--seq-len", "128", "--batch-size", "2", "--eval-batches", "2", "--lr", "1e-2", "--warmup", "0"]
+COMMON = [
+    "--seq-len",
+    "128",
+    "--batch-size",
+    "2",
+    "--eval-batches",
+    "2",
+    "--lr",
+    "1e-2",
+    "--warmup",
+    "0",
+]
 
 
 @pytest.fixture(scope="module")
@@ -33,17 +44,36 @@ def base(tmp_path_factory):
     tok.add_special_tokens(["<|im_start|>", "<|im_end|>"])
     model = tiny_model(vocab_size=tok.get_vocab_size(with_added_tokens=True), max_seq_len=256)
     path = write_llama_gguf(d / "base.gguf", model, tok)
-    chat = write_jsonl(conversations(bundled_text_paths(), 60, seed=1, turns=(1, 2), max_chars=150), d / "chat.jsonl")
+    chat = write_jsonl(
+        conversations(bundled_text_paths(), 60, seed=1, turns=(1, 2), max_chars=150),
+        d / "chat.jsonl",
+    )
     return {"gguf": path, "chat": chat, "dir": d}
 
 
 def train(toy_cli, base, out, *extra):
-    return toy_cli("train", "--recipe", "lora", "--model", base["gguf"], "--out", out, *COMMON, *extra)
+    return toy_cli(
+        "train", "--recipe", "lora", "--model", base["gguf"], "--out", out, *COMMON, *extra
+    )
 
 
 def test_chat_lora_end_to_end(base, toy_cli, tmp_path):
-    code, out, err = train(toy_cli, base, tmp_path, "--data", base["chat"], "--steps", "6", "--json",
-                           "--run-id", "l1", "--output", tmp_path / "copy", "--targets", "q_proj,v_proj,down_proj")
+    code, out, err = train(
+        toy_cli,
+        base,
+        tmp_path,
+        "--data",
+        base["chat"],
+        "--steps",
+        "6",
+        "--json",
+        "--run-id",
+        "l1",
+        "--output",
+        tmp_path / "copy",
+        "--targets",
+        "q_proj,v_proj,down_proj",
+    )
     assert code == 0, err
     r = json.loads(out)
     assert r["recipe"] == "lora" and [v["step"] for v in r["val_losses"]] == [0, 6]
@@ -51,7 +81,11 @@ def test_chat_lora_end_to_end(base, toy_cli, tmp_path):
     assert len(losses) == 6 and losses[-1] < losses[0] - 0.1  # it learns (lr 1e-2 on a tiny model)
     final = tmp_path / "l1" / "final"
     cfg = json.loads((final / "adapter_config.json").read_text())
-    assert cfg["r"] == 8 and cfg["lora_alpha"] == 16 and sorted(cfg["target_modules"]) == ["down_proj", "q_proj", "v_proj"]
+    assert (
+        cfg["r"] == 8
+        and cfg["lora_alpha"] == 16
+        and sorted(cfg["target_modules"]) == ["down_proj", "q_proj", "v_proj"]
+    )
     from safetensors.torch import load_file
 
     sd = load_file(final / "adapter_model.safetensors")
@@ -59,34 +93,80 @@ def test_chat_lora_end_to_end(base, toy_cli, tmp_path):
     assert not any("lm_head" in k or "embed" in k for k in sd)  # never the tied output
     assert any(float(v.abs().sum()) > 0 for k, v in sd.items() if "lora_B" in k)  # B moved off zero
     assert (tmp_path / "copy" / "adapter_model.safetensors").is_file()
-    code, out, err = toy_cli("infer", "--run", tmp_path / "l1", "--chat", "Who is there?", "--max-new-tokens", "5",
-                             "--temperature", "0")
+    code, out, err = toy_cli(
+        "infer",
+        "--run",
+        tmp_path / "l1",
+        "--chat",
+        "Who is there?",
+        "--max-new-tokens",
+        "5",
+        "--temperature",
+        "0",
+    )
     assert code == 0, err
     # --adapter takes the adapter directory, or the run directory (its final/), as `toy export` does.
     for adapter in (final, tmp_path / "l1"):
-        code, out2, err = toy_cli("infer", "--model", base["gguf"], "--adapter", adapter, "--chat", "Who is there?",
-                                  "--max-new-tokens", "5", "--temperature", "0")
+        code, out2, err = toy_cli(
+            "infer",
+            "--model",
+            base["gguf"],
+            "--adapter",
+            adapter,
+            "--chat",
+            "Who is there?",
+            "--max-new-tokens",
+            "5",
+            "--temperature",
+            "0",
+        )
         assert code == 0 and out2 == out, err
 
 
 def test_training_lowers_held_out_loss(base, toy_cli, tmp_path):
-    code, out, err = train(toy_cli, base, tmp_path, "--data", base["chat"], "--steps", "25", "--json",
-                           "--rank", "16", "--targets", "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj")
+    code, out, err = train(
+        toy_cli,
+        base,
+        tmp_path,
+        "--data",
+        base["chat"],
+        "--steps",
+        "25",
+        "--json",
+        "--rank",
+        "16",
+        "--targets",
+        "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
+    )
     assert code == 0, err
     val = json.loads(out)["val_losses"]
     assert val[-1]["loss"] < val[0]["loss"]
 
 
 def test_token_stream_lora(base, toy_cli, tmp_path):
-    code, _, err = toy_cli("prep", bundled_text_paths()[1], "--out", tmp_path / "c.bin", "--tokenizer", base["gguf"])
+    code, _, err = toy_cli(
+        "prep", bundled_text_paths()[1], "--out", tmp_path / "c.bin", "--tokenizer", base["gguf"]
+    )
     assert code == 0, err
-    code, out, err = train(toy_cli, base, tmp_path, "--corpus", tmp_path / "c.bin", "--steps", "3", "--json")
+    code, out, err = train(
+        toy_cli, base, tmp_path, "--corpus", tmp_path / "c.bin", "--steps", "3", "--json"
+    )
     assert code == 0, err
     assert len(json.loads(out)["val_losses"]) == 2
 
 
 def test_resume_is_exact(base, toy_cli, tmp_path):
-    args = ("--data", base["chat"], "--steps", "4", "--save-every", "2", "--json", "--dropout", "0.1")
+    args = (
+        "--data",
+        base["chat"],
+        "--steps",
+        "4",
+        "--save-every",
+        "2",
+        "--json",
+        "--dropout",
+        "0.1",
+    )
     code, out, err = train(toy_cli, base, tmp_path, *args, "--run-id", "full")
     assert code == 0, err
     full = json.loads(out)["losses"]
@@ -103,27 +183,61 @@ def test_resume_is_exact(base, toy_cli, tmp_path):
     assert [(e["step"], e["loss"]) for e in resumed] == [(x["step"], x["loss"]) for x in full[2:]]
     from safetensors.torch import load_file
 
-    a, b = load_file(tmp_path / "full" / "final" / "adapter_model.safetensors"), load_file(cut / "final" /
-                                                                                           "adapter_model.safetensors")
+    a, b = (
+        load_file(tmp_path / "full" / "final" / "adapter_model.safetensors"),
+        load_file(cut / "final" / "adapter_model.safetensors"),
+    )
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_epochs_sets_steps(base, toy_cli, tmp_path):
-    code, out, err = train(toy_cli, base, tmp_path, "--data", base["chat"], "--epochs", "2", "--json",
-                           "--seq-len", "256", "--batch-size", "8", "--grad-accum", "2", "--run-id", "c")
+    code, out, err = train(
+        toy_cli,
+        base,
+        tmp_path,
+        "--data",
+        base["chat"],
+        "--epochs",
+        "2",
+        "--json",
+        "--seq-len",
+        "256",
+        "--batch-size",
+        "8",
+        "--grad-accum",
+        "2",
+        "--run-id",
+        "c",
+    )
     assert code == 0, err
     r = json.loads(out)
     batches = json.loads((tmp_path / "c" / "run.json").read_text())["job"]["batches"]
     assert r["steps"] == 2 * math.ceil(batches / 2) and len(r["losses"]) == r["steps"]
     # A token stream: an epoch is every seq_len window of the corpus once, in rows of
     # --batch-size x --grad-accum, counted here from the file itself.
-    code, _, err = toy_cli("prep", bundled_text_paths()[1], "--out", tmp_path / "c.bin", "--tokenizer", base["gguf"])
+    code, _, err = toy_cli(
+        "prep", bundled_text_paths()[1], "--out", tmp_path / "c.bin", "--tokenizer", base["gguf"]
+    )
     assert code == 0, err
     from toy.data.tokens import read_tokens
 
     n_rows = len(read_tokens(tmp_path / "c.bin")) // 128
-    code, out, err = train(toy_cli, base, tmp_path, "--corpus", tmp_path / "c.bin", "--epochs", "1", "--json",
-                           "--batch-size", "16", "--grad-accum", "3", "--eval-batches", "1")
+    code, out, err = train(
+        toy_cli,
+        base,
+        tmp_path,
+        "--corpus",
+        tmp_path / "c.bin",
+        "--epochs",
+        "1",
+        "--json",
+        "--batch-size",
+        "16",
+        "--grad-accum",
+        "3",
+        "--eval-batches",
+        "1",
+    )
     assert code == 0, err
     assert json.loads(out)["steps"] == math.ceil(n_rows / 48)
 
@@ -169,33 +283,69 @@ def test_bad_model_files_exit_2(toy_cli, tmp_path, base):
 
 
 def test_corpus_from_another_tokenizer_exits_2(base, toy_cli, tmp_path):
-    code, _, err = toy_cli("prep", bundled_text_paths()[1], "--out", tmp_path / "o.bin", "--vocab-size", "300")
+    code, _, err = toy_cli(
+        "prep", bundled_text_paths()[1], "--out", tmp_path / "o.bin", "--vocab-size", "300"
+    )
     assert code == 0, err
     code, _, err = train(toy_cli, base, tmp_path / "runs", "--corpus", tmp_path / "o.bin")
     assert code == 2 and "another tokenizer" in err
 
 
-def test_infer_holds_a_quantized_model_quantized_with_the_same_text(base, toy_cli, tmp_path, monkeypatch, capsys):
+def test_infer_holds_a_quantized_model_quantized_with_the_same_text(
+    base, toy_cli, tmp_path, monkeypatch, capsys
+):
     # `toy infer --base-dtype quantized` keeps the file's blocks (the memory of a big GGUF);
     # its weights dequantize to exactly the float32 copy's, so greedy text is the same,
     # with an adapter too. auto picks quantized only where float32 would not fit.
     from toy.cli import cmd_infer
-
     from toy.formats.gguf import read_gguf_tokenizer
 
     tok = read_gguf_tokenizer(base["gguf"])
-    model = tiny_model(seed=5, vocab_size=tok.get_vocab_size(with_added_tokens=True), max_seq_len=256)
-    q = {f"blk.{i}.{n}.weight": "Q8_0" for i in range(2)
-         for n in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")}
-    gguf = write_llama_gguf(tmp_path / "q8.gguf", model, tok, qtypes={**q, "token_embd.weight": "Q8_0"})
-    code, _, err = toy_cli("train", "--recipe", "lora", "--model", gguf, "--out", tmp_path, *COMMON,
-                           "--data", base["chat"], "--steps", "2", "--run-id", "q")
+    model = tiny_model(
+        seed=5, vocab_size=tok.get_vocab_size(with_added_tokens=True), max_seq_len=256
+    )
+    q = {
+        f"blk.{i}.{n}.weight": "Q8_0"
+        for i in range(2)
+        for n in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+    }
+    gguf = write_llama_gguf(
+        tmp_path / "q8.gguf", model, tok, qtypes={**q, "token_embd.weight": "Q8_0"}
+    )
+    code, _, err = toy_cli(
+        "train",
+        "--recipe",
+        "lora",
+        "--model",
+        gguf,
+        "--out",
+        tmp_path,
+        *COMMON,
+        "--data",
+        base["chat"],
+        "--steps",
+        "2",
+        "--run-id",
+        "q",
+    )
     assert code == 0, err
     texts = {}
     for dtype in ("float32", "quantized"):
         for adapter in ((), ("--adapter", tmp_path / "q")):
-            code, out, err = toy_cli("infer", "--model", gguf, *adapter, "--prompt", "ROMEO.", "--max-new-tokens", "8",
-                                     "--temperature", "0", "--base-dtype", dtype)
+            code, out, err = toy_cli(
+                "infer",
+                "--model",
+                gguf,
+                *adapter,
+                "--prompt",
+                "ROMEO.",
+                "--max-new-tokens",
+                "8",
+                "--temperature",
+                "0",
+                "--base-dtype",
+                dtype,
+            )
             assert code == 0, err
             texts[dtype, bool(adapter)] = out
     assert texts["float32", False] == texts["quantized", False]
@@ -206,7 +356,20 @@ def test_infer_holds_a_quantized_model_quantized_with_the_same_text(base, toy_cl
     assert dtype == "quantized" and "28.0 GB" in note and "--base-dtype float32 overrides" in note
     assert cmd_infer.choose_base_dtype("auto", "cuda", 28 * 10**9, 16 * 10**9)[0] == "bfloat16"
     assert cmd_infer.choose_base_dtype("float32", "cpu", 28 * 10**9, 16 * 10**9)[0] == "float32"
-    monkeypatch.setattr(cmd_infer, "available_memory", lambda: 1000)  # nothing fits: auto holds it quantized
-    code, out, err = toy_cli("infer", "--model", gguf, "--prompt", "ROMEO.", "--max-new-tokens", "8",
-                             "--temperature", "0")
-    assert code == 0 and "holding the model quantized" in err and out == texts["quantized", False], err
+    monkeypatch.setattr(
+        cmd_infer, "available_memory", lambda: 1000
+    )  # nothing fits: auto holds it quantized
+    code, out, err = toy_cli(
+        "infer",
+        "--model",
+        gguf,
+        "--prompt",
+        "ROMEO.",
+        "--max-new-tokens",
+        "8",
+        "--temperature",
+        "0",
+    )
+    assert (
+        code == 0 and "holding the model quantized" in err and out == texts["quantized", False]
+    ), err

@@ -26,7 +26,11 @@ from toy.formats.gguf import read_gguf, read_gguf_header  # noqa: E402
 from toy.models.generate import generate  # noqa: E402
 
 TARGETS = "q_proj,v_proj,down_proj"  # k, o, gate and up stay the base's: untouched tensors to check
-PROMPTS = ["<|im_start|>user\nWho is there?<|im_end|>\n<|im_start|>assistant\n", "To be, or not", "HAMLET. "]
+PROMPTS = [
+    "<|im_start|>user\nWho is there?<|im_end|>\n<|im_start|>assistant\n",
+    "To be, or not",
+    "HAMLET. ",
+]
 N_NEW = 16
 
 
@@ -43,13 +47,50 @@ def q41(tmp_path_factory):
     tok = train_bpe([text[i : i + 500] for i in range(0, len(text), 500)], vocab_size=300)
     tok.add_special_tokens(["<|im_start|>", "<|im_end|>"])
     model = tiny_model(vocab_size=tok.get_vocab_size(with_added_tokens=True), max_seq_len=256)
-    base = write_llama_gguf(d / "base.gguf", model, tok,
-                            qtypes={gguf_name(n): "Q4_1" for n, p in model.named_parameters() if p.dim() == 2})
-    chat = write_jsonl(conversations(bundled_text_paths(), 30, seed=1, turns=(1, 2), max_chars=150), d / "c.jsonl")
+    base = write_llama_gguf(
+        d / "base.gguf",
+        model,
+        tok,
+        qtypes={gguf_name(n): "Q4_1" for n, p in model.named_parameters() if p.dim() == 2},
+    )
+    chat = write_jsonl(
+        conversations(bundled_text_paths(), 30, seed=1, turns=(1, 2), max_chars=150), d / "c.jsonl"
+    )
     # An ordinary fine-tune's rate: its update is far below Q4_1's step, yet it changes the text.
-    assert main(["train", "--recipe", "lora", "--model", str(base), "--data", str(chat), "--out", str(d / "runs"),
-                 "--run-id", "l", "--steps", "6", "--seq-len", "128", "--batch-size", "2", "--eval-batches", "1",
-                 "--lr", "3e-3", "--warmup", "0", "--targets", TARGETS, "--rank", "4"]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "--recipe",
+                "lora",
+                "--model",
+                str(base),
+                "--data",
+                str(chat),
+                "--out",
+                str(d / "runs"),
+                "--run-id",
+                "l",
+                "--steps",
+                "6",
+                "--seq-len",
+                "128",
+                "--batch-size",
+                "2",
+                "--eval-batches",
+                "1",
+                "--lr",
+                "3e-3",
+                "--warmup",
+                "0",
+                "--targets",
+                TARGETS,
+                "--rank",
+                "4",
+            ]
+        )
+        == 0
+    )
     run = d / "runs" / "l"
     sd, cfg = load_peft_adapter(run / "final")
     adapted = read_gguf(base).build_model()
@@ -60,8 +101,14 @@ def q41(tmp_path_factory):
     adapted_text = [greedy(adapted.eval(), p) for p in prompts]
     changed = [i for i in range(len(prompts)) if base_text[i] != adapted_text[i]]
     assert changed  # the fine-tune changes the greedy text, so keeping it can be checked
-    return {"dir": d, "run": run, "base": base, "prompts": prompts, "adapted_text": adapted_text,
-            "changed": changed}
+    return {
+        "dir": d,
+        "run": run,
+        "base": base,
+        "prompts": prompts,
+        "adapted_text": adapted_text,
+        "changed": changed,
+    }
 
 
 def greedy(model, prompt: list[int]) -> list[int]:
@@ -80,7 +127,9 @@ def test_default_merge_keeps_the_fine_tune_and_the_base_bytes(q41, toy_cli):
     merged = read_gguf(r["path"]).build_model()
     assert [greedy(merged, p) for p in q41["prompts"]] == q41["adapted_text"]
     assert r["dtype"] == "keep" and Path(r["path"]).name == "l-merged-keep.gguf"
-    assert r["update_kept"] > 0.99 and r["update_error"] < 0.05  # f16's rounding of W + dW: ~1% of the update
+    assert (
+        r["update_kept"] > 0.99 and r["update_error"] < 0.05
+    )  # f16's rounding of W + dW: ~1% of the update
     # Untouched tensors are the base's own, type and bytes; adapted ones f16.
     base, out = read_gguf_header(q41["base"]), read_gguf_header(r["path"])
     adapted = {f"blk.{i}.{t}.weight" for i in range(2) for t in ("attn_q", "attn_v", "ffn_down")}
@@ -92,18 +141,32 @@ def test_default_merge_keeps_the_fine_tune_and_the_base_bytes(q41, toy_cli):
             assert to.qtype.name == "F16", name
         else:
             assert to.qtype == ti.qtype, name
-            assert o_bytes[to.offset : to.offset + to.nbytes] == b_bytes[ti.offset : ti.offset + ti.nbytes], name
+            assert (
+                o_bytes[to.offset : to.offset + to.nbytes]
+                == b_bytes[ti.offset : ti.offset + ti.nbytes]
+            ), name
     assert out.metadata["general.file_type"] == base.metadata["general.file_type"]
 
 
 def test_dtype_base_says_how_lossy_it_is(q41, toy_cli, capsys):
     r = export(toy_cli, q41["run"], "--dtype", "base")
     assert r["dtype"] == "base" and set(r["tensor_types"]) == {"Q4_1", "F32"}
-    assert r["update_kept"] < 0.5 and r["update_error"] > 0.8  # requantized to Q4_1: most of the update is gone
+    assert (
+        r["update_kept"] < 0.5 and r["update_error"] > 0.8
+    )  # requantized to Q4_1: most of the update is gone
     note = next(n for n in r["notes"] if "--dtype base" in n)
     assert "Q4_1" in note and f"keep {r['update_kept']:.0%} of" in note and "--dtype keep" in note
-    code, out, err = toy_cli("export", q41["run"], "--format", "gguf", "--merge", "--dtype", "base",
-                             "--out", q41["dir"] / "b.gguf")
+    code, out, err = toy_cli(
+        "export",
+        q41["run"],
+        "--format",
+        "gguf",
+        "--merge",
+        "--dtype",
+        "base",
+        "--out",
+        q41["dir"] / "b.gguf",
+    )
     assert code == 0 and "--dtype base" in out
     with pytest.raises(SystemExit):
         toy_cli("export", "--help")
@@ -133,18 +196,25 @@ def test_llamacpp_on_the_default_merge_computes_the_adapted_model(q41, toy_cli):
     from toy.lora import apply_lora, load_lora_state_dict
 
     keep = export(toy_cli, q41["run"], "--out", q41["dir"] / "keep.gguf")["path"]
-    lossy = export(toy_cli, q41["run"], "--dtype", "base", "--out", q41["dir"] / "lossy.gguf")["path"]
+    lossy = export(toy_cli, q41["run"], "--dtype", "base", "--out", q41["dir"] / "lossy.gguf")[
+        "path"
+    ]
     sd, cfg = load_peft_adapter(q41["run"] / "final")
     adapted = read_gguf(q41["base"]).build_model()
     apply_lora(adapted, TARGETS.split(","), cfg["r"], cfg["lora_alpha"], 0.0, seed=0)
     load_lora_state_dict(adapted, sd)
     base = read_gguf(q41["base"]).build_model()
-    files = {"keep": _llama(Path(keep), n_ctx=64, logits_all=True), "base": _llama(Path(lossy), n_ctx=64,
-                                                                                     logits_all=True)}
+    files = {
+        "keep": _llama(Path(keep), n_ctx=64, logits_all=True),
+        "base": _llama(Path(lossy), n_ctx=64, logits_all=True),
+    }
     for p, cont in zip(q41["prompts"], q41["adapted_text"]):
         seq = p + cont
         with torch.no_grad():
-            want, plain = adapted.eval()(torch.tensor([seq]))[0], base.eval()(torch.tensor([seq]))[0]
+            want, plain = (
+                adapted.eval()(torch.tensor([seq]))[0],
+                base.eval()(torch.tensor([seq]))[0],
+            )
         effect = (want - plain).square().mean().sqrt()
         dist = {}
         for name, llm in files.items():

@@ -13,8 +13,11 @@ from toy.models import mlx_quant
 mx = pytest.importorskip("mlx.core")
 
 DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
-_SAME_WIDTH = {torch.float16: (torch.int16, np.int16), torch.bfloat16: (torch.int16, np.int16),
-               torch.float32: (torch.int32, np.int32)}
+_SAME_WIDTH = {
+    torch.float16: (torch.int16, np.int16),
+    torch.bfloat16: (torch.int16, np.int16),
+    torch.float32: (torch.int32, np.int32),
+}
 
 
 def to_mx(t: torch.Tensor):
@@ -59,7 +62,9 @@ def test_dequantize_and_quantize_match_mlx_bit_for_bit(bits, group_size, dtype):
 
     got = mlx_quant.dequantize(tq, ts, tb, group_size=group_size, bits=bits)
     assert got.dtype == want.dtype == dtype
-    assert torch.equal(got.view(_SAME_WIDTH[dtype][0]), want.view(_SAME_WIDTH[dtype][0]))  # bits, -0.0 too
+    assert torch.equal(
+        got.view(_SAME_WIDTH[dtype][0]), want.view(_SAME_WIDTH[dtype][0])
+    )  # bits, -0.0 too
 
     q2, s2, b2 = mlx_quant.quantize(w, group_size=group_size, bits=bits)
     assert torch.equal(q2, tq)
@@ -71,9 +76,13 @@ def test_dequantize_and_quantize_match_mlx_bit_for_bit(bits, group_size, dtype):
 def test_unpack_reads_mlx_packing_of_random_words(bits):
     """Any uint32 words (not just what quantize makes): unpack gives the q that mx.dequantize
     sees with scale 1 and bias 0, and pack gives the words back."""
-    words = torch.from_numpy(np.random.default_rng(bits).integers(0, 2**32, (3, 4 * bits), dtype=np.uint32))
+    words = torch.from_numpy(
+        np.random.default_rng(bits).integers(0, 2**32, (3, 4 * bits), dtype=np.uint32)
+    )
     ones = torch.ones(3, 128 // 64, dtype=torch.float32)
-    want = np.array(mx.dequantize(to_mx(words), to_mx(ones), to_mx(ones * 0), group_size=64, bits=bits))
+    want = np.array(
+        mx.dequantize(to_mx(words), to_mx(ones), to_mx(ones * 0), group_size=64, bits=bits)
+    )
     q = mlx_quant.unpack(words, bits)
     assert q.shape == (3, 128) and np.array_equal(q.numpy(), want)
     assert torch.equal(mlx_quant.pack(q, bits), words)

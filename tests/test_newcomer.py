@@ -17,7 +17,12 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_the_readme_walk_passes(tmp_path):
     bindir = Path(sys.executable).parent
     env = {**os.environ, "TOY": str(bindir / "toy"), "PY": sys.executable, "TMPDIR": str(tmp_path)}
-    r = subprocess.run(["bash", str(ROOT / "scripts" / "newcomer.sh")], capture_output=True, text=True,
-                       env=env, timeout=1500)
+    r = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "newcomer.sh")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=1500,
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "done: the README walk passed" in r.stdout

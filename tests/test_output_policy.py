@@ -17,7 +17,18 @@ from toy.data.dialogue import conversations, write_jsonl  # noqa: E402
 from toy.data.prep import bundled_text_paths  # noqa: E402
 from toy.tokenizer import train_bpe  # noqa: E402
 
-FAST = ["--seq-len", "128", "--batch-size", "2", "--steps", "1", "--warmup", "0", "--eval-batches", "1"]
+FAST = [
+    "--seq-len",
+    "128",
+    "--batch-size",
+    "2",
+    "--steps",
+    "1",
+    "--warmup",
+    "0",
+    "--eval-batches",
+    "1",
+]
 
 
 @pytest.fixture(scope="module")
@@ -28,13 +39,29 @@ def base(tmp_path_factory):
     tok.add_special_tokens(["<|im_start|>", "<|im_end|>"])
     model = tiny_model(vocab_size=tok.get_vocab_size(with_added_tokens=True), max_seq_len=256)
     gguf = write_llama_gguf(d / "base.gguf", model, tok)
-    chat = write_jsonl(conversations(bundled_text_paths(), 12, seed=1, turns=(1, 1), max_chars=100), d / "chat.jsonl")
+    chat = write_jsonl(
+        conversations(bundled_text_paths(), 12, seed=1, turns=(1, 1), max_chars=100),
+        d / "chat.jsonl",
+    )
     return {"gguf": gguf, "chat": chat}
 
 
 def train(toy_cli, base, runs: Path, output, *extra):
-    return toy_cli("train", "--recipe", "lora", "--model", base["gguf"], "--data", base["chat"], "--out", runs,
-                   "--output", output, *FAST, *extra)
+    return toy_cli(
+        "train",
+        "--recipe",
+        "lora",
+        "--model",
+        base["gguf"],
+        "--data",
+        base["chat"],
+        "--out",
+        runs,
+        "--output",
+        output,
+        *FAST,
+        *extra,
+    )
 
 
 def test_output_holding_other_files_is_refused_before_training(base, toy_cli, tmp_path):
@@ -49,7 +76,9 @@ def test_output_holding_other_files_is_refused_before_training(base, toy_cli, tm
     assert not runs.exists() or not any(runs.iterdir())  # refused before the run directory exists
 
 
-def test_output_dot_or_a_parent_of_the_working_directory_is_refused(base, toy_cli, tmp_path, monkeypatch):
+def test_output_dot_or_a_parent_of_the_working_directory_is_refused(
+    base, toy_cli, tmp_path, monkeypatch
+):
     project = tmp_path / "project"
     (project / "sub").mkdir(parents=True)
     (project / "toy.toml").write_text("")
@@ -78,15 +107,21 @@ def test_output_new_path_and_own_adapter_directory_are_written(base, toy_cli, tm
     copy = tmp_path / "deep" / "copy"
     code, _, err = train(toy_cli, base, tmp_path / "runs", copy, "--run-id", "a", "--json")
     assert code == 0, err
-    assert (copy / "adapter_model.safetensors").is_file() and (copy / "adapter_config.json").is_file()
+    assert (copy / "adapter_model.safetensors").is_file() and (
+        copy / "adapter_config.json"
+    ).is_file()
     # A directory of toy's adapter files (a stale one here) is replaced by the new adapter, atomically:
     # no temp directory is left beside it.
     (copy / "adapter_config.json").write_text("{}")
-    code, _, err = train(toy_cli, base, tmp_path / "runs", copy, "--run-id", "b", "--json", "--seed", "3")
+    code, _, err = train(
+        toy_cli, base, tmp_path / "runs", copy, "--run-id", "b", "--json", "--seed", "3"
+    )
     assert code == 0, err
     assert json.loads((copy / "adapter_config.json").read_text())["r"] == 8
     final = tmp_path / "runs" / "b" / "final"
-    assert (copy / "adapter_model.safetensors").read_bytes() == (final / "adapter_model.safetensors").read_bytes()
+    assert (copy / "adapter_model.safetensors").read_bytes() == (
+        final / "adapter_model.safetensors"
+    ).read_bytes()
     assert sorted(p.name for p in copy.parent.iterdir()) == ["copy"]
 
 
@@ -96,4 +131,6 @@ def test_output_that_becomes_the_run_directory_is_not_replaced(base, toy_cli, tm
     runs = tmp_path / "runs"
     code, _, err = train(toy_cli, base, runs, runs / "r", "--run-id", "r")
     assert code != 0 and f"--output {runs / 'r'}" in err
-    assert (runs / "r" / "run.json").is_file() and (runs / "r" / "final" / "adapter_model.safetensors").is_file()
+    assert (runs / "r" / "run.json").is_file() and (
+        runs / "r" / "final" / "adapter_model.safetensors"
+    ).is_file()

@@ -27,7 +27,9 @@ def test_prep_refuses_to_overwrite_a_token_file_and_force_overwrites(toy_cli, tm
     code, out_text, err = toy_cli("prep", plays[1], "--out", out, "--vocab-size", "260")
     assert code == 2 and str(out) in err and "--force" in err and "Traceback" not in err, err
     assert _snapshot(*files) == before  # nothing touched
-    code, out_text, err = toy_cli("prep", plays[1], "--out", out, "--vocab-size", "260", "--force", "--json")
+    code, out_text, err = toy_cli(
+        "prep", plays[1], "--out", out, "--vocab-size", "260", "--force", "--json"
+    )
     assert code == 0, err
     assert json.loads(out_text)["vocab_size"] == 260
     assert _snapshot(out)[out] != before[out] and _snapshot(*files).keys() == before.keys()

@@ -20,10 +20,36 @@ BLOCK_TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K, T
 FLOAT_TYPES = [T.F32, T.F16, T.BF16]
 QUANTIZABLE = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.BF16, T.F16, T.F32]
 # byte offsets of the f16 scale (and minimum) fields inside one block
-F16_FIELDS = {T.Q4_0: [0], T.Q4_1: [0, 2], T.Q5_0: [0], T.Q5_1: [0, 2], T.Q8_0: [0],
-              T.Q2_K: [80, 82], T.Q3_K: [108], T.Q4_K: [0, 2], T.Q5_K: [0, 2], T.Q6_K: [208]}
-EXTREME_F16 = np.array([0x7BFF, 0xFBFF, 0x0001, 0x8001, 0x03FF, 0x83FF, 0x0400, 0x0000, 0x8000,
-                        0x3C00, 0xBC00, 0x1234, 0x9234], dtype=np.uint16)  # 65504, -65504, 2^-24, ...
+F16_FIELDS = {
+    T.Q4_0: [0],
+    T.Q4_1: [0, 2],
+    T.Q5_0: [0],
+    T.Q5_1: [0, 2],
+    T.Q8_0: [0],
+    T.Q2_K: [80, 82],
+    T.Q3_K: [108],
+    T.Q4_K: [0, 2],
+    T.Q5_K: [0, 2],
+    T.Q6_K: [208],
+}
+EXTREME_F16 = np.array(
+    [
+        0x7BFF,
+        0xFBFF,
+        0x0001,
+        0x8001,
+        0x03FF,
+        0x83FF,
+        0x0400,
+        0x0000,
+        0x8000,
+        0x3C00,
+        0xBC00,
+        0x1234,
+        0x9234,
+    ],
+    dtype=np.uint16,
+)  # 65504, -65504, 2^-24, ...
 NONFINITE_F16 = np.array([0x7C00, 0xFC00, 0x7E00, 0xFE01, 0x7C01], dtype=np.uint16)  # +-inf, NaNs
 
 
@@ -36,8 +62,10 @@ def same_bits(ours: torch.Tensor, ref: np.ndarray, nan_aware: bool = False) -> N
         assert torch.equal(ours.isnan(), ref_t.isnan())
         a, b = a[~both_nan], b[~both_nan]
     bad = (a != b).nonzero()
-    assert bad.numel() == 0, f"{bad.shape[0]} values differ, first at {bad[0].tolist()}: " \
-                             f"{ours[tuple(bad[0])].item()!r} vs {ref_t[tuple(bad[0])].item()!r}"
+    assert bad.numel() == 0, (
+        f"{bad.shape[0]} values differ, first at {bad[0].tolist()}: "
+        f"{ours[tuple(bad[0])].item()!r} vs {ref_t[tuple(bad[0])].item()!r}"
+    )
 
 
 def random_blocks(qtype, rows: int, cols: int, scales: np.ndarray | None, seed: int) -> np.ndarray:
@@ -78,7 +106,9 @@ def test_type_table_matches_gguf():
 def test_gguf_quantized_data(qtype):
     rng = np.random.default_rng(int(qtype))
     # rows of very different magnitudes, one all-zero row, one constant row
-    x = rng.standard_normal((6, 256)).astype(np.float32) * np.float32([[1e-6], [0.02], [1], [300], [0], [1]])
+    x = rng.standard_normal((6, 256)).astype(np.float32) * np.float32(
+        [[1e-6], [0.02], [1], [300], [0], [1]]
+    )
     x[5] = 0.7
     raw = np.asarray(gguf_quantize(x, qtype)).view(np.uint8).reshape(6, -1)
     check(raw, qtype, 256)

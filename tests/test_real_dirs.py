@@ -23,8 +23,12 @@ ROOT = Path(__file__).resolve().parents[1]
 QUESTION = "What is the capital of France? Answer in one sentence."
 GREEDY = ["--temperature", "0", "--max-new-tokens", "20"]
 
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(importlib.util.find_spec("mlx_lm") is None, reason="needs mlx-lm (test extra)")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        importlib.util.find_spec("mlx_lm") is None, reason="needs mlx-lm (test extra)"
+    ),
+]
 
 
 @pytest.fixture(scope="module")
@@ -32,20 +36,36 @@ def smol_dirs(smollm2_gguf):
     """(transformers BF16 dir, MLX 4-bit group-32 twin). Groups of 32: at mlx-lm's default
     64 this model, 4-bit already in the GGUF, answers nonsense after the second rounding."""
     env = {**os.environ, "PYTHON": sys.executable}
-    r = subprocess.run(["bash", str(ROOT / "scripts" / "get-smollm2-dirs.sh"), "--gguf", str(smollm2_gguf),
-                        "--q-group-size", "32"], capture_output=True, text=True, timeout=1800, env=env)
+    r = subprocess.run(
+        [
+            "bash",
+            str(ROOT / "scripts" / "get-smollm2-dirs.sh"),
+            "--gguf",
+            str(smollm2_gguf),
+            "--q-group-size",
+            "32",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=1800,
+        env=env,
+    )
     if r.returncode != 0:
-        pytest.skip(f"SmolLM2 directories could not be made: {(r.stderr.strip().splitlines() or ['?'])[-1]}")
+        pytest.skip(
+            f"SmolLM2 directories could not be made: {(r.stderr.strip().splitlines() or ['?'])[-1]}"
+        )
     hf, mlx = (Path(p) for p in r.stdout.strip().splitlines()[-2:])
     return hf, mlx
 
 
 def mlx_greedy(model_dir: Path, adapter: Path | None = None) -> str:
     """mlx_lm.generate's greedy answer to QUESTION, in a process of its own."""
-    code = ("import sys\nfrom mlx_lm import load, generate\nfrom mlx_lm.sample_utils import make_sampler\n"
-            f"m, t = load({str(model_dir)!r}, adapter_path={str(adapter) if adapter else None!r})\n"
-            f"p = t.apply_chat_template([{{'role': 'user', 'content': {QUESTION!r}}}], add_generation_prompt=True)\n"
-            "print(generate(m, t, prompt=p, max_tokens=20, sampler=make_sampler(0.0)))\n")
+    code = (
+        "import sys\nfrom mlx_lm import load, generate\nfrom mlx_lm.sample_utils import make_sampler\n"
+        f"m, t = load({str(model_dir)!r}, adapter_path={str(adapter) if adapter else None!r})\n"
+        f"p = t.apply_chat_template([{{'role': 'user', 'content': {QUESTION!r}}}], add_generation_prompt=True)\n"
+        "print(generate(m, t, prompt=p, max_tokens=20, sampler=make_sampler(0.0)))\n"
+    )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-2000:]
     return r.stdout.strip()
@@ -64,10 +84,14 @@ def test_greedy_text_equals_transformers_on_the_directory(smol_dirs):
     hf_dir, _ = smol_dirs
     tok = AutoTokenizer.from_pretrained(hf_dir)
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
-    ids = tok.apply_chat_template([{"role": "user", "content": QUESTION}], add_generation_prompt=True,
-                                  return_tensors="pt", return_dict=True)["input_ids"]
+    ids = tok.apply_chat_template(
+        [{"role": "user", "content": QUESTION}],
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
+    )["input_ids"]
     out = model.generate(ids, max_new_tokens=20, do_sample=False)
-    want = tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip()
+    want = tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True).strip()
     assert toy_greedy("--model", hf_dir) == want
 
 
@@ -89,9 +113,35 @@ def _chat(tmp_path: Path) -> Path:
 
 
 def _lora(base: Path, data: Path, out: Path) -> dict:
-    r = run_toy("train", "--recipe", "lora", "--model-path", base, "--data", data, "--out", out, "--run-id", "r",
-                "--steps", "12", "--lr", "2e-3", "--warmup", "0", "--batch-size", "4", "--max-seq-len", "256",
-                "--rank", "8", "--alpha", "16", "--json", timeout=1800)
+    r = run_toy(
+        "train",
+        "--recipe",
+        "lora",
+        "--model-path",
+        base,
+        "--data",
+        data,
+        "--out",
+        out,
+        "--run-id",
+        "r",
+        "--steps",
+        "12",
+        "--lr",
+        "2e-3",
+        "--warmup",
+        "0",
+        "--batch-size",
+        "4",
+        "--max-seq-len",
+        "256",
+        "--rank",
+        "8",
+        "--alpha",
+        "16",
+        "--json",
+        timeout=1800,
+    )
     assert r.returncode == 0, r.stderr
     return json.loads(r.stdout.strip().splitlines()[-1])
 
@@ -119,7 +169,9 @@ def test_an_adapter_trained_on_the_gguf_runs_in_mlx_lm(smol_dirs, smollm2_gguf, 
     mlx_f32 = tmp_path / "mlx-f32"
     fixed = tmp_path / "hf"
     shutil.copytree(hf_dir, fixed)
-    cfg = json.loads((fixed / "config.json").read_text())  # mlx-lm reads rope_theta at the top level only
+    cfg = json.loads(
+        (fixed / "config.json").read_text()
+    )  # mlx-lm reads rope_theta at the top level only
     cfg["rope_theta"] = (cfg.get("rope_parameters") or {}).get("rope_theta", cfg.get("rope_theta"))
     (fixed / "config.json").write_text(json.dumps(cfg))
     convert(str(fixed), str(mlx_f32), dtype="float32")

@@ -9,11 +9,22 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import run_toy
+
 from toy.data.prep import bundled_text_paths
 
-TINY = ["--preset", "tiny", "--batch-size", "4", "--seq-len", "32", "--eval-batches", "2", "--eval-every", "5"]
+TINY = [
+    "--preset",
+    "tiny",
+    "--batch-size",
+    "4",
+    "--seq-len",
+    "32",
+    "--eval-batches",
+    "2",
+    "--eval-every",
+    "5",
+]
 
 
 @pytest.fixture(scope="module")
@@ -21,14 +32,37 @@ def corpus(tmp_path_factory):
     from toy.cli.main import main
 
     d = tmp_path_factory.mktemp("corpus")
-    assert main(["prep", str(bundled_text_paths()[0]), "--out", str(d / "c.bin"), "--vocab-size", "400"]) == 0
+    assert (
+        main(
+            ["prep", str(bundled_text_paths()[0]), "--out", str(d / "c.bin"), "--vocab-size", "400"]
+        )
+        == 0
+    )
     return d / "c.bin"
 
 
 def start(corpus, out, run_id, steps, *extra):
-    return subprocess.Popen([sys.executable, "-m", "toy", "train", "--corpus", str(corpus), "--out", str(out),
-                             "--run-id", run_id, "--steps", str(steps), *TINY, *extra],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "toy",
+            "train",
+            "--corpus",
+            str(corpus),
+            "--out",
+            str(out),
+            "--run-id",
+            run_id,
+            "--steps",
+            str(steps),
+            *TINY,
+            *extra,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def wait_for_checkpoint(run_dir: Path, proc, timeout=120) -> None:
@@ -49,8 +83,20 @@ def step_lines(text: str) -> list[str]:
 
 def test_sigkill_then_resume_gives_the_same_loss_bytes(corpus, tmp_path):
     steps = 120
-    ref = run_toy("train", "--corpus", corpus, "--out", tmp_path, "--run-id", "ref", "--steps", steps, *TINY,
-                  "--save-every", "10")
+    ref = run_toy(
+        "train",
+        "--corpus",
+        corpus,
+        "--out",
+        tmp_path,
+        "--run-id",
+        "ref",
+        "--steps",
+        steps,
+        *TINY,
+        "--save-every",
+        "10",
+    )
     assert ref.returncode == 0, ref.stderr
 
     p = start(corpus, tmp_path, "killed", steps, "--save-every", "10")
@@ -65,8 +111,12 @@ def test_sigkill_then_resume_gives_the_same_loss_bytes(corpus, tmp_path):
     assert first > 1  # it did resume, not restart
     before = [line for line in step_lines(out_before) if int(line.split()[1]) < first]
     assert before + resumed == step_lines(ref.stdout)  # byte for byte
-    events = [json.loads(x) for x in (tmp_path / "killed" / "events.jsonl").read_text().splitlines()]
-    assert any(e["event"] == "run_resumed" for e in events) and events[-1]["event"] == "run_finished"
+    events = [
+        json.loads(x) for x in (tmp_path / "killed" / "events.jsonl").read_text().splitlines()
+    ]
+    assert (
+        any(e["event"] == "run_resumed" for e in events) and events[-1]["event"] == "run_finished"
+    )
     assert (tmp_path / "killed" / "final" / "model.safetensors").is_file()
 
 
@@ -74,7 +124,9 @@ def test_sigint_checkpoints_records_and_exits_130(corpus, tmp_path):
     p = start(corpus, tmp_path, "int", 100000, "--save-every", "1000")
     run_dir = tmp_path / "int"
     t0 = time.time()
-    while not ((run_dir / "events.jsonl").is_file() and '"step"' in (run_dir / "events.jsonl").read_text()):
+    while not (
+        (run_dir / "events.jsonl").is_file() and '"step"' in (run_dir / "events.jsonl").read_text()
+    ):
         assert time.time() - t0 < 120 and p.poll() is None
         time.sleep(0.02)
     p.send_signal(signal.SIGINT)
@@ -94,8 +146,20 @@ def test_sigint_checkpoints_records_and_exits_130(corpus, tmp_path):
 
 
 def test_resume_refuses_a_changed_config(corpus, tmp_path, toy_cli):
-    code, _, err = toy_cli("train", "--corpus", corpus, "--out", tmp_path, "--run-id", "r", "--steps", "4", *TINY,
-                           "--save-every", "2")
+    code, _, err = toy_cli(
+        "train",
+        "--corpus",
+        corpus,
+        "--out",
+        tmp_path,
+        "--run-id",
+        "r",
+        "--steps",
+        "4",
+        *TINY,
+        "--save-every",
+        "2",
+    )
     assert code == 0, err
     code, _, err = toy_cli("train", "--resume", tmp_path / "r", "--d-model", "128")
     assert code == 2 and "--d-model" in err
@@ -121,12 +185,22 @@ def test_optimizer_groups_must_match_by_their_parameters():
     named = list(model.named_parameters())
     names = {id(p): n for n, p in named}
     decay = lambda n, p: p.dim() >= 2  # noqa: E731
-    split = make_adamw(named, 1e-3, 0.1, decay, lr_scale=lambda n: 3.0 if n.startswith("0.") else 1.0)
+    split = make_adamw(
+        named, 1e-3, 0.1, decay, lr_scale=lambda n: 3.0 if n.startswith("0.") else 1.0
+    )
     plain = make_adamw(named, 1e-3, 0.1, decay)
-    assert [g["lr_scale"] for g in split.param_groups] == [1.0, 3.0, 1.0]  # decay x1, decay x3, no decay
+    assert [g["lr_scale"] for g in split.param_groups] == [
+        1.0,
+        3.0,
+        1.0,
+    ]  # decay x1, decay x3, no decay
     assert [g["weight_decay"] for g in split.param_groups] == [0.1, 0.1, 0.0]
     tensors, meta = optimizer_tensors(split, names)
-    load_optimizer(make_adamw(named, 1e-3, 0.1, decay, lr_scale=lambda n: 3.0 if n.startswith("0.") else 1.0),
-                   tensors, meta, names)  # the same layout loads
+    load_optimizer(
+        make_adamw(named, 1e-3, 0.1, decay, lr_scale=lambda n: 3.0 if n.startswith("0.") else 1.0),
+        tensors,
+        meta,
+        names,
+    )  # the same layout loads
     with pytest.raises(InputError, match="optimizer groups"):
         load_optimizer(plain, tensors, meta, names)

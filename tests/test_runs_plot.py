@@ -24,9 +24,30 @@ def runs(tmp_path_factory):
     d = tmp_path_factory.mktemp("e2e")
     donor = make_donor(d)
     out = d / "runs"
-    common = ["train", "--recipe", "warm-start", "--donor", str(donor["gguf"]), "--corpus", str(donor["corpus"]),
-              "--out", str(out), *TINY, "--d-model", "32", "--n-head", "4", "--n-kv-head", "2", "--steps", "6",
-              "--eval-every", "3", "--lr", "1e-2"]
+    common = [
+        "train",
+        "--recipe",
+        "warm-start",
+        "--donor",
+        str(donor["gguf"]),
+        "--corpus",
+        str(donor["corpus"]),
+        "--out",
+        str(out),
+        *TINY,
+        "--d-model",
+        "32",
+        "--n-head",
+        "4",
+        "--n-kv-head",
+        "2",
+        "--steps",
+        "6",
+        "--eval-every",
+        "3",
+        "--lr",
+        "1e-2",
+    ]
     assert main([*common, "--init", "donor", "--run-id", "ws-donor"]) == 0
     assert main([*common, "--init", "scratch", "--run-id", "ws-scratch"]) == 0
     return {"dir": out, "donor": donor}
@@ -34,9 +55,12 @@ def runs(tmp_path_factory):
 
 def test_warm_start_run_infers(runs, toy_cli):
     run = runs["dir"] / "ws-donor"
-    assert (run / "final" / "model.safetensors").is_file() and (run / "final" / "tokenizer.json").is_file()
-    code, out, err = toy_cli("infer", "--run", run, "--prompt", "HAMLET.", "--max-new-tokens", "8",
-                             "--temperature", "0")
+    assert (run / "final" / "model.safetensors").is_file() and (
+        run / "final" / "tokenizer.json"
+    ).is_file()
+    code, out, err = toy_cli(
+        "infer", "--run", run, "--prompt", "HAMLET.", "--max-new-tokens", "8", "--temperature", "0"
+    )
     assert code == 0, err
     assert out.startswith("HAMLET.") and len(out) > len("HAMLET.\n")
 
@@ -49,10 +73,17 @@ def test_runs_json_lists_the_runs(runs, toy_cli, capsys):
     by_id = {x["id"]: x for x in r["runs"]}
     assert set(by_id) == {"ws-donor", "ws-scratch"}
     w = by_id["ws-donor"]
-    assert (w["recipe"], w["arch"], w["init"], w["status"]) == ("warm-start", "llama", "donor", "finished")
+    assert (w["recipe"], w["arch"], w["init"], w["status"]) == (
+        "warm-start",
+        "llama",
+        "donor",
+        "finished",
+    )
     assert by_id["ws-scratch"]["init"] == "scratch"
     assert w["steps"] == w["target_steps"] == 6
-    events = [json.loads(x) for x in (runs["dir"] / "ws-donor" / "events.jsonl").read_text().splitlines()]
+    events = [
+        json.loads(x) for x in (runs["dir"] / "ws-donor" / "events.jsonl").read_text().splitlines()
+    ]
     assert w["loss"] == [e for e in events if e["event"] == "step"][-1]["loss"]
     assert w["val_loss"] == [e for e in events if e["event"] == "eval"][-1]["val_loss"]
     assert w["tokens_per_s"] > 0 and w["wall_s"] > 0
@@ -72,8 +103,15 @@ def test_runs_plain_table(runs, toy_cli):
 
 def test_plot_writes_a_png(runs, toy_cli, tmp_path):
     png = tmp_path / "loss.png"
-    code, out, err = toy_cli("plot", runs["dir"] / "ws-donor", runs["dir"] / "ws-scratch", "--out", png,
-                             "--title", "warm start")
+    code, out, err = toy_cli(
+        "plot",
+        runs["dir"] / "ws-donor",
+        runs["dir"] / "ws-scratch",
+        "--out",
+        png,
+        "--title",
+        "warm start",
+    )
     assert code == 0, err
     data = png.read_bytes()
     assert data[:8] == PNG_MAGIC and len(data) > 10_000
@@ -87,18 +125,24 @@ def test_plot_writes_a_png(runs, toy_cli, tmp_path):
 def test_plot_without_matplotlib_says_how_to_install(runs, toy_cli, tmp_path, monkeypatch):
     for mod in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")]:
         monkeypatch.delitem(sys.modules, mod)
-    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` now raises ImportError
+    monkeypatch.setitem(
+        sys.modules, "matplotlib", None
+    )  # `import matplotlib` now raises ImportError
     code, _, err = toy_cli("plot", runs["dir"] / "ws-donor", "--out", tmp_path / "x.png")
     assert code == 2 and "pip install 'toy[plot]'" in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "x.png").exists()
 
 
-@pytest.mark.parametrize("argv,needle", [
-    (["plot", "no/such/run"], "no/such/run"),
-    (["plot", "RUN", "--out", "missing-dir/x.png"], "missing-dir"),
-    (["plot", "RUN", "--out", "x.bogus"], "unknown image type"),
-    (["runs", "no/such/dir"], "no/such/dir"),
-], ids=["missing-run", "out-dir", "out-type", "runs-dir"])
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["plot", "no/such/run"], "no/such/run"),
+        (["plot", "RUN", "--out", "missing-dir/x.png"], "missing-dir"),
+        (["plot", "RUN", "--out", "x.bogus"], "unknown image type"),
+        (["runs", "no/such/dir"], "no/such/dir"),
+    ],
+    ids=["missing-run", "out-dir", "out-type", "runs-dir"],
+)
 def test_bad_inputs_exit_2(runs, toy_cli, tmp_path, monkeypatch, argv, needle):
     monkeypatch.chdir(tmp_path)
     argv = [str(runs["dir"] / "ws-donor") if a == "RUN" else a for a in argv]
@@ -108,11 +152,22 @@ def test_bad_inputs_exit_2(runs, toy_cli, tmp_path, monkeypatch, argv, needle):
 
 # ---------------------------------------------------------------- statuses from event logs
 
+
 def _fake_run(root: Path, rid: str, events: list[dict], recipe: str = "from-scratch") -> None:
     d = root / rid
     d.mkdir(parents=True)
-    (d / "run.json").write_text(json.dumps({"run_id": rid, "recipe": recipe, "arch": "llama", "train": {"steps": 4},
-                                            "job": {}, "started": f"2025-01-01T00:00:0{len(list(root.iterdir()))}"}))
+    (d / "run.json").write_text(
+        json.dumps(
+            {
+                "run_id": rid,
+                "recipe": recipe,
+                "arch": "llama",
+                "train": {"steps": 4},
+                "job": {},
+                "started": f"2025-01-01T00:00:0{len(list(root.iterdir()))}",
+            }
+        )
+    )
     lines = [json.dumps({"time": 100.0 + i, **e}) for i, e in enumerate(events)]
     (d / "events.jsonl").write_text("\n".join(lines) + "\n")
 
@@ -120,24 +175,62 @@ def _fake_run(root: Path, rid: str, events: list[dict], recipe: str = "from-scra
 def test_runs_statuses(toy_cli, tmp_path):
     start = {"event": "run_started", "steps": 4}
     step = lambda s, loss: {"event": "step", "step": s, "loss": loss, "tokens_per_s": 1000.0}  # noqa: E731
-    _fake_run(tmp_path, "done", [start, step(1, 3.0), {"event": "eval", "step": 4, "val_loss": 2.5},
-                                 {"event": "run_finished", "step": 4, "wall_s": 12.5, "tokens_per_s": 900.0}])
-    _fake_run(tmp_path, "boom", [start, step(1, 3.0), {"event": "run_failed", "step": 1, "error": "loss became nan"}])
-    _fake_run(tmp_path, "cut", [start, step(1, 3.0), {"event": "checkpoint", "step": 1},
-                                {"event": "interrupted", "step": 1, "signal": "SIGINT"}])
+    _fake_run(
+        tmp_path,
+        "done",
+        [
+            start,
+            step(1, 3.0),
+            {"event": "eval", "step": 4, "val_loss": 2.5},
+            {"event": "run_finished", "step": 4, "wall_s": 12.5, "tokens_per_s": 900.0},
+        ],
+    )
+    _fake_run(
+        tmp_path,
+        "boom",
+        [start, step(1, 3.0), {"event": "run_failed", "step": 1, "error": "loss became nan"}],
+    )
+    _fake_run(
+        tmp_path,
+        "cut",
+        [
+            start,
+            step(1, 3.0),
+            {"event": "checkpoint", "step": 1},
+            {"event": "interrupted", "step": 1, "signal": "SIGINT"},
+        ],
+    )
     _fake_run(tmp_path, "live", [start, step(1, 3.0), step(2, 2.9)])
-    _fake_run(tmp_path, "again", [start, step(1, 3.0), {"event": "interrupted", "step": 1},
-                                  {"event": "run_resumed", "from_step": 1, "steps": 6}, step(2, 2.8)])
+    _fake_run(
+        tmp_path,
+        "again",
+        [
+            start,
+            step(1, 3.0),
+            {"event": "interrupted", "step": 1},
+            {"event": "run_resumed", "from_step": 1, "steps": 6},
+            step(2, 2.8),
+        ],
+    )
     (tmp_path / "not-a-run").mkdir()
     code, out, err = toy_cli("runs", tmp_path, "--json")
     assert code == 0, err
     by_id = {r["id"]: r for r in json.loads(out)["runs"]}
     assert set(by_id) == {"done", "boom", "cut", "live", "again"}
     assert {k: r["status"] for k, r in by_id.items()} == {
-        "done": "finished", "boom": "failed", "cut": "interrupted", "live": "running", "again": "running"}
+        "done": "finished",
+        "boom": "failed",
+        "cut": "interrupted",
+        "live": "running",
+        "again": "running",
+    }
     assert by_id["done"]["wall_s"] == 12.5 and by_id["done"]["tokens_per_s"] == 900.0
     assert by_id["done"]["val_loss"] == 2.5 and by_id["done"]["init"] is None
-    assert by_id["live"]["steps"] == 2 and by_id["live"]["loss"] == 2.9 and by_id["live"]["wall_s"] == 2.0
+    assert (
+        by_id["live"]["steps"] == 2
+        and by_id["live"]["loss"] == 2.9
+        and by_id["live"]["wall_s"] == 2.0
+    )
     assert by_id["again"]["target_steps"] == 6
     # Two segments (100..102 and 103..104): their sum, not the span with the pause between.
     assert by_id["again"]["wall_s"] == 3.0 and by_id["again"]["segments"] == 2
@@ -149,12 +242,22 @@ def test_resumed_run_wall_time_sums_the_segments(toy_cli, tmp_path):
     """`toy runs` showed only the last segment's wall_s for a resumed run. Each finished
     segment counts its run_finished wall_s; one cut short counts its first to last event."""
     step = lambda s: {"event": "step", "step": s, "loss": 3.0, "tokens_per_s": 1000.0}  # noqa: E731
-    _fake_run(tmp_path, "resumed", [
-        {"event": "run_started", "steps": 4}, step(1), step(2), {"event": "run_finished", "step": 2, "wall_s": 1.5},
-        {"event": "run_resumed", "from_step": 2, "steps": 6}, step(3), {"event": "interrupted", "step": 3},
-        {"event": "run_resumed", "from_step": 3, "steps": 6}, step(4),
-        {"event": "run_finished", "step": 6, "wall_s": 10.25},
-    ])
+    _fake_run(
+        tmp_path,
+        "resumed",
+        [
+            {"event": "run_started", "steps": 4},
+            step(1),
+            step(2),
+            {"event": "run_finished", "step": 2, "wall_s": 1.5},
+            {"event": "run_resumed", "from_step": 2, "steps": 6},
+            step(3),
+            {"event": "interrupted", "step": 3},
+            {"event": "run_resumed", "from_step": 3, "steps": 6},
+            step(4),
+            {"event": "run_finished", "step": 6, "wall_s": 10.25},
+        ],
+    )
     code, out, err = toy_cli("runs", tmp_path, "--json")
     assert code == 0, err
     r = json.loads(out)["runs"][0]

@@ -28,9 +28,36 @@ def lora_run(smollm2_gguf, tmp_path_factory):
     convs = conversations(bundled_text_paths(), 96, seed=3, turns=(1, 2), max_chars=240)
     write_jsonl(convs[:80], d / "train.jsonl")
     write_jsonl(convs[80:], d / "val.jsonl")
-    code = main(["train", "--recipe", "lora", "--model", str(smollm2_gguf), "--data", str(d / "train.jsonl"),
-                 "--val-data", str(d / "val.jsonl"), "--steps", "10", "--seq-len", "192", "--batch-size", "4",
-                 "--lr", "1e-3", "--warmup", "2", "--rank", "8", "--out", str(d), "--run-id", "smol", "--json"])
+    code = main(
+        [
+            "train",
+            "--recipe",
+            "lora",
+            "--model",
+            str(smollm2_gguf),
+            "--data",
+            str(d / "train.jsonl"),
+            "--val-data",
+            str(d / "val.jsonl"),
+            "--steps",
+            "10",
+            "--seq-len",
+            "192",
+            "--batch-size",
+            "4",
+            "--lr",
+            "1e-3",
+            "--warmup",
+            "2",
+            "--rank",
+            "8",
+            "--out",
+            str(d),
+            "--run-id",
+            "smol",
+            "--json",
+        ]
+    )
     assert code == 0
     events = [json.loads(x) for x in (d / "smol" / "events.jsonl").read_text().splitlines()]
     return d / "smol", [e for e in events if e["event"] == "eval"]
@@ -59,10 +86,13 @@ def test_adapter_loads_in_peft_with_toy_logits(lora_run, smollm2_gguf):
     base.state_dict.clear()
     apply_lora(model, cfg["target_modules"], cfg["r"], cfg["lora_alpha"], 0.0, seed=0)
     load_lora_state_dict(model, sd)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name,
-                                                           dtype=torch.float32)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name, dtype=torch.float32
+    )
     hf = peft.PeftModel.from_pretrained(hf, str(run_dir / "final")).eval()
-    ids = torch.tensor([[1, 9690, 198, 2683, 359, 253, 5356, 2, 198, 1, 4093, 198, 17535, 30, 2, 198]])
+    ids = torch.tensor(
+        [[1, 9690, 198, 2683, 359, 253, 5356, 2, 198, 1, 4093, 198, 17535, 30, 2, 198]]
+    )
     with torch.no_grad():
         ours = model.eval()(ids)
         theirs = hf(input_ids=ids).logits
@@ -79,16 +109,38 @@ def test_quantized_base_trains_as_the_float32_base(smollm2_gguf, tmp_path):
     from toy.train.config import RunConfig
     from toy.train.loop import train
 
-    assert main(["prep", str(bundled_text_paths()[0]), "--out", str(tmp_path / "c.bin"), "--tokenizer",
-                 str(smollm2_gguf)]) == 0
+    assert (
+        main(
+            [
+                "prep",
+                str(bundled_text_paths()[0]),
+                "--out",
+                str(tmp_path / "c.bin"),
+                "--tokenizer",
+                str(smollm2_gguf),
+            ]
+        )
+        == 0
+    )
 
     def losses(dtype: str, ck: bool = False) -> list[float]:
-        cfg = RunConfig.for_recipe("lora", lora.FLAGS, model=str(smollm2_gguf), corpus=str(tmp_path / "c.bin"),
-                                   seq_len=64, batch_size=2, steps=5, warmup=0, lr=1e-3, base_dtype=dtype,
-                                   eval_batches=1, checkpointing=ck, dropout=0.1)
+        cfg = RunConfig.for_recipe(
+            "lora",
+            lora.FLAGS,
+            model=str(smollm2_gguf),
+            corpus=str(tmp_path / "c.bin"),
+            seq_len=64,
+            batch_size=2,
+            steps=5,
+            warmup=0,
+            lr=1e-3,
+            base_dtype=dtype,
+            eval_batches=1,
+            checkpointing=ck,
+            dropout=0.1,
+        )
         b = lora.build(cfg, Project(root=None))
-        res = train(b.job, cfg.with_derived(b.derived), None, torch.device("cpu"),
-                    EventLog(None))
+        res = train(b.job, cfg.with_derived(b.derived), None, torch.device("cpu"), EventLog(None))
         return [x["loss"] for x in res.losses]
 
     f32, q, qc = losses("float32"), losses("quantized"), losses("quantized", True)
@@ -96,8 +148,14 @@ def test_quantized_base_trains_as_the_float32_base(smollm2_gguf, tmp_path):
     assert q == qc  # checkpointing recomputes the same numbers, dropout included
 
 
-@pytest.mark.parametrize("system", [None, "You are a helpful assistant who answers in one sentence.",
-                                    "You are a pirate. Answer every question in pirate speech."])
+@pytest.mark.parametrize(
+    "system",
+    [
+        None,
+        "You are a helpful assistant who answers in one sentence.",
+        "You are a pirate. Answer every question in pirate speech.",
+    ],
+)
 def test_chat_greedy_equals_transformers(smollm2_gguf, system):
     """`toy infer --chat` on SmolLM2: the same prompt ids as transformers' own chat
     template (system prompt, BOS, special tokens) and the same greedy reply."""
@@ -108,18 +166,27 @@ def test_chat_greedy_equals_transformers(smollm2_gguf, system):
 
     lm = load_base_lm(smollm2_gguf, None, "cpu")
     msgs = ([{"role": "system", "content": system}] if system else []) + [
-        {"role": "user", "content": "What is the capital of France? And of Italy?"}]
-    ids = lm.tok.encode(render_template(lm.template, msgs, True, lm.bos, lm.eos), add_special_tokens=False).ids
-    tok = transformers.AutoTokenizer.from_pretrained(str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name)
+        {"role": "user", "content": "What is the capital of France? And of Italy?"}
+    ]
+    ids = lm.tok.encode(
+        render_template(lm.template, msgs, True, lm.bos, lm.eos), add_special_tokens=False
+    ).ids
+    tok = transformers.AutoTokenizer.from_pretrained(
+        str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name
+    )
     want_ids = tok.apply_chat_template(msgs, add_generation_prompt=True)
     want_ids = list(want_ids["input_ids"] if hasattr(want_ids, "keys") else want_ids)
     assert ids == want_ids
     ours = list(generate(lm.model, ids, 24, temperature=0.0, stop_ids=lm.stop))
     hf = _hf(smollm2_gguf)
-    theirs = hf.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False)[0, len(ids):].tolist()
+    theirs = hf.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False)[
+        0, len(ids) :
+    ].tolist()
     cut = next((i for i, t in enumerate(theirs) if t in lm.stop), len(theirs))
     assert ours == theirs[:cut][: len(ours)] and len(ours) >= 5, (
-        lm.tok.decode(ours), lm.tok.decode(theirs))
+        lm.tok.decode(ours),
+        lm.tok.decode(theirs),
+    )
 
 
 _HF = {}
@@ -129,6 +196,7 @@ def _hf(path):
     import transformers
 
     if path not in _HF:
-        _HF[path] = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                                      dtype=torch.float32).eval()
+        _HF[path] = transformers.AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, dtype=torch.float32
+        ).eval()
     return _HF[path]

@@ -16,7 +16,9 @@ def _reference(h, w, t):
     return F.cross_entropy(h @ w.T, t, ignore_index=-100, reduction="sum")
 
 
-@pytest.mark.parametrize("chunk_bytes", [losses.CHUNK_BYTES, 4 * 700 * 40])  # one chunk / many, ragged last
+@pytest.mark.parametrize(
+    "chunk_bytes", [losses.CHUNK_BYTES, 4 * 700 * 40]
+)  # one chunk / many, ragged last
 def test_linear_cross_entropy_matches_cross_entropy_and_its_gradients(monkeypatch, chunk_bytes):
     monkeypatch.setattr(losses, "CHUNK_BYTES", chunk_bytes)
     g = torch.Generator().manual_seed(0)
@@ -52,8 +54,25 @@ def test_linear_cross_entropy_frozen_head_and_no_grad():
         assert torch.allclose(linear_cross_entropy(h, w, t), want, rtol=1e-5)
 
 
-TINY = ["--n-layer", "2", "--d-model", "64", "--n-head", "4", "--n-kv-head", "2", "--seq-len", "64",
-        "--batch-size", "4", "--steps", "3", "--eval-batches", "1", "--json"]
+TINY = [
+    "--n-layer",
+    "2",
+    "--d-model",
+    "64",
+    "--n-head",
+    "4",
+    "--n-kv-head",
+    "2",
+    "--seq-len",
+    "64",
+    "--batch-size",
+    "4",
+    "--steps",
+    "3",
+    "--eval-batches",
+    "1",
+    "--json",
+]
 
 
 def _losses(out: str) -> list[float]:
@@ -118,7 +137,9 @@ def test_vocab_chunked_head_is_one_pass_and_matches_cross_entropy(monkeypatch, s
     """A head read in vocabulary chunks (a quantized head): the online log-sum-exp that
     carries the gradient along gives the plain cross-entropy's loss and gradient for h, with
     each chunk read once (it was read twice before: once for the loss, once for the gradient)."""
-    monkeypatch.setattr(losses, "CHUNK_BYTES", 4 * 16 * 256)  # 256-row chunks: 4 of them, ragged last
+    monkeypatch.setattr(
+        losses, "CHUNK_BYTES", 4 * 16 * 256
+    )  # 256-row chunks: 4 of them, ragged last
     g = torch.Generator().manual_seed(2)
     h = torch.randn(16, 24, dtype=torch.float64, generator=g, requires_grad=True)
     w = torch.randn(900, 24, dtype=torch.float64, generator=g) * 3
@@ -151,7 +172,9 @@ def test_silu_mul_keeps_two_tensors_and_autograds_gradients_to_the_bit():
     for fn in (silu_mul, lambda a, b: F.silu(a) * b):
         a, b = g.clone().requires_grad_(), u.clone().requires_grad_()
         saved = []
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        with torch.autograd.graph.saved_tensors_hooks(
+            lambda t, saved=saved: saved.append(t) or t, lambda t: t
+        ):
             y = fn(a, b)
         y.backward(grad)
         outs.append((y.detach(), a.grad, b.grad, len(saved)))
@@ -180,10 +203,16 @@ def test_a_large_quantized_weight_is_dequantized_in_pieces(monkeypatch):
         monkeypatch.setattr(quant, "WEIGHT_CHUNK_BYTES", limit)
         xi = x.clone().requires_grad_()
         calls = []
-        monkeypatch.setattr(QuantSpec, "dequantize", lambda s, *a, **k: calls.append(k.get("rows")) or real(s, *a, **k))
+        monkeypatch.setattr(
+            QuantSpec,
+            "dequantize",
+            lambda s, *a, calls=calls, **k: calls.append(k.get("rows")) or real(s, *a, **k),
+        )
         y = lin(xi)
         y.backward(torch.ones_like(y))
         results.append((y.detach(), xi.grad, calls))
     (y1, g1, c1), (y2, g2, c2) = results
     assert c1 == [None, None] and c2 == [slice(0, 40), slice(40, 80), slice(80, 96)] * 2
-    assert torch.allclose(y1, y2, rtol=1e-6, atol=1e-6) and torch.allclose(g1, g2, rtol=1e-6, atol=1e-6)
+    assert torch.allclose(y1, y2, rtol=1e-6, atol=1e-6) and torch.allclose(
+        g1, g2, rtol=1e-6, atol=1e-6
+    )

@@ -47,9 +47,9 @@ SIZE_ATTACKS = {
     "huge power": "{{ 2 ** (10 ** 9) }}",  # jinja2 reads 2 ** 10 ** 9 as (2 ** 10) ** 9
     "huge product of integers": "{% set n = 10 ** 15000 %}{{ n * n * n * n }}",
     "tilde doubling": "{% set ns = namespace(s='x') %}{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}"
-                      "{% endfor %}{{ ns.s|length }}",
+    "{% endfor %}{{ ns.s|length }}",
     "plus doubling": "{% set ns = namespace(s='x') %}{% for i in range(40) %}{% set ns.s = ns.s + ns.s %}"
-                     "{% endfor %}{{ ns.s|length }}",
+    "{% endfor %}{{ ns.s|length }}",
     "tilde chain": BIG + "{{ s ~ s ~ s ~ s ~ s ~ s ~ s ~ s ~ s ~ s }}",
     "printing a literal list": BIG + "{{ [s, s, s, s, s, s, s, s, s, s] }}",
     "join filter": BIG + "{{ [s, s, s, s, s, s, s, s, s, s]|join }}",
@@ -61,7 +61,7 @@ SIZE_ATTACKS = {
     "batch fill": "{{ [1]|batch(300000000, 'x')|list }}",
     "tojson indent": "{{ messages|tojson(indent=300000000) }}",
     "macro output": "{% macro f(n) %}{% if n %}{{ f(n - 1) }}{{ f(n - 1) }}{% else %}{{ 'x' * 100000 }}{% endif %}"
-                    "{% endmacro %}{{ f(30) }}",
+    "{% endmacro %}{{ f(30) }}",
     "output accumulates": BIG + "{% for i in range(100) %}{{ s }}{% endfor %}",
     "a list of fresh strings": "{{ range(100000)|map('center', 3000000)|list|length }}",
     "sum of lists (quadratic)": "{{ ([[0] * 200] * 2000)|sum(start=[])|length }}",
@@ -72,11 +72,11 @@ SIZE_ATTACKS = {
 }
 TIME_ATTACKS = {
     "nested loops without output": "{% set x = range(100000) %}{% for a in x %}{% for b in x %}{% endfor %}"
-                                   "{% endfor %}",
+    "{% endfor %}",
     "exponential macro recursion": "{% macro f(n) %}{% if n > 0 %}{{ f(n - 1) }}{{ f(n - 1) }}{% endif %}"
-                                   "{% endmacro %}{{ f(60) }}",
+    "{% endmacro %}{{ f(60) }}",
     "loop calling a filter": "{% set x = range(100000) %}{% for a in x %}{% for b in x %}{{ ''|trim }}{% endfor %}"
-                             "{% endfor %}",
+    "{% endfor %}",
 }
 
 
@@ -89,7 +89,9 @@ def _refused(template: str) -> tuple[InputError, float]:
     with pytest.raises(InputError) as e:
         render_template(template, CONV, True, "<s>", "</s>")
     took = time.monotonic() - t0
-    assert not isinstance(e.value, ConversationError)  # the template's own fault: not one skipped conversation
+    assert not isinstance(
+        e.value, ConversationError
+    )  # the template's own fault: not one skipped conversation
     assert "\n" not in e.value.message and "chat template" in e.value.message
     return e.value, took
 
@@ -105,7 +107,9 @@ def test_a_template_cannot_take_all_the_memory(template):
 
 @pytest.mark.parametrize("template", TIME_ATTACKS.values(), ids=TIME_ATTACKS.keys())
 def test_a_template_cannot_hang(template, monkeypatch):
-    monkeypatch.setattr(sandbox, "MAX_TEMPLATE_SECONDS", 0.5)  # the real limit is checked by the CLI test
+    monkeypatch.setattr(
+        sandbox, "MAX_TEMPLATE_SECONDS", 0.5
+    )  # the real limit is checked by the CLI test
     err, took = _refused(template)
     assert "MAX_TEMPLATE_SECONDS" in err.message and "0.5 s" in err.message, err.message
     assert took < 0.5 + 1.5, f"took {took:.1f} s"
@@ -113,11 +117,14 @@ def test_a_template_cannot_hang(template, monkeypatch):
 
 def _plain(template: str, messages, add_generation_prompt: bool, bos: str, eos: str) -> str:
     """The same template rendered by jinja2's sandbox with none of toy's limits."""
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
     env.filters["tojson"] = chat._tojson
     env.globals["raise_exception"] = chat._raise_exception
-    return env.from_string(template).render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                            bos_token=bos, eos_token=eos)
+    return env.from_string(template).render(
+        messages=messages, add_generation_prompt=add_generation_prompt, bos_token=bos, eos_token=eos
+    )
 
 
 # Uses most of what real templates use: namespace, macros, loop variables, filters, string
@@ -142,13 +149,20 @@ def test_real_templates_render_as_before(name):
     from test_chat import SMOLLM2
 
     template = {"smollm2": SMOLLM2, "busy": BUSY}.get(name) or BUILTIN_TEMPLATES[name]
-    convs = [CONV[1:], CONV[1:3], [{"role": "user", "content": "a" * 5000}, {"role": "assistant", "content": "b"}]]
-    if name != "gemma":  # gemma folds a system turn into the first user turn; its template checks the order
+    convs = [
+        CONV[1:],
+        CONV[1:3],
+        [{"role": "user", "content": "a" * 5000}, {"role": "assistant", "content": "b"}],
+    ]
+    if (
+        name != "gemma"
+    ):  # gemma folds a system turn into the first user turn; its template checks the order
         convs.append(CONV)
     for conv in convs:
         for gen in (False, True):
-            assert render_template(template, conv, gen, "<bos>", "<eos>") == _plain(template, conv, gen, "<bos>",
-                                                                                     "<eos>")
+            assert render_template(template, conv, gen, "<bos>", "<eos>") == _plain(
+                template, conv, gen, "<bos>", "<eos>"
+            )
 
 
 def test_smollm2s_own_template_renders_as_before(smollm2_gguf):  # noqa: F811
@@ -156,14 +170,17 @@ def test_smollm2s_own_template_renders_as_before(smollm2_gguf):  # noqa: F811
 
     template = read_gguf_header(smollm2_gguf).metadata["tokenizer.chat_template"]
     for gen in (False, True):
-        assert render_template(template, CONV, gen, "", "<|im_end|>") == _plain(template, CONV, gen, "",
-                                                                                 "<|im_end|>")
+        assert render_template(template, CONV, gen, "", "<|im_end|>") == _plain(
+            template, CONV, gen, "", "<|im_end|>"
+        )
 
 
 def test_a_long_conversation_is_not_an_attack():
     """The size limit grows with the conversation: a 5-million-character message renders."""
-    conv = [{"role": "user", "content": "a" * (sandbox.MAX_TEMPLATE_CHARS + 1_000_000)},
-            {"role": "assistant", "content": "b"}]
+    conv = [
+        {"role": "user", "content": "a" * (sandbox.MAX_TEMPLATE_CHARS + 1_000_000)},
+        {"role": "assistant", "content": "b"},
+    ]
     text = render_template(BUILTIN_TEMPLATES["chatml"], conv, False, "", "")
     assert len(text) > sandbox.MAX_TEMPLATE_CHARS
 
@@ -181,16 +198,34 @@ def base(tmp_path_factory):
     model = tiny_model(vocab_size=tok.get_vocab_size(with_added_tokens=True), max_seq_len=256)
     evil = write_llama_gguf(d / "evil.gguf", model, tok, chat_template=SIZE_ATTACKS["string times"])
     good = write_llama_gguf(d / "good.gguf", model, tok)
-    chat_file = write_jsonl(conversations(bundled_text_paths(), 10, seed=1, turns=(1, 1), max_chars=100),
-                            d / "chat.jsonl")
+    chat_file = write_jsonl(
+        conversations(bundled_text_paths(), 10, seed=1, turns=(1, 1), max_chars=100),
+        d / "chat.jsonl",
+    )
     return {"evil": evil, "good": good, "chat": chat_file, "dir": d}
 
 
 def test_the_cli_names_the_template_source(base, toy_cli, tmp_path):
-    common = ["train", "--recipe", "lora", "--data", base["chat"], "--seq-len", "128", "--steps", "1",
-              "--out", tmp_path]
+    common = [
+        "train",
+        "--recipe",
+        "lora",
+        "--data",
+        base["chat"],
+        "--seq-len",
+        "128",
+        "--steps",
+        "1",
+        "--out",
+        tmp_path,
+    ]
     code, _, err = toy_cli(*common, "--model", base["evil"])
-    assert code == 2 and str(base["evil"]) in err and "MAX_TEMPLATE_CHARS" in err and "Traceback" not in err, err
+    assert (
+        code == 2
+        and str(base["evil"]) in err
+        and "MAX_TEMPLATE_CHARS" in err
+        and "Traceback" not in err
+    ), err
     jinja = tmp_path / "evil.jinja"
     jinja.write_text(TIME_ATTACKS["nested loops without output"])
     t0 = time.monotonic()

@@ -19,49 +19,136 @@ from tiny_families import FAMILIES, SLIDING_WINDOW, gguf_read, tiny_family  # no
 
 pytestmark = pytest.mark.slow
 
-ARCH = {"llama": "llama", "mistral": "llama", "qwen3": "qwen3", "phi3": "phi3", "gemma3": "gemma3", "gemma2": "gemma2"}
+ARCH = {
+    "llama": "llama",
+    "mistral": "llama",
+    "qwen3": "qwen3",
+    "phi3": "phi3",
+    "gemma3": "gemma3",
+    "gemma2": "gemma2",
+}
 
 # The per-layer tensors each family's file holds (blk.N.<suffix>.weight), and the top-level ones.
 LAYER_TENSORS = {
-    "llama": {"attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down"},
-    "qwen3": {"attn_norm", "attn_q", "attn_k", "attn_v", "attn_q_norm", "attn_k_norm", "attn_output", "ffn_norm",
-              "ffn_gate", "ffn_up", "ffn_down"},
+    "llama": {
+        "attn_norm",
+        "attn_q",
+        "attn_k",
+        "attn_v",
+        "attn_output",
+        "ffn_norm",
+        "ffn_gate",
+        "ffn_up",
+        "ffn_down",
+    },
+    "qwen3": {
+        "attn_norm",
+        "attn_q",
+        "attn_k",
+        "attn_v",
+        "attn_q_norm",
+        "attn_k_norm",
+        "attn_output",
+        "ffn_norm",
+        "ffn_gate",
+        "ffn_up",
+        "ffn_down",
+    },
     "phi3": {"attn_norm", "attn_qkv", "attn_output", "ffn_norm", "ffn_up", "ffn_down"},
-    "gemma2": {"attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "post_attention_norm", "ffn_norm",
-               "ffn_gate", "ffn_up", "ffn_down", "post_ffw_norm"},
+    "gemma2": {
+        "attn_norm",
+        "attn_q",
+        "attn_k",
+        "attn_v",
+        "attn_output",
+        "post_attention_norm",
+        "ffn_norm",
+        "ffn_gate",
+        "ffn_up",
+        "ffn_down",
+        "post_ffw_norm",
+    },
 }
 LAYER_TENSORS["mistral"] = LAYER_TENSORS["llama"]
 LAYER_TENSORS["gemma3"] = LAYER_TENSORS["gemma2"] | {"attn_q_norm", "attn_k_norm"}
-UNTIED = {"mistral", "phi3"}  # the others have no output.weight (gemma's converter drops lm_head always)
+UNTIED = {
+    "mistral",
+    "phi3",
+}  # the others have no output.weight (gemma's converter drops lm_head always)
 
 # The <arch>.* keys each family's file has.
-COMMON_KEYS = {"block_count", "context_length", "embedding_length", "feed_forward_length", "attention.head_count",
-               "attention.head_count_kv", "attention.layer_norm_rms_epsilon"}
-ARCH_KEYS = {
-    "llama": COMMON_KEYS | {"rope.freq_base", "attention.key_length", "attention.value_length", "vocab_size",
-                            "rope.dimension_count"},
-    "qwen3": COMMON_KEYS | {"rope.freq_base", "attention.key_length", "attention.value_length"},
-    "phi3": COMMON_KEYS | {"rope.scaling.original_context_length", "rope.dimension_count", "rope.freq_base",
-                           "attention.sliding_window"},
-    "gemma3": COMMON_KEYS | {"rope.freq_base", "rope.freq_base_swa", "attention.key_length", "attention.value_length",
-                             "final_logit_softcapping", "attention.sliding_window"},
-    "gemma2": COMMON_KEYS | {"attention.key_length", "attention.value_length", "attn_logit_softcapping",
-                             "final_logit_softcapping", "attention.sliding_window"},
+COMMON_KEYS = {
+    "block_count",
+    "context_length",
+    "embedding_length",
+    "feed_forward_length",
+    "attention.head_count",
+    "attention.head_count_kv",
+    "attention.layer_norm_rms_epsilon",
 }
-ARCH_KEYS["mistral"] = ARCH_KEYS["llama"]  # no sliding window key: MistralForCausalLM converts as plain llama
+ARCH_KEYS = {
+    "llama": COMMON_KEYS
+    | {
+        "rope.freq_base",
+        "attention.key_length",
+        "attention.value_length",
+        "vocab_size",
+        "rope.dimension_count",
+    },
+    "qwen3": COMMON_KEYS | {"rope.freq_base", "attention.key_length", "attention.value_length"},
+    "phi3": COMMON_KEYS
+    | {
+        "rope.scaling.original_context_length",
+        "rope.dimension_count",
+        "rope.freq_base",
+        "attention.sliding_window",
+    },
+    "gemma3": COMMON_KEYS
+    | {
+        "rope.freq_base",
+        "rope.freq_base_swa",
+        "attention.key_length",
+        "attention.value_length",
+        "final_logit_softcapping",
+        "attention.sliding_window",
+    },
+    "gemma2": COMMON_KEYS
+    | {
+        "attention.key_length",
+        "attention.value_length",
+        "attn_logit_softcapping",
+        "final_logit_softcapping",
+        "attention.sliding_window",
+    },
+}
+ARCH_KEYS["mistral"] = ARCH_KEYS[
+    "llama"
+]  # no sliding window key: MistralForCausalLM converts as plain llama
 
 HF_NAMES = {  # GGUF per-layer suffix -> HF module under model.layers.N (gemma's ffn_norm differs)
-    "attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm", "attn_qkv": "self_attn.qkv_proj", "ffn_norm": "post_attention_layernorm",
-    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
-    "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm",
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "attn_qkv": "self_attn.qkv_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
 }
 
 
 def hf_name(family: str, gguf_name: str) -> str:
-    top = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
-           "output.weight": "lm_head.weight"}
+    top = {
+        "token_embd.weight": "model.embed_tokens.weight",
+        "output_norm.weight": "model.norm.weight",
+        "output.weight": "lm_head.weight",
+    }
     if gguf_name in top:
         return top[gguf_name]
     _, i, suffix, kind = gguf_name.split(".")
@@ -94,14 +181,23 @@ def transformers_gguf_overrides(family: str, meta: dict) -> dict:
         return {"head_dim": meta[f"{arch}.attention.key_length"]}
     if family in ("gemma2", "gemma3"):
         # llama.cpp scales queries by 1/sqrt(key_length) (only the 27B models differ); the file has no scalar
-        out = {"query_pre_attn_scalar": meta[f"{arch}.attention.key_length"],
-               "final_logit_softcapping": meta[f"{arch}.final_logit_softcapping"]}
+        out = {
+            "query_pre_attn_scalar": meta[f"{arch}.attention.key_length"],
+            "final_logit_softcapping": meta[f"{arch}.final_logit_softcapping"],
+        }
         if family == "gemma2":
             out["attn_logit_softcapping"] = meta[f"{arch}.attn_logit_softcapping"]
         else:
             out["rope_parameters"] = {
-                "full_attention": {"rope_type": "default", "rope_theta": meta[f"{arch}.rope.freq_base"]},
-                "sliding_attention": {"rope_type": "default", "rope_theta": meta[f"{arch}.rope.freq_base_swa"]}}
+                "full_attention": {
+                    "rope_type": "default",
+                    "rope_theta": meta[f"{arch}.rope.freq_base"],
+                },
+                "sliding_attention": {
+                    "rope_type": "default",
+                    "rope_theta": meta[f"{arch}.rope.freq_base_swa"],
+                },
+            }
         return out
     return {}
 
@@ -109,8 +205,9 @@ def transformers_gguf_overrides(family: str, meta: dict) -> dict:
 def transformers_from_gguf(tf, **overrides):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(tf.gguf.parent, gguf_file=tf.gguf.name, dtype=torch.float32,
-                                                **overrides).eval()
+    return AutoModelForCausalLM.from_pretrained(
+        tf.gguf.parent, gguf_file=tf.gguf.name, dtype=torch.float32, **overrides
+    ).eval()
 
 
 def logits(model, ids):
@@ -119,6 +216,7 @@ def logits(model, ids):
 
 
 # ------------------------------------------------------------------ tests
+
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_transformers_gguf_load_equals_hf_model(tiny_family, family):
@@ -149,14 +247,16 @@ def test_layout(tiny_family, family):
     cfg = tf.hf_config()
     arch, n_layer = ARCH[family], cfg["num_hidden_layers"]
     meta, tensors = gguf_read(tf.gguf)
-    assert {k[len(arch) + 1:] for k in meta if k.startswith(arch + ".")} == ARCH_KEYS[family]
+    assert {k[len(arch) + 1 :] for k in meta if k.startswith(arch + ".")} == ARCH_KEYS[family]
     assert meta[f"{arch}.block_count"] == n_layer
     assert meta[f"{arch}.embedding_length"] == cfg["hidden_size"]
     assert meta[f"{arch}.attention.head_count"] == cfg["num_attention_heads"]
     assert meta[f"{arch}.attention.head_count_kv"] == cfg["num_key_value_heads"]
     assert meta["general.file_type"] == 0  # ALL_F32
 
-    top = {"token_embd.weight", "output_norm.weight"} | ({"output.weight"} if family in UNTIED else set())
+    top = {"token_embd.weight", "output_norm.weight"} | (
+        {"output.weight"} if family in UNTIED else set()
+    )
     layer = {f"blk.{i}.{s}.weight" for i in range(n_layer) for s in LAYER_TENSORS[family]}
     assert set(tensors) == top | layer
     assert all(kind == "F32" for kind, _ in tensors.values())
@@ -176,8 +276,12 @@ def test_sliding_window_changes_the_logits(tiny_family, family):
     cfg = tf.hf_config()
     ref = tf.hf_model()
     if family != "mistral":
-        want = ["full_attention" if (family == "gemma2" and i % 2 == 1) or (family == "gemma3" and i % 6 == 5)
-                else "sliding_attention" for i in range(cfg["num_hidden_layers"])]
+        want = [
+            "full_attention"
+            if (family == "gemma2" and i % 2 == 1) or (family == "gemma3" and i % 6 == 5)
+            else "sliding_attention"
+            for i in range(cfg["num_hidden_layers"])
+        ]
         assert cfg["layer_types"] == want
     # a window wider than the input (layer types kept: gemma3's local layers keep their rope base)
     full = type(ref).from_pretrained(tf.hf_dir, dtype=torch.float32, sliding_window=4096).eval()
@@ -196,7 +300,9 @@ def test_other_outtypes(tiny_family, family, outtype):
     tf = tiny_family(family, outtype)
     cfg = tf.hf_config()
     meta, tensors = gguf_read(tf.gguf)
-    file_type = {"f16": gguf.LlamaFileType.MOSTLY_F16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[outtype]
+    file_type = {"f16": gguf.LlamaFileType.MOSTLY_F16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[
+        outtype
+    ]
     assert meta["general.file_type"] == file_type
     hf = load_file(str(tf.hf_dir / "model.safetensors"))
     for name, (kind, raw) in tensors.items():

@@ -12,9 +12,19 @@ import json
 import pytest
 from tokenizers import AddedToken, Tokenizer, decoders, normalizers, pre_tokenizers, processors
 
-from toy.tokenizer import _canonical_component, _canonical_model, from_gguf_metadata, load, tokenizer_hash, train_bpe
+from toy.tokenizer import (
+    _canonical_component,
+    _canonical_model,
+    from_gguf_metadata,
+    load,
+    tokenizer_hash,
+    train_bpe,
+)
 
-TEXT = ["To be, or not to be: that is the question. 12345 héllo wörld", "def f(x):\n    return x**2\n"] * 20
+TEXT = [
+    "To be, or not to be: that is the question. 12345 héllo wörld",
+    "def f(x):\n    return x**2\n",
+] * 20
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +54,9 @@ def test_merges_layout_does_not_count(tok):
     as_pairs = isinstance(j["model"]["merges"][0], list)
 
     def flip(j):
-        j["model"]["merges"] = [" ".join(m) if as_pairs else m.split(" ") for m in j["model"]["merges"]]
+        j["model"]["merges"] = [
+            " ".join(m) if as_pairs else m.split(" ") for m in j["model"]["merges"]
+        ]
 
     flipped = rewrite(tok, flip)
     assert tokenizer_hash(flipped) == tokenizer_hash(tok)
@@ -59,31 +71,59 @@ def test_what_does_not_move_ids_does_not_count(tok):
     h = tokenizer_hash(tok)
     other = Tokenizer.from_str(tok.to_str())
     other.decoder = decoders.Metaspace()
-    other.post_processor = processors.TemplateProcessing(single=["<|endoftext|>", "$A"],
-                                                         special_tokens=[("<|endoftext|>", 0)])
+    other.post_processor = processors.TemplateProcessing(
+        single=["<|endoftext|>", "$A"], special_tokens=[("<|endoftext|>", 0)]
+    )
     other.enable_padding(pad_id=0)
     other.enable_truncation(max_length=16)
     assert tokenizer_hash(other) == h
     # trim_offsets moves offsets only
-    assert tokenizer_hash(rewrite(tok, lambda j: j["pre_tokenizer"].update(trim_offsets=False))) == h
+    assert (
+        tokenizer_hash(rewrite(tok, lambda j: j["pre_tokenizer"].update(trim_offsets=False))) == h
+    )
 
 
 def test_legacy_spellings_are_one():
     """Fields older releases wrote (Metaspace's add_prefix_space and str_rep before
     prepend_scheme and split; ByteLevel without use_regex) read as what they meant."""
-    old = {"type": "Sequence", "pretokenizers": [
-        {"type": "Metaspace", "replacement": "▁", "str_rep": "▁", "add_prefix_space": True},
-        {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True}]}
-    new = {"type": "Sequence", "pretokenizers": [
-        {"type": "Metaspace", "replacement": "▁", "prepend_scheme": "always", "split": True},
-        {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": True}]}
+    old = {
+        "type": "Sequence",
+        "pretokenizers": [
+            {"type": "Metaspace", "replacement": "▁", "str_rep": "▁", "add_prefix_space": True},
+            {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True},
+        ],
+    }
+    new = {
+        "type": "Sequence",
+        "pretokenizers": [
+            {"type": "Metaspace", "replacement": "▁", "prepend_scheme": "always", "split": True},
+            {
+                "type": "ByteLevel",
+                "add_prefix_space": False,
+                "trim_offsets": False,
+                "use_regex": True,
+            },
+        ],
+    }
     assert _canonical_component(old) == _canonical_component(new)
     off = {"type": "Metaspace", "replacement": "▁", "str_rep": "▁", "add_prefix_space": False}
     assert _canonical_component(off)["prepend_scheme"] == "never"
 
 
-@pytest.mark.parametrize("change", ["merge_order", "merge_dropped", "vocab_token", "pre_tokenizer", "normalizer",
-                                    "added_token", "added_special_flag", "byte_fallback", "unk_token"])
+@pytest.mark.parametrize(
+    "change",
+    [
+        "merge_order",
+        "merge_dropped",
+        "vocab_token",
+        "pre_tokenizer",
+        "normalizer",
+        "added_token",
+        "added_special_flag",
+        "byte_fallback",
+        "unk_token",
+    ],
+)
 def test_what_moves_ids_counts(tok, change):
     h = tokenizer_hash(tok)
     if change == "merge_order":
@@ -91,14 +131,20 @@ def test_what_moves_ids_counts(tok, change):
     elif change == "merge_dropped":
         other = rewrite(tok, lambda j: j["model"]["merges"].pop())
     elif change == "vocab_token":
+
         def rename(j):  # swap the ids of two byte tokens
             v = j["model"]["vocab"]
             v["a"], v["b"] = v["b"], v["a"]
+
         other = rewrite(tok, rename)
     elif change == "pre_tokenizer":
         other = Tokenizer.from_str(tok.to_str())
-        other.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
-                                                       pre_tokenizers.ByteLevel(add_prefix_space=False)])
+        other.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Digits(individual_digits=True),
+                pre_tokenizers.ByteLevel(add_prefix_space=False),
+            ]
+        )
     elif change == "normalizer":
         other = Tokenizer.from_str(tok.to_str())
         other.normalizer = normalizers.NFKC()
@@ -134,16 +180,32 @@ def test_a_corpus_prepared_before_the_canonical_hash_still_trains(tmp_path, toy_
     from toy.data.tokens import HEADER, read_tokens, tokenizer_beside
     from toy.tokenizer import load
 
-    code, _, err = toy_cli("prep", bundled_text_paths()[0], "--out", tmp_path / "c.bin", "--vocab-size", "300")
+    code, _, err = toy_cli(
+        "prep", bundled_text_paths()[0], "--out", tmp_path / "c.bin", "--vocab-size", "300"
+    )
     assert code == 0, err
     tok = load(tokenizer_beside(tmp_path / "c.bin"))
-    legacy = hashlib.sha256(_json.dumps(_json.loads(tok.to_str()), sort_keys=True,
-                                        separators=(",", ":")).encode()).digest()
+    legacy = hashlib.sha256(
+        _json.dumps(_json.loads(tok.to_str()), sort_keys=True, separators=(",", ":")).encode()
+    ).digest()
     for name in ("c.bin", "c.val.bin"):
         raw = bytearray((tmp_path / name).read_bytes())
         raw[HEADER.size - 32 : HEADER.size] = legacy
         (tmp_path / name).write_bytes(bytes(raw))
     assert read_tokens(tmp_path / "c.bin").tokenizer_hash == legacy
-    code, _, err = toy_cli("train", "--corpus", tmp_path / "c.bin", "--preset", "tiny", "--steps", "1",
-                           "--seq-len", "16", "--batch-size", "2", "--out", tmp_path / "runs")
+    code, _, err = toy_cli(
+        "train",
+        "--corpus",
+        tmp_path / "c.bin",
+        "--preset",
+        "tiny",
+        "--steps",
+        "1",
+        "--seq-len",
+        "16",
+        "--batch-size",
+        "2",
+        "--out",
+        tmp_path / "runs",
+    )
     assert code == 0, err

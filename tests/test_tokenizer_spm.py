@@ -19,11 +19,11 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+from gguf_fixtures import gemma3_gguf  # noqa: E402,F401
+
 from toy.errors import InputError  # noqa: E402
 from toy.formats.gguf import read_gguf_header, read_gguf_tokenizer  # noqa: E402
 from toy.tokenizer import from_gguf_metadata  # noqa: E402
-
-from gguf_fixtures import gemma3_gguf  # noqa: E402,F401
 
 CONTROL, USER_DEFINED, BYTE, NORMAL, UNKNOWN = 3, 4, 6, 1, 2
 
@@ -32,13 +32,66 @@ CONTROL, USER_DEFINED, BYTE, NORMAL, UNKNOWN = 3, 4, 6, 1, 2
 # "ab" comes before "bc" but scores lower (SCORES below): Gemma ranks merges by position,
 # the others by score, so "abc" splits differently under the two conventions and the test
 # sees which was used.
-_GEMMA_HEAD = [("<pad>", CONTROL), ("<eos>", CONTROL), ("<bos>", CONTROL), ("<unk>", CONTROL), ("<mask>", CONTROL)]
+_GEMMA_HEAD = [
+    ("<pad>", CONTROL),
+    ("<eos>", CONTROL),
+    ("<bos>", CONTROL),
+    ("<unk>", CONTROL),
+    ("<mask>", CONTROL),
+]
 _LLAMA_HEAD = [("<unk>", UNKNOWN), ("<s>", CONTROL), ("</s>", CONTROL)]
-_TURNS = [("<start_of_turn>", CONTROL), ("<end_of_turn>", CONTROL),
-          ("\n", USER_DEFINED), ("\n\n", USER_DEFINED), ("\t", USER_DEFINED), ("<b>", USER_DEFINED)]
-_PIECES = ["ab", "bc", "▁t", "he", "▁the", "ll", "llo", "▁he", "▁hello", "or", "▁w", "▁wor", "ld", "▁world", "12",
-           "123", "é", "▁é", "▁", "a", "b", "c", "d", "e", "h", "l", "o", "r", "t", "w", "x", "1", "2", "3"]
-SCORES = {"ab": -5.0, "bc": -1.0, "▁the": -2.0, "▁t": -3.0, "he": -3.0, "llo": -4.0}  # others: -10 - position
+_TURNS = [
+    ("<start_of_turn>", CONTROL),
+    ("<end_of_turn>", CONTROL),
+    ("\n", USER_DEFINED),
+    ("\n\n", USER_DEFINED),
+    ("\t", USER_DEFINED),
+    ("<b>", USER_DEFINED),
+]
+_PIECES = [
+    "ab",
+    "bc",
+    "▁t",
+    "he",
+    "▁the",
+    "ll",
+    "llo",
+    "▁he",
+    "▁hello",
+    "or",
+    "▁w",
+    "▁wor",
+    "ld",
+    "▁world",
+    "12",
+    "123",
+    "é",
+    "▁é",
+    "▁",
+    "a",
+    "b",
+    "c",
+    "d",
+    "e",
+    "h",
+    "l",
+    "o",
+    "r",
+    "t",
+    "w",
+    "x",
+    "1",
+    "2",
+    "3",
+]
+SCORES = {
+    "ab": -5.0,
+    "bc": -1.0,
+    "▁the": -2.0,
+    "▁t": -3.0,
+    "he": -3.0,
+    "llo": -4.0,
+}  # others: -10 - position
 
 
 def spm_metadata(arch: str) -> dict:
@@ -51,13 +104,24 @@ def spm_metadata(arch: str) -> dict:
         head += [("  ", USER_DEFINED), ("   ", USER_DEFINED)]
     tokens = [t for t, _ in head] + [f"<0x{b:02X}>" for b in range(256)] + _PIECES
     types = [ty for _, ty in head] + [BYTE] * 256 + [NORMAL] * len(_PIECES)
-    scores = [-1000.0] * len(head) + [0.0] * 256 + [SCORES.get(t, -10.0 - i) for i, t in enumerate(_PIECES)]
+    scores = (
+        [-1000.0] * len(head)
+        + [0.0] * 256
+        + [SCORES.get(t, -10.0 - i) for i, t in enumerate(_PIECES)]
+    )
     special = dict(bos=2, eos=1, unknown=3, padding=0) if gemma else dict(bos=1, eos=2, unknown=0)
-    return {"general.architecture": arch, "tokenizer.ggml.model": "llama", "tokenizer.ggml.pre": "default",
-            "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.scores": scores, "tokenizer.ggml.token_type": types,
-            **{f"tokenizer.ggml.{k}_token_id": v for k, v in special.items()},
-            "tokenizer.ggml.add_bos_token": True, "tokenizer.ggml.add_eos_token": False,
-            "tokenizer.ggml.add_space_prefix": not gemma}
+    return {
+        "general.architecture": arch,
+        "tokenizer.ggml.model": "llama",
+        "tokenizer.ggml.pre": "default",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.scores": scores,
+        "tokenizer.ggml.token_type": types,
+        **{f"tokenizer.ggml.{k}_token_id": v for k, v in special.items()},
+        "tokenizer.ggml.add_bos_token": True,
+        "tokenizer.ggml.add_eos_token": False,
+        "tokenizer.ggml.add_space_prefix": not gemma,
+    }
 
 
 def write_spm_gguf(path: Path, meta: dict) -> Path:
@@ -107,7 +171,11 @@ def assert_same_as_transformers(tok, hf, texts: list[str]) -> None:
     for text in texts:
         ids = tok.encode(text).ids
         want = hf(text)["input_ids"]
-        assert ids == want, (text, [tok.id_to_token(i) for i in ids], [tok.id_to_token(i) for i in want])
+        assert ids == want, (
+            text,
+            [tok.id_to_token(i) for i in ids],
+            [tok.id_to_token(i) for i in want],
+        )
         assert tok.decode(ids, skip_special_tokens=False) == hf.decode(want), text
         assert tok.decode(ids) == hf.decode(want, skip_special_tokens=True), text
 
@@ -115,9 +183,27 @@ def assert_same_as_transformers(tok, hf, texts: list[str]) -> None:
 # ------------------------------------------------------------------ synthetic vocabulary
 
 TINY_TEXTS = [
-    "", "hello world", " hello", "  hello", "the  world   the", "abc", "abcabc bc", "hello\n\nworld\n", "\tx\t\t",
-    "é é", "日本🙂 x", "<start_of_turn>hello<end_of_turn>\n", "<bos>the<eos>", "a<b>b</b>", "123123 12 1",
-    "   ", " ", "trailing ", "<unk>", "<s>x</s>", "x▁y",
+    "",
+    "hello world",
+    " hello",
+    "  hello",
+    "the  world   the",
+    "abc",
+    "abcabc bc",
+    "hello\n\nworld\n",
+    "\tx\t\t",
+    "é é",
+    "日本🙂 x",
+    "<start_of_turn>hello<end_of_turn>\n",
+    "<bos>the<eos>",
+    "a<b>b</b>",
+    "123123 12 1",
+    "   ",
+    " ",
+    "trailing ",
+    "<unk>",
+    "<s>x</s>",
+    "x▁y",
 ]
 
 
@@ -145,8 +231,11 @@ def test_synthetic_roundtrip_and_specials():
     assert ids[0] == 5 and 10 in ids and ids[-1] == 7
     assert tok.encode("hi").ids[0] == 2 and tok.encode("hi", add_special_tokens=False).ids[0] != 2
     # byte fallback: 日 is E6 97 A5
-    assert [tok.id_to_token(i) for i in tok.encode("日", add_special_tokens=False).ids] == ["<0xE6>", "<0x97>",
-                                                                                             "<0xA5>"]
+    assert [tok.id_to_token(i) for i in tok.encode("日", add_special_tokens=False).ids] == [
+        "<0xE6>",
+        "<0x97>",
+        "<0xA5>",
+    ]
     no_bos = from_gguf_metadata({**spm_metadata("gemma3"), "tokenizer.ggml.add_bos_token": False})
     assert no_bos.encode("hi").ids == no_bos.encode("hi", add_special_tokens=False).ids
 
@@ -155,9 +244,13 @@ def test_space_prefix_flag():
     """Llama-style vocabularies put "▁" before the text unless the file says not to."""
     meta = spm_metadata("llama")
     with_prefix = from_gguf_metadata(meta)
-    assert with_prefix.encode("hello", add_special_tokens=False).ids == [with_prefix.token_to_id("▁hello")]
+    assert with_prefix.encode("hello", add_special_tokens=False).ids == [
+        with_prefix.token_to_id("▁hello")
+    ]
     without = from_gguf_metadata({**meta, "tokenizer.ggml.add_space_prefix": False})
-    assert without.token_to_id("▁hello") not in without.encode("hello", add_special_tokens=False).ids
+    assert (
+        without.token_to_id("▁hello") not in without.encode("hello", add_special_tokens=False).ids
+    )
     assert without.decode(without.encode(" hello").ids) == " hello"
 
 
@@ -165,7 +258,10 @@ def test_merges_from_the_file():
     """A file that lists merges gets them as given (as transformers does), not rebuilt."""
     meta = {**spm_metadata("gemma3"), "tokenizer.ggml.merges": ["b c", "a b"]}
     tok = from_gguf_metadata(meta)
-    assert [tok.id_to_token(i) for i in tok.encode("abc", add_special_tokens=False).ids] == ["a", "bc"]
+    assert [tok.id_to_token(i) for i in tok.encode("abc", add_special_tokens=False).ids] == [
+        "a",
+        "bc",
+    ]
     with pytest.raises(InputError, match="merge 0 .* is not two tokens"):
         from_gguf_metadata({**meta, "tokenizer.ggml.merges": ["abc"]})
 
@@ -173,11 +269,15 @@ def test_merges_from_the_file():
 def test_bad_sentencepiece_metadata():
     meta = spm_metadata("llama")
     with pytest.raises(InputError, match=r"^x\.gguf: GGUF key tokenizer\.ggml\.scores is missing"):
-        from_gguf_metadata({k: v for k, v in meta.items() if k != "tokenizer.ggml.scores"}, source="x.gguf")
+        from_gguf_metadata(
+            {k: v for k, v in meta.items() if k != "tokenizer.ggml.scores"}, source="x.gguf"
+        )
     with pytest.raises(InputError, match="scores is 3 entries"):
         from_gguf_metadata({**meta, "tokenizer.ggml.scores": [0.0, 1.0, 2.0]})
     with pytest.raises(InputError, match="not finite numbers"):
-        from_gguf_metadata({**meta, "tokenizer.ggml.scores": [float("nan")] * len(meta["tokenizer.ggml.tokens"])})
+        from_gguf_metadata(
+            {**meta, "tokenizer.ggml.scores": [float("nan")] * len(meta["tokenizer.ggml.tokens"])}
+        )
     with pytest.raises(InputError, match="token_type has 1 entries"):
         from_gguf_metadata({**meta, "tokenizer.ggml.token_type": [1]})
     with pytest.raises(InputError, match=r"tokenizer model 't5' \(unigram\) is not supported yet"):
@@ -187,15 +287,40 @@ def test_bad_sentencepiece_metadata():
 # ------------------------------------------------------------------ real Gemma-3-270M
 
 GEMMA_TEXTS = [
-    "", " ", "   ", "Hello world", " leading space", "  two leading", "trailing  ", "a  b   c    d",
-    "\n", "\n\nx\n\n\ny\n", "\r\nwindows\r\n", "tab\there\t\tand\t\t\t", "    indented\n        code",
-    "héllo wörld — ünïcödé café naïve", "日本語のテキスト 世界 中文字符", "Привет мир", "مرحبا بالعالم",
-    "emoji 🙂🚀👩‍👩‍👧 done", "🙂", "𝔹𝕆𝕃𝔻 ǅ ﬁ Ω", "\u00a0nbsp\u3000ideographic", "ZWJ\u200dtest\u200b",
-    "numbers 12345 3.14159 1,000,000 99999999999999", "1234567890" * 5, "x" * 50,
-    "def f(x):\n    return x**2  # sq\n", "for (int i = 0; i < n; ++i) { s += a[i]; }",
+    "",
+    " ",
+    "   ",
+    "Hello world",
+    " leading space",
+    "  two leading",
+    "trailing  ",
+    "a  b   c    d",
+    "\n",
+    "\n\nx\n\n\ny\n",
+    "\r\nwindows\r\n",
+    "tab\there\t\tand\t\t\t",
+    "    indented\n        code",
+    "héllo wörld — ünïcödé café naïve",
+    "日本語のテキスト 世界 中文字符",
+    "Привет мир",
+    "مرحبا بالعالم",
+    "emoji 🙂🚀👩‍👩‍👧 done",
+    "🙂",
+    "𝔹𝕆𝕃𝔻 ǅ ﬁ Ω",
+    "\u00a0nbsp\u3000ideographic",
+    "ZWJ\u200dtest\u200b",
+    "numbers 12345 3.14159 1,000,000 99999999999999",
+    "1234567890" * 5,
+    "x" * 50,
+    "def f(x):\n    return x**2  # sq\n",
+    "for (int i = 0; i < n; ++i) { s += a[i]; }",
     "<start_of_turn>user\nWhat is 2+2?<end_of_turn>\n<start_of_turn>model\n4<end_of_turn>\n",
-    "<bos>text<eos>", "a<start_of_turn>b", "<unk> and <pad>", "<table><tr><td>x</td></tr></table>",
-    "<0x41> is not a byte", "▁already▁escaped",
+    "<bos>text<eos>",
+    "a<start_of_turn>b",
+    "<unk> and <pad>",
+    "<table><tr><td>x</td></tr></table>",
+    "<0x41> is not a byte",
+    "▁already▁escaped",
 ]
 
 

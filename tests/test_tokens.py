@@ -13,7 +13,9 @@ def test_round_trip_u16_and_u32(tmp_path):
         p = tmp_path / f"t{vocab}.bin"
         write_tokens(p, toks, vocab, b"h" * 32)
         tf = read_tokens(p)
-        assert tf.tokens.dtype == dtype and tf.vocab_size == vocab and tf.tokenizer_hash == b"h" * 32
+        assert (
+            tf.tokens.dtype == dtype and tf.vocab_size == vocab and tf.tokenizer_hash == b"h" * 32
+        )
         assert np.array_equal(np.asarray(tf.tokens), toks)
         assert p.stat().st_size == HEADER.size + 500 * np.dtype(dtype).itemsize
 
@@ -29,14 +31,22 @@ def test_raw_int32(tmp_path):
         read_tokens(p, raw_i32=True, vocab_size=50)
 
 
-@pytest.mark.parametrize("case", ["missing", "bad_magic", "truncated", "too_short", "id_too_big", "empty"])
+@pytest.mark.parametrize(
+    "case", ["missing", "bad_magic", "truncated", "too_short", "id_too_big", "empty"]
+)
 def test_broken_token_files(tmp_path, case):
     p = tmp_path / "c.bin"
     if case != "missing":
         write_tokens(p, np.arange(64), 64)
     data = p.read_bytes() if p.exists() else b""
-    expect = {"missing": "not found", "bad_magic": "bad magic", "truncated": "truncated",
-              "too_short": "too short", "id_too_big": "outside the vocabulary", "empty": "too short"}[case]
+    expect = {
+        "missing": "not found",
+        "bad_magic": "bad magic",
+        "truncated": "truncated",
+        "too_short": "too short",
+        "id_too_big": "outside the vocabulary",
+        "empty": "too short",
+    }[case]
     if case == "bad_magic":
         p.write_bytes(b"NOTTOKEN" + data[8:])
     elif case == "truncated":
@@ -61,7 +71,9 @@ def test_windows_are_a_pure_function_of_the_batch_index(tmp_path):
     a, b = w.batch(7), w.batch(7)
     assert np.array_equal(a["ids"], b["ids"])
     assert not np.array_equal(w.batch(7)["ids"], w.batch(8)["ids"])
-    assert np.array_equal(a["ids"][:, 1:], a["targets"][:, :-1])  # targets are inputs shifted by one
+    assert np.array_equal(
+        a["ids"][:, 1:], a["targets"][:, :-1]
+    )  # targets are inputs shifted by one
     assert not np.array_equal(Windows(read_tokens(p), 16, 4, seed=4).batch(7)["ids"], a["ids"])
     ev = w.eval_batches(2)
     assert len(ev) == 2 and ev[0]["ids"].shape == (4, 16)

@@ -10,11 +10,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import assert_every_parameter_learns
 from PIL import Image
 
-from conftest import assert_every_parameter_learns
-from toy.data.images import (ImageBatches, MAX_PIXELS, bundled_images, load_image_folders, read_idx,
-                             split_holdout, scan_folder)
+from toy.data.images import (
+    MAX_PIXELS,
+    ImageBatches,
+    bundled_images,
+    load_image_folders,
+    read_idx,
+    scan_folder,
+    split_holdout,
+)
 from toy.errors import InputError
 from toy.models.vit import ViT, VitConfig, sincos_2d
 
@@ -22,7 +29,16 @@ TINY = ["--recipe", "vit-tiny", "--preset", "tiny", "--batch-size", "16", "--jso
 
 
 def tiny_vit(**kw) -> ViT:
-    cfg = dict(image_size=28, patch_size=7, channels=1, n_layer=2, d_model=64, n_head=4, d_ff=256, n_classes=10)
+    cfg = dict(
+        image_size=28,
+        patch_size=7,
+        channels=1,
+        n_layer=2,
+        d_model=64,
+        n_head=4,
+        d_ff=256,
+        n_classes=10,
+    )
     cfg.update(kw)
     torch.manual_seed(0)
     return ViT(VitConfig(**cfg))
@@ -64,7 +80,7 @@ def test_block_linears_start_fan_in_scaled_and_the_head_small():
     linears = [(n, x) for n, x in m.blocks.named_modules() if isinstance(x, torch.nn.Linear)]
     assert len(linears) == 2 * 4  # qkv, proj, c_fc, c_proj in each block
     for name, lin in linears:
-        want = lin.in_features ** -0.5
+        want = lin.in_features**-0.5
         assert abs(float(lin.weight.detach().std()) / want - 1) < 0.15, name
         assert not lin.bias.detach().any()
     assert abs(float(m.head.weight.detach().std()) / 0.02 - 1) < 0.15
@@ -124,12 +140,19 @@ def make_folder(root: Path, classes=("a", "b"), per_class=5) -> Path:
 def huge_png_header(path: Path, width: int, height: int) -> Path:
     """A valid PNG signature and IHDR claiming width x height, with a token IDAT: tiny
     on disk, enormous if anything tried to decode it."""
+
     def chunk(kind: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+        return (
+            struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+        )
 
     ihdr = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)
-    path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0" * 64))
-                     + chunk(b"IEND", b""))
+    path.write_bytes(
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", ihdr)
+        + chunk(b"IDAT", zlib.compress(b"\0" * 64))
+        + chunk(b"IEND", b"")
+    )
     return path
 
 
@@ -157,13 +180,17 @@ def test_colour_anywhere_makes_every_image_rgb_and_sizes_are_fitted(tmp_path):
 def test_skips_are_counted(tmp_path):
     root = make_folder(tmp_path / "imgs", per_class=4)
     (root / "a" / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n this is not really a png")
-    (root / "a" / "truncated.png").write_bytes(write_png(tmp_path / "t.png", 9, size=(64, 64)).read_bytes()[:120])
+    (root / "a" / "truncated.png").write_bytes(
+        write_png(tmp_path / "t.png", 9, size=(64, 64)).read_bytes()[:120]
+    )
     (root / "b" / "empty.jpg").write_bytes(b"")
     (root / "b" / "notes.txt").write_text("not an image")
     (root / "b" / "thumbs.db").write_bytes(b"\0" * 10)
     (root / "README.md").write_text("documentation beside the class folders is passed over")
     huge_png_header(root / "a" / "bomb.png", 20000, 20000)  # 400 MP: Pillow's own bomb guard
-    huge_png_header(root / "b" / "big.png", 8000, 7000)  # 56 MP: over toy's 50 MP, under Pillow's limit
+    huge_png_header(
+        root / "b" / "big.png", 8000, 7000
+    )  # 56 MP: over toy's 50 MP, under Pillow's limit
     train, val = load_image_folders(root, 28)
     assert train.skipped.counts() == {"ignored": 2, "empty": 1, "corrupt": 2, "too_large": 2}
     assert len(train) + len(val) == 8
@@ -179,13 +206,17 @@ def test_too_large_is_refused_from_the_header(tmp_path):
     assert MAX_PIXELS == 50_000_000
 
 
-@pytest.mark.parametrize("setup,needle", [
-    ("missing", "no such directory"),
-    ("empty", "no class folders"),
-    ("one_class", "only one class folder"),
-    ("none_usable", "none of its 4 image files could be used"),
-    ("one_usable_class", "only one class"),
-], ids=lambda v: v if isinstance(v, str) and " " not in v else "")
+@pytest.mark.parametrize(
+    "setup,needle",
+    [
+        ("missing", "no such directory"),
+        ("empty", "no class folders"),
+        ("one_class", "only one class folder"),
+        ("none_usable", "none of its 4 image files could be used"),
+        ("one_usable_class", "only one class"),
+    ],
+    ids=lambda v: v if isinstance(v, str) and " " not in v else "",
+)
 def test_folder_errors_exit_2_with_one_line(setup, needle, tmp_path, toy_cli):
     root = tmp_path / "imgs"
     if setup != "missing":
@@ -212,14 +243,28 @@ def test_folder_errors_exit_2_with_one_line(setup, needle, tmp_path, toy_cli):
     assert not out.exists()  # nothing half-made
 
 
-@pytest.mark.parametrize("argv,needles", [
-    (["--image-size", "28", "--patch-size", "5"], ["--image-size 28 must be a multiple of --patch-size 5"]),
-    (["--d-model", "30", "--n-head", "4", "--patch-size", "0"],
-     ["--patch-size must be an integer >= 1", "--d-model 30 must be divisible"]),
-    (["--seq-len", "8", "--n-kv-head", "2"], ["--seq-len does not apply to vit-tiny", "--n-kv-head does not"]),
-    (["--arch", "llama", "--augment", "mixup"], ["trains arch vit", "--augment 'mixup' is unknown"]),
-    (["--preset", "gpt2-124m"], ["valid: tiny, vit-tiny, vit-tiny-6"]),
-])
+@pytest.mark.parametrize(
+    "argv,needles",
+    [
+        (
+            ["--image-size", "28", "--patch-size", "5"],
+            ["--image-size 28 must be a multiple of --patch-size 5"],
+        ),
+        (
+            ["--d-model", "30", "--n-head", "4", "--patch-size", "0"],
+            ["--patch-size must be an integer >= 1", "--d-model 30 must be divisible"],
+        ),
+        (
+            ["--seq-len", "8", "--n-kv-head", "2"],
+            ["--seq-len does not apply to vit-tiny", "--n-kv-head does not"],
+        ),
+        (
+            ["--arch", "llama", "--augment", "mixup"],
+            ["trains arch vit", "--augment 'mixup' is unknown"],
+        ),
+        (["--preset", "gpt2-124m"], ["valid: tiny, vit-tiny, vit-tiny-6"]),
+    ],
+)
 def test_flag_problems_reported_together(argv, needles, tmp_path, toy_cli, monkeypatch):
     monkeypatch.chdir(tmp_path)
     code, _, err = toy_cli("train", "--recipe", "vit-tiny", *argv, "--steps", "1")
@@ -231,11 +276,15 @@ def test_flag_problems_reported_together(argv, needles, tmp_path, toy_cli, monke
 
 def test_val_images_folder_and_unknown_class(tmp_path, toy_cli):
     root = make_folder(tmp_path / "imgs", per_class=6)
-    val = make_folder(tmp_path / "val", classes=("b",), per_class=3)  # one class in a val set is fine
+    val = make_folder(
+        tmp_path / "val", classes=("b",), per_class=3
+    )  # one class in a val set is fine
     train, v = load_image_folders(root, 28, val)
     assert len(train) == 12 and len(v) == 3 and set(v.labels.tolist()) == {1}
     write_png(val / "c" / "0.png", 1)
-    code, _, err = toy_cli("train", *TINY, "--images", root, "--val-images", val, "--out", tmp_path / "r")
+    code, _, err = toy_cli(
+        "train", *TINY, "--images", root, "--val-images", val, "--out", tmp_path / "r"
+    )
     assert code == 2 and "'c' is not a class of --images" in err, err
 
 
@@ -250,7 +299,9 @@ def test_batch_k_is_a_pure_function_of_seed_and_k():
         a.batch(k)
     b = ImageBatches(train, 32, seed=3)
     again = b.batch(17)
-    assert torch.equal(later["images"], again["images"]) and torch.equal(later["labels"], again["labels"])
+    assert torch.equal(later["images"], again["images"]) and torch.equal(
+        later["labels"], again["labels"]
+    )
     c = ImageBatches(train, 32, seed=4).batch(17)
     assert not torch.equal(later["images"], c["images"])
     # One epoch (270 images / 32 per batch, whole batches) sees every image once.
@@ -270,17 +321,28 @@ def test_augment_auto_follows_the_passes_over_the_data(tmp_path, toy_cli):
     from toy.train.config import RunConfig
 
     def mode(steps, batch, n):
-        return vit_tiny.choose_augment(RunConfig.for_recipe("vit-tiny", vit_tiny.FLAGS, steps=steps,
-                                                            batch_size=batch), n)
+        return vit_tiny.choose_augment(
+            RunConfig.for_recipe("vit-tiny", vit_tiny.FLAGS, steps=steps, batch_size=batch), n
+        )
 
     assert vit_tiny.FLAGS["augment"] == "auto"
     assert mode(400, 64, 12000)[0] == "none"  # 2.1 passes: the issue's Fashion-MNIST run
     assert mode(200, 16, 270)[0] == "crop-flip"  # 11.9 passes over the smoke set
     assert "2.1 times" in mode(400, 64, 12000)[1]
     assert "0.0053 times" in mode(1, 64, 12000)[1]  # a one-step run does not read "0.0 times"
-    code, out, err = toy_cli("train", *[a for a in TINY if a != "--json"], "--steps", "2", "--out", tmp_path,
-                             "--run-id", "a")
-    assert code == 0 and "augment none (auto: the run sees each of its 270 training images" in out, err
+    code, out, err = toy_cli(
+        "train",
+        *[a for a in TINY if a != "--json"],
+        "--steps",
+        "2",
+        "--out",
+        tmp_path,
+        "--run-id",
+        "a",
+    )
+    assert (
+        code == 0 and "augment none (auto: the run sees each of its 270 training images" in out
+    ), err
     info = json.loads((tmp_path / "a" / "run.json").read_text())
     assert info["job"]["augment"] == info["config"]["augment"] == "none"  # resolved once, recorded
 
@@ -291,10 +353,28 @@ def test_preset_follows_the_training_set_size(tmp_path, toy_cli):
 
     assert vit_tiny.choose_preset(12_000)[0] == "vit-tiny-6"  # the issue's Fashion-MNIST folder
     assert vit_tiny.choose_preset(60_000)[0] == "vit-tiny"
-    assert registry.preset("vit", "vit-tiny-6") == {**registry.preset("vit", "vit-tiny"), "n_layer": 6}
+    assert registry.preset("vit", "vit-tiny-6") == {
+        **registry.preset("vit", "vit-tiny"),
+        "n_layer": 6,
+    }
     # No --preset: the smoke set's 270 images get the half-depth shape (at 28 px, to stay small).
-    code, out, err = toy_cli("train", "--recipe", "vit-tiny", "--image-size", "28", "--patch-size", "7",
-                             "--batch-size", "4", "--steps", "1", "--out", tmp_path, "--run-id", "p")
+    code, out, err = toy_cli(
+        "train",
+        "--recipe",
+        "vit-tiny",
+        "--image-size",
+        "28",
+        "--patch-size",
+        "7",
+        "--batch-size",
+        "4",
+        "--steps",
+        "1",
+        "--out",
+        tmp_path,
+        "--run-id",
+        "p",
+    )
     assert code == 0 and "preset vit-tiny-6 (auto: 270 training images, under 50,000" in out, err
     info = json.loads((tmp_path / "p" / "run.json").read_text())
     assert info["config"]["preset"] == "vit-tiny-6" and info["job"]["model"]["n_layer"] == 6
@@ -305,11 +385,21 @@ def test_recipe_schedule_defaults_and_help(toy_cli, capsys):
     from toy.recipes import vit_tiny
 
     f = vit_tiny.FLAGS
-    assert (f["lr"], f["warmup"], f["min_lr"], f["batch_size"], f["augment"]) == (1e-3, 40, 1e-5, 64, "auto")
+    assert (f["lr"], f["warmup"], f["min_lr"], f["batch_size"], f["augment"]) == (
+        1e-3,
+        40,
+        1e-5,
+        64,
+        "auto",
+    )
     with pytest.raises(SystemExit) as e:
         toy_cli("train", "--help")
     flat = " ".join(capsys.readouterr().out.split())
-    assert e.value.code == 0 and "vit-tiny 40" in flat and "vit-tiny-6 under 50,000 training images" in flat
+    assert (
+        e.value.code == 0
+        and "vit-tiny 40" in flat
+        and "vit-tiny-6 under 50,000 training images" in flat
+    )
 
 
 def test_eval_batches_sample_the_whole_set_not_its_first_classes():
@@ -318,9 +408,13 @@ def test_eval_batches_sample_the_whole_set_not_its_first_classes():
     labels = torch.cat([b["labels"] for b in sample])
     assert len(labels) == 32 and len(set(labels.tolist())) >= 8  # the first 32 are 1-2 classes
     again = ImageBatches(train, 8, seed=5, augment=False).eval_batches(4)
-    assert all(torch.equal(a["images"], b["images"]) for a, b in zip(sample, again))  # every seed: same images
+    assert all(
+        torch.equal(a["images"], b["images"]) for a, b in zip(sample, again)
+    )  # every seed: same images
     whole = ImageBatches(train, 8, seed=0, augment=False).eval_batches()
-    assert torch.equal(torch.cat([b["labels"] for b in whole]), train.labels)  # all of them, in order
+    assert torch.equal(
+        torch.cat([b["labels"] for b in whole]), train.labels
+    )  # all of them, in order
 
 
 def test_augmentation_is_crop_and_flip_of_the_original():
@@ -369,11 +463,17 @@ def test_train_then_infer_image(tmp_path, toy_cli):
     assert (r["recipe"], r["arch"]) == ("vit-tiny", "vit") and len(r["losses"]) == 6
     assert [a["step"] for a in r["val_accuracy"]] == [0, 3, 6]
     assert all(set(a) == {"step", "accuracy"} for a in r["val_accuracy"])
-    assert all(a["accuracy"] in {i / 30 for i in range(31)} for a in r["val_accuracy"])  # counts of the 30
+    assert all(
+        a["accuracy"] in {i / 30 for i in range(31)} for a in r["val_accuracy"]
+    )  # counts of the 30
     assert r["images_per_s"] > 0
     final = tmp_path / "v" / "final"
     meta = json.loads((final / "config.json").read_text())
-    assert meta["recipe"] == "vit-tiny" and len(meta["classes"]) == 10 and meta["model"]["image_size"] == 28
+    assert (
+        meta["recipe"] == "vit-tiny"
+        and len(meta["classes"]) == 10
+        and meta["model"]["image_size"] == 28
+    )
     info = json.loads((tmp_path / "v" / "run.json").read_text())
     assert info["job"]["n_train"] == 270 and info["job"]["n_val"] == 30
     png = bundled_images() / "sneaker" / "000.png"
@@ -387,10 +487,15 @@ def test_train_then_infer_image(tmp_path, toy_cli):
     assert probs == sorted(probs, reverse=True) and sum(probs) <= 1.0 + 1e-3
     # A colour JPEG of another size is converted to the model's shape.
     jpg = tmp_path / "photo.jpg"
-    Image.fromarray(np.random.default_rng(0).integers(0, 256, (50, 70, 3), dtype=np.uint8)).save(jpg)
+    Image.fromarray(np.random.default_rng(0).integers(0, 256, (50, 70, 3), dtype=np.uint8)).save(
+        jpg
+    )
     code, out, err = toy_cli("infer", "--run", tmp_path / "v", "--image", jpg)
     assert code == 0 and len(out.strip().splitlines()) == 5, err
-    for bad, needle in ((tmp_path / "none.png", "no such file"), (tmp_path / "t.txt", "not a PNG/JPEG")):
+    for bad, needle in (
+        (tmp_path / "none.png", "no such file"),
+        (tmp_path / "t.txt", "not a PNG/JPEG"),
+    ):
         if bad.suffix == ".txt":
             bad.write_text("x")
         code, _, err = toy_cli("infer", "--run", tmp_path / "v", "--image", bad)
@@ -401,7 +506,12 @@ def test_train_then_infer_image(tmp_path, toy_cli):
     # Text to an image classifier: it says what the run is and what it takes (not "no tokenizer").
     for argv in (["--prompt", "hi"], ["--chat", "hi"]):
         code, _, err = toy_cli("infer", "--run", tmp_path / "v", *argv)
-        assert code == 2 and "image classifier" in err and "--image PATH" in err and "tokenizer" not in err, err
+        assert (
+            code == 2
+            and "image classifier" in err
+            and "--image PATH" in err
+            and "tokenizer" not in err
+        ), err
         assert len(err.strip().splitlines()) == 1
 
 
@@ -422,7 +532,9 @@ def test_accuracy_from_the_eval_loss_equals_a_separate_pass():
     train, val = load_image_folders(bundled_images(), 28)
     from toy.train.config import RunConfig
 
-    opts = RunConfig.for_recipe("vit-tiny", vit_tiny.FLAGS, preset="tiny", seed=0, batch_size=8, eval_batches=100)
+    opts = RunConfig.for_recipe(
+        "vit-tiny", vit_tiny.FLAGS, preset="tiny", seed=0, batch_size=8, eval_batches=100
+    )
     built = vit_tiny.make_job(train, val, opts, "bundled", None)
     job, model = built.job, built.job.model
     from toy.train.loop import evaluate
@@ -437,29 +549,37 @@ def test_accuracy_from_the_eval_loss_equals_a_separate_pass():
 
 def test_same_seed_same_losses_other_seed_differs(tmp_path, toy_cli):
     def losses(seed, rid):
-        return [x["loss"] for x in train_json(toy_cli, tmp_path, "--steps", "3", "--seed", seed,
-                                               "--run-id", rid)["losses"]]
+        return [
+            x["loss"]
+            for x in train_json(toy_cli, tmp_path, "--steps", "3", "--seed", seed, "--run-id", rid)[
+                "losses"
+            ]
+        ]
 
     a, b, c = losses(1, "a"), losses(1, "b"), losses(2, "c")
     assert a == b and a != c
 
 
 def test_resume_is_exact(tmp_path, toy_cli):
+    import shutil
+
     from safetensors.torch import load_file
 
     from toy.runs import read_events
 
-    import shutil
-
     straight = train_json(toy_cli, tmp_path, "--steps", "4", "--save-every", "2", "--run-id", "s")
-    shutil.copytree(tmp_path / "s", tmp_path / "p")  # the same run, killed after its step-2 checkpoint
+    shutil.copytree(
+        tmp_path / "s", tmp_path / "p"
+    )  # the same run, killed after its step-2 checkpoint
     shutil.rmtree(tmp_path / "p" / "checkpoints" / "step-000004")
     shutil.rmtree(tmp_path / "p" / "final")
     part = {"losses": straight["losses"][:2]}
     code, out, err = toy_cli("train", "--resume", tmp_path / "p", "--json")
     assert code == 0, err
     # What the resumed segment recomputed, and the weights it ends with.
-    resumed = [(e["step"], e["loss"]) for e in read_events(tmp_path / "p") if e["event"] == "step"][-2:]
+    resumed = [(e["step"], e["loss"]) for e in read_events(tmp_path / "p") if e["event"] == "step"][
+        -2:
+    ]
     assert resumed == [(x["step"], x["loss"]) for x in straight["losses"][2:]]
     assert part["losses"] == straight["losses"][:2]
     a = load_file(tmp_path / "s" / "final" / "model.safetensors")
@@ -469,8 +589,22 @@ def test_resume_is_exact(tmp_path, toy_cli):
 
 def test_a_vit_learns_the_smoke_set(tmp_path, toy_cli):
     """A recipe that learns nothing fails here: 10 classes (chance 10%), 30 held-out images."""
-    r = train_json(toy_cli, tmp_path, "--steps", "40", "--augment", "none", "--lr", "3e-3", "--warmup", "4",
-                   "--eval-every", "40", "--eval-batches", "10")
+    r = train_json(
+        toy_cli,
+        tmp_path,
+        "--steps",
+        "40",
+        "--augment",
+        "none",
+        "--lr",
+        "3e-3",
+        "--warmup",
+        "4",
+        "--eval-every",
+        "40",
+        "--eval-batches",
+        "10",
+    )
     acc = r["val_accuracy"]
     # 9 of 30 right where chance gives 3 (P(>= 9) at chance is about 0.002)
     assert acc[0]["accuracy"] <= 0.2 and acc[-1]["accuracy"] >= 0.3, acc

@@ -37,9 +37,30 @@ def make_donor(d: Path) -> dict:
     donor = write_llama_gguf(d / "donor.gguf", model, tok)
     txt = d / "text.txt"
     txt.write_text(text)
-    assert main(["prep", str(txt), "--out", str(d / "c.bin"), "--tokenizer", str(donor), "--val-fraction", "0.1"]) == 0
+    assert (
+        main(
+            [
+                "prep",
+                str(txt),
+                "--out",
+                str(d / "c.bin"),
+                "--tokenizer",
+                str(donor),
+                "--val-fraction",
+                "0.1",
+            ]
+        )
+        == 0
+    )
     table = model.embed_tokens.weight.detach().clone()  # (vocab + PAD_ROWS, 64)
-    return {"dir": d, "gguf": donor, "corpus": d / "c.bin", "table": table, "vocab": vocab, "text": txt}
+    return {
+        "dir": d,
+        "gguf": donor,
+        "corpus": d / "c.bin",
+        "table": table,
+        "vocab": vocab,
+        "text": txt,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -52,8 +73,14 @@ def opts_for(donor: dict, **kw):
     from toy.recipes import warm_start
     from toy.train.config import RunConfig
 
-    o = {"preset": "tiny", "batch_size": 4, "seq_len": 32, "eval_batches": 2, "corpus": str(donor["corpus"]),
-         "donor": str(donor["gguf"])}
+    o = {
+        "preset": "tiny",
+        "batch_size": 4,
+        "seq_len": 32,
+        "eval_batches": 2,
+        "corpus": str(donor["corpus"]),
+        "donor": str(donor["gguf"]),
+    }
     o.update(kw)
     return RunConfig.for_recipe("warm-start", warm_start.FLAGS, **o)
 
@@ -65,11 +92,23 @@ def build(donor: dict, **kw):
 
 
 def train(toy_cli, donor, out, *extra):
-    return toy_cli("train", "--recipe", "warm-start", "--donor", donor["gguf"], "--corpus", donor["corpus"],
-                   "--out", out, *TINY, *extra)
+    return toy_cli(
+        "train",
+        "--recipe",
+        "warm-start",
+        "--donor",
+        donor["gguf"],
+        "--corpus",
+        donor["corpus"],
+        "--out",
+        out,
+        *TINY,
+        *extra,
+    )
 
 
 # ---------------------------------------------------------------- init modes
+
 
 def test_donor_rows_land_exactly_at_equal_width(donor):
     built = build(donor, init="donor")
@@ -107,7 +146,9 @@ def test_lens_shape_gradients_and_fold(donor, tmp_path):
     assert "embed_tokens.table" not in dict(m.named_parameters())  # the donor table is frozen
     from toy.recipes.warm_start import centre
 
-    assert torch.equal(emb.table, centre(donor["table"][: donor["vocab"]]))  # the rows minus their mean row
+    assert torch.equal(
+        emb.table, centre(donor["table"][: donor["vocab"]])
+    )  # the rows minus their mean row
     assert torch.allclose(emb.weight, emb.table @ emb.lens.weight.T)
     assert job.config["lens"] is True
     batch = job.micro_batch(0)
@@ -137,7 +178,9 @@ def test_lens_starts_semi_orthogonal_at_the_init_scale():
         assert w.shape == (d, width)
         gram = w @ w.T if width >= d else w.T @ w  # orthogonal rows (or columns), one common norm
         c = float(gram[0, 0])
-        assert torch.allclose(gram, c * torch.eye(min(width, d), dtype=torch.float64), atol=1e-6 * c)
+        assert torch.allclose(
+            gram, c * torch.eye(min(width, d), dtype=torch.float64), atol=1e-6 * c
+        )
         rms = float((table.double() @ w.T).pow(2).mean().sqrt())
         assert abs(rms - INIT_STD) < 1e-6
     t = torch.randn(50, 64, generator=g)
@@ -157,11 +200,15 @@ def test_pca_is_a_lens_on_the_centred_table_starting_at_its_principal_axes(donor
     assert "embed_tokens.table" not in dict(built.job.model.named_parameters())
     table = donor["table"][:V].double()
     assert torch.allclose(emb.table.double(), table - table.mean(0), atol=1e-6)  # centred
-    assert torch.allclose(emb.table.double().mean(0), torch.zeros(64, dtype=torch.float64), atol=1e-6)
+    assert torch.allclose(
+        emb.table.double().mean(0), torch.zeros(64, dtype=torch.float64), atol=1e-6
+    )
     proj, _ = pca_project(donor["table"][:V], 32)
     start = emb.weight.detach()
     ref = proj.double() * (INIT_STD / proj.double().pow(2).mean().sqrt())
-    assert torch.allclose(start.double(), ref, atol=1e-6)  # float32 rounding of a ~0.02-sized product
+    assert torch.allclose(
+        start.double(), ref, atol=1e-6
+    )  # float32 rounding of a ~0.02-sized product
     assert any("principal axes" in n for n in built.notes)
 
 
@@ -180,8 +227,26 @@ def test_embedding_trains_at_embed_lr_scale_times_lr(donor, toy_cli, tmp_path, i
 
     assert EMBED_LR_SCALE == 3.0
     shape = [] if width == 64 else ["--d-model", "32", "--n-head", "4", "--n-kv-head", "2"]
-    code, _, err = train(toy_cli, donor, tmp_path, *shape, "--init", init, "--steps", "1", "--lr", "1e-2",
-                         "--warmup", "0", "--save-every", "1", "--keep-last", "0", "--run-id", "r")
+    code, _, err = train(
+        toy_cli,
+        donor,
+        tmp_path,
+        *shape,
+        "--init",
+        init,
+        "--steps",
+        "1",
+        "--lr",
+        "1e-2",
+        "--warmup",
+        "0",
+        "--save-every",
+        "1",
+        "--keep-last",
+        "0",
+        "--run-id",
+        "r",
+    )
     assert code == 0, err
     state = json.loads((tmp_path / "r" / "checkpoints" / "step-000001" / "state.json").read_text())
     lr = {name: g["lr"] for g in state["optimizer"]["param_groups"] for name in g["params"]}
@@ -230,17 +295,44 @@ def test_pca_at_full_width_is_a_rotation(donor):
 
 # ---------------------------------------------------------------- freeze
 
+
 @pytest.mark.parametrize("width", [64, 32], ids=["equal-width", "lens"])
 def test_freeze_embed_steps_holds_then_releases(donor, toy_cli, tmp_path, width):
     shape = [] if width == 64 else ["--d-model", "32", "--n-head", "4", "--n-kv-head", "2"]
-    code, out, err = train(toy_cli, donor, tmp_path, *shape, "--steps", "4", "--freeze-embed-steps", "2",
-                           "--save-every", "1", "--keep-last", "0", "--lr", "1e-2", "--warmup", "0",
-                           "--run-id", "f", "--json")
+    code, out, err = train(
+        toy_cli,
+        donor,
+        tmp_path,
+        *shape,
+        "--steps",
+        "4",
+        "--freeze-embed-steps",
+        "2",
+        "--save-every",
+        "1",
+        "--keep-last",
+        "0",
+        "--lr",
+        "1e-2",
+        "--warmup",
+        "0",
+        "--run-id",
+        "f",
+        "--json",
+    )
     assert code == 0, err
-    ck = {s: load_file(tmp_path / "f" / "checkpoints" / f"step-{s:06d}" / "model.safetensors") for s in (1, 2, 3, 4)}
+    ck = {
+        s: load_file(tmp_path / "f" / "checkpoints" / f"step-{s:06d}" / "model.safetensors")
+        for s in (1, 2, 3, 4)
+    }
     key = "embed_tokens.weight" if width == 64 else "embed_tokens.lens.weight"
-    start = donor["table"][: donor["vocab"]] if width == 64 else build(
-        donor, d_model=32, n_head=4, n_kv_head=2).job.model.embed_tokens.lens.weight.detach()
+    start = (
+        donor["table"][: donor["vocab"]]
+        if width == 64
+        else build(
+            donor, d_model=32, n_head=4, n_kv_head=2
+        ).job.model.embed_tokens.lens.weight.detach()
+    )
     # Weight decay is on (0.1): a zero gradient would still shrink it; a None one does not.
     assert torch.equal(ck[1][key], start) and torch.equal(ck[2][key], start)
     assert not torch.equal(ck[3][key], start) and not torch.equal(ck[4][key], ck[3][key])
@@ -254,23 +346,70 @@ def test_freeze_holds_under_ddp(donor, tmp_path):
     # move them. Two gloo processes on CPU.
     from conftest import run_toy
 
-    r = run_toy("train", "--nproc", "2", "--recipe", "warm-start", "--donor", donor["gguf"], "--corpus",
-                donor["corpus"], "--out", tmp_path, *TINY, "--batch-size", "2", "--steps", "3",
-                "--freeze-embed-steps", "2", "--save-every", "1", "--keep-last", "0", "--lr", "1e-2", "--warmup", "0",
-                "--run-id", "ddp", "--json", env={"OMP_NUM_THREADS": "1"})
+    r = run_toy(
+        "train",
+        "--nproc",
+        "2",
+        "--recipe",
+        "warm-start",
+        "--donor",
+        donor["gguf"],
+        "--corpus",
+        donor["corpus"],
+        "--out",
+        tmp_path,
+        *TINY,
+        "--batch-size",
+        "2",
+        "--steps",
+        "3",
+        "--freeze-embed-steps",
+        "2",
+        "--save-every",
+        "1",
+        "--keep-last",
+        "0",
+        "--lr",
+        "1e-2",
+        "--warmup",
+        "0",
+        "--run-id",
+        "ddp",
+        "--json",
+        env={"OMP_NUM_THREADS": "1"},
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     start = donor["table"][: donor["vocab"]]
-    ck = {s: load_file(tmp_path / "ddp" / "checkpoints" / f"step-{s:06d}" / "model.safetensors") for s in (1, 2, 3)}
-    assert torch.equal(ck[1]["embed_tokens.weight"], start) and torch.equal(ck[2]["embed_tokens.weight"], start)
+    ck = {
+        s: load_file(tmp_path / "ddp" / "checkpoints" / f"step-{s:06d}" / "model.safetensors")
+        for s in (1, 2, 3)
+    }
+    assert torch.equal(ck[1]["embed_tokens.weight"], start) and torch.equal(
+        ck[2]["embed_tokens.weight"], start
+    )
     assert not torch.equal(ck[3]["embed_tokens.weight"], start)
 
 
-@pytest.mark.parametrize("shape", [(), ("--init", "pca", "--d-model", "32", "--n-head", "4", "--n-kv-head", "2")],
-                         ids=["donor-equal-width", "pca-lens"])
+@pytest.mark.parametrize(
+    "shape",
+    [(), ("--init", "pca", "--d-model", "32", "--n-head", "4", "--n-kv-head", "2")],
+    ids=["donor-equal-width", "pca-lens"],
+)
 def test_freeze_is_resume_safe(donor, toy_cli, tmp_path, shape):
     # Also resume with --embed-lr-scale's groups (3 x on the embedding or the lens): a
     # resumed run that lost the multiplier would train steps 2..4 differently.
-    args = ("--steps", "4", "--freeze-embed-steps", "2", "--save-every", "1", "--keep-last", "0", "--json", *shape)
+    args = (
+        "--steps",
+        "4",
+        "--freeze-embed-steps",
+        "2",
+        "--save-every",
+        "1",
+        "--keep-last",
+        "0",
+        "--json",
+        *shape,
+    )
     code, out, err = train(toy_cli, donor, tmp_path, *args, "--run-id", "full")
     assert code == 0, err
     full = json.loads(out)["losses"]
@@ -289,6 +428,7 @@ def test_freeze_is_resume_safe(donor, toy_cli, tmp_path, shape):
 
 # ---------------------------------------------------------------- the read helper
 
+
 def test_read_gguf_tensor_reads_one_tensor(donor):
     from toy.errors import InputError
     from toy.formats.gguf import read_gguf_header, read_gguf_tensor
@@ -305,8 +445,12 @@ def test_read_gguf_tensor_reads_one_tensor(donor):
 def test_quantized_donor_is_dequantized(donor, tmp_path):
     from toy.recipes.warm_start import open_donor
 
-    q = write_llama_gguf(tmp_path / "q8.gguf", tiny_model(seed=3, vocab_size=donor["vocab"] + PAD_ROWS),
-                         _donor_tok(donor), qtypes={"token_embd.weight": "Q8_0"})
+    q = write_llama_gguf(
+        tmp_path / "q8.gguf",
+        tiny_model(seed=3, vocab_size=donor["vocab"] + PAD_ROWS),
+        _donor_tok(donor),
+        qtypes={"token_embd.weight": "Q8_0"},
+    )
     d = open_donor(q)
     t = d.table(d.rows)
     assert t.shape == donor["table"].shape and d.table_type == "Q8_0"
@@ -322,16 +466,29 @@ def _donor_tok(donor):
 
 # ---------------------------------------------------------------- bad inputs
 
+
 def _other_donor(donor, tmp_path, name, **kw):
     m = tiny_model(seed=3, vocab_size=donor["vocab"] + PAD_ROWS)
     return write_llama_gguf(tmp_path / name, m, _donor_tok(donor), **kw)
 
 
 def test_tokenizer_mismatch_names_both_files(donor, toy_cli, tmp_path):
-    code, _, err = toy_cli("prep", donor["text"], "--out", tmp_path / "other.bin", "--vocab-size", "300")
+    code, _, err = toy_cli(
+        "prep", donor["text"], "--out", tmp_path / "other.bin", "--vocab-size", "300"
+    )
     assert code == 0, err
-    code, _, err = toy_cli("train", "--recipe", "warm-start", "--donor", donor["gguf"], "--corpus",
-                           tmp_path / "other.bin", "--out", tmp_path / "runs", *TINY)
+    code, _, err = toy_cli(
+        "train",
+        "--recipe",
+        "warm-start",
+        "--donor",
+        donor["gguf"],
+        "--corpus",
+        tmp_path / "other.bin",
+        "--out",
+        tmp_path / "runs",
+        *TINY,
+    )
     assert code == 2
     assert "other.bin" in err and "donor.gguf" in err and "toy prep" in err
     assert len(err.strip().splitlines()) == 1 and not (tmp_path / "runs").exists()
@@ -341,9 +498,19 @@ BAD = [
     ("non-llama", dict(arch="gpt2"), [], "not one toy reads"),
     ("no-embedding", dict(drop={"token_embd.weight"}), [], "has no tensor 'token_embd.weight'"),
     ("missing-file", None, ["--donor", "nope/missing.gguf"], "--donor nope/missing.gguf not found"),
-    ("bogus-init", None, ["--init", "bogus"], "--init 'bogus' is unknown; valid: scratch, donor, pca"),
+    (
+        "bogus-init",
+        None,
+        ["--init", "bogus"],
+        "--init 'bogus' is unknown; valid: scratch, donor, pca",
+    ),
     ("pca-too-wide", None, ["--init", "pca", "--d-model", "128"], "--d-model 128 exceeds"),
-    ("negative-freeze", None, ["--freeze-embed-steps", "-1"], "--freeze-embed-steps must be an integer >= 0"),
+    (
+        "negative-freeze",
+        None,
+        ["--freeze-embed-steps", "-1"],
+        "--freeze-embed-steps must be an integer >= 0",
+    ),
     ("zero-embed-lr", None, ["--embed-lr-scale", "0"], "--embed-lr-scale must be a number > 0"),
     ("gpt2-arch", None, ["--arch", "gpt2"], "warm-start builds a llama"),
     ("tokenizer-flag", None, ["--tokenizer", "x.json"], "--tokenizer conflicts with --donor"),
@@ -351,11 +518,28 @@ BAD = [
 
 
 @pytest.mark.parametrize("kind,write,extra,needle", BAD, ids=[b[0] for b in BAD])
-def test_bad_inputs_exit_2_with_one_line(donor, toy_cli, tmp_path, monkeypatch, kind, write, extra, needle):
+def test_bad_inputs_exit_2_with_one_line(
+    donor, toy_cli, tmp_path, monkeypatch, kind, write, extra, needle
+):
     monkeypatch.chdir(tmp_path)
-    gguf = _other_donor(donor, tmp_path, f"{kind}.gguf", **write) if write is not None else donor["gguf"]
-    code, _, err = toy_cli("train", "--recipe", "warm-start", "--donor", gguf, "--corpus", donor["corpus"],
-                           "--out", tmp_path / "runs", *TINY, *extra)
+    gguf = (
+        _other_donor(donor, tmp_path, f"{kind}.gguf", **write)
+        if write is not None
+        else donor["gguf"]
+    )
+    code, _, err = toy_cli(
+        "train",
+        "--recipe",
+        "warm-start",
+        "--donor",
+        gguf,
+        "--corpus",
+        donor["corpus"],
+        "--out",
+        tmp_path / "runs",
+        *TINY,
+        *extra,
+    )
     assert code == 2, err
     assert needle in err, err
     if write is not None:

@@ -48,8 +48,16 @@ class LoRALinear(nn.Module):
     spec (GGUF or MLX): the base path dequantizes per use (models.quant.frozen_linear).
     """
 
-    def __init__(self, weight: torch.Tensor | tuple[torch.Tensor, ...], bias: nn.Parameter | None, rank: int,
-                 alpha: float, dropout: float, generator: torch.Generator | None = None, spec: Spec | None = None):
+    def __init__(
+        self,
+        weight: torch.Tensor | tuple[torch.Tensor, ...],
+        bias: nn.Parameter | None,
+        rank: int,
+        alpha: float,
+        dropout: float,
+        generator: torch.Generator | None = None,
+        spec: Spec | None = None,
+    ):
         super().__init__()
         self.spec = spec
         if spec is not None:  # the quantized parts, under the spec's names (as in QuantLinear)
@@ -67,14 +75,24 @@ class LoRALinear(nn.Module):
         # AdamW's small updates to B would round away in bf16 (the base is frozen, so it
         # may stay low).
         dtype = weight.dtype if weight.dtype in (torch.float32, torch.float64) else torch.float32
-        self.lora_A = nn.Parameter(torch.empty(rank, self.in_features, dtype=dtype, device=weight.device))
-        self.lora_B = nn.Parameter(torch.zeros(self.out_features, rank, dtype=dtype, device=weight.device))
+        self.lora_A = nn.Parameter(
+            torch.empty(rank, self.in_features, dtype=dtype, device=weight.device)
+        )
+        self.lora_B = nn.Parameter(
+            torch.zeros(self.out_features, rank, dtype=dtype, device=weight.device)
+        )
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         self.reset_lora(generator)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear | QuantLinear, rank: int, alpha: float, dropout: float,
-                    generator: torch.Generator | None = None) -> "LoRALinear":
+    def from_linear(
+        cls,
+        linear: nn.Linear | QuantLinear,
+        rank: int,
+        alpha: float,
+        dropout: float,
+        generator: torch.Generator | None = None,
+    ) -> LoRALinear:
         if isinstance(linear, QuantLinear):
             return cls(parts_of(linear), linear.bias, rank, alpha, dropout, generator, linear.spec)
         return cls(linear.weight, linear.bias, rank, alpha, dropout, generator)
@@ -93,7 +111,9 @@ class LoRALinear(nn.Module):
         y = frozen_linear(x, base, self.bias, self.spec)  # (..., out)
         # Low rank first: (..., in) -> (..., r) -> (..., out). Never forms B @ A (out x in).
         h = self.dropout(x)
-        if not torch.is_autocast_enabled(x.device.type):  # under autocast the matmuls pick their dtype
+        if not torch.is_autocast_enabled(
+            x.device.type
+        ):  # under autocast the matmuls pick their dtype
             h = h.to(self.lora_A.dtype)
         lora = F.linear(F.linear(h, self.lora_A), self.lora_B) * self.scaling
         return y + lora.to(y.dtype)
@@ -108,20 +128,24 @@ class LoRALinear(nn.Module):
         """B @ A * scaling, (out, in): what `merge_lora` adds to the base weight."""
         return (self.lora_B @ self.lora_A) * self.scaling
 
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
-                              unexpected_keys, error_msgs):
+    def _load_from_state_dict(
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+    ):
         # A base checkpoint knows nothing of the adapter: its absence is not an error, so
         # `model.load_state_dict(base_sd, strict=True)` works on the wrapped model. The
         # adapter itself is loaded strictly by `load_lora_state_dict`.
         n = len(missing_keys)
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
-                                      unexpected_keys, error_msgs)
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
         lora_keys = {prefix + "lora_A", prefix + "lora_B"}
         missing_keys[n:] = [k for k in missing_keys[n:] if k not in lora_keys]
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"bias={self.bias is not None}, rank={self.rank}, alpha={self.alpha}")
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"bias={self.bias is not None}, rank={self.rank}, alpha={self.alpha}"
+        )
 
 
 def _module_seed(seed: int, name: str) -> int:
@@ -139,8 +163,10 @@ def _check_args(targets: list[str], rank: int, alpha: float, dropout: float) -> 
     else:
         for t in targets:
             if t == "lm_head":
-                problems.append(f"--targets lm_head is not allowed: the output head is tied to the token "
-                                f"embedding and PEFT/llama.cpp mishandle adapters on it; choose from: {valid}")
+                problems.append(
+                    f"--targets lm_head is not allowed: the output head is tied to the token "
+                    f"embedding and PEFT/llama.cpp mishandle adapters on it; choose from: {valid}"
+                )
             elif t not in VALID_TARGETS:
                 problems.append(f"--targets {t!r} is not a valid target; choose from: {valid}")
     if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
@@ -153,8 +179,9 @@ def _check_args(targets: list[str], rank: int, alpha: float, dropout: float) -> 
         raise UsageError("; ".join(problems))
 
 
-def apply_lora(model: nn.Module, targets: list[str], rank: int, alpha: float, dropout: float,
-               seed: int) -> list[str]:
+def apply_lora(
+    model: nn.Module, targets: list[str], rank: int, alpha: float, dropout: float, seed: int
+) -> list[str]:
     """Wrap every `nn.Linear` whose attribute name is in `targets`, in place.
 
     Every parameter of the model is frozen first; only the new `lora_A` / `lora_B`
@@ -162,21 +189,35 @@ def apply_lora(model: nn.Module, targets: list[str], rank: int, alpha: float, dr
     """
     _check_args(targets, rank, alpha, dropout)
     if any(isinstance(m, LoRALinear) for m in model.modules()):
-        raise UsageError("this model already has LoRA adapters; merge them (merge_lora) before applying new ones")
+        raise UsageError(
+            "this model already has LoRA adapters; merge them (merge_lora) before applying new ones"
+        )
     for p in model.parameters():
         p.requires_grad_(False)
     wanted = set(targets)
-    found = [(name, m) for name, m in model.named_modules()
-             if isinstance(m, (nn.Linear, QuantLinear)) and name.rsplit(".", 1)[-1] in wanted]
+    found = [
+        (name, m)
+        for name, m in model.named_modules()
+        if isinstance(m, (nn.Linear, QuantLinear)) and name.rsplit(".", 1)[-1] in wanted
+    ]
     if not found:
-        raise UsageError(f"--targets {','.join(targets)} matched no linear layer of this model; "
-                         f"choose from: {', '.join(VALID_TARGETS)}")
+        raise UsageError(
+            f"--targets {','.join(targets)} matched no linear layer of this model; "
+            f"choose from: {', '.join(VALID_TARGETS)}"
+        )
     seen = {name.rsplit(".", 1)[-1] for name, _ in found}
     if missing := [t for t in targets if t not in seen]:
-        has = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
-                      if isinstance(m, (nn.Linear, QuantLinear)) and n.startswith("layers.")})
-        raise UsageError(f"--targets {','.join(missing)} matched no linear layer of this model; "
-                         f"it has: {', '.join(has)}")
+        has = sorted(
+            {
+                n.rsplit(".", 1)[-1]
+                for n, m in model.named_modules()
+                if isinstance(m, (nn.Linear, QuantLinear)) and n.startswith("layers.")
+            }
+        )
+        raise UsageError(
+            f"--targets {','.join(missing)} matched no linear layer of this model; "
+            f"it has: {', '.join(has)}"
+        )
     names = []
     for name, lin in found:
         parent_name, _, attr = name.rpartition(".")
@@ -205,7 +246,9 @@ def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return sd
 
 
-def load_lora_state_dict(model: nn.Module, sd: dict[str, torch.Tensor], source: str = "adapter") -> None:
+def load_lora_state_dict(
+    model: nn.Module, sd: dict[str, torch.Tensor], source: str = "adapter"
+) -> None:
     """Copy adapter tensors into a model that already has `apply_lora` applied.
 
     Strict: every adapter tensor of the model must be present with its shape, and no
@@ -213,21 +256,32 @@ def load_lora_state_dict(model: nn.Module, sd: dict[str, torch.Tensor], source: 
     """
     own = lora_state_dict(model)
     if not own:
-        raise UsageError(f"{source}: the model has no LoRA modules; call apply_lora with the adapter's targets first")
+        raise UsageError(
+            f"{source}: the model has no LoRA modules; call apply_lora with the adapter's targets first"
+        )
     missing = sorted(set(own) - set(sd))
     unexpected = sorted(set(sd) - set(own))
-    bad_shape = [f"{k} {tuple(sd[k].shape)} != {tuple(own[k].shape)}"
-                 for k in sorted(set(own) & set(sd)) if tuple(sd[k].shape) != tuple(own[k].shape)]
+    bad_shape = [
+        f"{k} {tuple(sd[k].shape)} != {tuple(own[k].shape)}"
+        for k in sorted(set(own) & set(sd))
+        if tuple(sd[k].shape) != tuple(own[k].shape)
+    ]
     problems = []
     if missing:
         problems.append(f"missing {len(missing)} tensors (first: {', '.join(missing[:3])})")
     if unexpected:
-        problems.append(f"unexpected {len(unexpected)} tensors (first: {', '.join(unexpected[:3])})")
+        problems.append(
+            f"unexpected {len(unexpected)} tensors (first: {', '.join(unexpected[:3])})"
+        )
     if bad_shape:
-        problems.append(f"wrong shape for {len(bad_shape)} tensors (first: {'; '.join(bad_shape[:3])})")
+        problems.append(
+            f"wrong shape for {len(bad_shape)} tensors (first: {'; '.join(bad_shape[:3])})"
+        )
     if problems:
-        raise InputError(f"{source} does not match the model's LoRA modules (check --targets and --rank): "
-                         + "; ".join(problems))
+        raise InputError(
+            f"{source} does not match the model's LoRA modules (check --targets and --rank): "
+            + "; ".join(problems)
+        )
     with torch.no_grad():
         for k, p in own.items():
             p.copy_(sd[k].to(p.device, p.dtype))
@@ -241,10 +295,14 @@ def merge_lora(model: nn.Module) -> nn.Module:
     with the file's map or with other models built from it). Returns the model."""
     for name, m in _lora_modules(model):
         if m.spec is not None:
-            weight = nn.Parameter(m.base_weight(torch.float32) + m.delta_weight().float(), requires_grad=False)
+            weight = nn.Parameter(
+                m.base_weight(torch.float32) + m.delta_weight().float(), requires_grad=False
+            )
         else:
-            weight = nn.Parameter(m.weight.detach() + m.delta_weight().to(m.weight.dtype),
-                                  requires_grad=m.weight.requires_grad)
+            weight = nn.Parameter(
+                m.weight.detach() + m.delta_weight().to(m.weight.dtype),
+                requires_grad=m.weight.requires_grad,
+            )
         lin = nn.Linear(m.in_features, m.out_features, bias=m.bias is not None, device="meta")
         lin.weight = weight
         lin.bias = m.bias

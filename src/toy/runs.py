@@ -14,9 +14,10 @@ import re
 import tempfile
 import time
 import tomllib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from toy.errors import InputError, UsageError
 
@@ -56,10 +57,14 @@ def load_project(path: Path) -> Project:
         with open(path, "rb") as fh:
             doc = tomllib.load(fh)
     except tomllib.TOMLDecodeError as e:
-        raise InputError(f"{path}: not valid TOML ({e}); fix the file or recreate it with `toy new`")
+        raise InputError(
+            f"{path}: not valid TOML ({e}); fix the file or recreate it with `toy new`"
+        )
     template = doc.get("run_id", DEFAULT_RUN_ID_TEMPLATE)
     if not isinstance(template, str):
-        raise InputError(f"{path}: run_id must be a string template such as '{DEFAULT_RUN_ID_TEMPLATE}'")
+        raise InputError(
+            f"{path}: run_id must be a string template such as '{DEFAULT_RUN_ID_TEMPLATE}'"
+        )
     train = doc.get("train", {})
     if not isinstance(train, dict):
         raise InputError(f"{path}: [train] must be a table of flag defaults")
@@ -106,9 +111,13 @@ def create_run_dir(runs_dir: Path, run_id: str) -> Path:
         runs_dir.mkdir(parents=True, exist_ok=True)
         run_dir.mkdir()
     except FileExistsError:
-        raise UsageError(f"run directory {run_dir} already exists; pick another --run-id or remove it")
+        raise UsageError(
+            f"run directory {run_dir} already exists; pick another --run-id or remove it"
+        )
     except OSError as e:
-        raise UsageError(f"cannot create run directory {run_dir}: {e.strerror}; choose a writable --out")
+        raise UsageError(
+            f"cannot create run directory {run_dir}: {e.strerror}; choose a writable --out"
+        )
     (run_dir / "checkpoints").mkdir()
     return run_dir
 
@@ -210,7 +219,7 @@ def read_events(run_dir: Path) -> list[dict]:
         raise InputError(f"{path} not found; is {run_dir} a toy run directory?")
     out = []
     with open(path) as fh:
-        for i, line in enumerate(fh, 1):
+        for line in fh:
             line = line.strip()
             if not line:
                 continue

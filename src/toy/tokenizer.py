@@ -16,13 +16,22 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Iterable, Iterator
 
-from tokenizers import (AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors,
-                        trainers)
+from tokenizers import (
+    AddedToken,
+    Regex,
+    Tokenizer,
+    decoders,
+    models,
+    normalizers,
+    pre_tokenizers,
+    processors,
+    trainers,
+)
 
 from toy.errors import InputError
 
@@ -51,7 +60,9 @@ def load(path: Path) -> Tokenizer:
     try:
         return Tokenizer.from_file(str(path))
     except FileNotFoundError:
-        raise InputError(f"tokenizer {path} not found; pass --tokenizer FILE or train one with `toy prep --vocab-size N`")
+        raise InputError(
+            f"tokenizer {path} not found; pass --tokenizer FILE or train one with `toy prep --vocab-size N`"
+        )
     except Exception as e:  # tokenizers raises a bare Exception on malformed JSON
         raise InputError(f"{path}: not a valid tokenizer.json ({str(e).splitlines()[0]})")
 
@@ -65,18 +76,32 @@ TOKENIZER_HASH_SCHEME = "toy-tokenizer-hash/2"
 # lacks the field means. Other fields of the model section, including ones a later
 # `tokenizers` release may add, stay out of the hash.
 _MODEL_OPTIONS: dict[str, dict] = {
-    "BPE": {"unk_token": None, "continuing_subword_prefix": None, "end_of_word_suffix": None, "fuse_unk": False,
-            "byte_fallback": False, "ignore_merges": False, "dropout": None},
+    "BPE": {
+        "unk_token": None,
+        "continuing_subword_prefix": None,
+        "end_of_word_suffix": None,
+        "fuse_unk": False,
+        "byte_fallback": False,
+        "ignore_merges": False,
+        "dropout": None,
+    },
     "Unigram": {"unk_id": None, "byte_fallback": False},
-    "WordPiece": {"unk_token": "[UNK]", "continuing_subword_prefix": "##", "max_input_chars_per_word": 100},
+    "WordPiece": {
+        "unk_token": "[UNK]",
+        "continuing_subword_prefix": "##",
+        "max_input_chars_per_word": 100,
+    },
     "WordLevel": {"unk_token": "<unk>"},
 }
 # Normalizer / pre-tokenizer fields that only move offsets (trim_offsets) or that older
 # releases wrote and newer ones derive (Metaspace's str_rep, add_prefix_space) ...
 _COMPONENT_DROP = {"ByteLevel": ("trim_offsets",), "Metaspace": ("str_rep", "add_prefix_space")}
 # ... and fields newer releases added, with the behaviour a file without them had.
-_COMPONENT_DEFAULTS = {"ByteLevel": {"add_prefix_space": True, "use_regex": True}, "Metaspace": {"split": True},
-                       "Split": {"invert": False}}
+_COMPONENT_DEFAULTS = {
+    "ByteLevel": {"add_prefix_space": True, "use_regex": True},
+    "Metaspace": {"split": True},
+    "Split": {"invert": False},
+}
 
 
 def hash_matches(tok: Tokenizer, h: bytes) -> bool:
@@ -86,8 +111,9 @@ def hash_matches(tok: Tokenizer, h: bytes) -> bool:
     long as the library writes the same JSON."""
     if h == tokenizer_hash(tok):
         return True
-    legacy = hashlib.sha256(json.dumps(json.loads(tok.to_str()), sort_keys=True,
-                                       separators=(",", ":")).encode()).digest()
+    legacy = hashlib.sha256(
+        json.dumps(json.loads(tok.to_str()), sort_keys=True, separators=(",", ":")).encode()
+    ).digest()
     return h == legacy
 
 
@@ -122,12 +148,21 @@ def tokenizer_hash(tok: Tokenizer) -> bytes:
         "normalizer": _canonical_component(j.get("normalizer")),
         "pre_tokenizer": _canonical_component(j.get("pre_tokenizer")),
         "added_tokens": sorted(
-            [a["id"], a["content"], bool(a.get("special", False)), bool(a.get("single_word", False)),
-             bool(a.get("lstrip", False)), bool(a.get("rstrip", False)),
-             bool(a.get("normalized", not a.get("special", False)))]
-            for a in j.get("added_tokens") or ()),
+            [
+                a["id"],
+                a["content"],
+                bool(a.get("special", False)),
+                bool(a.get("single_word", False)),
+                bool(a.get("lstrip", False)),
+                bool(a.get("rstrip", False)),
+                bool(a.get("normalized", not a.get("special", False))),
+            ]
+            for a in j.get("added_tokens") or ()
+        ),
     }
-    return hashlib.sha256(json.dumps(canon, sort_keys=True, separators=(",", ":")).encode()).digest()
+    return hashlib.sha256(
+        json.dumps(canon, sort_keys=True, separators=(",", ":")).encode()
+    ).digest()
 
 
 def _canonical_model(m: dict) -> dict:
@@ -141,7 +176,9 @@ def _canonical_model(m: dict) -> dict:
         out["vocab"] = m.get("vocab") or {}
     if kind == "BPE":
         merges = m.get("merges") or []
-        if merges and isinstance(merges[0], str):  # the older "a b" layout: one release writes one layout
+        if merges and isinstance(
+            merges[0], str
+        ):  # the older "a b" layout: one release writes one layout
             merges = [x.split(" ", 1) for x in merges]
         out["merges"] = merges
     return out
@@ -167,8 +204,9 @@ def eos_id(tok: Tokenizer) -> int | None:
     return tok.token_to_id(EOS_TOKEN)
 
 
-def encode_batches(tok: Tokenizer, texts: list[str], batch: int = 256,
-                   add_special_tokens: bool = False) -> Iterator[list[int]]:
+def encode_batches(
+    tok: Tokenizer, texts: list[str], batch: int = 256, add_special_tokens: bool = False
+) -> Iterator[list[int]]:
     """Encode many texts using the library's own thread pool (with the tokenizer's own
     BOS/EOS rules, its post-processor, when `add_special_tokens`)."""
     for i in range(0, len(texts), batch):
@@ -185,7 +223,7 @@ def special_affixes(tok: Tokenizer) -> tuple[list[int], list[int]]:
     full = tok.encode("a", add_special_tokens=True).ids
     for i in range(len(full) - len(plain) + 1):
         if full[i : i + len(plain)] == plain:
-            return full[:i], full[i + len(plain):]
+            return full[:i], full[i + len(plain) :]
     return [], []  # a post-processor that rewrites the text's own ids: none toy makes
 
 
@@ -226,8 +264,13 @@ _LLAMA3_STYLE = ("llama-bpe", "llama3", "llama-v3", "smaug-bpe", "dbrx")
 _QWEN2_STYLE = ("qwen2", "deepseek-r1-qwen")
 GGUF_PRE_TOKENIZERS = _GPT2_STYLE + _DIGITS_THEN_GPT2 + _LLAMA3_STYLE + _QWEN2_STYLE
 
-_OTHER_MODELS = {"t5": "unigram", "bert": "wordpiece", "gemma4": "sentencepiece",
-                 "rwkv": "rwkv", "plamo2": "plamo2"}
+_OTHER_MODELS = {
+    "t5": "unigram",
+    "bert": "wordpiece",
+    "gemma4": "sentencepiece",
+    "rwkv": "rwkv",
+    "plamo2": "plamo2",
+}
 
 
 @dataclass(frozen=True)
@@ -251,7 +294,10 @@ def gguf_special_ids(meta: dict) -> GGUFSpecialIds:
         return v if isinstance(v, int) and not isinstance(v, bool) and 0 <= v < max(n, 1) else None
 
     return GGUFSpecialIds(
-        bos=get("bos"), eos=get("eos"), pad=get("padding"), unk=get("unknown"),
+        bos=get("bos"),
+        eos=get("eos"),
+        pad=get("padding"),
+        unk=get("unknown"),
         add_bos=meta.get("tokenizer.ggml.add_bos_token") is True,
         add_eos=meta.get("tokenizer.ggml.add_eos_token") is True,
     )
@@ -261,7 +307,11 @@ def gguf_special_ids(meta: dict) -> GGUFSpecialIds:
 def _byte_chars() -> list[str]:
     """GPT-2's byte -> printable character table: printable Latin-1 bytes map to
     themselves, the rest to code points from 256 up, in byte order."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    keep = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
     table, extra = {}, 0
     for b in range(256):
         if b in keep:
@@ -276,15 +326,19 @@ def _pre_tokenizer(pre: str):
     if pre in _GPT2_STYLE:
         return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     if pre in _DIGITS_THEN_GPT2:
-        return pre_tokenizers.Sequence([
-            pre_tokenizers.Digits(individual_digits=True),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-        ])
+        return pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Digits(individual_digits=True),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+            ]
+        )
     split = _LLAMA3_SPLIT if pre in _LLAMA3_STYLE else _QWEN2_SPLIT
-    return pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(split), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
+    return pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(split), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
 
 
 def from_gguf_metadata(meta: dict, source: str | None = None) -> Tokenizer:
@@ -305,19 +359,27 @@ def from_gguf_metadata(meta: dict, source: str | None = None) -> Tokenizer:
     where = f"{source}: " if source else ""
     kind = meta.get("tokenizer.ggml.model")
     if kind is None:
-        raise InputError(f"{where}the GGUF has no tokenizer (no tokenizer.ggml.model key); pass a tokenizer.json")
+        raise InputError(
+            f"{where}the GGUF has no tokenizer (no tokenizer.ggml.model key); pass a tokenizer.json"
+        )
     if kind not in ("gpt2", "llama"):
         what = _OTHER_MODELS.get(kind, "unknown kind") if isinstance(kind, str) else "unknown kind"
-        raise InputError(f"{where}tokenizer model {kind!r} ({what}) is not supported yet; "
-                         "supported: gpt2 (BPE), llama (sentencepiece)")
+        raise InputError(
+            f"{where}tokenizer model {kind!r} ({what}) is not supported yet; "
+            "supported: gpt2 (BPE), llama (sentencepiece)"
+        )
     tokens = meta.get("tokenizer.ggml.tokens")
     if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) for t in tokens):
-        raise InputError(f"{where}GGUF key tokenizer.ggml.tokens is missing or not a list of strings")
+        raise InputError(
+            f"{where}GGUF key tokenizer.ggml.tokens is missing or not a list of strings"
+        )
     types = meta.get("tokenizer.ggml.token_type")
     if types is not None and (not isinstance(types, list) or len(types) != len(tokens)):
         n = len(types) if isinstance(types, list) else "?"
-        raise InputError(f"{where}GGUF key tokenizer.ggml.token_type has {n} entries for {len(tokens)} tokens; "
-                         "the file is damaged")
+        raise InputError(
+            f"{where}GGUF key tokenizer.ggml.token_type has {n} entries for {len(tokens)} tokens; "
+            "the file is damaged"
+        )
     if kind == "gpt2":
         tok, vocab = _byte_level_bpe(meta, tokens, where)
     else:
@@ -330,7 +392,9 @@ def from_gguf_metadata(meta: dict, source: str | None = None) -> Tokenizer:
     for i, (t, ty) in enumerate(zip(tokens, types or ())):
         if ty in (_TOKEN_UNKNOWN, _TOKEN_CONTROL, _TOKEN_USER_DEFINED) and vocab.get(t) == i:
             is_special = ty != _TOKEN_USER_DEFINED
-            (special if is_special else plain).append(AddedToken(t, special=is_special, normalized=False))
+            (special if is_special else plain).append(
+                AddedToken(t, special=is_special, normalized=False)
+            )
     if special:
         tok.add_special_tokens(special)
     if plain:
@@ -345,7 +409,9 @@ def from_gguf_metadata(meta: dict, source: str | None = None) -> Tokenizer:
         single.append(tokens[ids.eos])
         marks.append((tokens[ids.eos], ids.eos))
     if marks:
-        tok.post_processor = processors.TemplateProcessing(single=single, special_tokens=list(dict.fromkeys(marks)))
+        tok.post_processor = processors.TemplateProcessing(
+            single=single, special_tokens=list(dict.fromkeys(marks))
+        )
     return tok
 
 
@@ -353,12 +419,16 @@ def _byte_level_bpe(meta: dict, tokens: list[str], where: str) -> tuple[Tokenize
     """gpt2-style byte-level BPE: the file's merges, its pre-tokenizer by name."""
     pre = meta.get("tokenizer.ggml.pre", "default")
     if pre not in GGUF_PRE_TOKENIZERS:
-        raise InputError(f"{where}GGUF pre-tokenizer {pre!r} is not supported; supported: "
-                         f"{', '.join(GGUF_PRE_TOKENIZERS)}")
+        raise InputError(
+            f"{where}GGUF pre-tokenizer {pre!r} is not supported; supported: "
+            f"{', '.join(GGUF_PRE_TOKENIZERS)}"
+        )
     merges = meta.get("tokenizer.ggml.merges")
     if not isinstance(merges, list) or not all(isinstance(m, str) for m in merges):
-        raise InputError(f"{where}GGUF key tokenizer.ggml.merges is missing or not a list of strings; "
-                         "a gpt2 (BPE) tokenizer needs its merges")
+        raise InputError(
+            f"{where}GGUF key tokenizer.ggml.merges is missing or not a list of strings; "
+            "a gpt2 (BPE) tokenizer needs its merges"
+        )
 
     # A byte-level vocabulary spells every token in GPT-2's byte alphabet. A few files
     # store some tokens as raw text (real spaces, newlines): respell those so BPE can
@@ -374,9 +444,13 @@ def _byte_level_bpe(meta: dict, tokens: list[str], where: str) -> tuple[Tokenize
     try:
         # Llama 3's tokenizer takes a pre-token that is itself in the vocabulary as is,
         # before any merge (HF's ignore_merges; llama.cpp does the same for this pre type).
-        bpe = models.BPE(vocab=vocab, merges=pairs, ignore_merges=pre in ("llama-bpe", "llama3", "llama-v3"))
+        bpe = models.BPE(
+            vocab=vocab, merges=pairs, ignore_merges=pre in ("llama-bpe", "llama3", "llama-v3")
+        )
     except Exception as e:  # tokenizers raises a bare Exception for a merge of unknown tokens
-        raise InputError(f"{where}GGUF merges do not match its tokens ({str(e).splitlines()[0]}); the file is damaged")
+        raise InputError(
+            f"{where}GGUF merges do not match its tokens ({str(e).splitlines()[0]}); the file is damaged"
+        )
     tok = Tokenizer(bpe)
     tok.pre_tokenizer = _pre_tokenizer(pre)
     tok.decoder = decoders.ByteLevel()
@@ -388,8 +462,10 @@ def _split_merges(merges: list[str], where: str) -> list[tuple[str, str]]:
     for j, m in enumerate(merges):
         parts = m.split(" ")
         if len(parts) != 2 or not parts[0] or not parts[1]:
-            raise InputError(f"{where}GGUF merge {j} ({m[:40]!r}) is not two tokens separated by one space; "
-                             "the file is damaged")
+            raise InputError(
+                f"{where}GGUF merge {j} ({m[:40]!r}) is not two tokens separated by one space; "
+                "the file is damaged"
+            )
         pairs.append((parts[0], parts[1]))
     return pairs
 
@@ -431,37 +507,54 @@ def _sentencepiece(meta: dict, tokens: list[str], where: str) -> tuple[Tokenizer
     merges = meta.get("tokenizer.ggml.merges")
     if merges is not None:  # rare; transformers then uses them as given
         if not isinstance(merges, list) or not all(isinstance(m, str) for m in merges):
-            raise InputError(f"{where}GGUF key tokenizer.ggml.merges is not a list of strings; the file is damaged")
+            raise InputError(
+                f"{where}GGUF key tokenizer.ggml.merges is not a list of strings; the file is damaged"
+            )
         pairs = _split_merges(merges, where)
     else:
         if gemma:
             rank = [float(-i) for i in range(n)]
         else:
             rank = meta.get("tokenizer.ggml.scores")
-            if not isinstance(rank, list) or len(rank) != n or not all(
-                    isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in rank):
+            if (
+                not isinstance(rank, list)
+                or len(rank) != n
+                or not all(
+                    isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+                    for x in rank
+                )
+            ):
                 got = f"{len(rank)} entries" if isinstance(rank, list) else "missing"
-                raise InputError(f"{where}GGUF key tokenizer.ggml.scores is {got} or not finite numbers for {n} "
-                                 "tokens; a sentencepiece (llama) tokenizer needs one score per token")
+                raise InputError(
+                    f"{where}GGUF key tokenizer.ggml.scores is {got} or not finite numbers for {n} "
+                    "tokens; a sentencepiece (llama) tokenizer needs one score per token"
+                )
         pairs = _merges_from_ranks(vocab, rank)
 
     unk_id = gguf_special_ids(meta).unk
     unk = tokens[unk_id] if unk_id is not None else ("<unk>" if "<unk>" in vocab else None)
     try:
-        bpe = models.BPE(vocab=vocab, merges=pairs, unk_token=unk, fuse_unk=True, byte_fallback=True)
+        bpe = models.BPE(
+            vocab=vocab, merges=pairs, unk_token=unk, fuse_unk=True, byte_fallback=True
+        )
     except Exception as e:  # tokenizers raises a bare Exception for a merge of unknown tokens
-        raise InputError(f"{where}GGUF merges do not match its tokens ({str(e).splitlines()[0]}); the file is damaged")
+        raise InputError(
+            f"{where}GGUF merges do not match its tokens ({str(e).splitlines()[0]}); the file is damaged"
+        )
     tok = Tokenizer(bpe)
     steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
     prefix = meta.get("tokenizer.ggml.add_space_prefix", not gemma) is True
     if gemma:
         tok.normalizer = normalizers.Replace(" ", "▁")
     elif arch == "phi3":
-        tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+        tok.normalizer = normalizers.Sequence(
+            [normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")]
+        )
         steps.append(decoders.Strip(" ", 1, 0))
     else:
-        tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first" if prefix else "never",
-                                                     split=False)
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(
+            replacement="▁", prepend_scheme="first" if prefix else "never", split=False
+        )
         if prefix:
             steps.append(decoders.Strip(" ", 1, 0))
     tok.decoder = decoders.Sequence(steps)
@@ -473,7 +566,12 @@ def _merges_from_ranks(vocab: dict[str, int], rank: list[float]) -> list[tuple[s
     rank first; equal ranks: longer left first, then longer right, then earlier token
     (transformers' `generate_merges` order). Gemma's 262,144 tokens give ~515k merges;
     one list comprehension (~1 s there) is the fastest plain-Python way found."""
-    merges = [(t[:k], t[k:]) for t in vocab for k in range(len(t) - 1, 0, -1) if t[:k] in vocab and t[k:] in vocab]
+    merges = [
+        (t[:k], t[k:])
+        for t in vocab
+        for k in range(len(t) - 1, 0, -1)
+        if t[:k] in vocab and t[k:] in vocab
+    ]
     ranks = [rank[i] for i in vocab.values()]
     if any(a <= b for a, b in zip(ranks, ranks[1:])):  # tokens not in rank order: sort (stable)
         merges.sort(key=lambda m: (-rank[vocab[m[0] + m[1]]], -len(m[0]), -len(m[1])))

@@ -18,14 +18,40 @@ from toy.errors import UsageError
 ALIASES: dict[str, tuple[str, ...]] = {
     "--lr": ("learning-rate", "lr-max", "max-lr", "peak-lr"),
     "--min-lr": ("min-learning-rate", "lr-min", "final-lr"),
-    "--steps": ("step", "max-steps", "num-steps", "train-steps", "iters", "max-iters", "iterations"),
+    "--steps": (
+        "step",
+        "max-steps",
+        "num-steps",
+        "train-steps",
+        "iters",
+        "max-iters",
+        "iterations",
+    ),
     "--epochs": ("epoch", "num-epochs", "num-train-epochs"),
-    "--batch-size": ("bs", "batch", "train-batch-size", "per-device-train-batch-size", "micro-batch-size"),
-    "--grad-accum": ("gradient-accumulation-steps", "gradient-accumulation", "grad-accum-steps", "accum"),
+    "--batch-size": (
+        "bs",
+        "batch",
+        "train-batch-size",
+        "per-device-train-batch-size",
+        "micro-batch-size",
+    ),
+    "--grad-accum": (
+        "gradient-accumulation-steps",
+        "gradient-accumulation",
+        "grad-accum-steps",
+        "accum",
+    ),
     "--warmup": ("warmup-steps", "warmup-iters", "lr-warmup"),
     "--clip": ("grad-clip", "clip-grad", "max-grad-norm", "gradient-clipping"),
     "--weight-decay": ("wd",),
-    "--seq-len": ("sequence-length", "seq-length", "context-length", "block-size", "max-length", "ctx-size"),
+    "--seq-len": (
+        "sequence-length",
+        "seq-length",
+        "context-length",
+        "block-size",
+        "max-length",
+        "ctx-size",
+    ),
     "--eval-every": ("eval-interval", "eval-steps", "val-every"),
     "--save-every": ("save-interval", "save-steps", "checkpoint-every"),
     "--n-layer": ("n-layers", "num-layers", "num-hidden-layers", "layers"),
@@ -71,7 +97,7 @@ class Parser(argparse.ArgumentParser):
             p.error(unrecognized_message(extras, p))
         return ns
 
-    def _chosen(self, ns) -> "Parser":
+    def _chosen(self, ns) -> Parser:
         """The (sub)parser that parsed the chosen subcommand's flags."""
         for a in self._actions:
             if isinstance(a, argparse._SubParsersAction):
@@ -87,8 +113,12 @@ def suggest_flag(arg: str, parser: argparse.ArgumentParser) -> str | None:
     name = arg.split("=", 1)[0].lstrip("-").lower().replace("_", "-")
     if not name or not arg.startswith("-"):
         return None
-    table = {o.lstrip("-"): o for a in parser._actions for o in a.option_strings
-             if o.startswith("--") and o != "--help"}
+    table = {
+        o.lstrip("-"): o
+        for a in parser._actions
+        for o in a.option_strings
+        if o.startswith("--") and o != "--help"
+    }
     flags = set(table.values())
     for flag, names in ALIASES.items():
         if flag in flags:
@@ -119,6 +149,7 @@ def positive_int(flag: str):
         if v < 1:
             raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
         return v
+
     conv.__name__ = flag
     return conv
 
@@ -151,7 +182,9 @@ def resolve(cli: dict, toml: dict, builtin: dict, flag_of) -> dict:
         if isinstance(v, dict):  # a per-recipe table, applied by the caller
             continue
         if key not in builtin:
-            raise UsageError(f"toy.toml [train] has unknown key {k!r}; valid: {', '.join(sorted(builtin))}")
+            raise UsageError(
+                f"toy.toml [train] has unknown key {k!r}; valid: {', '.join(sorted(builtin))}"
+            )
         out[key] = v
     for k, v in cli.items():
         if v is not None:
@@ -179,5 +212,12 @@ def columns(rows: list[list[str]], right: set[int] = frozenset(), indent: str = 
     n = max(len(r) for r in rows)
     rows = [list(r) + [""] * (n - len(r)) for r in rows]
     widths = [max(len(r[i]) for r in rows) for i in range(n)]
-    return [(indent + "  ".join(c.rjust(w) if i in right else c.ljust(w)
-                                for i, (c, w) in enumerate(zip(r, widths)))).rstrip() for r in rows]
+    return [
+        (
+            indent
+            + "  ".join(
+                c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))
+            )
+        ).rstrip()
+        for r in rows
+    ]

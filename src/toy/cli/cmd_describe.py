@@ -14,10 +14,17 @@ from toy.errors import InputError
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("describe", help="show a model's (GGUF, transformers or MLX directory) architecture, size, "
-                       "tokenizer (or an adapter's rank, alpha, targets)", description=__doc__)
-    p.add_argument("model", metavar="FILE.gguf|DIR", help="a GGUF model, a LoRA adapter GGUF, or a transformers "
-                   "or MLX model directory")
+    p = sub.add_parser(
+        "describe",
+        help="show a model's (GGUF, transformers or MLX directory) architecture, size, "
+        "tokenizer (or an adapter's rank, alpha, targets)",
+        description=__doc__,
+    )
+    p.add_argument(
+        "model",
+        metavar="FILE.gguf|DIR",
+        help="a GGUF model, a LoRA adapter GGUF, or a transformers or MLX model directory",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
 
@@ -33,10 +40,18 @@ def _row(label: str, text: str) -> str:
 
 
 def _shape(arch: str, hp: dict) -> list[str]:
-    return [_row("architecture", f"{arch}: {hp['n_layer']} layers, width {hp['d_model']}, {hp['n_head']} heads / "
-                 f"{hp['n_kv_head']} kv heads (head {hp['head_dim']}), ffn {hp['d_ff']}"),
-            _row("", f"context {hp['context_length']}, rope theta {hp['rope_theta']:g}, norm eps {hp['norm_eps']:g}, "
-                 f"tied output: {'yes' if hp['tie_embeddings'] else 'no'}")]
+    return [
+        _row(
+            "architecture",
+            f"{arch}: {hp['n_layer']} layers, width {hp['d_model']}, {hp['n_head']} heads / "
+            f"{hp['n_kv_head']} kv heads (head {hp['head_dim']}), ffn {hp['d_ff']}",
+        ),
+        _row(
+            "",
+            f"context {hp['context_length']}, rope theta {hp['rope_theta']:g}, norm eps {hp['norm_eps']:g}, "
+            f"tied output: {'yes' if hp['tie_embeddings'] else 'no'}",
+        ),
+    ]
 
 
 def run(args) -> int:
@@ -61,12 +76,24 @@ def run(args) -> int:
         lines.append(_row("architecture", _text(d["arch"])))
     lines.append(_row("parameters", f"{d['n_params']:,} in {plural(d['n_tensors'], 'tensor')}"))
     rb = d["resident_bytes"]
-    lines.append(_row("LoRA base", f"{human_size(rb['quantized'])} resident quantized (--base-dtype quantized), "
-                      f"{human_size(rb['bfloat16'])} bfloat16, {human_size(rb['float32'])} float32"))
+    lines.append(
+        _row(
+            "LoRA base",
+            f"{human_size(rb['quantized'])} resident quantized (--base-dtype quantized), "
+            f"{human_size(rb['bfloat16'])} bfloat16, {human_size(rb['float32'])} float32",
+        )
+    )
     lines.append(_row("tensor types", ", ".join(f"{k} x{v}" for k, v in d["tensor_types"].items())))
-    lines.append(_row("tokenizer", f"{_text(tok['model'])} (pre: {_text(tok['pre'])}), vocab {tok['vocab_size']:,}, "
-                      f"{plural(tok['n_merges'], 'merge')}"))
-    specials = ", ".join(f"{k}={v['token']!r} ({v['id']})" for k, v in tok["special_tokens"].items() if v)
+    lines.append(
+        _row(
+            "tokenizer",
+            f"{_text(tok['model'])} (pre: {_text(tok['pre'])}), vocab {tok['vocab_size']:,}, "
+            f"{plural(tok['n_merges'], 'merge')}",
+        )
+    )
+    specials = ", ".join(
+        f"{k}={v['token']!r} ({v['id']})" for k, v in tok["special_tokens"].items() if v
+    )
     lines.append(_row("special", specials or "none"))
     lines.append(_row("chat template", "yes" if d["chat_template"] else "no"))
     print("\n".join(lines))  # print adds the final newline
@@ -81,18 +108,34 @@ def _directory(args) -> int:
         print(json.dumps({"format": "toy/describe-v1", **d}))
         return _verdict(d)
     what = {"mlx": "MLX directory", "transformers": "transformers directory"}[d["kind"]]
-    lines = [f"{d['path']}  ({human_size(d['file_size'])} in {plural(d['n_files'], 'weight file')}, {what})"]
+    lines = [
+        f"{d['path']}  ({human_size(d['file_size'])} in {plural(d['n_files'], 'weight file')}, {what})"
+    ]
     hp = d["hyperparameters"]
     if hp:
         lines += _shape(f"{_text(d['arch'])} (toy's {d['family']})", hp)
         lines.append(_row("parameters", f"{d['n_params']:,} in {plural(d['n_tensors'], 'tensor')}"))
         rb = d["resident_bytes"]
-        lines.append(_row("LoRA base", f"{human_size(rb['quantized'])} resident as stored (--base-dtype quantized), "
-                          f"{human_size(rb['bfloat16'])} bfloat16, {human_size(rb['float32'])} float32"))
-        lines.append(_row("tensor types", ", ".join(f"{k} x{v}" for k, v in d["tensor_types"].items())))
+        lines.append(
+            _row(
+                "LoRA base",
+                f"{human_size(rb['quantized'])} resident as stored (--base-dtype quantized), "
+                f"{human_size(rb['bfloat16'])} bfloat16, {human_size(rb['float32'])} float32",
+            )
+        )
+        lines.append(
+            _row("tensor types", ", ".join(f"{k} x{v}" for k, v in d["tensor_types"].items()))
+        )
         tok = d["tokenizer"]
-        specials = ", ".join(f"{k}={v['token']!r} ({v['id']})" for k, v in tok["special_tokens"].items() if v)
-        lines.append(_row("tokenizer", f"tokenizer.json, vocab {tok['vocab_size']:,}; {specials or 'no specials'}"))
+        specials = ", ".join(
+            f"{k}={v['token']!r} ({v['id']})" for k, v in tok["special_tokens"].items() if v
+        )
+        lines.append(
+            _row(
+                "tokenizer",
+                f"tokenizer.json, vocab {tok['vocab_size']:,}; {specials or 'no specials'}",
+            )
+        )
         lines.append(_row("chat template", "yes" if d["chat_template"] else "no"))
         lines += [_row("note", n) for n in d["notes"]]
     else:
@@ -112,7 +155,9 @@ def _adapter(args) -> int:
     what = f"{kind} adapter for a {_text(a['arch'])} base"
     if a["rank"] is not None:
         ranks = a["ranks"]
-        what += f": rank {a['rank']}" if len(ranks) == 1 else f": ranks {', '.join(map(str, ranks))}"
+        what += (
+            f": rank {a['rank']}" if len(ranks) == 1 else f": ranks {', '.join(map(str, ranks))}"
+        )
     if a["alpha"] is not None:
         what += f", alpha {a['alpha']:g}"
         if a["scale"] is not None and len(a["ranks"]) == 1:
@@ -121,28 +166,42 @@ def _adapter(args) -> int:
     if a.get("name"):
         lines.append(_row("name", _text(a["name"])))
     lines.append(_row("adapter", what))
-    targets = ", ".join(f"{_text(k.removesuffix('.weight'))} x{n}" for k, n in a["targets"].items()) or "none"
+    targets = (
+        ", ".join(f"{_text(k.removesuffix('.weight'))} x{n}" for k, n in a["targets"].items())
+        or "none"
+    )
     where = f" ({plural(a['n_matrices'], 'matrix', 'matrices')}"
     where += f" in {plural(a['n_layers'], 'layer')})" if a["n_layers"] else ")"
     lines.append(_row("targets", targets + where))
     lines.append(_row("parameters", f"{a['n_params']:,} in {plural(a['n_tensors'], 'tensor')}"))
-    lines.append(_row("tensor types", ", ".join(f"{k} x{v}" for k, v in a["tensor_types"].items()) or "none"))
+    lines.append(
+        _row("tensor types", ", ".join(f"{k} x{v}" for k, v in a["tensor_types"].items()) or "none")
+    )
     for note in a["notes"]:
         lines.append(_row("note", note))
-    lines.append(_row("use", f"on its {_text(a['arch'])} base in llama.cpp: llama-cli -m BASE.gguf --lora {args.model}"))
+    lines.append(
+        _row(
+            "use",
+            f"on its {_text(a['arch'])} base in llama.cpp: llama-cli -m BASE.gguf --lora {args.model}",
+        )
+    )
     print("\n".join(lines))
     return _adapter_verdict(a)
 
 
 def _adapter_verdict(a: dict) -> int:
     if a["problems"]:
-        raise InputError(f"{a['path']}: {'; '.join(a['problems'][:3])}; llama.cpp cannot apply it as it is "
-                         "(re-export it with `toy export RUN --format gguf-lora`)")
+        raise InputError(
+            f"{a['path']}: {'; '.join(a['problems'][:3])}; llama.cpp cannot apply it as it is "
+            "(re-export it with `toy export RUN --format gguf-lora`)"
+        )
     return 0
 
 
 def _verdict(d: dict) -> int:
     # What is in the file is shown either way; a file toy cannot load must not exit 0.
     if d["load_error"]:
-        raise InputError(f"{d['load_error']} (toy infer and train refuse it; re-convert or re-download the model)")
+        raise InputError(
+            f"{d['load_error']} (toy infer and train refuse it; re-convert or re-download the model)"
+        )
     return 0

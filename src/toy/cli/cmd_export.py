@@ -19,34 +19,58 @@ FORMATS = ("gguf", "gguf-lora", "peft", "mlx", "transformers")
 def add_parser(sub) -> None:
     from toy.formats.gguf_write import MERGED_DTYPES
 
-    p = sub.add_parser("export", help="export a run as GGUF (model or LoRA adapter), PEFT or mlx-lm adapter, or merged "
-                       "model", description=__doc__)
+    p = sub.add_parser(
+        "export",
+        help="export a run as GGUF (model or LoRA adapter), PEFT or mlx-lm adapter, or merged "
+        "model",
+        description=__doc__,
+    )
     p.add_argument("run", metavar="RUN_DIR", help="a run directory (or its final/)")
-    p.add_argument("--format", required=True, choices=FORMATS,
-                   help="gguf: a full model (from-scratch runs; LoRA runs on a GGUF base with --merge); gguf-lora: a "
-                        "LoRA run's adapter for llama.cpp (--lora); peft: a LoRA run's adapter for HF PEFT; mlx: a "
-                        "LoRA run's adapter for mlx-lm (adapters.safetensors + adapter_config.json), or with --merge "
-                        "the adapter fused into an MLX base, re-quantized as mlx_lm.fuse does; transformers: with "
-                        "--merge, the adapter merged into a transformers base, in its dtype")
-    p.add_argument("--out", help="output file, or a directory to put it in (a directory for peft, mlx and "
-                   "transformers) (default RUN_DIR/export/<name>)")
-    p.add_argument("--dtype", choices=MERGED_DTYPES, help="tensor type for GGUF: f32 (lossless, the default for "
-                   "models and adapters), f16 or q8_0 (norms and other 1-D tensors stay f32; q8_0 falls back to f16 "
-                   "for rows not a multiple of 32). With --merge only: keep (its default) copies every tensor the "
-                   "adapter does not change byte for byte and writes the changed ones as f16 (f32 on an f32 base), "
-                   "which keeps the fine-tune, as llama.cpp's export-lora does; base requantizes the changed ones to "
-                   "the base's own type (else q8_0): the smallest file, but lossy: a 4-bit base rounds most of a LoRA "
-                   "update away and llama.cpp then answers much as the base model does (the export notes how much of "
-                   "the update it kept)")
-    p.add_argument("--merge", action="store_true", help="on a LoRA run: fold the adapter into its base and write the "
-                   "full model, of the base's kind (--format gguf for a GGUF base, transformers or mlx for a directory)")
-    p.add_argument("--model", metavar="BASE", help="a LoRA run's base model, a GGUF file or a model directory "
-                   "(default: the path in its adapter_config.json)")
+    p.add_argument(
+        "--format",
+        required=True,
+        choices=FORMATS,
+        help="gguf: a full model (from-scratch runs; LoRA runs on a GGUF base with --merge); gguf-lora: a "
+        "LoRA run's adapter for llama.cpp (--lora); peft: a LoRA run's adapter for HF PEFT; mlx: a "
+        "LoRA run's adapter for mlx-lm (adapters.safetensors + adapter_config.json), or with --merge "
+        "the adapter fused into an MLX base, re-quantized as mlx_lm.fuse does; transformers: with "
+        "--merge, the adapter merged into a transformers base, in its dtype",
+    )
+    p.add_argument(
+        "--out",
+        help="output file, or a directory to put it in (a directory for peft, mlx and "
+        "transformers) (default RUN_DIR/export/<name>)",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=MERGED_DTYPES,
+        help="tensor type for GGUF: f32 (lossless, the default for "
+        "models and adapters), f16 or q8_0 (norms and other 1-D tensors stay f32; q8_0 falls back to f16 "
+        "for rows not a multiple of 32). With --merge only: keep (its default) copies every tensor the "
+        "adapter does not change byte for byte and writes the changed ones as f16 (f32 on an f32 base), "
+        "which keeps the fine-tune, as llama.cpp's export-lora does; base requantizes the changed ones to "
+        "the base's own type (else q8_0): the smallest file, but lossy: a 4-bit base rounds most of a LoRA "
+        "update away and llama.cpp then answers much as the base model does (the export notes how much of "
+        "the update it kept)",
+    )
+    p.add_argument(
+        "--merge",
+        action="store_true",
+        help="on a LoRA run: fold the adapter into its base and write the "
+        "full model, of the base's kind (--format gguf for a GGUF base, transformers or mlx for a directory)",
+    )
+    p.add_argument(
+        "--model",
+        metavar="BASE",
+        help="a LoRA run's base model, a GGUF file or a model directory "
+        "(default: the path in its adapter_config.json)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
 
 
 # ------------------------------------------------------------------ the run
+
 
 class _Run:
     """What kind of run a directory is, read from its final/ without loading weights."""
@@ -63,14 +87,16 @@ class _Run:
             return
         cfg_path = self.final / "config.json"
         if not cfg_path.is_file() or not (self.final / "model.safetensors").is_file():
-            raise InputError(f"{self.final}: neither a run's final/ model (config.json + model.safetensors) nor a "
-                             "LoRA adapter (adapter_config.json); pass a finished run (`toy list` shows them)")
+            raise InputError(
+                f"{self.final}: neither a run's final/ model (config.json + model.safetensors) nor a "
+                "LoRA adapter (adapter_config.json); pass a finished run (`toy list` shows them)"
+            )
         from toy.formats.checkpoint import read_json
 
         self.meta = read_json(cfg_path)
         model = self.meta.get("model") if isinstance(self.meta, dict) else None
         if not isinstance(model, dict):
-            raise InputError(f"{cfg_path}: not a toy model config (no \"model\" object)")
+            raise InputError(f'{cfg_path}: not a toy model config (no "model" object)')
         self.kind, self.arch = "model", str(model.get("arch", "llama"))
 
 
@@ -78,48 +104,74 @@ def _check_request(r: _Run, args) -> str:
     """Every bad combination, refused before any work. Returns the dtype."""
     fmt, where = args.format, str(r.dir)
     if r.arch == "vit":
-        raise UsageError(f"{where}: a vit image classifier cannot be exported as --format {fmt}: GGUF (llama.cpp) "
-                         "holds language models and PEFT holds LoRA adapters; its final/model.safetensors is "
-                         "already the portable form")
+        raise UsageError(
+            f"{where}: a vit image classifier cannot be exported as --format {fmt}: GGUF (llama.cpp) "
+            "holds language models and PEFT holds LoRA adapters; its final/model.safetensors is "
+            "already the portable form"
+        )
     if r.kind == "model":
         if fmt == "gguf-lora":
-            raise UsageError(f"{where}: --format gguf-lora needs a LoRA run; this is a full {r.arch} model: "
-                             "use --format gguf")
+            raise UsageError(
+                f"{where}: --format gguf-lora needs a LoRA run; this is a full {r.arch} model: "
+                "use --format gguf"
+            )
         if fmt == "peft":
-            raise UsageError(f"{where}: --format peft writes LoRA adapters; this is a full {r.arch} model: "
-                             "use --format gguf")
+            raise UsageError(
+                f"{where}: --format peft writes LoRA adapters; this is a full {r.arch} model: "
+                "use --format gguf"
+            )
         if args.merge:
-            raise UsageError(f"{where}: --merge folds a LoRA adapter into its base; this is a full {r.arch} model "
-                             "run: drop --merge")
+            raise UsageError(
+                f"{where}: --merge folds a LoRA adapter into its base; this is a full {r.arch} model "
+                "run: drop --merge"
+            )
         if args.model:
-            raise UsageError("--model names a LoRA run's base; a full model run needs none: drop --model")
+            raise UsageError(
+                "--model names a LoRA run's base; a full model run needs none: drop --model"
+            )
         if r.arch not in ("llama", "gpt2"):
-            raise UsageError(f"{where}: arch {r.arch!r} cannot be exported to GGUF; supported: llama, gpt2")
+            raise UsageError(
+                f"{where}: arch {r.arch!r} cannot be exported to GGUF; supported: llama, gpt2"
+            )
         if fmt in ("mlx", "transformers"):
-            raise UsageError(f"{where}: --format {fmt} writes a LoRA run's adapter or merged base; this is a full "
-                             f"{r.arch} model: use --format gguf")
+            raise UsageError(
+                f"{where}: --format {fmt} writes a LoRA run's adapter or merged base; this is a full "
+                f"{r.arch} model: use --format gguf"
+            )
     else:
         if fmt == "gguf" and not args.merge:
-            raise UsageError(f"{where}: a LoRA run's final/ is an adapter, not a model: use --format gguf-lora "
-                             "(llama.cpp --lora), --format peft or mlx, or --merge for the full merged model")
+            raise UsageError(
+                f"{where}: a LoRA run's final/ is an adapter, not a model: use --format gguf-lora "
+                "(llama.cpp --lora), --format peft or mlx, or --merge for the full merged model"
+            )
         if fmt == "transformers" and not args.merge:
-            raise UsageError(f"{where}: --format transformers writes a merged model: add --merge (for the adapter "
-                             "alone, --format peft)")
+            raise UsageError(
+                f"{where}: --format transformers writes a merged model: add --merge (for the adapter "
+                "alone, --format peft)"
+            )
         if args.merge and fmt not in ("gguf", "mlx", "transformers"):
-            raise UsageError(f"--merge writes a full model: use it with --format gguf, mlx or transformers (the "
-                             f"base's kind), not --format {fmt}")
+            raise UsageError(
+                f"--merge writes a full model: use it with --format gguf, mlx or transformers (the "
+                f"base's kind), not --format {fmt}"
+            )
     if fmt in ("peft", "mlx", "transformers"):
         if args.dtype:
-            raise UsageError(f"--dtype applies to GGUF exports; --format {fmt} keeps the adapter as trained and a "
-                             "merged directory the base's own types: drop --dtype")
+            raise UsageError(
+                f"--dtype applies to GGUF exports; --format {fmt} keeps the adapter as trained and a "
+                "merged directory the base's own types: drop --dtype"
+            )
         return ""
     if args.dtype in ("keep", "base") and not args.merge:
-        raise UsageError(f"--dtype {args.dtype} keeps a base model's own tensors: it applies to --merge only; "
-                         "use f32, f16 or q8_0")
+        raise UsageError(
+            f"--dtype {args.dtype} keeps a base model's own tensors: it applies to --merge only; "
+            "use f32, f16 or q8_0"
+        )
     dtype = args.dtype or ("keep" if args.merge else "f32")
     if fmt == "gguf-lora" and dtype == "q8_0":
-        raise UsageError("--dtype q8_0 is not offered for --format gguf-lora: an adapter is small and its B "
-                         "matrices (r columns) rarely fill q8_0's 32-wide blocks; use f16 or f32")
+        raise UsageError(
+            "--dtype q8_0 is not offered for --format gguf-lora: an adapter is small and its B "
+            "matrices (r columns) rarely fill q8_0's 32-wide blocks; use f16 or f32"
+        )
     return dtype
 
 
@@ -132,6 +184,7 @@ def _out_path(r: _Run, args, default_name: str) -> Path:
 
 # ------------------------------------------------------------------ LoRA base
 
+
 def _resolve_base(r: _Run, args, config: dict) -> tuple[Path, list[str]]:
     """The base GGUF a LoRA run adapts, as `toy infer --run` finds it (cli/lora_base.py):
     --model, else the recorded path; a base that changed since training is refused
@@ -143,6 +196,7 @@ def _resolve_base(r: _Run, args, config: dict) -> tuple[Path, list[str]]:
 
 # ------------------------------------------------------------------ export
 
+
 def run(args) -> int:
     from toy.formats.gguf_write import WriteReport
 
@@ -151,7 +205,9 @@ def run(args) -> int:
     if args.format == "peft":
         return _report(args, r, _export_peft(r, args), "")
     if args.format in ("mlx", "transformers"):
-        return _report(args, r, _export_mlx(r, args) if not args.merge else _export_merged_dir(r, args), "")
+        return _report(
+            args, r, _export_mlx(r, args) if not args.merge else _export_merged_dir(r, args), ""
+        )
     if r.kind == "model":
         report = _export_model(r, args, dtype)
     elif args.format == "gguf-lora":
@@ -168,9 +224,11 @@ def _export_model(r: _Run, args, dtype: str):
 
     model, meta, tok = load_model_dir(r.final)
     if tok is None:
-        raise InputError(f"{r.final}: no tokenizer.json, and llama.cpp needs the tokenizer inside the GGUF (the "
-                         "corpus the run trained on had no NAME.tokenizer.json beside it); copy that corpus's "
-                         f"tokenizer into {r.final / 'tokenizer.json'}")
+        raise InputError(
+            f"{r.final}: no tokenizer.json, and llama.cpp needs the tokenizer inside the GGUF (the "
+            "corpus the run trained on had no NAME.tokenizer.json beside it); copy that corpus's "
+            f"tokenizer into {r.final / 'tokenizer.json'}"
+        )
     template = meta.get("chat_template") if isinstance(meta.get("chat_template"), str) else None
     if template is None and (r.final / "chat_template.jinja").is_file():
         template = (r.final / "chat_template.jinja").read_text()
@@ -199,13 +257,24 @@ def _export_lora(r: _Run, args, dtype: str):
         b = read_base(base, "quantized")
         cfg, arch = b.config, b.family.hf_types[b.arch].gguf
         if arch is None:
-            raise UsageError(f"{base}: a {b.arch} model has no llama.cpp architecture toy knows; use --format peft")
+            raise UsageError(
+                f"{base}: a {b.arch} model has no llama.cpp architecture toy knows; use --format peft"
+            )
     else:
         cfg, arch, _ = base_config(base)
     out = _out_path(r, args, f"{r.name}-lora-{dtype}.gguf")
-    rep = write_lora_gguf(out, sd, alpha=float(config["lora_alpha"]), base=cfg, arch=arch, dtype=dtype,
-                          name=f"{r.name} (LoRA)")
-    rep.notes = notes + rep.notes + [f"load it on {base} (llama.cpp: --lora; llama-cpp-python: lora_path=)"]
+    rep = write_lora_gguf(
+        out,
+        sd,
+        alpha=float(config["lora_alpha"]),
+        base=cfg,
+        arch=arch,
+        dtype=dtype,
+        name=f"{r.name} (LoRA)",
+    )
+    rep.notes = (
+        notes + rep.notes + [f"load it on {base} (llama.cpp: --lora; llama-cpp-python: lora_path=)"]
+    )
     return rep
 
 
@@ -216,12 +285,23 @@ def _export_mlx(r: _Run, args) -> Path:
     sd, config = _load_adapter(r)
     base, _ = _resolve_base(r, args, config)
     out = Path(args.out) if args.out else r.dir / "export" / f"{r.name}-mlx"
-    if out.exists() and (not out.is_dir() or any(p.name not in ("adapters.safetensors", "adapter_config.json")
-                                                  for p in out.iterdir())):
-        raise UsageError(f"--out {out} exists and is not an mlx-lm adapter directory; choose a new path")
+    if out.exists() and (
+        not out.is_dir()
+        or any(p.name not in ("adapters.safetensors", "adapter_config.json") for p in out.iterdir())
+    ):
+        raise UsageError(
+            f"--out {out} exists and is not an mlx-lm adapter directory; choose a new path"
+        )
     n_layers = 1 + max(int(k.split(".")[1]) for k in sd)
-    save_mlx_adapter(out, sd, rank=int(config["r"]), alpha=float(config["lora_alpha"]),
-                     dropout=float(config.get("lora_dropout") or 0.0), n_layers=n_layers, prefix=_mlx_prefix(base))
+    save_mlx_adapter(
+        out,
+        sd,
+        rank=int(config["r"]),
+        alpha=float(config["lora_alpha"]),
+        dropout=float(config.get("lora_dropout") or 0.0),
+        n_layers=n_layers,
+        prefix=_mlx_prefix(base),
+    )
     return out
 
 
@@ -231,7 +311,9 @@ def _mlx_prefix(base: Path) -> str:
     from toy.formats.mlx_adapter import body_prefix
 
     kind = base_kind(base)
-    return body_prefix(kind, read_json(base / "config.json").get("model_type", "") if kind != "gguf" else "")
+    return body_prefix(
+        kind, read_json(base / "config.json").get("model_type", "") if kind != "gguf" else ""
+    )
 
 
 def _export_merged_dir(r: _Run, args) -> Path:
@@ -242,9 +324,11 @@ def _export_merged_dir(r: _Run, args) -> Path:
     base_path, notes = _resolve_base(r, args, config)
     base = read_base(base_path, "quantized")
     if base.kind != args.format:
-        raise UsageError(f"--merge --format {args.format}: the run's base {base_path} is a {base.kind} "
-                         f"{'file' if base.kind == 'gguf' else 'directory'}; merge into it with --format "
-                         f"{'gguf' if base.kind == 'gguf' else base.kind}")
+        raise UsageError(
+            f"--merge --format {args.format}: the run's base {base_path} is a {base.kind} "
+            f"{'file' if base.kind == 'gguf' else 'directory'}; merge into it with --format "
+            f"{'gguf' if base.kind == 'gguf' else base.kind}"
+        )
     out = Path(args.out) if args.out else r.dir / "export" / f"{r.name}-merged-{base.kind}"
     merge_into_dir(out, base, sd, rank=int(config["r"]), alpha=float(config["lora_alpha"]))
     return out
@@ -256,12 +340,21 @@ def _export_merged(r: _Run, args, dtype: str):
     sd, config = _load_adapter(r)
     base_path, notes = _resolve_base(r, args, config)
     if base_path.is_dir():
-        raise UsageError(f"--merge --format gguf: the run's base {base_path} is a model directory; merge into it with "
-                         "--format transformers or mlx (its own kind)")
+        raise UsageError(
+            f"--merge --format gguf: the run's base {base_path} is a model directory; merge into it with "
+            "--format transformers or mlx (its own kind)"
+        )
     out = _out_path(r, args, f"{r.name}-merged-{dtype}.gguf")
     try:
-        rep = write_merged_gguf(out, base_path, sd, rank=int(config["r"]), alpha=float(config["lora_alpha"]),
-                                dtype=dtype, name=f"{r.name} (merged)")
+        rep = write_merged_gguf(
+            out,
+            base_path,
+            sd,
+            rank=int(config["r"]),
+            alpha=float(config["lora_alpha"]),
+            dtype=dtype,
+            name=f"{r.name} (merged)",
+        )
     except InputError as e:  # the adapter does not fit this base
         raise InputError(f"{r.final}: does not fit the base {base_path}: {e.message}")
     rep.notes = notes + rep.notes
@@ -273,14 +366,23 @@ def _export_peft(r: _Run, args) -> Path:
 
     _load_adapter(r)  # validates the adapter: config, keys, shapes
     out = Path(args.out) if args.out else r.dir / "export" / f"{r.name}-peft"
-    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / "adapter_config.json").is_file())):
-        raise UsageError(f"--out {out} exists and is not a PEFT adapter directory; choose a new path")
+    if out.exists() and (
+        not out.is_dir() or (any(out.iterdir()) and not (out / "adapter_config.json").is_file())
+    ):
+        raise UsageError(
+            f"--out {out} exists and is not a PEFT adapter directory; choose a new path"
+        )
     if out.resolve() == r.final.resolve():
         raise UsageError(f"--out {out} is the run's own final/; choose another path")
     out.parent.mkdir(parents=True, exist_ok=True)
     # final/ of a LoRA run already is a PEFT directory (save_peft_adapter wrote it): copy it.
     with atomic_dir(out) as d:
-        for name in ("adapter_config.json", "adapter_model.safetensors", "tokenizer.json", "README.md"):
+        for name in (
+            "adapter_config.json",
+            "adapter_model.safetensors",
+            "tokenizer.json",
+            "README.md",
+        ):
             if (r.final / name).is_file():
                 shutil.copyfile(r.final / name, d / name)
     return out
@@ -290,8 +392,19 @@ def _report(args, r: _Run, rep, dtype: str) -> int:
     if isinstance(rep, Path):  # a directory: peft, mlx, a merged directory
         files = sorted(p.name for p in rep.iterdir())
         if args.json:
-            print(json.dumps({"format": "toy/export-v1", "run_dir": str(r.dir), "kind": r.kind, "merged": args.merge,
-                              "export_format": args.format, "path": str(rep), "files": files}))
+            print(
+                json.dumps(
+                    {
+                        "format": "toy/export-v1",
+                        "run_dir": str(r.dir),
+                        "kind": r.kind,
+                        "merged": args.merge,
+                        "export_format": args.format,
+                        "path": str(rep),
+                        "files": files,
+                    }
+                )
+            )
         else:
             what = {"peft": "PEFT adapter", "mlx": "mlx-lm adapter"}.get(args.format, "")
             what = f"{args.format} model, the adapter merged in" if args.merge else what
@@ -301,16 +414,37 @@ def _report(args, r: _Run, rep, dtype: str) -> int:
         return 0
     size = rep.path.stat().st_size
     if args.json:
-        print(json.dumps({"format": "toy/export-v1", "run_dir": str(r.dir), "kind": r.kind,
-                          "export_format": args.format, "merged": bool(args.merge), "path": str(rep.path),
-                          "arch": rep.arch, "dtype": dtype, "file_size": size, "n_params": rep.n_params,
-                          "tensor_types": dict(rep.tensor_types.most_common()), "notes": rep.notes,
-                          **({"update_kept": rep.update_kept, "update_error": rep.update_error}
-                             if rep.update_kept is not None else {})}))
+        print(
+            json.dumps(
+                {
+                    "format": "toy/export-v1",
+                    "run_dir": str(r.dir),
+                    "kind": r.kind,
+                    "export_format": args.format,
+                    "merged": bool(args.merge),
+                    "path": str(rep.path),
+                    "arch": rep.arch,
+                    "dtype": dtype,
+                    "file_size": size,
+                    "n_params": rep.n_params,
+                    "tensor_types": dict(rep.tensor_types.most_common()),
+                    "notes": rep.notes,
+                    **(
+                        {"update_kept": rep.update_kept, "update_error": rep.update_error}
+                        if rep.update_kept is not None
+                        else {}
+                    ),
+                }
+            )
+        )
         return 0
-    what = {"gguf": "merged model" if args.merge else "model", "gguf-lora": "LoRA adapter"}[args.format]
+    what = {"gguf": "merged model" if args.merge else "model", "gguf-lora": "LoRA adapter"}[
+        args.format
+    ]
     types = ", ".join(f"{k} x{v}" for k, v in rep.tensor_types.most_common())
-    print(f"wrote {rep.path} ({human_size(size)}, {rep.arch} {what}, {plural(rep.n_params, 'parameter')}; {types})")
+    print(
+        f"wrote {rep.path} ({human_size(size)}, {rep.arch} {what}, {plural(rep.n_params, 'parameter')}; {types})"
+    )
     for note in rep.notes:
         print(f"  {note}")
     return 0

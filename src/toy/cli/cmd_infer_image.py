@@ -7,13 +7,16 @@ from pathlib import Path
 
 import torch
 
-from toy.data.images import MAX_PIXELS, IMAGE_EXTS, Skipped, decode, open_image, to_float
+from toy.data.images import IMAGE_EXTS, MAX_PIXELS, Skipped, decode, open_image, to_float
 from toy.errors import InputError, UsageError
 from toy.formats.model_dir import final_dir, load_model_dir
 
 TOP = 5
-WHY = {"empty": "it is empty (0 bytes)", "corrupt": "it is not a readable PNG/JPEG",
-       "too_large": f"it has more than {MAX_PIXELS:,} pixels"}
+WHY = {
+    "empty": "it is empty (0 bytes)",
+    "corrupt": "it is not a readable PNG/JPEG",
+    "too_large": f"it has more than {MAX_PIXELS:,} pixels",
+}
 
 
 def infer_image(args) -> int:
@@ -22,25 +25,33 @@ def infer_image(args) -> int:
     if not args.run:
         raise UsageError("give --run RUN_DIR (a run trained with --recipe vit-tiny)")
     if args.prompt is not None:
-        raise UsageError("--image and --prompt conflict: an image classifier takes no prompt; give one of them")
+        raise UsageError(
+            "--image and --prompt conflict: an image classifier takes no prompt; give one of them"
+        )
     device = resolve_device(args.device)
     d = final_dir(args.run, "--run")
     path = Path(args.image)
     if not path.is_file():
         raise InputError(f"--image {path}: no such file")
     if path.suffix.lower() not in IMAGE_EXTS:
-        raise InputError(f"--image {path}: not a PNG/JPEG file (by its extension); convert it to PNG")
+        raise InputError(
+            f"--image {path}: not a PNG/JPEG file (by its extension); convert it to PNG"
+        )
     model, meta, _ = load_model_dir(d, device)
     classes = meta.get("classes")
     cfg = model.cfg
     if not classes or getattr(cfg, "arch", None) != "vit":
-        raise InputError(f"--run {d}: not an image classifier (arch {getattr(cfg, 'arch', '?')}); "
-                         "--image needs a run trained with --recipe vit-tiny")
+        raise InputError(
+            f"--run {d}: not an image classifier (arch {getattr(cfg, 'arch', '?')}); "
+            "--image needs a run trained with --recipe vit-tiny"
+        )
     skipped = Skipped()
     im = open_image(path, skipped, MAX_PIXELS)
     reason = next((k for k, n in skipped.counts().items() if n), None)
     if im is None:
-        raise InputError(f"--image {path}: {WHY.get(reason, 'it cannot be read')}; give another image")
+        raise InputError(
+            f"--image {path}: {WHY.get(reason, 'it cannot be read')}; give another image"
+        )
     try:
         with im:
             im.load()

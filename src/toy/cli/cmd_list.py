@@ -14,10 +14,18 @@ from toy.errors import ToyError, UsageError
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("list", help="list GGUF models (data/, runs' exports, DIRs) and runs (runs/)",
-                       description=__doc__)
-    p.add_argument("dirs", nargs="*", metavar="DIR", help="more directories (or .gguf files) to list models from "
-                   "(default: none; data/ and runs/*/export/ are always listed)")
+    p = sub.add_parser(
+        "list",
+        help="list GGUF models (data/, runs' exports, DIRs) and runs (runs/)",
+        description=__doc__,
+    )
+    p.add_argument(
+        "dirs",
+        nargs="*",
+        metavar="DIR",
+        help="more directories (or .gguf files) to list models from "
+        "(default: none; data/ and runs/*/export/ are always listed)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
 
@@ -54,9 +62,19 @@ def describe_model(path: Path) -> dict[str, Any]:
         if d.get("type") == "adapter":
             raise ToyError("an adapter")  # listed from its header below
         hp = d["hyperparameters"]
-        row = {**row, "kind": "model", "arch": d["arch"], "name": d.get("name"), "n_params": d["n_params"],
-               "n_layer": (hp or {}).get("n_layer"), "d_model": (hp or {}).get("d_model"), "tensor_types": d["tensor_types"]}
-        return {**row, "note": d["load_error"].removeprefix(f"{path}: ")} if d["load_error"] else row
+        row = {
+            **row,
+            "kind": "model",
+            "arch": d["arch"],
+            "name": d.get("name"),
+            "n_params": d["n_params"],
+            "n_layer": (hp or {}).get("n_layer"),
+            "d_model": (hp or {}).get("d_model"),
+            "tensor_types": d["tensor_types"],
+        }
+        return (
+            {**row, "note": d["load_error"].removeprefix(f"{path}: ")} if d["load_error"] else row
+        )
     except ToyError as e:
         why = e.message
     # toy cannot run it (an adapter, another architecture), but the header may still say what it is.
@@ -69,14 +87,23 @@ def describe_model(path: Path) -> dict[str, Any]:
     types: dict[str, int] = {}
     for ti in h.tensors.values():
         types[ti.qtype.name] = types.get(ti.qtype.name, 0) + 1
-    base = {"arch": meta.get("general.architecture"), "name": meta.get("general.name"), "n_params": n_params,
-            "tensor_types": types}
+    base = {
+        "arch": meta.get("general.architecture"),
+        "name": meta.get("general.name"),
+        "n_params": n_params,
+        "tensor_types": types,
+    }
     if meta.get("general.type") == "adapter":
         from toy.formats.gguf_adapter import describe_adapter
 
         a = describe_adapter(h)
-        row = {**row, "kind": f"{meta.get('adapter.type', '?')} adapter", **base, "alpha": a["alpha"],
-               "rank": a["rank"]}
+        row = {
+            **row,
+            "kind": f"{meta.get('adapter.type', '?')} adapter",
+            **base,
+            "alpha": a["alpha"],
+            "rank": a["rank"],
+        }
         return {**row, "note": "; ".join(a["problems"])} if a["problems"] else row
     return {**row, "kind": "model", **base, "note": why.removeprefix(f"{path}: ")}
 
@@ -90,12 +117,19 @@ def describe_run(d: Path) -> dict[str, Any]:
         info = json.loads((d / "run.json").read_text())
         if not isinstance(info, dict):
             raise ValueError("not an object")
-        row.update(recipe=info.get("recipe"), arch=info.get("arch"), params=info.get("params"),
-                   steps=(info.get("train") or {}).get("steps"), started=info.get("started"))
+        row.update(
+            recipe=info.get("recipe"),
+            arch=info.get("arch"),
+            params=info.get("params"),
+            steps=(info.get("train") or {}).get("steps"),
+            started=info.get("started"),
+        )
     except FileNotFoundError:
         row["error"] = "no run.json"
     except (OSError, ValueError, UnicodeDecodeError) as e:
-        row["error"] = f"unreadable run.json ({str(e).splitlines()[0] if str(e) else type(e).__name__})"
+        row["error"] = (
+            f"unreadable run.json ({str(e).splitlines()[0] if str(e) else type(e).__name__})"
+        )
     try:
         events = read_events(d)
     except ToyError:
@@ -105,14 +139,22 @@ def describe_run(d: Path) -> dict[str, Any]:
         status = "no events"
     else:
         ev = last.get("event")
-        status = {"run_finished": "finished", "run_failed": "failed", "interrupted": "interrupted"}.get(ev)
+        status = {
+            "run_finished": "finished",
+            "run_failed": "failed",
+            "interrupted": "interrupted",
+        }.get(ev)
         if status is None:
             step = next((e.get("step") for e in reversed(events) if e.get("event") == "step"), None)
-            status = f"incomplete (last event {ev}" + (f", step {step})" if step is not None else ")")
+            status = f"incomplete (last event {ev}" + (
+                f", step {step})" if step is not None else ")"
+            )
         if ev == "run_failed" and last.get("error"):
             row["error"] = str(last["error"]).splitlines()[0][:200]
         if ev == "run_finished":
-            row.update(final_step=last.get("step"), loss=last.get("loss"), val_loss=last.get("val_loss"))
+            row.update(
+                final_step=last.get("step"), loss=last.get("loss"), val_loss=last.get("val_loss")
+            )
     row["status"] = status
     return row
 
@@ -120,8 +162,13 @@ def describe_run(d: Path) -> dict[str, Any]:
 def _runs(runs_dir: Path) -> list[dict[str, Any]]:
     if not runs_dir.is_dir():
         return []
-    dirs = [d for d in sorted(runs_dir.iterdir()) if d.is_dir() and not d.name.startswith(".")
-            and ((d / "run.json").exists() or (d / "events.jsonl").exists())]
+    dirs = [
+        d
+        for d in sorted(runs_dir.iterdir())
+        if d.is_dir()
+        and not d.name.startswith(".")
+        and ((d / "run.json").exists() or (d / "events.jsonl").exists())
+    ]
     return [describe_run(d) for d in dirs]
 
 
@@ -160,14 +207,25 @@ def run(args) -> int:
     for a in args.dirs:
         p = Path(a)
         if not p.exists():
-            raise UsageError(f"{p}: no such directory or file; pass directories holding .gguf files")
+            raise UsageError(
+                f"{p}: no such directory or file; pass directories holding .gguf files"
+            )
         model_dirs.append(p)
     models = [describe_model(f) for f in _gguf_files(model_dirs)]
     runs = _runs(project.runs_dir)
     if args.json:
-        print(json.dumps({"format": "toy/list-v1", "project": str(project.root) if project.root else None,
-                          "model_dirs": [str(d) for d in model_dirs], "runs_dir": str(project.runs_dir),
-                          "models": models, "runs": runs}))
+        print(
+            json.dumps(
+                {
+                    "format": "toy/list-v1",
+                    "project": str(project.root) if project.root else None,
+                    "model_dirs": [str(d) for d in model_dirs],
+                    "runs_dir": str(project.runs_dir),
+                    "models": models,
+                    "runs": runs,
+                }
+            )
+        )
         return 0
     where = [_shown(d) for d in model_dirs if d not in exports]
     if exports:
@@ -176,17 +234,41 @@ def run(args) -> int:
     table = [["path", "arch", "kind", "params", "size", "note"]]
     for m in models:
         if "error" in m:
-            table.append([_shown(m["path"]), "?", "unreadable", "", human_size(m["file_size"]) if "file_size" in m
-                          else "", f"ERROR: {m['error'].removeprefix(m['path'] + ': ')}"])
+            table.append(
+                [
+                    _shown(m["path"]),
+                    "?",
+                    "unreadable",
+                    "",
+                    human_size(m["file_size"]) if "file_size" in m else "",
+                    f"ERROR: {m['error'].removeprefix(m['path'] + ': ')}",
+                ]
+            )
             continue
         kind = m["kind"] + (f" r{m['rank']}" if m.get("rank") else "")
-        table.append([_shown(m["path"]), str(m["arch"]), kind, _params(m["n_params"]), human_size(m["file_size"]),
-                      m.get("note") or ""])
+        table.append(
+            [
+                _shown(m["path"]),
+                str(m["arch"]),
+                kind,
+                _params(m["n_params"]),
+                human_size(m["file_size"]),
+                m.get("note") or "",
+            ]
+        )
     print("\n".join(columns(table, right={3, 4}, indent="  ")) if models else "  none")
     print(f"runs ({_shown(project.runs_dir)}):")
     table = [["run", "recipe", "arch", "params", "status", "note"]]
     for r in runs:
-        table.append([r["run_id"], r.get("recipe") or "?", r.get("arch") or "?",
-                      _params(r["params"]) if r.get("params") else "", r["status"], r.get("error") or ""])
+        table.append(
+            [
+                r["run_id"],
+                r.get("recipe") or "?",
+                r.get("arch") or "?",
+                _params(r["params"]) if r.get("params") else "",
+                r["status"],
+                r.get("error") or "",
+            ]
+        )
     print("\n".join(columns(table, right={3}, indent="  ")) if runs else "  none")
     return 0

@@ -60,12 +60,18 @@ def run(args) -> int:
     dst = d / "data" / "corpus.bin"
     # The same names `toy prep --out data/corpus.bin` gives, so a second corpus prepared
     # into data/ never touches this one's tokenizer.
-    for a, b in ((src, dst), (val_path_for(src), val_path_for(dst)), (tokenizer_beside(src), tokenizer_path_for(dst))):
+    for a, b in (
+        (src, dst),
+        (val_path_for(src), val_path_for(dst)),
+        (tokenizer_beside(src), tokenizer_path_for(dst)),
+    ):
         shutil.copyfile(a, b)
     chats = dialogue.conversations(bundled_text_paths(), CHATS, seed=0, turns=(1, 2), max_chars=400)
     dialogue.write_jsonl(chats, d / "data" / "chat.jsonl")
     (d / "toy.toml").write_text(TOML.format(template=DEFAULT_RUN_ID_TEMPLATE))
-    print(f"created project {d}: toy.toml, data/corpus.bin (bundled Shakespeare, BPE {DEFAULT_VOCAB}), "
-          f"data/chat.jsonl ({len(chats)} conversations from the plays), runs/")
+    print(
+        f"created project {d}: toy.toml, data/corpus.bin (bundled Shakespeare, BPE {DEFAULT_VOCAB}), "
+        f"data/chat.jsonl ({len(chats)} conversations from the plays), runs/"
+    )
     print(f"next: cd {d} && toy train --recipe from-scratch")
     return 0

@@ -13,13 +13,24 @@ INSTALL = "pip install 'toy[plot]'"
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("plot", help="plot runs' train and validation loss curves to an image", description=__doc__)
+    p = sub.add_parser(
+        "plot", help="plot runs' train and validation loss curves to an image", description=__doc__
+    )
     p.add_argument("runs", nargs="+", metavar="RUN", help="run directories (made by `toy train`)")
-    p.add_argument("--out", default="loss.png", metavar="FILE", help="image to write; the suffix picks the format: "
-                   ".png, .svg, .pdf (default loss.png)")
+    p.add_argument(
+        "--out",
+        default="loss.png",
+        metavar="FILE",
+        help="image to write; the suffix picks the format: .png, .svg, .pdf (default loss.png)",
+    )
     p.add_argument("--title", help="chart title (default: none)")
-    p.add_argument("--smooth", type=int, default=0, metavar="N",
-                   help="draw train loss as a running mean over N steps (default 0: raw)")
+    p.add_argument(
+        "--smooth",
+        type=int,
+        default=0,
+        metavar="N",
+        help="draw train loss as a running mean over N steps (default 0: raw)",
+    )
     p.set_defaults(func=run)
 
 
@@ -71,10 +82,14 @@ def run(args) -> int:
     dirs = [Path(r) for r in args.runs]
     for d in dirs:
         if not (d / "events.jsonl").is_file():
-            raise InputError(f"{d}: no events.jsonl there; pass run directories made by `toy train`")
+            raise InputError(
+                f"{d}: no events.jsonl there; pass run directories made by `toy train`"
+            )
     data = [(d, *curves(d)) for d in dirs]
     if not any(tr or va for _, tr, va in data):
-        raise InputError(f"{', '.join(map(str, dirs))}: no step or eval events yet; nothing to plot")
+        raise InputError(
+            f"{', '.join(map(str, dirs))}: no step or eval events yet; nothing to plot"
+        )
     try:
         # The object API with its own Agg canvas: no pyplot, no global backend switch,
         # no display needed.
@@ -99,8 +114,16 @@ def run(args) -> int:
             ax.plot(xs, ys, color=color, alpha=0.55, linewidth=1.0, label=f"{name} train")
         if va:
             xs, ys = zip(*va)
-            ax.plot(xs, ys, color=color, linestyle="--", marker="o", markersize=3.5, linewidth=1.6,
-                    label=f"{name} val")
+            ax.plot(
+                xs,
+                ys,
+                color=color,
+                linestyle="--",
+                marker="o",
+                markersize=3.5,
+                linewidth=1.6,
+                label=f"{name} val",
+            )
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
     ax.grid(True, alpha=0.3)

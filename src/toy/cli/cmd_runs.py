@@ -15,13 +15,31 @@ from toy.runs import find_project, read_events
 
 FORMAT = "toy/runs-v1"
 COLUMNS = ("id", "recipe", "arch", "init", "steps", "loss", "val_loss", "speed", "wall", "status")
-HEADERS = ("id", "recipe", "arch", "init", "steps", "train loss", "val loss", "tokens/s", "wall", "status")
+HEADERS = (
+    "id",
+    "recipe",
+    "arch",
+    "init",
+    "steps",
+    "train loss",
+    "val loss",
+    "tokens/s",
+    "wall",
+    "status",
+)
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("runs", help="list runs with their losses, speed and status", description=__doc__)
-    p.add_argument("dir", nargs="?", metavar="DIR", help="directory holding run directories, or one run "
-                   "directory (default: the project's runs/)")
+    p = sub.add_parser(
+        "runs", help="list runs with their losses, speed and status", description=__doc__
+    )
+    p.add_argument(
+        "dir",
+        nargs="?",
+        metavar="DIR",
+        help="directory holding run directories, or one run "
+        "directory (default: the project's runs/)",
+    )
     p.add_argument("--json", action="store_true", help=f"print one JSON object (format {FORMAT})")
     p.set_defaults(func=run)
 
@@ -50,10 +68,23 @@ def summarize(run_dir: Path) -> dict[str, Any]:
         events = []
     job = info.get("job") if isinstance(info.get("job"), dict) else {}
     row: dict[str, Any] = {
-        "id": run_dir.name, "run_dir": str(run_dir), "recipe": info.get("recipe"), "arch": info.get("arch"),
-        "init": job.get("init"), "params": info.get("params"), "seed": info.get("seed"),
-        "started": info.get("started"), "steps": None, "target_steps": None, "loss": None, "val_loss": None,
-        "items_per_s": None, "items": None, "tokens_per_s": None, "wall_s": None, "segments": 0,
+        "id": run_dir.name,
+        "run_dir": str(run_dir),
+        "recipe": info.get("recipe"),
+        "arch": info.get("arch"),
+        "init": job.get("init"),
+        "params": info.get("params"),
+        "seed": info.get("seed"),
+        "started": info.get("started"),
+        "steps": None,
+        "target_steps": None,
+        "loss": None,
+        "val_loss": None,
+        "items_per_s": None,
+        "items": None,
+        "tokens_per_s": None,
+        "wall_s": None,
+        "segments": 0,
         "status": "unknown",
     }
     recorded = info.get("config") if isinstance(info.get("config"), dict) else info.get("train")
@@ -74,7 +105,9 @@ def summarize(run_dir: Path) -> dict[str, Any]:
         elif kind == "run_finished":
             row["status"] = "finished"
             for k, v in e.items():
-                if k.endswith("_per_s") and _num(v) is not None:  # the whole run's figure beats the last step's
+                if (
+                    k.endswith("_per_s") and _num(v) is not None
+                ):  # the whole run's figure beats the last step's
                     row["items"], row["items_per_s"] = k[: -len("_per_s")], _num(v)
         elif kind == "run_failed":
             row["status"] = "failed"
@@ -108,14 +141,22 @@ def segment_walls(events: list[dict]) -> list[float | None]:
             seg[1] = t
         if e.get("event") == "run_finished" and _num(e.get("wall_s")) is not None:
             seg[2] = _num(e.get("wall_s"))
-    return [wall if wall is not None else (last - first if first is not None and last != first else None)
-            for first, last, wall in segs]
+    return [
+        wall
+        if wall is not None
+        else (last - first if first is not None and last != first else None)
+        for first, last, wall in segs
+    ]
 
 
 def find_runs(d: Path) -> list[Path]:
     if (d / "run.json").is_file() or (d / "events.jsonl").is_file():
         return [d]  # DIR is itself a run
-    return [p for p in d.iterdir() if p.is_dir() and ((p / "run.json").is_file() or (p / "events.jsonl").is_file())]
+    return [
+        p
+        for p in d.iterdir()
+        if p.is_dir() and ((p / "run.json").is_file() or (p / "events.jsonl").is_file())
+    ]
 
 
 def _fmt(v: Any, kind: str) -> str:
@@ -135,8 +176,18 @@ def cells(r: dict[str, Any]) -> list[str]:
     speed = "-"
     if r["items_per_s"] is not None:
         speed = f"{r['items_per_s']:,.0f}" + ("" if r["items"] == "tokens" else f" {r['items']}/s")
-    return [r["id"], r["recipe"] or "-", r["arch"] or "-", r["init"] or "-", steps, _fmt(r["loss"], "loss"),
-            _fmt(r["val_loss"], "loss"), speed, _fmt(r["wall_s"], "wall"), r["status"]]
+    return [
+        r["id"],
+        r["recipe"] or "-",
+        r["arch"] or "-",
+        r["init"] or "-",
+        steps,
+        _fmt(r["loss"], "loss"),
+        _fmt(r["val_loss"], "loss"),
+        speed,
+        _fmt(r["wall_s"], "wall"),
+        r["status"],
+    ]
 
 
 def plain_table(rows: list[list[str]]) -> str:
@@ -146,15 +197,22 @@ def plain_table(rows: list[list[str]]) -> str:
     right = {4, 5, 6, 7, 8}
     lines = []
     for r in table:
-        lines.append("  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))
-                     .rstrip())
+        lines.append(
+            "  ".join(
+                c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))
+            ).rstrip()
+        )
     return "\n".join(lines)
 
 
 def run(args) -> int:
     d = Path(args.dir) if args.dir else find_project().runs_dir
     if not d.is_dir():
-        hint = "train one with `toy train`" if not args.dir else "pass a directory of runs (e.g. runs/)"
+        hint = (
+            "train one with `toy train`"
+            if not args.dir
+            else "pass a directory of runs (e.g. runs/)"
+        )
         raise InputError(f"{d}: no such directory; {hint}")
     rows = [summarize(p) for p in find_runs(d)]
     rows.sort(key=lambda r: (r["started"] or "", r["id"]))

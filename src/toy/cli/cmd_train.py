@@ -38,88 +38,194 @@ def _presets() -> str:
     for arch in registry.arch_names():
         for name in registry.preset_names(arch):
             f = registry.preset(arch, name)
-            shape = (f"{f['image_size']}px/{f['patch_size']}, " if "image_size" in f else "") + \
-                f"{f['n_layer']}x{f['d_model']}, {f['n_head']} heads" + \
-                (f", context {f['max_seq_len']}" if "max_seq_len" in f else "")
+            shape = (
+                (f"{f['image_size']}px/{f['patch_size']}, " if "image_size" in f else "")
+                + f"{f['n_layer']}x{f['d_model']}, {f['n_head']} heads"
+                + (f", context {f['max_seq_len']}" if "max_seq_len" in f else "")
+            )
             out.append(f"{arch} {name} ({shape})")
     return "; ".join(out)
 
 
 def add_parser(sub, recipes: bool = True) -> None:
-    p = sub.add_parser("train", help="train a model (from-scratch, warm-start, lora, vit-tiny)", description=__doc__)
+    p = sub.add_parser(
+        "train",
+        help="train a model (from-scratch, warm-start, lora, vit-tiny)",
+        description=__doc__,
+    )
     g = p.add_argument_group("run")
-    g.add_argument("--recipe", help=f"what to train: {', '.join(recipe_names())} (default from-scratch)")
-    g.add_argument("--arch", help=f"architecture: {', '.join(registry.arch_names())} {dflt('arch')}")
+    g.add_argument(
+        "--recipe", help=f"what to train: {', '.join(recipe_names())} (default from-scratch)"
+    )
+    g.add_argument(
+        "--arch", help=f"architecture: {', '.join(registry.arch_names())} {dflt('arch')}"
+    )
     g.add_argument("--steps", type=positive_int("--steps"), help=f"optimizer steps {dflt('steps')}")
-    g.add_argument("--epochs", type=positive_int("--epochs"),
-                   help="passes over the training data (token windows, images or chat batches); sets --steps from "
-                        "the data, conflicts with --steps (default: none, --steps counts)")
+    g.add_argument(
+        "--epochs",
+        type=positive_int("--epochs"),
+        help="passes over the training data (token windows, images or chat batches); sets --steps from "
+        "the data, conflicts with --steps (default: none, --steps counts)",
+    )
     g.add_argument("--seed", type=int, help="seed for init, data order and sampling (default 0)")
-    g.add_argument("--out", help="directory that holds run directories (default: the project's runs/)")
-    g.add_argument("--run-id", help="run directory name (default from toy.toml's template "
-                   "'{date}-{recipe}-{arch}-{n}')")
-    g.add_argument("--json", action="store_true", help="print one JSON object (format toy/train-v1) "
-                   "instead of step lines")
-    g.add_argument("--device", choices=DEVICES, help="cpu (default), cuda (bf16 autocast) or metal (macOS)")
-    g.add_argument("--nproc", type=positive_int("--nproc"), metavar="N",
-                   help="launch N local processes through torch.distributed.run (DDP; gloo on cpu, nccl on "
-                        "cuda); --batch-size is per process. For multi-node use torchrun, see README (default: "
-                        "one process)")
-    g.add_argument("--fsdp", action="store_true", default=None,
-                   help="with several processes: shard parameters, gradients and AdamW state (FSDP2) "
-                        "instead of replicating them (DDP)")
-    g.add_argument("--compile", action="store_true", default=None,
-                   help="torch.compile each transformer block (inductor; needs a C++ compiler on cpu). Faster "
-                        "steps after a one-off compile of tens of seconds; falls back to eager where it cannot")
-    g.add_argument("--checkpointing", action="store_true", default=None,
-                   help="activation checkpointing, the low-memory mode: keep only each block's input and recompute "
-                        "the block in backward, and give freed memory back to the OS at once. Measured on SmolLM2 "
-                        "LoRA (docs/performance.md): peak memory 0.59 GB instead of 2.1 GB, steps about 2.3x slower. "
-                        "Every recipe")
-    g.add_argument("--resume", metavar="RUN_DIR", help="continue RUN_DIR from its latest checkpoint, in place "
-                   "(same config; --steps may be raised: docs/reliability.md says what the LR then does) "
-                   "(default: a new run)")
+    g.add_argument(
+        "--out", help="directory that holds run directories (default: the project's runs/)"
+    )
+    g.add_argument(
+        "--run-id",
+        help="run directory name (default from toy.toml's template '{date}-{recipe}-{arch}-{n}')",
+    )
+    g.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object (format toy/train-v1) instead of step lines",
+    )
+    g.add_argument(
+        "--device", choices=DEVICES, help="cpu (default), cuda (bf16 autocast) or metal (macOS)"
+    )
+    g.add_argument(
+        "--nproc",
+        type=positive_int("--nproc"),
+        metavar="N",
+        help="launch N local processes through torch.distributed.run (DDP; gloo on cpu, nccl on "
+        "cuda); --batch-size is per process. For multi-node use torchrun, see README (default: "
+        "one process)",
+    )
+    g.add_argument(
+        "--fsdp",
+        action="store_true",
+        default=None,
+        help="with several processes: shard parameters, gradients and AdamW state (FSDP2) "
+        "instead of replicating them (DDP)",
+    )
+    g.add_argument(
+        "--compile",
+        action="store_true",
+        default=None,
+        help="torch.compile each transformer block (inductor; needs a C++ compiler on cpu). Faster "
+        "steps after a one-off compile of tens of seconds; falls back to eager where it cannot",
+    )
+    g.add_argument(
+        "--checkpointing",
+        action="store_true",
+        default=None,
+        help="activation checkpointing, the low-memory mode: keep only each block's input and recompute "
+        "the block in backward, and give freed memory back to the OS at once. Measured on SmolLM2 "
+        "LoRA (docs/performance.md): peak memory 0.59 GB instead of 2.1 GB, steps about 2.3x slower. "
+        "Every recipe",
+    )
+    g.add_argument(
+        "--resume",
+        metavar="RUN_DIR",
+        help="continue RUN_DIR from its latest checkpoint, in place "
+        "(same config; --steps may be raised: docs/reliability.md says what the LR then does) "
+        "(default: a new run)",
+    )
     d = p.add_argument_group("data")
-    d.add_argument("--corpus", help="token file from `toy prep` (default: the project's data/corpus.bin, "
-                   "else the bundled Shakespeare plays)")
-    d.add_argument("--val-corpus", help="validation token file (default: CORPUS.val.bin beside --corpus)")
-    d.add_argument("--tokenizer", help="tokenizer.json for the corpus (default: CORPUS.tokenizer.json, else "
-                   "tokenizer.json, beside the corpus)")
-    d.add_argument("--raw-i32", action="store_true", help="--corpus is headerless packed int32 tokens")
-    d.add_argument("--vocab-size", type=positive_int("--vocab-size"),
-                   help="vocabulary size of a --raw-i32 corpus without --tokenizer (default: the tokenizer's)")
+    d.add_argument(
+        "--corpus",
+        help="token file from `toy prep` (default: the project's data/corpus.bin, "
+        "else the bundled Shakespeare plays)",
+    )
+    d.add_argument(
+        "--val-corpus", help="validation token file (default: CORPUS.val.bin beside --corpus)"
+    )
+    d.add_argument(
+        "--tokenizer",
+        help="tokenizer.json for the corpus (default: CORPUS.tokenizer.json, else "
+        "tokenizer.json, beside the corpus)",
+    )
+    d.add_argument(
+        "--raw-i32", action="store_true", help="--corpus is headerless packed int32 tokens"
+    )
+    d.add_argument(
+        "--vocab-size",
+        type=positive_int("--vocab-size"),
+        help="vocabulary size of a --raw-i32 corpus without --tokenizer (default: the tokenizer's)",
+    )
     m = p.add_argument_group("model")
     from toy.recipes import vit_tiny as vit
-    m.add_argument("--preset", help=f"named model shape: {_presets()} (default: llama small, gpt2 small; vit "
-                   f"{vit.SMALL_PRESET} under {vit.SMALL_SET:,} training images, else vit-tiny)")
-    m.add_argument("--n-layer", type=positive_int("--n-layer"), help="transformer blocks (default: the preset's)")
-    m.add_argument("--d-model", type=positive_int("--d-model"), help="model width (default: the preset's)")
-    m.add_argument("--n-head", type=positive_int("--n-head"), help="attention (query) heads (default: the preset's)")
-    m.add_argument("--n-kv-head", type=positive_int("--n-kv-head"),
-                   help="key/value heads, grouped-query attention, llama only (default: the preset's)")
-    m.add_argument("--seq-len", type=positive_int("--seq-len"),
-                   help=f"training sequence length {dflt('seq_len', 'the preset context')}")
+
+    m.add_argument(
+        "--preset",
+        help=f"named model shape: {_presets()} (default: llama small, gpt2 small; vit "
+        f"{vit.SMALL_PRESET} under {vit.SMALL_SET:,} training images, else vit-tiny)",
+    )
+    m.add_argument(
+        "--n-layer",
+        type=positive_int("--n-layer"),
+        help="transformer blocks (default: the preset's)",
+    )
+    m.add_argument(
+        "--d-model", type=positive_int("--d-model"), help="model width (default: the preset's)"
+    )
+    m.add_argument(
+        "--n-head",
+        type=positive_int("--n-head"),
+        help="attention (query) heads (default: the preset's)",
+    )
+    m.add_argument(
+        "--n-kv-head",
+        type=positive_int("--n-kv-head"),
+        help="key/value heads, grouped-query attention, llama only (default: the preset's)",
+    )
+    m.add_argument(
+        "--seq-len",
+        type=positive_int("--seq-len"),
+        help=f"training sequence length {dflt('seq_len', 'the preset context')}",
+    )
     o = p.add_argument_group("optimiser")
-    o.add_argument("--batch-size", type=positive_int("--batch-size"),
-                   help=f"sequences per micro-batch {dflt('batch_size')}; with chat --data, a budget of "
-                   "batch-size x (seq-len + 1) tokens filled with conversations of similar length")
-    o.add_argument("--grad-accum", type=positive_int("--grad-accum"),
-                   help="micro-batches per optimizer step; the loss is normalised over all of them "
-                        f"{dflt('grad_accum')}")
+    o.add_argument(
+        "--batch-size",
+        type=positive_int("--batch-size"),
+        help=f"sequences per micro-batch {dflt('batch_size')}; with chat --data, a budget of "
+        "batch-size x (seq-len + 1) tokens filled with conversations of similar length",
+    )
+    o.add_argument(
+        "--grad-accum",
+        type=positive_int("--grad-accum"),
+        help="micro-batches per optimizer step; the loss is normalised over all of them "
+        f"{dflt('grad_accum')}",
+    )
     o.add_argument("--lr", type=finite_float, help=f"peak learning rate {dflt('lr')}")
-    o.add_argument("--min-lr", type=finite_float, help=f"final learning rate of the cosine decay {dflt('min_lr')}")
-    o.add_argument("--warmup", type=nonneg_int, help="linear warmup steps, at most 10%% of the run (a longer one is "
-                   f"cut, with a note) {dflt('warmup')}")
-    o.add_argument("--weight-decay", type=finite_float,
-                   help=f"AdamW decay on matrices and embeddings {dflt('weight_decay')}")
-    o.add_argument("--clip", type=finite_float, help=f"gradient norm clip, 0 disables {dflt('clip')}")
-    o.add_argument("--eval-every", type=nonneg_int,
-                   help="validation every N steps; it also runs before step 1 and at the end (default 0: only those)")
-    o.add_argument("--eval-batches", type=positive_int("--eval-batches"),
-                   help=f"validation batches per eval {dflt('eval_batches')}")
-    o.add_argument("--save-every", type=nonneg_int, help="checkpoint every N steps; the last step is always "
-                   "checkpointed (default 0: only the last)")
-    o.add_argument("--keep-last", type=nonneg_int, help="checkpoints to keep, 0 keeps all (default 2)")
+    o.add_argument(
+        "--min-lr",
+        type=finite_float,
+        help=f"final learning rate of the cosine decay {dflt('min_lr')}",
+    )
+    o.add_argument(
+        "--warmup",
+        type=nonneg_int,
+        help="linear warmup steps, at most 10%% of the run (a longer one is "
+        f"cut, with a note) {dflt('warmup')}",
+    )
+    o.add_argument(
+        "--weight-decay",
+        type=finite_float,
+        help=f"AdamW decay on matrices and embeddings {dflt('weight_decay')}",
+    )
+    o.add_argument(
+        "--clip", type=finite_float, help=f"gradient norm clip, 0 disables {dflt('clip')}"
+    )
+    o.add_argument(
+        "--eval-every",
+        type=nonneg_int,
+        help="validation every N steps; it also runs before step 1 and at the end (default 0: only those)",
+    )
+    o.add_argument(
+        "--eval-batches",
+        type=positive_int("--eval-batches"),
+        help=f"validation batches per eval {dflt('eval_batches')}",
+    )
+    o.add_argument(
+        "--save-every",
+        type=nonneg_int,
+        help="checkpoint every N steps; the last step is always "
+        "checkpointed (default 0: only the last)",
+    )
+    o.add_argument(
+        "--keep-last", type=nonneg_int, help="checkpoints to keep, 0 keeps all (default 2)"
+    )
     # Each recipe adds its own flags in a group of its own (recipe modules own them).
     for name in recipe_names() if recipes else ():
         load_recipe(name).add_arguments(p.add_argument_group(f"{name} recipe"))
@@ -140,7 +246,9 @@ def own_flags() -> dict[str, dict[str, str]]:
     for name in recipe_names():
         scratch = argparse.ArgumentParser(add_help=False)
         load_recipe(name).add_arguments(scratch.add_argument_group(name))
-        owned[name] = {a.dest: a.option_strings[0] for a in scratch._actions if a.dest not in general}
+        owned[name] = {
+            a.dest: a.option_strings[0] for a in scratch._actions if a.dest not in general
+        }
     return owned
 
 
@@ -154,8 +262,10 @@ def check_recipe_flags(recipe: str, cli: dict) -> None:
             continue
         for key, flag in flags.items():
             if cli.get(key) is not None and key not in owned.get(recipe, {}):
-                problems.append(f"{flag} is a {name} recipe flag; the {recipe} recipe does not take it "
-                                f"(drop it, or train with --recipe {name})")
+                problems.append(
+                    f"{flag} is a {name} recipe flag; the {recipe} recipe does not take it "
+                    f"(drop it, or train with --recipe {name})"
+                )
     if problems:
         raise UsageError("; ".join(problems))
 
@@ -168,8 +278,6 @@ def build_general_parser():
     sub = p.add_subparsers()
     add_parser(sub, recipes=False)
     return sub.choices["train"]
-
-
 
 
 def run(args) -> int:
@@ -188,14 +296,18 @@ def _run(args) -> int:
     recipes = {name: load_recipe(name) for name in recipe_names()}
     if args.resume:
         if args.run_id or args.out:
-            raise UsageError(f"--resume {args.resume} continues that run in place; --run-id and --out conflict "
-                             "with it")
+            raise UsageError(
+                f"--resume {args.resume} continues that run in place; --run-id and --out conflict "
+                "with it"
+            )
         outcome = resume_run(Path(args.resume), cli, project, recipes, json_mode=args.json)
     else:
         name = cli.get("recipe") or project.train_defaults.get("recipe") or RunConfig.recipe
         if name in recipes:
             check_recipe_flags(name, cli)
-        outcome = new_run(cli, project, recipes, run_id=args.run_id, out=args.out, json_mode=args.json)
+        outcome = new_run(
+            cli, project, recipes, run_id=args.run_id, out=args.out, json_mode=args.json
+        )
     if outcome.main:
         try:
             _print(outcome, args.json)
@@ -210,11 +322,22 @@ def _print(o: Outcome, json_mode: bool) -> None:
     last_val = res.val_losses[-1]["loss"] if res.val_losses else None
     acc = [{"step": m["step"], "accuracy": m["accuracy"]} for m in res.metrics if "accuracy" in m]
     if json_mode:
-        out = {"format": "toy/train-v1", "run_id": o.run_id, "run_dir": str(o.run_dir), "recipe": o.cfg.recipe,
-               "arch": o.built.arch, "device": o.device.type, "seed": o.cfg.seed, "steps": o.cfg.steps,
-               "params": o.built.params, "losses": res.losses, "val_losses": res.val_losses,
-               f"{job.items_name}_per_s": res.items_per_s, "wall_s": round(res.wall_s, 3),
-               "peak_mem_bytes": res.peak_mem_bytes}
+        out = {
+            "format": "toy/train-v1",
+            "run_id": o.run_id,
+            "run_dir": str(o.run_dir),
+            "recipe": o.cfg.recipe,
+            "arch": o.built.arch,
+            "device": o.device.type,
+            "seed": o.cfg.seed,
+            "steps": o.cfg.steps,
+            "params": o.built.params,
+            "losses": res.losses,
+            "val_losses": res.val_losses,
+            f"{job.items_name}_per_s": res.items_per_s,
+            "wall_s": round(res.wall_s, 3),
+            "peak_mem_bytes": res.peak_mem_bytes,
+        }
         if res.metrics:
             out["metrics"] = res.metrics
         if acc:  # classifiers: the accuracy curve under its own key
@@ -225,5 +348,7 @@ def _print(o: Outcome, json_mode: bool) -> None:
         speed = f", {res.items_per_s:,.0f} {job.items_name}/s" if res.items_per_s else ""
         val += f", val accuracy {acc[-1]['accuracy']:.4f}" if acc else ""
         mem = f", peak memory {res.peak_mem_bytes / 1e9:.2f} GB" if res.peak_mem_bytes else ""
-        print(f"done: loss {last:.4f}{val}{speed}{mem}, {res.wall_s:.1f}s; model in {o.run_dir / 'final'}")
+        print(
+            f"done: loss {last:.4f}{val}{speed}{mem}, {res.wall_s:.1f}s; model in {o.run_dir / 'final'}"
+        )
     sys.stdout.flush()

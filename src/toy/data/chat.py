@@ -42,9 +42,10 @@ import functools
 import json
 import sys
 from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import jinja2
 import jinja2.ext
@@ -60,9 +61,11 @@ from toy.tokenizer import encode_prompt
 
 ROLES = ("system", "user", "assistant")
 IGNORE_INDEX = -100  # a target the loss skips (torch's cross_entropy default, models.losses.IGNORE)
-SCHEMA_HINT = ('each line must be one of {"messages": [{"role": "system"|"user"|"assistant", "content": "..."}, '
-               '...], "tools": [...]} with a non-empty assistant turn, {"prompt": "...", "completion": "..."}, or '
-               '{"text": "..."}; one format per file')
+SCHEMA_HINT = (
+    'each line must be one of {"messages": [{"role": "system"|"user"|"assistant", "content": "..."}, '
+    '...], "tools": [...]} with a non-empty assistant turn, {"prompt": "...", "completion": "..."}, or '
+    '{"text": "..."}; one format per file'
+)
 
 SHOW_SKIPPED = 5  # skipped lines warned one by one; the rest are counted in one summary line
 GIVE_UP_AFTER = 50  # this many bad lines and not one conversation: the file is not chat JSONL
@@ -79,6 +82,7 @@ class ConversationError(InputError):
 
 # --------------------------------------------------------------------------- templates
 
+
 class _Env(BoundedSandbox):
     """The sandbox, bounded in size and time (data/sandbox.py), and an unsafe attribute
     access fails at once.
@@ -89,7 +93,9 @@ class _Env(BoundedSandbox):
     """
 
     def unsafe_undefined(self, obj: Any, attribute: str) -> Any:
-        raise SecurityError(f"access to attribute {attribute!r} of {type(obj).__name__!r} object is unsafe")
+        raise SecurityError(
+            f"access to attribute {attribute!r} of {type(obj).__name__!r} object is unsafe"
+        )
 
 
 def _raise_exception(message: str) -> None:
@@ -97,11 +103,18 @@ def _raise_exception(message: str) -> None:
     raise ConversationError(f"chat template rejected the conversation: {message}")
 
 
-def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
-            sort_keys: bool = False) -> str:
+def _tojson(
+    x: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: Any = None,
+    sort_keys: bool = False,
+) -> str:
     # HF's tojson: plain JSON. jinja2's own escapes <, >, & for HTML, which would change
     # the rendered text of tool schemas relative to what the model was trained on.
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    return json.dumps(
+        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
 
 
 @functools.lru_cache(maxsize=16)
@@ -121,8 +134,14 @@ def _one_line(e: BaseException) -> str:
     return s[0] if s else type(e).__name__
 
 
-def render_template(template: str, messages: Sequence[Message], add_generation_prompt: bool,
-                    bos_token: str, eos_token: str, tools: list | None = None) -> str:
+def render_template(
+    template: str,
+    messages: Sequence[Message],
+    add_generation_prompt: bool,
+    bos_token: str,
+    eos_token: str,
+    tools: list | None = None,
+) -> str:
     """Render a chat template in jinja2's immutable sandbox, bounded in size and time.
     Every failure is an InputError: a syntax error, an unsafe access or a limit passed
     (TemplateLimitError) is the template's fault for every conversation; a
@@ -135,21 +154,36 @@ def render_template(template: str, messages: Sequence[Message], add_generation_p
         raise InputError(f"chat template does not compile: {_one_line(e)}")
     size = sum(len(m.get("content") or "") + len(m.get("role") or "") for m in messages)
     size += len(json.dumps(tools)) if tools else 0
-    extra = {"tools": tools} if tools is not None else {}  # as transformers: only when the data has them
+    extra = (
+        {"tools": tools} if tools is not None else {}
+    )  # as transformers: only when the data has them
     try:
-        return render_bounded(tpl, size + len(bos_token) + len(eos_token), messages=list(messages),
-                              add_generation_prompt=add_generation_prompt, bos_token=bos_token, eos_token=eos_token,
-                              **extra)
+        return render_bounded(
+            tpl,
+            size + len(bos_token) + len(eos_token),
+            messages=list(messages),
+            add_generation_prompt=add_generation_prompt,
+            bos_token=bos_token,
+            eos_token=eos_token,
+            **extra,
+        )
     except ToyError:
         raise
     except SecurityError as e:
-        raise InputError(f"chat template refused by the sandbox: {_one_line(e)} (a template may not reach "
-                         f"Python internals or modify its inputs); use the model's own chat template")
-    except Exception as e:  # UndefinedError, TypeError ... on this conversation's data; not a toy bug
-        raise ConversationError(f"chat template failed to render: {type(e).__name__}: {_one_line(e)}")
+        raise InputError(
+            f"chat template refused by the sandbox: {_one_line(e)} (a template may not reach "
+            f"Python internals or modify its inputs); use the model's own chat template"
+        )
+    except (
+        Exception
+    ) as e:  # UndefinedError, TypeError ... on this conversation's data; not a toy bug
+        raise ConversationError(
+            f"chat template failed to render: {type(e).__name__}: {_one_line(e)}"
+        )
 
 
 # --------------------------------------------------------------------------- JSONL
+
 
 def _stderr(msg: str) -> None:
     print(f"warning: {msg}", file=sys.stderr)
@@ -169,8 +203,11 @@ class Example:
     text: str = ""
 
 
-FORMATS = {"messages": 'a {"messages"} conversation', "prompt": 'a {"prompt", "completion"} pair',
-           "text": 'a {"text"} document'}
+FORMATS = {
+    "messages": 'a {"messages"} conversation',
+    "prompt": 'a {"prompt", "completion"} pair',
+    "text": 'a {"text"} document',
+}
 
 
 def _check_line(obj: Any) -> tuple[Example | None, str, str]:
@@ -184,47 +221,79 @@ def _check_line(obj: Any) -> tuple[Example | None, str, str]:
             return None, reason, detail
         tools = obj.get("tools")
         if tools is not None and not isinstance(tools, list):
-            return None, '"tools" not a list', f"\"tools\" must be a list of tool schemas, got {type(tools).__name__}"
+            return (
+                None,
+                '"tools" not a list',
+                f'"tools" must be a list of tool schemas, got {type(tools).__name__}',
+            )
         return Example("messages", tuple(conv), tools=tools), "", ""
     if "prompt" in obj or "completion" in obj:
         p, c = obj.get("prompt"), obj.get("completion")
         if not isinstance(p, str) or not isinstance(c, str):
             bad = "prompt" if not isinstance(p, str) else "completion"
-            return None, f'"{bad}" not a string', f"\"{bad}\" must be a string, got {type(obj.get(bad)).__name__}"
+            return (
+                None,
+                f'"{bad}" not a string',
+                f'"{bad}" must be a string, got {type(obj.get(bad)).__name__}',
+            )
         if not c.strip():
-            return None, "empty completion", "\"completion\" is empty (nothing to learn from)"
+            return None, "empty completion", '"completion" is empty (nothing to learn from)'
         return Example("prompt", prompt=p, completion=c), "", ""
     if "text" in obj:
         t = obj["text"]
         if not isinstance(t, str) or not t.strip():
-            return None, "empty text", "\"text\" must be a non-empty string"
+            return None, "empty text", '"text" must be a non-empty string'
         return Example("text", text=t), "", ""
     keys = ", ".join(sorted(map(str, obj))[:5]) or "none"
-    return None, "no known key", f"no \"messages\", \"prompt\"/\"completion\" or \"text\" key (keys: {keys})"
+    return (
+        None,
+        "no known key",
+        f'no "messages", "prompt"/"completion" or "text" key (keys: {keys})',
+    )
 
 
 def _check_conversation(msgs: Any) -> tuple[Conversation | None, str, str]:
     if not isinstance(msgs, list):
-        return None, '"messages" not a list', f"\"messages\" must be a list, got {type(msgs).__name__}"
+        return (
+            None,
+            '"messages" not a list',
+            f'"messages" must be a list, got {type(msgs).__name__}',
+        )
     if not msgs:
-        return None, 'empty "messages"', "\"messages\" is empty"
+        return None, 'empty "messages"', '"messages" is empty'
     out: Conversation = []
     for j, m in enumerate(msgs):
         if not isinstance(m, dict):
-            return None, "message not an object", f"messages[{j}] must be an object, got {type(m).__name__}"
+            return (
+                None,
+                "message not an object",
+                f"messages[{j}] must be an object, got {type(m).__name__}",
+            )
         role, content = m.get("role"), m.get("content")
         if role not in ROLES:
-            return None, "unknown role", f"messages[{j}] has unknown role {role!r} (use one of: {', '.join(ROLES)})"
+            return (
+                None,
+                "unknown role",
+                f"messages[{j}] has unknown role {role!r} (use one of: {', '.join(ROLES)})",
+            )
         if not isinstance(content, str):
-            return None, "content not a string", (f"messages[{j}] \"content\" must be a string, "
-                                                   f"got {type(content).__name__}")
-        out.append({"role": role, "content": content})  # extra keys dropped: the template sees only these
+            return (
+                None,
+                "content not a string",
+                (f'messages[{j}] "content" must be a string, got {type(content).__name__}'),
+            )
+        out.append(
+            {"role": role, "content": content}
+        )  # extra keys dropped: the template sees only these
     # An empty reply would supervise nothing but the end-of-turn marker: no conversation
     # made only of those is worth a step.
     replies = [m for m in out if m["role"] == "assistant"]
     if not any(m["content"].strip() for m in replies):
-        detail = ("no assistant turn (nothing to learn from)" if not replies else
-                  "no assistant reply with content (an empty reply teaches only the end-of-turn marker)")
+        detail = (
+            "no assistant turn (nothing to learn from)"
+            if not replies
+            else "no assistant reply with content (an empty reply teaches only the end-of-turn marker)"
+        )
         return None, "no assistant reply with content", detail
     return out, "", ""
 
@@ -257,8 +326,9 @@ class ChatFile:
         return sum(self.skipped.values())
 
 
-def read_chat_jsonl(path: str | Path, strict: bool = False,
-                    warn: Callable[[str], None] | None = None) -> ChatFile:
+def read_chat_jsonl(
+    path: str | Path, strict: bool = False, warn: Callable[[str], None] | None = None
+) -> ChatFile:
     """Read conversations, keeping each one's line number.
 
     An invalid line is skipped and counted by reason; the first SHOW_SKIPPED are reported
@@ -301,34 +371,51 @@ def read_chat_jsonl(path: str | Path, strict: bool = False,
                     ex, kind, detail = _check_line(obj)
                     if ex is not None:
                         if chat.examples and ex.kind != chat.kind:
-                            raise InputError(f"{path}:{lineno}: {FORMATS[ex.kind]}, in a file of {FORMATS[chat.kind]}s "
-                                             f"(from line {chat.lines[0]}); one format per file: split the file")
+                            raise InputError(
+                                f"{path}:{lineno}: {FORMATS[ex.kind]}, in a file of {FORMATS[chat.kind]}s "
+                                f"(from line {chat.lines[0]}); one format per file: split the file"
+                            )
                         chat.examples.append(ex)
                         chat.lines.append(lineno)
                         continue
             if strict:
-                raise InputError(f"{path}:{lineno}: {detail}; {SCHEMA_HINT} (strict mode stops at the first bad line)")
+                raise InputError(
+                    f"{path}:{lineno}: {detail}; {SCHEMA_HINT} (strict mode stops at the first bad line)"
+                )
             chat.skipped[kind] += 1
             first_bad = first_bad or f"line {lineno}: {detail}"
             if chat.n_skipped <= SHOW_SKIPPED:
                 warn(f"{path}:{lineno}: {detail}; line skipped")
             if chat.n_skipped >= GIVE_UP_AFTER and not chat.examples:
-                raise InputError(f"{path} does not look like training JSONL: none of its first {GIVE_UP_AFTER} lines "
-                                 f"is an example ({first_bad}); {SCHEMA_HINT}")
+                raise InputError(
+                    f"{path} does not look like training JSONL: none of its first {GIVE_UP_AFTER} lines "
+                    f"is an example ({first_bad}); {SCHEMA_HINT}"
+                )
     if not chat.examples:
-        what = (f"{plural(chat.n_skipped, 'line')} skipped: {count_reasons(chat.skipped)}" if chat.skipped
-                else "it holds only blank lines and comments")
+        what = (
+            f"{plural(chat.n_skipped, 'line')} skipped: {count_reasons(chat.skipped)}"
+            if chat.skipped
+            else "it holds only blank lines and comments"
+        )
         raise InputError(f"no example to learn from in {path} ({what}); {SCHEMA_HINT}")
     if chat.n_skipped > SHOW_SKIPPED:
-        warn(f"{path}: ... and {chat.n_skipped - SHOW_SKIPPED} more invalid lines ({count_reasons(chat.skipped)} "
-             "in all); lines skipped")
+        warn(
+            f"{path}: ... and {chat.n_skipped - SHOW_SKIPPED} more invalid lines ({count_reasons(chat.skipped)} "
+            "in all); lines skipped"
+        )
     return chat
 
 
 # --------------------------------------------------------------------------- encoding
 
-def _assistant_char_spans(template: str, messages: Sequence[Message], bos_token: str,
-                          eos_token: str, tools: list | None = None) -> tuple[str, list[tuple[int, int]]]:
+
+def _assistant_char_spans(
+    template: str,
+    messages: Sequence[Message],
+    bos_token: str,
+    eos_token: str,
+    tools: list | None = None,
+) -> tuple[str, list[tuple[int, int]]]:
     """The full rendering and the [start, end) character spans to supervise."""
     full = render_template(template, messages, False, bos_token, eos_token, tools)
     spans = []
@@ -341,7 +428,8 @@ def _assistant_char_spans(template: str, messages: Sequence[Message], bos_token:
             raise ConversationError(
                 f"chat template is not prefix-stable at message {i} (assistant): rendering the conversation "
                 "up to a turn must be a prefix of rendering the whole of it, so the assistant spans cannot be "
-                "found; use a template that renders earlier turns the same way whatever follows")
+                "found; use a template that renders earlier turns the same way whatever follows"
+            )
         start, end = len(prompt), len(upto)
         # Drop whitespace after the end-of-turn marker (template glue, see module doc),
         # unless there is no marker at all: then the whitespace is the reply's own.
@@ -354,8 +442,15 @@ def _assistant_char_spans(template: str, messages: Sequence[Message], bos_token:
     return full, spans
 
 
-def encode_chat(tok: Tokenizer, template: str, messages: Sequence[Message], max_len: int,
-                bos_token: str, eos_token: str, tools: list | None = None) -> tuple[list[int], list[int]]:
+def encode_chat(
+    tok: Tokenizer,
+    template: str,
+    messages: Sequence[Message],
+    max_len: int,
+    bos_token: str,
+    eos_token: str,
+    tools: list | None = None,
+) -> tuple[list[int], list[int]]:
     """Render and tokenize one conversation; returns (ids, mask), truncated to max_len.
 
     mask[t] == 1 iff ids[t] is a supervised target (see the module doc). Special tokens
@@ -385,8 +480,15 @@ def encode_chat(tok: Tokenizer, template: str, messages: Sequence[Message], max_
     return (head + ids)[:max_len], ([0] * len(head) + mask)[:max_len]
 
 
-def encode_example(tok: Tokenizer, template: str | None, ex: Example, max_len: int, bos_token: str, eos_token: str,
-                   eos_id: int | None) -> tuple[list[int], list[int]]:
+def encode_example(
+    tok: Tokenizer,
+    template: str | None,
+    ex: Example,
+    max_len: int,
+    bos_token: str,
+    eos_token: str,
+    eos_id: int | None,
+) -> tuple[list[int], list[int]]:
     """(ids, mask) of one example, truncated to max_len; raw text starts with the BOS the
     tokenizer's rules ask for (`encode_prompt`, as `toy infer --prompt`), `eos_id` ends a
     document.
@@ -401,7 +503,10 @@ def encode_example(tok: Tokenizer, template: str | None, ex: Example, max_len: i
     tail = [eos_id] if eos_id is not None else []
     if ex.kind == "prompt":
         if template is not None:
-            turns = [{"role": "user", "content": ex.prompt}, {"role": "assistant", "content": ex.completion}]
+            turns = [
+                {"role": "user", "content": ex.prompt},
+                {"role": "assistant", "content": ex.completion},
+            ]
             return encode_chat(tok, template, turns, max_len, bos_token, eos_token)
         p = encode_prompt(tok, ex.prompt)
         c = tok.encode(ex.completion, add_special_tokens=False).ids + tail
@@ -412,8 +517,10 @@ def encode_example(tok: Tokenizer, template: str | None, ex: Example, max_len: i
 
 # --------------------------------------------------------------------------- batching
 
-def length_batches(lengths: Sequence[int], budget: int, seed: int, epoch: int,
-                   width: int = 16) -> list[list[int]]:
+
+def length_batches(
+    lengths: Sequence[int], budget: int, seed: int, epoch: int, width: int = 16
+) -> list[list[int]]:
     """One epoch's batches (lists of sample indices) of conversations of similar length,
     each holding at most `budget` tokens once right-padded to its longest member.
 
@@ -455,8 +562,9 @@ def spread_sample(n: int, k: int) -> list[int]:
     return [(2 * i + 1) * n // (2 * k) for i in range(k)]
 
 
-def pad_batch(samples: Sequence[tuple[Sequence[int], Sequence[int]]], pad_id: int,
-              seq_len: int | None = None) -> dict[str, torch.Tensor]:
+def pad_batch(
+    samples: Sequence[tuple[Sequence[int], Sequence[int]]], pad_id: int, seq_len: int | None = None
+) -> dict[str, torch.Tensor]:
     """Right-pad samples to a common length (the longest, or seq_len: longer samples
     are truncated). Returns ids and mask, int64 (B, T); mask is 0 on padding.
 
@@ -475,8 +583,12 @@ def pad_batch(samples: Sequence[tuple[Sequence[int], Sequence[int]]], pad_id: in
     return {"ids": ids_out, "mask": mask_out}
 
 
-def to_batch(samples: list[tuple[list[int], list[int]]], pad: int, bucket: int = 1,
-              seq_len: int | None = None) -> dict[str, torch.Tensor]:
+def to_batch(
+    samples: list[tuple[list[int], list[int]]],
+    pad: int,
+    bucket: int = 1,
+    seq_len: int | None = None,
+) -> dict[str, torch.Tensor]:
     """Right-pad samples to their longest; shift: position t predicts token t+1, a
     target where mask[t+1] says so. Padding comes after every real token, so plain
     causal attention keeps each conversation to itself.
@@ -502,8 +614,17 @@ class ChatBatches:
     each of `world` processes takes its own batches. A batch holds about `budget` tokens
     once padded (length_batches); `eval_batches(n)` is a fixed, length-spread sample."""
 
-    def __init__(self, samples: list[tuple[list[int], list[int]]], budget: int, seed: int, pad: int,
-                 seq_len: int | None = None, bucket: int = 1, world: int = 1, rank: int = 0):
+    def __init__(
+        self,
+        samples: list[tuple[list[int], list[int]]],
+        budget: int,
+        seed: int,
+        pad: int,
+        seq_len: int | None = None,
+        bucket: int = 1,
+        world: int = 1,
+        rank: int = 0,
+    ):
         self.samples, self.budget, self.seed, self.pad = samples, budget, seed, pad
         self.seq_len, self.bucket, self.world, self.rank = seq_len, bucket, world, rank
         self.lengths = [len(ids) for ids, _ in samples]
@@ -532,11 +653,14 @@ class ChatBatches:
         if len(batches) > n:
             longest = [max(self.lengths[j] for j in b) for b in batches]
             by_length = sorted(range(len(batches)), key=lambda b: (longest[b], b))
-            batches = [batches[b] for b in sorted(by_length[i] for i in spread_sample(len(batches), n))]
+            batches = [
+                batches[b] for b in sorted(by_length[i] for i in spread_sample(len(batches), n))
+            ]
         return [self._make(b) for b in batches]
 
 
 # --------------------------------------------------------------------------- encoding a file
+
 
 def encode_all(items, path, source, encode, strict, warn) -> tuple[list, int, int]:
     """Encode the (line, messages) items read from `path`; returns (samples, the number
@@ -554,13 +678,17 @@ def encode_all(items, path, source, encode, strict, warn) -> tuple[list, int, in
             ids, mask = encode(messages)
         except ConversationError as e:
             if strict:
-                raise InputError(f"{path}:{line}: {e.message} (--strict stops at the first conversation the "
-                                 "chat template cannot render)")
+                raise InputError(
+                    f"{path}:{line}: {e.message} (--strict stops at the first conversation the "
+                    "chat template cannot render)"
+                )
             failed.append((line, e.message))
             if len(failed) == GIVE_UP_AFTER and not samples and not dropped:
                 break  # the template rejects everything: the first reason says why
             continue
-        except InputError as e:  # the template's own fault (syntax, sandbox, a limit): every conversation fails
+        except (
+            InputError
+        ) as e:  # the template's own fault (syntax, sandbox, a limit): every conversation fails
             raise InputError(f"{source}: {e.message}")
         if sum(mask) == 0:
             dropped += 1  # the prompt alone fills --seq-len: nothing left to supervise
@@ -569,13 +697,17 @@ def encode_all(items, path, source, encode, strict, warn) -> tuple[list, int, in
     if failed and not samples and not dropped:
         line, why = failed[0]
         tried = f"the first {len(failed)}" if len(failed) < len(items) else f"all {len(failed)}"
-        raise InputError(f"{source}: the chat template renders none of {tried} conversations in {path} "
-                         f"(line {line}: {why}); use a model whose template fits this data, or fix the data")
+        raise InputError(
+            f"{source}: the chat template renders none of {tried} conversations in {path} "
+            f"(line {line}: {why}); use a model whose template fits this data, or fix the data"
+        )
     for line, why in failed[:SHOW_SKIPPED]:
         warn(f"{path}:{line}: {why}; conversation skipped")
     if len(failed) > SHOW_SKIPPED:
-        warn(f"{path}: ... and {len(failed) - SHOW_SKIPPED} more conversations the chat template cannot render; "
-             "skipped")
+        warn(
+            f"{path}: ... and {len(failed) - SHOW_SKIPPED} more conversations the chat template cannot render; "
+            "skipped"
+        )
     return samples, dropped, len(failed)
 
 
@@ -612,11 +744,19 @@ BUILTIN_TEMPLATES = {
     ),
 }
 # The tokens a vocabulary must have for a built-in template to make sense.
-_TEMPLATE_MARKERS = {"chatml": ("<|im_start|>", "<|im_end|>"), "gemma": ("<start_of_turn>", "<end_of_turn>")}
+_TEMPLATE_MARKERS = {
+    "chatml": ("<|im_start|>", "<|im_end|>"),
+    "gemma": ("<start_of_turn>", "<end_of_turn>"),
+}
 
 
-def resolve_chat_template(file_template: str | None, tokens: Sequence[str], family_format: str | None,
-                          override: str | Path | None, source: str) -> tuple[str, str | None]:
+def resolve_chat_template(
+    file_template: str | None,
+    tokens: Sequence[str],
+    family_format: str | None,
+    override: str | Path | None,
+    source: str,
+) -> tuple[str, str | None]:
     """(template, note): `override` (--chat-template FILE.jinja) if given, else the
     GGUF's own template, else the built-in one of the model's family when its vocabulary
     has that format's turn markers (with a note saying so). InputError when none fits."""
@@ -625,7 +765,9 @@ def resolve_chat_template(file_template: str | None, tokens: Sequence[str], fami
         try:
             text = path.read_text(encoding="utf-8")
         except FileNotFoundError:
-            raise InputError(f"--chat-template {path}: no such file; give a jinja chat template file")
+            raise InputError(
+                f"--chat-template {path}: no such file; give a jinja chat template file"
+            )
         except (OSError, UnicodeDecodeError) as e:
             raise InputError(f"--chat-template {path}: cannot read it as UTF-8 text ({e})")
         _compile_checked(text, f"--chat-template {path}")
@@ -637,11 +779,15 @@ def resolve_chat_template(file_template: str | None, tokens: Sequence[str], fami
     candidates += [k for k in _TEMPLATE_MARKERS if k not in candidates]
     for name in candidates:
         if all(m in vocab for m in _TEMPLATE_MARKERS[name]):
-            return BUILTIN_TEMPLATES[name], (f"{source} has no chat template; using toy's built-in {name} template "
-                                             "(its vocabulary has the turn markers); --chat-template FILE.jinja "
-                                             "overrides")
-    raise InputError(f"{source}: has no chat template (tokenizer.chat_template) and its vocabulary has no known "
-                     "turn markers; pass --chat-template FILE.jinja, or train on a token file with --corpus")
+            return BUILTIN_TEMPLATES[name], (
+                f"{source} has no chat template; using toy's built-in {name} template "
+                "(its vocabulary has the turn markers); --chat-template FILE.jinja "
+                "overrides"
+            )
+    raise InputError(
+        f"{source}: has no chat template (tokenizer.chat_template) and its vocabulary has no known "
+        "turn markers; pass --chat-template FILE.jinja, or train on a token file with --corpus"
+    )
 
 
 def _compile_checked(template: str, where: str) -> None:

@@ -35,8 +35,9 @@ def speeches(text: str) -> list[tuple[str, str]]:
     return out
 
 
-def conversations(paths: list[Path], n: int, seed: int = 0, turns: tuple[int, int] = (1, 3),
-                  max_chars: int = 600) -> list[dict]:
+def conversations(
+    paths: list[Path], n: int, seed: int = 0, turns: tuple[int, int] = (1, 3), max_chars: int = 600
+) -> list[dict]:
     """Up to n conversations of 1-3 user/assistant exchanges, picked deterministically."""
     pool: list[list[dict]] = []
     for p in paths:
@@ -50,10 +51,15 @@ def conversations(paths: list[Path], n: int, seed: int = 0, turns: tuple[int, in
             msgs = []
             j = i
             # Alternate a, b, a, b... as long as the same two speakers keep talking.
-            while j + 1 < len(sp) and sp[j][0] == a and sp[j + 1][0] == b and len(msgs) < 2 * turns[1]:
+            while (
+                j + 1 < len(sp) and sp[j][0] == a and sp[j + 1][0] == b and len(msgs) < 2 * turns[1]
+            ):
                 if len(sp[j][1]) > max_chars or len(sp[j + 1][1]) > max_chars:
                     break
-                msgs += [{"role": "user", "content": sp[j][1]}, {"role": "assistant", "content": sp[j + 1][1]}]
+                msgs += [
+                    {"role": "user", "content": sp[j][1]},
+                    {"role": "assistant", "content": sp[j + 1][1]},
+                ]
                 j += 2
             if len(msgs) >= 2 * turns[0]:
                 pool.append([{"role": "system", "content": SYSTEM}] + msgs)

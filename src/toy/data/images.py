@@ -26,9 +26,8 @@ import gzip
 import hashlib
 import warnings
 from dataclasses import dataclass, field
-from pathlib import Path
-
 from importlib import resources
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -46,7 +45,7 @@ def bundled_images() -> Path:
     return Path(str(resources.files("toy") / "data" / "assets" / "fashion-mnist-smoke"))
 
 
-def fingerprint(data: "ImageSet") -> str:
+def fingerprint(data: ImageSet) -> str:
     """sha256 of the decoded pixels and labels: catches a changed folder on resume."""
     h = hashlib.sha256(data.images.numpy().tobytes())
     h.update(data.labels.numpy().tobytes())
@@ -57,7 +56,9 @@ def fingerprint(data: "ImageSet") -> str:
 class Skipped:
     """What was left out of a folder, by reason, with one example path each."""
 
-    ignored: int = 0  # in a class folder but not a PNG/JPEG by extension, or an image outside any class folder
+    ignored: int = (
+        0  # in a class folder but not a PNG/JPEG by extension, or an image outside any class folder
+    )
     empty: int = 0  # zero bytes
     corrupt: int = 0  # could not be decoded
     too_large: int = 0  # over MAX_PIXELS
@@ -68,7 +69,12 @@ class Skipped:
         self.examples.setdefault(reason, str(path))
 
     def counts(self) -> dict[str, int]:
-        return {"ignored": self.ignored, "empty": self.empty, "corrupt": self.corrupt, "too_large": self.too_large}
+        return {
+            "ignored": self.ignored,
+            "empty": self.empty,
+            "corrupt": self.corrupt,
+            "too_large": self.too_large,
+        }
 
     def describe(self) -> str:
         parts = [f"{n} {k.replace('_', ' ')}" for k, n in self.counts().items() if n]
@@ -82,26 +88,37 @@ class ImageSet:
     classes: list[str]
     root: Path
     skipped: Skipped
-    paths: list[Path] = field(default_factory=list)  # the file of each image, in order (empty: not from files)
+    paths: list[Path] = field(
+        default_factory=list
+    )  # the file of each image, in order (empty: not from files)
 
     def __len__(self) -> int:
         return int(self.labels.shape[0])
 
-    def subset(self, keep: torch.Tensor) -> "ImageSet":
+    def subset(self, keep: torch.Tensor) -> ImageSet:
         """The images where the boolean mask `keep` (N,) is true; counts are shared."""
         idx = keep.nonzero().flatten()
-        return ImageSet(self.images[idx], self.labels[idx], self.classes, self.root, self.skipped,
-                        [self.paths[i] for i in idx.tolist()] if self.paths else [])
+        return ImageSet(
+            self.images[idx],
+            self.labels[idx],
+            self.classes,
+            self.root,
+            self.skipped,
+            [self.paths[i] for i in idx.tolist()] if self.paths else [],
+        )
 
 
-def scan_folder(root: Path, flag: str = "--images",
-                min_classes: int = 2) -> tuple[list[str], dict[str, list[Path]], Skipped]:
+def scan_folder(
+    root: Path, flag: str = "--images", min_classes: int = 2
+) -> tuple[list[str], dict[str, list[Path]], Skipped]:
     """Class names (sorted) and each class's candidate image files (sorted). Raises
     InputError for a missing folder, or one with fewer than `min_classes` class folders."""
     root = Path(root)
     if not root.is_dir():
-        raise InputError(f"{flag} {root}: no such directory; give a folder with one subfolder of PNG/JPEG "
-                         "images per class")
+        raise InputError(
+            f"{flag} {root}: no such directory; give a folder with one subfolder of PNG/JPEG "
+            "images per class"
+        )
     skipped = Skipped()
     files: dict[str, list[Path]] = {}
     for entry in sorted(root.iterdir()):
@@ -125,16 +142,21 @@ def scan_folder(root: Path, flag: str = "--images",
             files[entry.name] = found
     classes = sorted(files)
     if not classes:
-        raise InputError(f"{flag} {root}: no class folders with PNG/JPEG images; put each class's images in a "
-                         f"subfolder named after the class (e.g. {root / 'cat' / '001.png'})")
+        raise InputError(
+            f"{flag} {root}: no class folders with PNG/JPEG images; put each class's images in a "
+            f"subfolder named after the class (e.g. {root / 'cat' / '001.png'})"
+        )
     if len(classes) < min_classes:
-        raise InputError(f"{flag} {root}: only one class folder ({classes[0]}); a classifier needs at least two, "
-                         "add a subfolder of images per class")
+        raise InputError(
+            f"{flag} {root}: only one class folder ({classes[0]}); a classifier needs at least two, "
+            "add a subfolder of images per class"
+        )
     return classes, files, skipped
 
 
-def split_holdout(files: dict[str, list[Path]], root: Path,
-                  fraction: float = VAL_FRACTION) -> tuple[dict[str, list[Path]], dict[str, list[Path]]]:
+def split_holdout(
+    files: dict[str, list[Path]], root: Path, fraction: float = VAL_FRACTION
+) -> tuple[dict[str, list[Path]], dict[str, list[Path]]]:
     """Hold out `fraction` of each class (at least one when it has two or more images).
 
     Which files are held out depends only on their paths (the smallest sha256 of the
@@ -143,7 +165,9 @@ def split_holdout(files: dict[str, list[Path]], root: Path,
     train, val = {}, {}
     for c, paths in files.items():
         n_val = max(1, round(fraction * len(paths))) if len(paths) >= 2 else 0
-        ranked = sorted(paths, key=lambda p: hashlib.sha256(p.relative_to(root).as_posix().encode()).digest())
+        ranked = sorted(
+            paths, key=lambda p: hashlib.sha256(p.relative_to(root).as_posix().encode()).digest()
+        )
         held = set(ranked[:n_val])
         train[c] = [p for p in paths if p not in held]
         val[c] = [p for p in paths if p in held]
@@ -179,7 +203,9 @@ def open_image(path: Path, skipped: Skipped, max_pixels: int):
 
 
 def _is_gray(im) -> bool:
-    return im.mode in GRAY_MODES or (im.mode == "P" and im.palette is not None and im.palette.mode == "L")
+    return im.mode in GRAY_MODES or (
+        im.mode == "P" and im.palette is not None and im.palette.mode == "L"
+    )
 
 
 def decode(im, image_size: int, channels: int) -> np.ndarray:
@@ -205,12 +231,21 @@ def decode(im, image_size: int, channels: int) -> np.ndarray:
     if im.size != (image_size, image_size):
         im = ImageOps.fit(im, (image_size, image_size), Image.Resampling.BICUBIC)
     a = np.asarray(im, dtype=np.uint8)
-    return np.array(a[None] if channels == 1 else a.transpose(2, 0, 1), order="C")  # (C, S, S), an owned copy
+    return np.array(
+        a[None] if channels == 1 else a.transpose(2, 0, 1), order="C"
+    )  # (C, S, S), an owned copy
 
 
-def load_images(files: dict[str, list[Path]], classes: list[str], root: Path, image_size: int,
-                skipped: Skipped | None = None, channels: int | None = None,
-                max_pixels: int = MAX_PIXELS, flag: str = "--images") -> ImageSet:
+def load_images(
+    files: dict[str, list[Path]],
+    classes: list[str],
+    root: Path,
+    image_size: int,
+    skipped: Skipped | None = None,
+    channels: int | None = None,
+    max_pixels: int = MAX_PIXELS,
+    flag: str = "--images",
+) -> ImageSet:
     """Decode every file once into a uint8 (N, C, S, S) tensor.
 
     channels None: 1 if every image is grayscale, else 3. Raises InputError when no
@@ -251,15 +286,18 @@ def load_images(files: dict[str, list[Path]], classes: list[str], root: Path, im
     n = len(kept)
     if n == 0:
         total = sum(len(v) for v in files.values())
-        raise InputError(f"{flag} {root}: none of its {total} image files could be used "
-                         f"({skipped.describe()}); check that they open in an image viewer")
+        raise InputError(
+            f"{flag} {root}: none of its {total} image files could be used "
+            f"({skipped.describe()}); check that they open in an image viewer"
+        )
     if n < len(usable):
         out, labels = out[:n].clone(), labels[:n].clone()
     return ImageSet(out, labels, classes, Path(root), skipped, kept)
 
 
-def load_image_folders(root: Path, image_size: int, val_root: Path | None = None,
-                       max_pixels: int = MAX_PIXELS) -> tuple[ImageSet, ImageSet | None]:
+def load_image_folders(
+    root: Path, image_size: int, val_root: Path | None = None, max_pixels: int = MAX_PIXELS
+) -> tuple[ImageSet, ImageSet | None]:
     """The training set from `root`, and a validation set from `val_root` (its class
     folders must be among the training classes) or, without one, a held-out 10% of
     each class's usable images (see `split_holdout`). Channels follow the training
@@ -281,25 +319,41 @@ def load_image_folders(root: Path, image_size: int, val_root: Path | None = None
     else:
         train = data
         _, val_files, val_skipped = _scan_val(Path(val_root), classes)
-        val = load_images(val_files, classes, Path(val_root), image_size, val_skipped,
-                          int(train.images.shape[1]), max_pixels, "--val-images")
+        val = load_images(
+            val_files,
+            classes,
+            Path(val_root),
+            image_size,
+            val_skipped,
+            int(train.images.shape[1]),
+            max_pixels,
+            "--val-images",
+        )
     present = sorted(set(train.labels.tolist()))
     if len(present) < 2:
-        raise InputError(f"--images {root}: usable images in only one class ({classes[present[0]]}; skipped: "
-                         f"{skipped.describe()}); a classifier needs images in at least two class folders")
+        raise InputError(
+            f"--images {root}: usable images in only one class ({classes[present[0]]}; skipped: "
+            f"{skipped.describe()}); a classifier needs images in at least two class folders"
+        )
     return train, val
 
 
-def _scan_val(val_root: Path, classes: list[str]) -> tuple[list[str], dict[str, list[Path]], Skipped]:
+def _scan_val(
+    val_root: Path, classes: list[str]
+) -> tuple[list[str], dict[str, list[Path]], Skipped]:
     if not val_root.is_dir():
-        raise InputError(f"--val-images {val_root}: no such directory; give a folder with the same class "
-                         "subfolders as --images, or leave it out to hold out 10% of --images")
+        raise InputError(
+            f"--val-images {val_root}: no such directory; give a folder with the same class "
+            "subfolders as --images, or leave it out to hold out 10% of --images"
+        )
     # One validation class is fine (a small val set may lack some); none is not.
     val_classes, files, skipped = scan_folder(val_root, "--val-images", min_classes=1)
     unknown = [c for c in val_classes if c not in classes]
     if unknown:
-        raise InputError(f"--val-images {val_root}: class folder {unknown[0]!r} is not a class of --images "
-                         f"({', '.join(classes)}); rename or remove it")
+        raise InputError(
+            f"--val-images {val_root}: class folder {unknown[0]!r} is not a class of --images "
+            f"({', '.join(classes)}); rename or remove it"
+        )
     return val_classes, files, skipped
 
 
@@ -315,12 +369,26 @@ class ImageBatches:
     (itself seeded by (seed, epoch)) at p % N, and the crop offsets and flips come
     from a generator seeded by (seed, k)."""
 
-    def __init__(self, data: ImageSet, batch_size: int, seed: int, augment: bool = True, rank: int = 0,
-                 world: int = 1):
+    def __init__(
+        self,
+        data: ImageSet,
+        batch_size: int,
+        seed: int,
+        augment: bool = True,
+        rank: int = 0,
+        world: int = 1,
+    ):
         # With `world` processes, batch k is the global batch of world * B images and
         # this rank takes its slice (augmentation drawn for the whole global batch too),
         # so N processes train as one process of batch N * B.
-        self.data, self.B, self.seed, self.augment, self.rank, self.world = data, batch_size, seed, augment, rank, world
+        self.data, self.B, self.seed, self.augment, self.rank, self.world = (
+            data,
+            batch_size,
+            seed,
+            augment,
+            rank,
+            world,
+        )
         S = data.images.shape[-1]
         # Pad by 1/8 of the side (4 px at 32, 3 at 28), the usual CIFAR-style crop jitter.
         self.pad = max(1, S // 8)
@@ -330,7 +398,9 @@ class ImageBatches:
         if epoch not in self._perms:
             if len(self._perms) >= 2:  # a batch smaller than the set spans at most two epochs
                 self._perms.pop(min(self._perms))
-            self._perms[epoch] = np.random.default_rng([self.seed, 0, 1, epoch]).permutation(len(self.data))
+            self._perms[epoch] = np.random.default_rng([self.seed, 0, 1, epoch]).permutation(
+                len(self.data)
+            )
         return self._perms[epoch]
 
     def indices(self, k: int) -> np.ndarray:
@@ -354,7 +424,9 @@ class ImageBatches:
         G, mine = B * self.world, slice(self.rank * B, (self.rank + 1) * B)
         dy = rng.integers(0, 2 * p, size=G, endpoint=True)[mine]
         dx = rng.integers(0, 2 * p, size=G, endpoint=True)[mine]
-        flip = (rng.random(G) < 0.5)[mine]  # left-right flips keep a garment (or most photos) what it is
+        flip = (rng.random(G) < 0.5)[
+            mine
+        ]  # left-right flips keep a garment (or most photos) what it is
         out = torch.empty_like(x)
         for i in range(B):
             crop = padded[i, :, dy[i] : dy[i] + S, dx[i] : dx[i] + S]
@@ -374,8 +446,13 @@ class ImageBatches:
         if max_batches is not None and max_batches * self.B < n:
             pick = np.sort(np.random.default_rng(0).permutation(n)[: max_batches * self.B])
             idx = torch.from_numpy(pick)
-        return [{"images": self.data.images[idx[i : i + self.B]], "labels": self.data.labels[idx[i : i + self.B]]}
-                for i in range(0, len(idx), self.B)]
+        return [
+            {
+                "images": self.data.images[idx[i : i + self.B]],
+                "labels": self.data.labels[idx[i : i + self.B]],
+            }
+            for i in range(0, len(idx), self.B)
+        ]
 
 
 def read_idx(path: Path) -> np.ndarray:
@@ -393,5 +470,7 @@ def read_idx(path: Path) -> np.ndarray:
     shape = tuple(int.from_bytes(raw[4 + 4 * i : 8 + 4 * i], "big") for i in range(ndim))
     data = np.frombuffer(raw, dtype=dtypes[raw[2]], offset=4 + 4 * ndim)
     if data.size != int(np.prod(shape)):
-        raise InputError(f"{path}: IDX header says {shape} but holds {data.size} values; the file is truncated")
+        raise InputError(
+            f"{path}: IDX header says {shape} but holds {data.size} values; the file is truncated"
+        )
     return data.reshape(shape)

@@ -33,7 +33,9 @@ def read_texts(paths: list[Path]) -> list[str]:
     for p in paths:
         p = Path(p)
         if not p.is_file():
-            raise InputError(f"{p}: no such file; pass .txt files or .jsonl files with a 'text' field")
+            raise InputError(
+                f"{p}: no such file; pass .txt files or .jsonl files with a 'text' field"
+            )
         if p.suffix == ".jsonl":
             docs.extend(_read_jsonl_texts(p))
         else:
@@ -57,12 +59,18 @@ def _read_jsonl_texts(p: Path) -> list[str]:
                 try:
                     obj = json.loads(line)
                 except json.JSONDecodeError as e:
-                    raise InputError(f"{p}:{i}: not valid JSON ({e.msg}); each line must be {{\"text\": \"...\"}}")
+                    raise InputError(
+                        f'{p}:{i}: not valid JSON ({e.msg}); each line must be {{"text": "..."}}'
+                    )
                 if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
-                    raise InputError(f"{p}:{i}: no string 'text' field; each line must be {{\"text\": \"...\"}}")
+                    raise InputError(
+                        f'{p}:{i}: no string \'text\' field; each line must be {{"text": "..."}}'
+                    )
                 out.append(obj["text"])
         except UnicodeDecodeError:
-            raise InputError(f"{p}: not UTF-8 text; each line must be a JSON object with a 'text' field")
+            raise InputError(
+                f"{p}: not UTF-8 text; each line must be a JSON object with a 'text' field"
+            )
     return out
 
 
@@ -86,16 +94,31 @@ def check_overwrite(out: Path, tokenizer_src: Path | None = None) -> None:
     for p in (out, val_path_for(out), tokenizer_path_for(out)):
         if not p.exists():
             continue
-        if tokenizer_src is not None and p == tokenizer_path_for(out) and p.resolve() == Path(tokenizer_src).resolve():
+        if (
+            tokenizer_src is not None
+            and p == tokenizer_path_for(out)
+            and p.resolve() == Path(tokenizer_src).resolve()
+        ):
             continue
-        raise UsageError(f"--out {out}: {p} already exists (runs made on it would no longer resume once it changes); "
-                         "choose another --out, or pass --force to overwrite it")
+        raise UsageError(
+            f"--out {out}: {p} already exists (runs made on it would no longer resume once it changes); "
+            "choose another --out, or pass --force to overwrite it"
+        )
 
 
-def prep(paths: list[Path], out: Path, vocab_size: int | None = None, tokenizer: Tokenizer | None = None,
-         tokenizer_src: Path | None = None, val_fraction: float = 0.05, force: bool = False) -> PrepResult:
+def prep(
+    paths: list[Path],
+    out: Path,
+    vocab_size: int | None = None,
+    tokenizer: Tokenizer | None = None,
+    tokenizer_src: Path | None = None,
+    val_fraction: float = 0.05,
+    force: bool = False,
+) -> PrepResult:
     if (vocab_size is None) == (tokenizer is None):
-        raise UsageError("give exactly one of --vocab-size N (train a BPE) or --tokenizer FILE (reuse one)")
+        raise UsageError(
+            "give exactly one of --vocab-size N (train a BPE) or --tokenizer FILE (reuse one)"
+        )
     if not 0.0 <= val_fraction < 0.5:
         raise UsageError(f"--val-fraction must be in [0, 0.5), got {val_fraction}")
     if vocab_size is not None and not 257 <= vocab_size <= 1 << 20:
@@ -115,7 +138,9 @@ def prep(paths: list[Path], out: Path, vocab_size: int | None = None, tokenizer:
     n_val = int(len(ids) * val_fraction)
     train, val = ids[: len(ids) - n_val], ids[len(ids) - n_val :]
     h = toktools.tokenizer_hash(tokenizer)
-    tok_path = save_tokenizer_beside(out, tokenizer, tokenizer_src)  # first: no token file without its tokenizer
+    tok_path = save_tokenizer_beside(
+        out, tokenizer, tokenizer_src
+    )  # first: no token file without its tokenizer
     write_tokens(out, train, vocab, h)
     val_path = None
     if n_val:
@@ -153,6 +178,7 @@ def encode_documents(tok: Tokenizer, docs: list[str]) -> np.ndarray:
 
 # ---------------------------------------------------------------- bundled corpus
 
+
 def bundled_text_paths() -> list[Path]:
     root = resources.files("toy") / "data" / "assets" / "shakespeare"
     return sorted(Path(str(p)) for p in root.iterdir() if p.name.endswith(".txt"))
@@ -160,7 +186,8 @@ def bundled_text_paths() -> list[Path]:
 
 def cache_dir() -> Path:
     base = os.environ.get("TOY_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "toy")
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "toy"
+    )
     return Path(base)
 
 

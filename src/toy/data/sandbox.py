@@ -35,7 +35,8 @@ import re
 import string
 import threading
 import time
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import jinja2
 from jinja2.compiler import CodeGenerator
@@ -45,11 +46,15 @@ from jinja2.utils import generate_lorem_ipsum
 
 from toy.errors import InputError
 
-MAX_TEMPLATE_CHARS = 4_000_000  # one value, and the rendered text (or TEMPLATE_INPUT_FACTOR x the conversation)
+MAX_TEMPLATE_CHARS = (
+    4_000_000  # one value, and the rendered text (or TEMPLATE_INPUT_FACTOR x the conversation)
+)
 TEMPLATE_INPUT_FACTOR = 4
 MAX_TEMPLATE_WORK = 8  # all values of one render together: this many times the size limit
 MAX_TEMPLATE_INT_BITS = 1 << 16  # about 19,700 decimal digits
-MAX_TEMPLATE_SECONDS = 2.0  # one render (one conversation renders 1 + 2 x its assistant turns times)
+MAX_TEMPLATE_SECONDS = (
+    2.0  # one render (one conversation renders 1 + 2 x its assistant turns times)
+)
 MAX_TEMPLATE_DEPTH = 100  # lists and dicts nested in one value
 
 FIX = "a chat template is untrusted input: fix this one, or use another (toy train --chat-template FILE.jinja)"
@@ -77,21 +82,27 @@ class _Budget:
 
     def expire(self) -> None:
         self.expired = True
-        raise TemplateLimitError(f"chat template ran past toy's limit of {MAX_TEMPLATE_SECONDS:g} s for one "
-                                 f"conversation (MAX_TEMPLATE_SECONDS: a loop or recursion too long); {FIX}")
+        raise TemplateLimitError(
+            f"chat template ran past toy's limit of {MAX_TEMPLATE_SECONDS:g} s for one "
+            f"conversation (MAX_TEMPLATE_SECONDS: a loop or recursion too long); {FIX}"
+        )
 
     def check(self, size: int, what: str) -> None:
         if size > self.limit:
-            raise TemplateLimitError(f"chat template exceeds toy's limit: {what} would make more than the "
-                                     f"{self.limit:,} characters a value may have ({_count(size)} by toy's count; "
-                                     f"MAX_TEMPLATE_CHARS); {FIX}")
+            raise TemplateLimitError(
+                f"chat template exceeds toy's limit: {what} would make more than the "
+                f"{self.limit:,} characters a value may have ({_count(size)} by toy's count; "
+                f"MAX_TEMPLATE_CHARS); {FIX}"
+            )
 
     def spend(self, size: int, what: str) -> None:
         self.work_left -= size
         if self.work_left < 0:
-            raise TemplateLimitError(f"chat template exceeds toy's limit: the values it makes for one conversation "
-                                     f"come to more than {MAX_TEMPLATE_WORK} x {self.limit:,} characters "
-                                     f"(MAX_TEMPLATE_WORK; the last: {what}); {FIX}")
+            raise TemplateLimitError(
+                f"chat template exceeds toy's limit: the values it makes for one conversation "
+                f"come to more than {MAX_TEMPLATE_WORK} x {self.limit:,} characters "
+                f"(MAX_TEMPLATE_WORK; the last: {what}); {FIX}"
+            )
 
 
 def _count(n: int) -> str:
@@ -164,8 +175,10 @@ def _size(x: Any, cap: float, depth: int, memo: dict | None) -> tuple[int, bool]
         if hit is not None and hit[0] is x:
             return hit[1], False
     if depth >= MAX_TEMPLATE_DEPTH:
-        raise TemplateLimitError(f"chat template exceeds toy's limit: a value nested more than {MAX_TEMPLATE_DEPTH} "
-                                 f"deep (MAX_TEMPLATE_DEPTH); {FIX}")
+        raise TemplateLimitError(
+            f"chat template exceeds toy's limit: a value nested more than {MAX_TEMPLATE_DEPTH} "
+            f"deep (MAX_TEMPLATE_DEPTH); {FIX}"
+        )
     total = 0
     for m in members:
         n, v = _size(m, cap - total, depth + 1, memo)
@@ -230,7 +243,9 @@ def format_size(fmt: str, values: list[Any]) -> int:
             continue
         total += biggest * (4 if conversion in ("r", "a") else 1)
         if spec:
-            total += sum(_digits(g) for g in _SPEC_DIGITS.findall(spec)) + (ints if "{" in spec else 0)
+            total += sum(_digits(g) for g in _SPEC_DIGITS.findall(spec)) + (
+                ints if "{" in spec else 0
+            )
     return total
 
 
@@ -257,6 +272,7 @@ def _take(items: Any, each: int, what: str) -> tuple[list, int]:
 
 # --------------------------------------------------------------------------- operators
 
+
 def binop_size(op: str, a: Any, b: Any) -> int:
     """An upper bound of the size of `a op b`, computed before it is made."""
     if _is_int(a) and _is_int(b):
@@ -269,9 +285,11 @@ def binop_size(op: str, a: Any, b: Any) -> int:
         else:
             bits = b.bit_length()
         if bits > MAX_TEMPLATE_INT_BITS:
-            raise TemplateLimitError(f"chat template exceeds toy's limit: '{op}' would make an integer of "
-                                     f"{_count(bits)} bits, over the {MAX_TEMPLATE_INT_BITS:,} allowed "
-                                     f"(MAX_TEMPLATE_INT_BITS); {FIX}")
+            raise TemplateLimitError(
+                f"chat template exceeds toy's limit: '{op}' would make an integer of "
+                f"{_count(bits)} bits, over the {MAX_TEMPLATE_INT_BITS:,} allowed "
+                f"(MAX_TEMPLATE_INT_BITS); {FIX}"
+            )
         return bits // 3 + 1
     seqs = (str, bytes, list, tuple)
     if op == "*":
@@ -288,6 +306,7 @@ def binop_size(op: str, a: Any, b: Any) -> int:
 
 # --------------------------------------------------------------------------- calls
 
+
 def _str_method_size(obj: Any, args: tuple, kwargs: dict) -> tuple[int, tuple]:
     """(an upper bound of the result, the arguments to call with) for the str methods
     whose result can outgrow their string: padding, tab expansion, replace, join,
@@ -300,7 +319,9 @@ def _str_method_size(obj: Any, args: tuple, kwargs: dict) -> tuple[int, tuple]:
         tab = _int(args[0] if args else kwargs.get("tabsize", 8))
         return n + s.count("\t") * max(tab, 1), args
     if name == "replace" and len(args) >= 2:
-        return _replace_size(s, args[0], args[1], args[2] if len(args) > 2 else kwargs.get("count", -1)), args
+        return _replace_size(
+            s, args[0], args[1], args[2] if len(args) > 2 else kwargs.get("count", -1)
+        ), args
     if name == "join" and args:
         items, total = _take(args[0], n, "str.join")
         return total, (items, *args[1:])
@@ -320,6 +341,7 @@ def call_size(obj: Any, args: tuple, kwargs: dict) -> tuple[int, tuple]:
 
 
 # --------------------------------------------------------------------------- filters
+
 
 def _center(value: Any, width: Any = 80) -> tuple[int, tuple]:
     return max(size_of(value), _int(width)), (value, width)
@@ -351,7 +373,11 @@ def _batch(value: Any, linecount: Any, fill_with: Any = None) -> tuple[int, tupl
 
 
 def _slice(value: Any, slices: Any, fill_with: Any = None) -> tuple[int, tuple]:
-    return _int(slices) * (1 + (0 if fill_with is None else size_of(fill_with))), (value, slices, fill_with)
+    return _int(slices) * (1 + (0 if fill_with is None else size_of(fill_with))), (
+        value,
+        slices,
+        fill_with,
+    )
 
 
 def _sum(iterable: Any, attribute: Any = None, start: Any = 0) -> tuple[int, tuple]:
@@ -363,22 +389,51 @@ def _sum(iterable: Any, attribute: Any = None, start: Any = 0) -> tuple[int, tup
     return total + size_of(start), (items, attribute, start)
 
 
-def _wordwrap(s: Any, width: Any = 79, break_long_words: Any = True, wrapstring: Any = None,
-              break_on_hyphens: Any = True) -> tuple[int, tuple]:
+def _wordwrap(
+    s: Any,
+    width: Any = 79,
+    break_long_words: Any = True,
+    wrapstring: Any = None,
+    break_on_hyphens: Any = True,
+) -> tuple[int, tuple]:
     n = size_of(s)
     sep = len(wrapstring) if isinstance(wrapstring, str) else 1
-    return n + (n // max(_int(width), 1) + 1) * sep, (s, width, break_long_words, wrapstring, break_on_hyphens)
+    return n + (n // max(_int(width), 1) + 1) * sep, (
+        s,
+        width,
+        break_long_words,
+        wrapstring,
+        break_on_hyphens,
+    )
 
 
-def _urlize(value: Any, trim_url_limit: Any = None, nofollow: Any = False, target: Any = None, rel: Any = None,
-            extra_schemes: Any = None) -> tuple[int, tuple]:
+def _urlize(
+    value: Any,
+    trim_url_limit: Any = None,
+    nofollow: Any = False,
+    target: Any = None,
+    rel: Any = None,
+    extra_schemes: Any = None,
+) -> tuple[int, tuple]:
     n = size_of(value)
     extra = sum(len(x) for x in (target, rel) if isinstance(x, str))
-    return 2 * n + (n // 4 + 1) * extra, (value, trim_url_limit, nofollow, target, rel, extra_schemes)
+    return 2 * n + (n // 4 + 1) * extra, (
+        value,
+        trim_url_limit,
+        nofollow,
+        target,
+        rel,
+        extra_schemes,
+    )
 
 
-def _tojson(x: Any, ensure_ascii: Any = False, indent: Any = None, separators: Any = None,
-            sort_keys: Any = False) -> tuple[int, tuple]:
+def _tojson(
+    x: Any,
+    ensure_ascii: Any = False,
+    indent: Any = None,
+    separators: Any = None,
+    sort_keys: Any = False,
+) -> tuple[int, tuple]:
     w = len(indent) if isinstance(indent, str) else _int(indent)
     members, depth = _shape(x)
     return size_of(x) + members * (w * depth + 3), (x, ensure_ascii, indent, separators, sort_keys)
@@ -387,8 +442,17 @@ def _tojson(x: Any, ensure_ascii: Any = False, indent: Any = None, separators: A
 # Filters whose result can outgrow their input, by name (jinja2's and toy's tojson): an
 # upper bound of the result from the filter's own arguments, before it runs.
 FILTER_SIZES: dict[str, Callable[..., tuple[int, tuple]]] = {
-    "center": _center, "indent": _indent, "format": _format, "join": _join, "replace": _replace,
-    "batch": _batch, "slice": _slice, "sum": _sum, "wordwrap": _wordwrap, "urlize": _urlize, "tojson": _tojson,
+    "center": _center,
+    "indent": _indent,
+    "format": _format,
+    "join": _join,
+    "replace": _replace,
+    "batch": _batch,
+    "slice": _slice,
+    "sum": _sum,
+    "wordwrap": _wordwrap,
+    "urlize": _urlize,
+    "tojson": _tojson,
 }
 
 
@@ -404,7 +468,9 @@ def bounded_filter(name: str, f: Callable) -> Callable:
     @functools.wraps(f)
     def bounded(*args: Any, **kwargs: Any) -> Any:
         b = getattr(_local, "budget", None)
-        if b is None:  # jinja2 folding a constant while it compiles: leave it to the render, which is bounded
+        if (
+            b is None
+        ):  # jinja2 folding a constant while it compiles: leave it to the render, which is bounded
             raise RuntimeError(f"{what} runs only in a bounded render")
         b.tick()
         head, real = args[:lead], args[lead:]
@@ -434,7 +500,7 @@ class _Drawn:
     def __init__(self, items: Iterator, what: str):
         self.items, self.what, self.total = items, what, 0
 
-    def __iter__(self) -> "_Drawn":
+    def __iter__(self) -> _Drawn:
         return self
 
     def __next__(self) -> Any:
@@ -521,8 +587,11 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
         def bounded(*args: Any, **kwargs: Any) -> str:
             b = _budget()
             b.tick()
-            values = list(args[0].values()) if is_map and args and isinstance(args[0], dict) else [*args,
-                                                                                               *kwargs.values()]
+            values = (
+                list(args[0].values())
+                if is_map and args and isinstance(args[0], dict)
+                else [*args, *kwargs.values()]
+            )
             b.check(format_size(template, values), "str.format")
             return fmt(*args, **kwargs)
 

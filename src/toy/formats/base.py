@@ -113,7 +113,11 @@ class Base:
             if isinstance(t, QuantTensor):
                 owner = name.rpartition(".")[0]
                 mod = model.get_submodule(owner)
-                new = QuantEmbedding(t.parts, t.spec) if isinstance(mod, nn.Embedding) else QuantLinear(t.parts, t.spec)
+                new = (
+                    QuantEmbedding(t.parts, t.spec)
+                    if isinstance(mod, nn.Embedding)
+                    else QuantLinear(t.parts, t.spec)
+                )
                 parent, _, child = owner.rpartition(".")
                 setattr(model.get_submodule(parent) if parent else model, child, new)
         for name, t in self.state_dict.items():
@@ -124,12 +128,20 @@ class Base:
         if getattr(self.config, "tie_embeddings", False):
             emb = model.embed_tokens
             if isinstance(emb, QuantEmbedding):
-                model.lm_head = QuantLinear(parts_of(emb), emb.spec)  # the same parts, read as a head
+                model.lm_head = QuantLinear(
+                    parts_of(emb), emb.spec
+                )  # the same parts, read as a head
             else:
                 model.tie_weights()
-        left = [n for n, p in [*model.named_parameters(), *model.named_buffers()] if p.device.type == "meta"]
+        left = [
+            n
+            for n, p in [*model.named_parameters(), *model.named_buffers()]
+            if p.device.type == "meta"
+        ]
         if left:
-            raise InputError(f"{self.path}: weights do not fit toy's {self.arch} (no weight for {left[:3]})")
+            raise InputError(
+                f"{self.path}: weights do not fit toy's {self.arch} (no weight for {left[:3]})"
+            )
         for p in model.parameters():
             p.requires_grad_(True)  # what is trainable is the recipe's call (LoRA freezes them)
         return model.to(device).eval()
@@ -140,8 +152,18 @@ def _no_init():
     """Build a model without initialising it: every weight is about to be replaced by the
     file's. On the meta device each torch.nn.init call would still run torch's meta
     kernels, whose first use costs over a second of one-off setup."""
-    names = ("normal_", "uniform_", "kaiming_uniform_", "kaiming_normal_", "trunc_normal_", "ones_", "zeros_",
-             "constant_", "xavier_uniform_", "xavier_normal_")
+    names = (
+        "normal_",
+        "uniform_",
+        "kaiming_uniform_",
+        "kaiming_normal_",
+        "trunc_normal_",
+        "ones_",
+        "zeros_",
+        "constant_",
+        "xavier_uniform_",
+        "xavier_normal_",
+    )
     saved = {n: getattr(nn.init, n) for n in names}
     try:
         for n in names:
@@ -163,8 +185,10 @@ def base_kind(path: str | os.PathLike) -> str:
         from toy.formats.hf_dir import dir_kind
 
         return dir_kind(p)
-    raise InputError(f"{p}: no such file or directory; give a GGUF file, a transformers directory or an MLX "
-                     "directory (config.json + safetensors)")
+    raise InputError(
+        f"{p}: no such file or directory; give a GGUF file, a transformers directory or an MLX "
+        "directory (config.json + safetensors)"
+    )
 
 
 def read_base(path: str | os.PathLike, base_dtype: str = "float32") -> Base:

@@ -45,7 +45,9 @@ def _fsync_dir(d: Path) -> None:
         os.close(fd)
 
 
-def save_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
+def save_tensors(
+    path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None
+) -> None:
     # Through write_file_atomic: fsynced and given 0666 less the umask (safetensors creates
     # its files 0600, which would hide a model or checkpoint from the machine's other users).
     flat = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
@@ -114,8 +116,10 @@ class _AtomicDir:
 
 # ------------------------------------------------------------------ optimizer
 
-def optimizer_tensors(opt: torch.optim.Optimizer, names: dict[int, str],
-                      full=lambda t: t) -> tuple[dict[str, torch.Tensor], dict]:
+
+def optimizer_tensors(
+    opt: torch.optim.Optimizer, names: dict[int, str], full=lambda t: t
+) -> tuple[dict[str, torch.Tensor], dict]:
     """AdamW state keyed by parameter NAME (`state.<name>.<key>`), not by index: a
     checkpoint then loads whatever the process count or sharding was. `full` turns a
     sharded tensor (FSDP's DTensor) into the whole tensor; it is a collective, so every
@@ -126,33 +130,48 @@ def optimizer_tensors(opt: torch.optim.Optimizer, names: dict[int, str],
             for key, val in opt.state.get(p, {}).items():
                 t = val if torch.is_tensor(val) else torch.tensor(val)
                 tensors[f"state.{names[id(p)]}.{key}"] = full(t)
-    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(p)] for p in g["params"]]}
-              for g in opt.param_groups]
+    groups = [
+        {
+            **{k: v for k, v in g.items() if k != "params"},
+            "params": [names[id(p)] for p in g["params"]],
+        }
+        for g in opt.param_groups
+    ]
     return tensors, {"param_groups": groups}
 
 
-def load_optimizer(opt: torch.optim.Optimizer, tensors: dict[str, torch.Tensor], meta: dict,
-                   names: dict[int, str], shard=lambda t, p: t) -> None:
+def load_optimizer(
+    opt: torch.optim.Optimizer,
+    tensors: dict[str, torch.Tensor],
+    meta: dict,
+    names: dict[int, str],
+    shard=lambda t, p: t,
+) -> None:
     """Inverse of optimizer_tensors; `shard(full_tensor, param)` re-shards for FSDP. The
     saved groups must hold the same parameters as this optimizer's, group by group: their
     settings (weight decay, LR multiplier) are matched by position."""
     saved = [set(g["params"]) for g in meta["param_groups"]]
     ours = [{names[id(p)] for p in g["params"]} for g in opt.param_groups]
     if saved != ours:
-        raise InputError(f"checkpoint optimizer groups ({len(saved)}) do not match this run's ({len(ours)}): it was "
-                         "made by another toy version or another run; resume it with that version or start a new run")
+        raise InputError(
+            f"checkpoint optimizer groups ({len(saved)}) do not match this run's ({len(ours)}): it was "
+            "made by another toy version or another run; resume it with that version or start a new run"
+        )
     by_name = {names[id(p)]: p for g in opt.param_groups for p in g["params"]}
     for key, t in tensors.items():
-        name, k = key[len("state."):].rsplit(".", 1)
+        name, k = key[len("state.") :].rsplit(".", 1)
         p = by_name.get(name)
         if p is None:
-            raise InputError(f"checkpoint optimizer state names {name!r}, which this model does not train")
+            raise InputError(
+                f"checkpoint optimizer state names {name!r}, which this model does not train"
+            )
         opt.state[p][k] = t if t.dim() == 0 else shard(t.to(p.dtype), p)
     for g, saved in zip(opt.param_groups, meta["param_groups"]):
         g.update({k: v for k, v in saved.items() if k != "params"})
 
 
 # ------------------------------------------------------------------ RNG
+
 
 def local_rng_state(device: torch.device | None = None) -> dict[str, torch.Tensor]:
     """This process's torch generators: the CPU one, and its own CUDA device's."""
@@ -167,7 +186,13 @@ def _host_rng_meta() -> dict:
     np_state = np.random.get_state()
     return {
         "python": [py[0], list(py[1]), py[2]],
-        "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])],
+        "numpy": [
+            np_state[0],
+            np_state[1].tolist(),
+            int(np_state[2]),
+            int(np_state[3]),
+            float(np_state[4]),
+        ],
     }
 
 
@@ -192,9 +217,15 @@ def set_rng_state(tensors: dict[str, torch.Tensor], meta: dict, rank: int = 0) -
 
 # ------------------------------------------------------------------ checkpoints
 
-def save_checkpoint(ckpt_root: Path, step: int, model_state: dict[str, torch.Tensor],
-                    opt_state: tuple[dict[str, torch.Tensor], dict], state: dict,
-                    rank_rng: list[dict[str, torch.Tensor]]) -> Path:
+
+def save_checkpoint(
+    ckpt_root: Path,
+    step: int,
+    model_state: dict[str, torch.Tensor],
+    opt_state: tuple[dict[str, torch.Tensor], dict],
+    state: dict,
+    rank_rng: list[dict[str, torch.Tensor]],
+) -> Path:
     """opt_state: from optimizer_tensors; rank_rng: each process's generators, in rank
     order (local_rng_state of every rank), saved as torch_cpu_rank<r> / torch_cuda_rank<r>."""
     final = ckpt_root / STEP_FMT.format(step)
@@ -202,10 +233,16 @@ def save_checkpoint(ckpt_root: Path, step: int, model_state: dict[str, torch.Ten
         save_tensors(d / "model.safetensors", model_state)
         opt_t, opt_meta = opt_state
         save_tensors(d / "optimizer.safetensors", opt_t)
-        rng_t = {f"torch_{kind}_rank{r}": t for r, states in enumerate(rank_rng) for kind, t in states.items()}
+        rng_t = {
+            f"torch_{kind}_rank{r}": t
+            for r, states in enumerate(rank_rng)
+            for kind, t in states.items()
+        }
         rng_meta = _host_rng_meta()
         save_tensors(d / "rng.safetensors", rng_t)
-        write_json(d / "state.json", {**state, "step": step, "optimizer": opt_meta, "rng": rng_meta})
+        write_json(
+            d / "state.json", {**state, "step": step, "optimizer": opt_meta, "rng": rng_meta}
+        )
     return final
 
 
@@ -229,7 +266,13 @@ def prune_checkpoints(ckpt_root: Path, keep_last: int) -> None:
         shutil.rmtree(d, ignore_errors=True)
 
 
-def load_checkpoint(d: Path) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, torch.Tensor], dict]:
+def load_checkpoint(
+    d: Path,
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, torch.Tensor], dict]:
     state = read_json(d / "state.json")
-    return (load_tensors(d / "model.safetensors"), load_tensors(d / "optimizer.safetensors"),
-            load_tensors(d / "rng.safetensors"), state)
+    return (
+        load_tensors(d / "model.safetensors"),
+        load_tensors(d / "optimizer.safetensors"),
+        load_tensors(d / "rng.safetensors"),
+        state,
+    )

@@ -36,12 +36,32 @@ from tokenizers import Tokenizer
 
 from toy.errors import InputError
 from toy.formats.base import Base, QuantTensor, Specials, stop_ids  # noqa: F401  (QuantTensor: importers take it)
-from toy.formats.gguf_describe import (BASE_DTYPES, check_tensors, config_from_header, describe_gguf,  # noqa: F401
-                                       resident_size, tensor_name_map, tensor_plan)
-from toy.formats.gguf_header import (SUPPORTED_VERSIONS, GGUFHeader, TensorInfo, _show,  # noqa: F401
-                                     read_gguf_header)
-from toy.formats.gguf_plan import (GGUFFamily, Planned, check_plan, family_of, gguf_families,  # noqa: F401
-                                   supported_archs)
+
+# Re-exported for importers (the facade goes with the base-reader table).
+from toy.formats.gguf_describe import (  # noqa: F401
+    BASE_DTYPES,
+    check_tensors,
+    config_from_header,
+    describe_gguf,
+    resident_size,
+    tensor_name_map,
+    tensor_plan,
+)
+from toy.formats.gguf_header import (  # noqa: F401
+    SUPPORTED_VERSIONS,
+    GGUFHeader,
+    TensorInfo,
+    _show,
+    read_gguf_header,
+)
+from toy.formats.gguf_plan import (  # noqa: F401
+    GGUFFamily,
+    Planned,
+    check_plan,
+    family_of,
+    gguf_families,
+    supported_archs,
+)
 from toy.models import quant
 from toy.models.quant import QuantSpec, half_split_rows
 from toy.tokenizer import from_gguf_metadata, gguf_special_ids
@@ -77,8 +97,10 @@ def _check_dequantizable(h: GGUFHeader, infos: list[TensorInfo]) -> None:
         try:
             gguf_dequantize(np.zeros((1, type_size), dtype=np.uint8), ti.qtype)
         except (NotImplementedError, ValueError, TypeError):
-            raise InputError(f"{h.path}: tensor {_show(ti.name)} has quant type {ti.qtype.name}, which the `gguf` "
-                             "package cannot dequantize; re-quantize the model to F16, Q8_0 or a K-quant")
+            raise InputError(
+                f"{h.path}: tensor {_show(ti.name)} has quant type {ti.qtype.name}, which the `gguf` "
+                "package cannot dequantize; re-quantize the model to F16, Q8_0 or a K-quant"
+            )
         seen.add(ti.qtype)
 
 
@@ -88,9 +110,13 @@ def _map(h: GGUFHeader) -> np.ndarray:
     try:
         buf = np.memmap(h.path, dtype=np.uint8, mode="c")
     except OSError as e:
-        raise InputError(f"{h.path}: cannot read GGUF file ({e.strerror or e}); check the path and its permissions")
+        raise InputError(
+            f"{h.path}: cannot read GGUF file ({e.strerror or e}); check the path and its permissions"
+        )
     if buf.shape[0] != h.file_size:
-        raise InputError(f"{h.path}: the file changed size since its header was read; read it again once it is complete")
+        raise InputError(
+            f"{h.path}: the file changed size since its header was read; read it again once it is complete"
+        )
     return buf
 
 
@@ -106,9 +132,15 @@ def _load_tensor(buf: np.ndarray, ti: TensorInfo) -> torch.Tensor:
     """One tensor as float32 in torch order (the file's layout, nothing un-permuted)."""
     if int(ti.qtype) in quant.QUANT_TYPES:
         w = quant.dequantize(_blocks(buf, ti), int(ti.qtype), ti.ne[0])
-        return w.reshape(ti.shape).clone() if ti.qtype == GGMLQuantizationType.F32 else w.reshape(ti.shape)
+        return (
+            w.reshape(ti.shape).clone()
+            if ti.qtype == GGMLQuantizationType.F32
+            else w.reshape(ti.shape)
+        )
     block, type_size = GGML_QUANT_SIZES[ti.qtype]
-    raw = np.asarray(buf[ti.offset : ti.offset + ti.nbytes]).reshape(*ti.shape[:-1], ti.shape[-1] // block * type_size)
+    raw = np.asarray(buf[ti.offset : ti.offset + ti.nbytes]).reshape(
+        *ti.shape[:-1], ti.shape[-1] // block * type_size
+    )
     arr = np.array(gguf_dequantize(raw, ti.qtype), dtype=np.float32, order="C").reshape(ti.shape)
     return torch.from_numpy(arr)
 
@@ -132,33 +164,57 @@ def read_gguf(source: str | os.PathLike | GGUFHeader, base_dtype: str = "float32
         ti = h.tensors[gname]
         qtype = int(ti.qtype)
         try:
-            if base_dtype == "quantized" and len(p.shape) == 2 and qtype in quant.QUANT_TYPES \
-                    and qtype != quant.F32:
+            if (
+                base_dtype == "quantized"
+                and len(p.shape) == 2
+                and qtype in quant.QUANT_TYPES
+                and qtype != quant.F32
+            ):
                 sd[p.name] = QuantTensor((_blocks(buf, ti),), QuantSpec(qtype, p.shape, p.qk_heads))
                 continue
             if qtype not in quant.QUANT_TYPES:
                 slow[ti.qtype.name] += 1
             t = _load_tensor(buf, ti)
         except (ValueError, TypeError, NotImplementedError, RuntimeError) as e:
-            raise InputError(f"{h.path}: tensor {gname!r} ({ti.qtype.name}) could not be dequantized "
-                             f"({str(e).splitlines()[0] if str(e) else type(e).__name__}); the file is damaged")
+            raise InputError(
+                f"{h.path}: tensor {gname!r} ({ti.qtype.name}) could not be dequantized "
+                f"({str(e).splitlines()[0] if str(e) else type(e).__name__}); the file is damaged"
+            )
         if p.qk_heads:
             t = unpermute_qk(t, p.qk_heads)
         if base_dtype == "bfloat16":
             t = t.to(torch.bfloat16)
         sd[p.name] = t.contiguous()
     if slow and base_dtype == "quantized":
-        notes.append(f"{', '.join(f'{k} x{v}' for k, v in slow.items())}: no torch kernel for this type; "
-                     "dequantized at load and kept in float32")
+        notes.append(
+            f"{', '.join(f'{k} x{v}' for k, v in slow.items())}: no torch kernel for this type; "
+            "dequantized at load and kept in float32"
+        )
     tmpl = h.metadata.get("tokenizer.chat_template")
     tok = from_gguf_metadata(h.metadata, source=str(h.path))
     ids = gguf_special_ids(h.metadata)
-    special = Specials(bos=ids.bos, eos=ids.eos, pad=ids.pad,
-                       stops=stop_ids(tok, [ids.eos] if ids.eos is not None else []))
-    return Base(kind="gguf", path=h.path, arch=fam.name, family=fam.family, config=cfg, state_dict=sd, tokenizer=tok,
-                special=special, chat_template=tmpl if isinstance(tmpl, str) else None, chat_format=fam.chat_format,
-                metadata=h.metadata, tensor_types=Counter(ti.qtype.name for ti in h.tensors.values()),
-                base_dtype=base_dtype, notes=notes)
+    special = Specials(
+        bos=ids.bos,
+        eos=ids.eos,
+        pad=ids.pad,
+        stops=stop_ids(tok, [ids.eos] if ids.eos is not None else []),
+    )
+    return Base(
+        kind="gguf",
+        path=h.path,
+        arch=fam.name,
+        family=fam.family,
+        config=cfg,
+        state_dict=sd,
+        tokenizer=tok,
+        special=special,
+        chat_template=tmpl if isinstance(tmpl, str) else None,
+        chat_format=fam.chat_format,
+        metadata=h.metadata,
+        tensor_types=Counter(ti.qtype.name for ti in h.tensors.values()),
+        base_dtype=base_dtype,
+        notes=notes,
+    )
 
 
 GGUFModel = Base  # what read_gguf returns (the name older code and scripts use)
@@ -179,12 +235,16 @@ def read_gguf_tensor(source: str | os.PathLike | GGUFHeader, name: str) -> torch
     h = source if isinstance(source, GGUFHeader) else read_gguf_header(source)
     ti = h.tensors.get(name)
     if ti is None:
-        raise InputError(f"{h.path}: has no tensor {_show(name)} ({len(h.tensors)} tensors in the file); "
-                         "pass a GGUF model that has it")
+        raise InputError(
+            f"{h.path}: has no tensor {_show(name)} ({len(h.tensors)} tensors in the file); "
+            "pass a GGUF model that has it"
+        )
     _check_dequantizable(h, [ti])
     buf = _map(h)
     try:
         return _load_tensor(buf, ti).clone()
     except (ValueError, TypeError, NotImplementedError, RuntimeError) as e:
-        raise InputError(f"{h.path}: tensor {_show(name)} ({ti.qtype.name}) could not be dequantized "
-                         f"({str(e).splitlines()[0] if str(e) else type(e).__name__}); the file is damaged")
+        raise InputError(
+            f"{h.path}: tensor {_show(name)} ({ti.qtype.name}) could not be dequantized "
+            f"({str(e).splitlines()[0] if str(e) else type(e).__name__}); the file is damaged"
+        )

@@ -44,8 +44,10 @@ def describe_adapter(source: str | os.PathLike | GGUFHeader) -> dict[str, Any]:
     layers: set[int] = set()
     for base, ab in pairs.items():
         if set(ab) != {"lora_a", "lora_b"}:
-            problems.append(f"{base} has {'lora_a' if 'lora_a' in ab else 'lora_b'} without "
-                            f"{'lora_b' if 'lora_a' in ab else 'lora_a'}")
+            problems.append(
+                f"{base} has {'lora_a' if 'lora_a' in ab else 'lora_b'} without "
+                f"{'lora_b' if 'lora_a' in ab else 'lora_a'}"
+            )
             continue
         a, b = ab["lora_a"].shape, ab["lora_b"].shape  # (r, in), (out, r)
         if len(a) != 2 or len(b) != 2 or a[0] != b[1]:
@@ -61,7 +63,9 @@ def describe_adapter(source: str | os.PathLike | GGUFHeader) -> dict[str, Any]:
     alpha = meta.get("adapter.lora.alpha")
     if meta.get("adapter.type", "lora") == "lora":
         if not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
-            notes.append("no adapter.lora.alpha key: llama.cpp scales the update by 1, not alpha/rank")
+            notes.append(
+                "no adapter.lora.alpha key: llama.cpp scales the update by 1, not alpha/rank"
+            )
             alpha = None
         if not pairs:
             problems.append("no lora_a / lora_b tensors")

@@ -106,8 +106,15 @@ def describe_gguf(path: str | os.PathLike) -> dict[str, Any]:
             "pre": meta.get("tokenizer.ggml.pre"),
             "vocab_size": len(tokens),
             "n_merges": len(meta.get("tokenizer.ggml.merges") or []),
-            "special_tokens": {k: special(key) for k, key in
-                               (("bos", "bos"), ("eos", "eos"), ("pad", "padding"), ("unk", "unknown"))},
+            "special_tokens": {
+                k: special(key)
+                for k, key in (
+                    ("bos", "bos"),
+                    ("eos", "eos"),
+                    ("pad", "padding"),
+                    ("unk", "unknown"),
+                )
+            },
         },
         "chat_template": isinstance(meta.get("tokenizer.chat_template"), str),
         "load_error": load_error,

@@ -19,7 +19,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf.constants import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGUF_MAGIC, GGMLQuantizationType, GGUFValueType
+from gguf.constants import (
+    GGML_QUANT_SIZES,
+    GGUF_DEFAULT_ALIGNMENT,
+    GGUF_MAGIC,
+    GGMLQuantizationType,
+    GGUFValueType,
+)
 
 from toy.errors import InputError
 
@@ -37,19 +43,29 @@ _MAX_ARRAY_DEPTH = 3
 _MAX_CONTEXT = 1 << 20
 
 _SCALAR_FORMATS: dict[GGUFValueType, str] = {
-    GGUFValueType.UINT8: "B", GGUFValueType.INT8: "b",
-    GGUFValueType.UINT16: "H", GGUFValueType.INT16: "h",
-    GGUFValueType.UINT32: "I", GGUFValueType.INT32: "i",
-    GGUFValueType.UINT64: "Q", GGUFValueType.INT64: "q",
-    GGUFValueType.FLOAT32: "f", GGUFValueType.FLOAT64: "d",
+    GGUFValueType.UINT8: "B",
+    GGUFValueType.INT8: "b",
+    GGUFValueType.UINT16: "H",
+    GGUFValueType.INT16: "h",
+    GGUFValueType.UINT32: "I",
+    GGUFValueType.INT32: "i",
+    GGUFValueType.UINT64: "Q",
+    GGUFValueType.INT64: "q",
+    GGUFValueType.FLOAT32: "f",
+    GGUFValueType.FLOAT64: "d",
     GGUFValueType.BOOL: "?",
 }
 _NUMPY_DTYPES: dict[GGUFValueType, str] = {
-    GGUFValueType.UINT8: "<u1", GGUFValueType.INT8: "<i1",
-    GGUFValueType.UINT16: "<u2", GGUFValueType.INT16: "<i2",
-    GGUFValueType.UINT32: "<u4", GGUFValueType.INT32: "<i4",
-    GGUFValueType.UINT64: "<u8", GGUFValueType.INT64: "<i8",
-    GGUFValueType.FLOAT32: "<f4", GGUFValueType.FLOAT64: "<f8",
+    GGUFValueType.UINT8: "<u1",
+    GGUFValueType.INT8: "<i1",
+    GGUFValueType.UINT16: "<u2",
+    GGUFValueType.INT16: "<i2",
+    GGUFValueType.UINT32: "<u4",
+    GGUFValueType.INT32: "<i4",
+    GGUFValueType.UINT64: "<u8",
+    GGUFValueType.INT64: "<i8",
+    GGUFValueType.FLOAT32: "<f4",
+    GGUFValueType.FLOAT64: "<f8",
     GGUFValueType.BOOL: "?",
 }
 
@@ -63,6 +79,7 @@ def _show(s: str, n: int = 80) -> str:
 
 
 # ------------------------------------------------------------------ header
+
 
 @dataclass(frozen=True)
 class TensorInfo:
@@ -111,8 +128,10 @@ class _Cursor:
 
     def need(self, n: int, what: str) -> None:
         if n < 0 or n > self.size - self.pos:
-            raise InputError(f"{self.path}: truncated GGUF: {what} at byte {self.pos} needs {n} bytes, "
-                             f"only {self.size - self.pos} left; {_TRUNCATED_FIX}")
+            raise InputError(
+                f"{self.path}: truncated GGUF: {what} at byte {self.pos} needs {n} bytes, "
+                f"only {self.size - self.pos} left; {_TRUNCATED_FIX}"
+            )
 
     def scalar(self, fmt: str, what: str) -> Any:
         n = struct.calcsize("<" + fmt)
@@ -130,24 +149,30 @@ class _Cursor:
     def string(self, what: str, max_len: int | None = None) -> str:
         n = self.u64(f"length of {what}")
         if max_len is not None and n > max_len:
-            raise InputError(f"{self.path}: corrupt GGUF header: {what} claims {n} bytes (limit {max_len}); "
-                             "the file is damaged or not a GGUF model")
+            raise InputError(
+                f"{self.path}: corrupt GGUF header: {what} claims {n} bytes (limit {max_len}); "
+                "the file is damaged or not a GGUF model"
+            )
         self.need(n, what)
         raw = self.view[self.pos : self.pos + n]
         self.pos += n
         try:
             return str(raw, "utf-8")
         except UnicodeDecodeError:
-            raise InputError(f"{self.path}: corrupt GGUF header: {what} at byte {self.pos - n} is not valid UTF-8; "
-                             "the file is damaged")
+            raise InputError(
+                f"{self.path}: corrupt GGUF header: {what} at byte {self.pos - n} is not valid UTF-8; "
+                "the file is damaged"
+            )
 
 
 def _value_type(raw: int, cur: _Cursor, key: str) -> GGUFValueType:
     try:
         return GGUFValueType(raw)
     except ValueError:
-        raise InputError(f"{cur.path}: corrupt GGUF header: key {_show(key)} has unknown value type {raw}; "
-                         "the file is damaged or from a newer GGUF version")
+        raise InputError(
+            f"{cur.path}: corrupt GGUF header: key {_show(key)} has unknown value type {raw}; "
+            "the file is damaged or from a newer GGUF version"
+        )
 
 
 def _read_value(cur: _Cursor, vtype: GGUFValueType, key: str, depth: int = 0) -> Any:
@@ -157,17 +182,22 @@ def _read_value(cur: _Cursor, vtype: GGUFValueType, key: str, depth: int = 0) ->
         return cur.scalar(_SCALAR_FORMATS[vtype], f"value of {_show(key)}")
     # ARRAY: item type, count, items.
     if depth >= _MAX_ARRAY_DEPTH:
-        raise InputError(f"{cur.path}: corrupt GGUF header: arrays nested deeper than {_MAX_ARRAY_DEPTH} "
-                         f"in key {_show(key)}; the file is damaged")
+        raise InputError(
+            f"{cur.path}: corrupt GGUF header: arrays nested deeper than {_MAX_ARRAY_DEPTH} "
+            f"in key {_show(key)}; the file is damaged"
+        )
     itype = _value_type(cur.u32(f"array type of {_show(key)}"), cur, key)
     count = cur.u64(f"array length of {_show(key)}")
     # Each item takes at least this many bytes, so a count the file cannot hold is caught
     # before the loop: no header can make us spin or allocate beyond the file's size.
     min_item = {GGUFValueType.STRING: 8, GGUFValueType.ARRAY: 12}.get(itype) or struct.calcsize(
-        "<" + _SCALAR_FORMATS[itype])
+        "<" + _SCALAR_FORMATS[itype]
+    )
     if count > _MAX_COUNT or count * min_item > cur.size - cur.pos:
-        raise InputError(f"{cur.path}: corrupt or truncated GGUF header: array {_show(key)} claims {count} items "
-                         f"but only {cur.size - cur.pos} bytes are left; {_TRUNCATED_FIX}")
+        raise InputError(
+            f"{cur.path}: corrupt or truncated GGUF header: array {_show(key)} claims {count} items "
+            f"but only {cur.size - cur.pos} bytes are left; {_TRUNCATED_FIX}"
+        )
     if itype in _NUMPY_DTYPES:
         n = count * min_item
         arr = np.frombuffer(cur.buf, dtype=_NUMPY_DTYPES[itype], count=count, offset=cur.pos)
@@ -195,11 +225,15 @@ def _read_string_array(cur: _Cursor, count: int, key: str) -> list[str]:
             out.append(str(view[pos : pos + n], "utf-8"))
             pos += n
     except UnicodeDecodeError:
-        raise InputError(f"{cur.path}: corrupt GGUF header: item {len(out)} of {_show(key)} is not valid UTF-8; "
-                         "the file is damaged")
+        raise InputError(
+            f"{cur.path}: corrupt GGUF header: item {len(out)} of {_show(key)} is not valid UTF-8; "
+            "the file is damaged"
+        )
     if len(out) < count:
-        raise InputError(f"{cur.path}: truncated GGUF: array {_show(key)} ends after {len(out)} of {count} strings; "
-                         f"{_TRUNCATED_FIX}")
+        raise InputError(
+            f"{cur.path}: truncated GGUF: array {_show(key)} ends after {len(out)} of {count} strings; "
+            f"{_TRUNCATED_FIX}"
+        )
     cur.pos = pos
     return out
 
@@ -211,39 +245,55 @@ def read_gguf_header(path: str | os.PathLike) -> GGUFHeader:
     try:
         size = path.stat().st_size
     except FileNotFoundError:
-        raise InputError(f"{path}: GGUF file not found; check the path (`toy fetch smollm2` fetches a small model)")
+        raise InputError(
+            f"{path}: GGUF file not found; check the path (`toy fetch smollm2` fetches a small model)"
+        )
     except OSError as e:
-        raise InputError(f"{path}: cannot read GGUF file ({e.strerror}); check the path and its permissions")
+        raise InputError(
+            f"{path}: cannot read GGUF file ({e.strerror}); check the path and its permissions"
+        )
     if path.is_dir():
         raise InputError(f"{path}: is a directory, not a GGUF file; pass the .gguf file itself")
     if size < 24:  # magic + version + tensor count + kv count
-        raise InputError(f"{path}: not a GGUF file ({size} bytes, too small for a GGUF header); "
-                         "pass a .gguf model file")
+        raise InputError(
+            f"{path}: not a GGUF file ({size} bytes, too small for a GGUF header); "
+            "pass a .gguf model file"
+        )
     try:
         buf = np.memmap(path, dtype=np.uint8, mode="r")
     except OSError as e:
-        raise InputError(f"{path}: cannot read GGUF file ({e.strerror or e}); check the path and its permissions")
+        raise InputError(
+            f"{path}: cannot read GGUF file ({e.strerror or e}); check the path and its permissions"
+        )
     cur = _Cursor(buf, path)
 
     magic = cur.u32("magic")
     if magic != GGUF_MAGIC:
         head = bytes(buf[:4])
-        raise InputError(f"{path}: not a GGUF file (starts with {head!r}, expected b'GGUF'); pass a .gguf model file")
+        raise InputError(
+            f"{path}: not a GGUF file (starts with {head!r}, expected b'GGUF'); pass a .gguf model file"
+        )
     version = cur.u32("version")
     if version not in SUPPORTED_VERSIONS:
         if version & 0xFFFF == 0 and (version >> 16) in SUPPORTED_VERSIONS:
-            raise InputError(f"{path}: big-endian GGUF is not supported; convert it to little-endian with "
-                             "llama.cpp's gguf tools")
-        raise InputError(f"{path}: GGUF version {version} is not supported (supported: "
-                         f"{', '.join(map(str, SUPPORTED_VERSIONS))}); re-convert it with a current llama.cpp")
+            raise InputError(
+                f"{path}: big-endian GGUF is not supported; convert it to little-endian with "
+                "llama.cpp's gguf tools"
+            )
+        raise InputError(
+            f"{path}: GGUF version {version} is not supported (supported: "
+            f"{', '.join(map(str, SUPPORTED_VERSIONS))}); re-convert it with a current llama.cpp"
+        )
     n_tensors = cur.u64("tensor count")
     n_kv = cur.u64("key/value count")
     left = size - cur.pos
     # Smallest possible entries: a key/value is 8 (key length) + 4 (type) + 1 (a u8 value);
     # a tensor info is 8 (name length) + 4 (n_dims) + 8 (one dim) + 4 (type) + 8 (offset).
     if n_kv > _MAX_COUNT or n_kv * 13 > left or n_tensors > _MAX_COUNT or n_tensors * 32 > left:
-        raise InputError(f"{path}: corrupt GGUF header: it claims {n_kv} key/values and {n_tensors} tensors, "
-                         f"which cannot fit in a {size}-byte file; the file is damaged or truncated")
+        raise InputError(
+            f"{path}: corrupt GGUF header: it claims {n_kv} key/values and {n_tensors} tensors, "
+            f"which cannot fit in a {size}-byte file; the file is damaged or truncated"
+        )
 
     metadata: dict[str, Any] = {}
     kv_types: dict[str, tuple[GGUFValueType, GGUFValueType | None]] = {}
@@ -251,25 +301,38 @@ def read_gguf_header(path: str | os.PathLike) -> GGUFHeader:
         key = cur.string("key name", max_len=_MAX_KEY_LEN)
         vtype = _value_type(cur.u32(f"type of key {_show(key)}"), cur, key)
         if key in metadata:
-            raise InputError(f"{path}: corrupt GGUF header: key {_show(key)} appears twice; the file is damaged")
+            raise InputError(
+                f"{path}: corrupt GGUF header: key {_show(key)} appears twice; the file is damaged"
+            )
         item = None
         if vtype == GGUFValueType.ARRAY:  # peek at the item type; _read_value reads it again
-            (raw,) = struct.unpack_from("<I", cur.buf, cur.pos) if cur.size - cur.pos >= 4 else (None,)
+            (raw,) = (
+                struct.unpack_from("<I", cur.buf, cur.pos) if cur.size - cur.pos >= 4 else (None,)
+            )
             item = GGUFValueType(raw) if raw in GGUFValueType._value2member_map_ else None
         metadata[key] = _read_value(cur, vtype, key)
         kv_types[key] = (vtype, item)
 
     alignment = metadata.get("general.alignment", GGUF_DEFAULT_ALIGNMENT)
-    if not isinstance(alignment, int) or isinstance(alignment, bool) or alignment <= 0 or alignment & (alignment - 1):
-        raise InputError(f"{path}: corrupt GGUF header: general.alignment {alignment!r} is not a power of two")
+    if (
+        not isinstance(alignment, int)
+        or isinstance(alignment, bool)
+        or alignment <= 0
+        or alignment & (alignment - 1)
+    ):
+        raise InputError(
+            f"{path}: corrupt GGUF header: general.alignment {alignment!r} is not a power of two"
+        )
 
     raw_infos = []
     for _ in range(n_tensors):
         name = cur.string("tensor name", max_len=_MAX_KEY_LEN)
         n_dims = cur.u32(f"dimension count of tensor {_show(name)}")
         if not 1 <= n_dims <= _MAX_DIMS:
-            raise InputError(f"{path}: corrupt GGUF header: tensor {_show(name)} claims {n_dims} dimensions "
-                             f"(ggml allows 1..{_MAX_DIMS}); the file is damaged")
+            raise InputError(
+                f"{path}: corrupt GGUF header: tensor {_show(name)} claims {n_dims} dimensions "
+                f"(ggml allows 1..{_MAX_DIMS}); the file is damaged"
+            )
         ne = tuple(cur.u64(f"shape of tensor {_show(name)}") for _ in range(n_dims))
         raw_type = cur.u32(f"type of tensor {_show(name)}")
         offset = cur.u64(f"data offset of tensor {_show(name)}")
@@ -279,26 +342,36 @@ def read_gguf_header(path: str | os.PathLike) -> GGUFHeader:
     tensors: dict[str, TensorInfo] = {}
     for name, ne, raw_type, offset in raw_infos:
         if name in tensors:
-            raise InputError(f"{path}: corrupt GGUF header: tensor {_show(name)} appears twice; the file is damaged")
+            raise InputError(
+                f"{path}: corrupt GGUF header: tensor {_show(name)} appears twice; the file is damaged"
+            )
         try:
             qtype = GGMLQuantizationType(raw_type)
             block, type_size = GGML_QUANT_SIZES[qtype]
         except (ValueError, KeyError):
-            raise InputError(f"{path}: tensor {_show(name)} has unknown quant type id {raw_type}; the file is "
-                             "damaged or needs a newer `gguf` package (pip install -U gguf)")
+            raise InputError(
+                f"{path}: tensor {_show(name)} has unknown quant type id {raw_type}; the file is "
+                "damaged or needs a newer `gguf` package (pip install -U gguf)"
+            )
         if any(d < 1 for d in ne) or ne[0] % block:
-            raise InputError(f"{path}: misshapen tensor {_show(name)}: GGUF shape {list(ne)} is not valid for "
-                             f"{qtype.name} (blocks of {block} along ne[0]); the file is damaged")
+            raise InputError(
+                f"{path}: misshapen tensor {_show(name)}: GGUF shape {list(ne)} is not valid for "
+                f"{qtype.name} (blocks of {block} along ne[0]); the file is damaged"
+            )
         n_el = 1
         for d in ne:
             n_el *= d
         nbytes = n_el // block * type_size
         start = data_start + offset
         if offset % alignment:
-            raise InputError(f"{path}: corrupt GGUF header: tensor {_show(name)} data offset {offset} is not "
-                             f"aligned to {alignment} bytes; the file is damaged")
+            raise InputError(
+                f"{path}: corrupt GGUF header: tensor {_show(name)} data offset {offset} is not "
+                f"aligned to {alignment} bytes; the file is damaged"
+            )
         if start + nbytes > size:
-            raise InputError(f"{path}: truncated GGUF: tensor {_show(name)} needs bytes {start}..{start + nbytes} "
-                             f"but the file has {size}; {_TRUNCATED_FIX}")
+            raise InputError(
+                f"{path}: truncated GGUF: tensor {_show(name)} needs bytes {start}..{start + nbytes} "
+                f"but the file has {size}; {_TRUNCATED_FIX}"
+            )
         tensors[name] = TensorInfo(name, ne, qtype, start, nbytes)
     return GGUFHeader(path, version, size, metadata, tensors, alignment, data_start, kv_types)

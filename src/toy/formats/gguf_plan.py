@@ -7,7 +7,7 @@ in their own files in models/; nothing here is specific to one of them.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 from typing import Any
 
 from toy.errors import InputError
@@ -54,10 +54,13 @@ def keys(h: GGUFHeader) -> Keys:
     return Keys(h.metadata, {n: ti.shape for n, ti in h.tensors.items()})
 
 
-@lru_cache(maxsize=None)
+@cache
 def gguf_families() -> dict[str, GGUFFamily]:
     """general.architecture -> GGUFFamily, for every architecture a family reads."""
-    return {name: GGUFFamily(name, fam, arch) for name, (fam, arch) in sorted(registry.gguf_archs().items())}
+    return {
+        name: GGUFFamily(name, fam, arch)
+        for name, (fam, arch) in sorted(registry.gguf_archs().items())
+    }
 
 
 def supported_archs() -> tuple[str, ...]:
@@ -69,13 +72,19 @@ def family_of(h: GGUFHeader) -> GGUFFamily:
     supported ones otherwise (an adapter file is refused here too)."""
     arch = h.metadata.get("general.architecture")
     if not isinstance(arch, str):
-        raise InputError(f"{h.path}: GGUF key 'general.architecture' is missing; the file is not a GGUF model")
+        raise InputError(
+            f"{h.path}: GGUF key 'general.architecture' is missing; the file is not a GGUF model"
+        )
     if h.metadata.get("general.type") == "adapter":
-        raise InputError(f"{h.path}: is a LoRA adapter GGUF, not a model; pass the base model's GGUF here")
+        raise InputError(
+            f"{h.path}: is a LoRA adapter GGUF, not a model; pass the base model's GGUF here"
+        )
     fams = gguf_families()
     if arch not in fams:
-        raise InputError(f"{h.path}: architecture {_show(arch)} is not supported; supported: "
-                         f"{', '.join(fams)} (`toy describe` still shows what the file holds)")
+        raise InputError(
+            f"{h.path}: architecture {_show(arch)} is not supported; supported: "
+            f"{', '.join(fams)} (`toy describe` still shows what the file holds)"
+        )
     return fams[arch]
 
 
@@ -85,14 +94,20 @@ def check_plan(h: GGUFHeader, plan: dict[str, Planned], arch: str, n_layer: int)
     missing = [g for g in plan if g not in h.tensors]
     if missing:
         more = f" ({len(missing)} missing in all)" if len(missing) > 1 else ""
-        raise InputError(f"{h.path}: missing tensor {missing[0]!r}{more}; the file is not a complete {arch} model "
-                         f"with {n_layer} layers")
+        raise InputError(
+            f"{h.path}: missing tensor {missing[0]!r}{more}; the file is not a complete {arch} model "
+            f"with {n_layer} layers"
+        )
     extra = [n for n in h.tensors if n not in plan]
     if extra:
-        raise InputError(f"{h.path}: unexpected tensor {_show(extra[0])} ({len(extra)} in all); toy's {arch} has "
-                         "no place for it (a different architecture or an unsupported variant)")
+        raise InputError(
+            f"{h.path}: unexpected tensor {_show(extra[0])} ({len(extra)} in all); toy's {arch} has "
+            "no place for it (a different architecture or an unsupported variant)"
+        )
     for gname, p in plan.items():
         found = h.tensors[gname].shape
         if found != p.shape:
-            raise InputError(f"{h.path}: misshapen tensor {gname!r}: expected {list(p.shape)}, found {list(found)} "
-                             "(torch order, out x in); the header's hyper-parameters do not match the weights")
+            raise InputError(
+                f"{h.path}: misshapen tensor {gname!r}: expected {list(p.shape)}, found {list(found)} "
+                "(torch order, out x in); the header's hyper-parameters do not match the weights"
+            )

@@ -49,20 +49,42 @@ from typing import Any
 import gguf
 import numpy as np
 import torch
-from gguf.constants import GGML_QUANT_VERSION, GGMLQuantizationType, GGUFValueType, LlamaFileType, TokenType
+from gguf.constants import (
+    GGML_QUANT_VERSION,
+    GGMLQuantizationType,
+    GGUFValueType,
+    LlamaFileType,
+    TokenType,
+)
 from tokenizers import Tokenizer
 
 from toy.errors import InputError, UsageError
 from toy.formats.checkpoint import write_file_atomic
-from toy.formats.gguf import (GGUFModel, Planned, _load_tensor, _map, check_tensors, config_from_header, family_of,
-                              gguf_families, permute_qk, read_gguf_header, tensor_name_map, unpermute_qk)
+from toy.formats.gguf import (
+    GGUFModel,
+    Planned,
+    _load_tensor,
+    _map,
+    check_tensors,
+    config_from_header,
+    family_of,
+    gguf_families,
+    permute_qk,
+    read_gguf_header,
+    tensor_name_map,
+    unpermute_qk,
+)
 from toy.models.gpt2 import GPT2, GPT2Config
 from toy.models.llama import Llama, LlamaConfig
 from toy.tokenizer import EOS_TOKEN, from_gguf_metadata
 
 DTYPES = ("f32", "f16", "q8_0")
 ADAPTER_DTYPES = ("f32", "f16")
-_FILE_TYPE = {"f32": LlamaFileType.ALL_F32, "f16": LlamaFileType.MOSTLY_F16, "q8_0": LlamaFileType.MOSTLY_Q8_0}
+_FILE_TYPE = {
+    "f32": LlamaFileType.ALL_F32,
+    "f16": LlamaFileType.MOSTLY_F16,
+    "q8_0": LlamaFileType.MOSTLY_Q8_0,
+}
 _Q8_BLOCK = 32
 # Pre-tokenizer names toy writes, each a llama.cpp name whose split toy's
 # `from_gguf_metadata` reproduces exactly (checked against the tokenizer being written).
@@ -91,12 +113,17 @@ class WriteReport:
 
 # ------------------------------------------------------------------ writing
 
+
 def _check_dtype(dtype: str, allowed: tuple[str, ...] = DTYPES, what: str = "a GGUF model") -> None:
     if dtype not in allowed:
-        raise UsageError(f"--dtype {dtype!r} is not offered for {what}; choose from: {', '.join(allowed)}")
+        raise UsageError(
+            f"--dtype {dtype!r} is not offered for {what}; choose from: {', '.join(allowed)}"
+        )
 
 
-def _encode(name: str, arr: np.ndarray, dtype: str, notes: list[str]) -> tuple[np.ndarray, GGMLQuantizationType]:
+def _encode(
+    name: str, arr: np.ndarray, dtype: str, notes: list[str]
+) -> tuple[np.ndarray, GGMLQuantizationType]:
     """`arr` (float32, torch order) in the file's type. 1-D stays f32; q8_0 needs rows
     (the last torch dim = ne[0]) in whole blocks of 32, else that tensor falls back to f16."""
     arr = np.ascontiguousarray(arr, dtype=np.float32)
@@ -105,8 +132,10 @@ def _encode(name: str, arr: np.ndarray, dtype: str, notes: list[str]) -> tuple[n
     if dtype == "q8_0":
         if arr.shape[-1] % _Q8_BLOCK == 0:
             return gguf.quants.quantize(arr, GGMLQuantizationType.Q8_0), GGMLQuantizationType.Q8_0
-        notes.append(f"{name}: rows of {arr.shape[-1]} are not a multiple of {_Q8_BLOCK}, written as f16 "
-                     "instead of q8_0")
+        notes.append(
+            f"{name}: rows of {arr.shape[-1]} are not a multiple of {_Q8_BLOCK}, written as f16 "
+            "instead of q8_0"
+        )
     return arr.astype(np.float16), GGMLQuantizationType.F16
 
 
@@ -126,17 +155,31 @@ def _add_kv(w: gguf.GGUFWriter, key: str, value: Any) -> None:
         if not value:
             return  # GGUF has no typed empty array; llama.cpp treats a missing key as empty
         first = value[0]
-        sub = (GGUFValueType.STRING if isinstance(first, str) else GGUFValueType.BOOL if isinstance(first, bool)
-               else GGUFValueType.INT32 if isinstance(first, int) else GGUFValueType.FLOAT32)
+        sub = (
+            GGUFValueType.STRING
+            if isinstance(first, str)
+            else GGUFValueType.BOOL
+            if isinstance(first, bool)
+            else GGUFValueType.INT32
+            if isinstance(first, int)
+            else GGUFValueType.FLOAT32
+        )
         w.add_key_value(key, list(value), GGUFValueType.ARRAY, sub)
     else:
         raise TypeError(f"cannot write GGUF metadata {key!r} of type {type(value).__name__}")
 
 
-def _write(path: Path, arch: str, kv: dict[str, Any], tensors: list[tuple[str, np.ndarray, GGMLQuantizationType]],
-           general_type: str | None = None, kv_types: dict | None = None) -> None:
+def _write(
+    path: Path,
+    arch: str,
+    kv: dict[str, Any],
+    tensors: list[tuple[str, np.ndarray, GGMLQuantizationType]],
+    general_type: str | None = None,
+    kv_types: dict | None = None,
+) -> None:
     """Write a GGUF atomically. `kv_types` (key -> (value type, array item type), from a
     header) keeps keys copied from another file in their own types."""
+
     def fill(tmp: Path) -> None:
         w = gguf.GGUFWriter(str(tmp), arch)  # adds general.architecture
         if general_type:
@@ -166,14 +209,23 @@ def _write(path: Path, arch: str, kv: dict[str, Any], tensors: list[tuple[str, n
 
 # ------------------------------------------------------------------ tokenizer
 
+
 def _probe_pre(pre: str) -> dict:
     """normalizer / pre-tokenizer / ignore_merges of the tokenizer toy rebuilds from a
     GGUF declaring `pre`: what an exported tokenizer must equal for that name."""
-    meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": pre, "tokenizer.ggml.tokens": ["a", "b", "ab"],
-            "tokenizer.ggml.merges": ["a b"], "tokenizer.ggml.token_type": [1, 1, 1]}
+    meta = {
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": pre,
+        "tokenizer.ggml.tokens": ["a", "b", "ab"],
+        "tokenizer.ggml.merges": ["a b"],
+        "tokenizer.ggml.token_type": [1, 1, 1],
+    }
     j = json.loads(from_gguf_metadata(meta).to_str())
-    return {"normalizer": j.get("normalizer"), "pre_tokenizer": j.get("pre_tokenizer"),
-            "ignore_merges": bool(j["model"].get("ignore_merges"))}
+    return {
+        "normalizer": j.get("normalizer"),
+        "pre_tokenizer": j.get("pre_tokenizer"),
+        "ignore_merges": bool(j["model"].get("ignore_merges")),
+    }
 
 
 def _pre_name(j: dict, source: str) -> str:
@@ -188,8 +240,11 @@ def _pre_name(j: dict, source: str) -> str:
     if model.get("dropout"):
         problems.append("BPE dropout")
     if not problems:
-        mine = {"normalizer": j.get("normalizer"), "pre_tokenizer": j.get("pre_tokenizer"),
-                "ignore_merges": bool(model.get("ignore_merges"))}
+        mine = {
+            "normalizer": j.get("normalizer"),
+            "pre_tokenizer": j.get("pre_tokenizer"),
+            "ignore_merges": bool(model.get("ignore_merges")),
+        }
         for pre in _EXPORT_PRE:
             try:
                 if _probe_pre(pre) == mine:
@@ -197,10 +252,14 @@ def _pre_name(j: dict, source: str) -> str:
             except InputError:  # a name this toy's reader does not know: skip it
                 continue
         pt = j.get("pre_tokenizer") or {}
-        problems.append(f"its pre-tokenizer ({pt.get('type', 'none')}) matches none of llama.cpp's "
-                        f"{', '.join(_EXPORT_PRE)} splits")
-    raise UsageError(f"{source}: cannot be written as a llama.cpp gpt2 (byte-level BPE) tokenizer: "
-                     f"{'; '.join(problems)}; train the model with a tokenizer from `toy prep` or a GGUF")
+        problems.append(
+            f"its pre-tokenizer ({pt.get('type', 'none')}) matches none of llama.cpp's "
+            f"{', '.join(_EXPORT_PRE)} splits"
+        )
+    raise UsageError(
+        f"{source}: cannot be written as a llama.cpp gpt2 (byte-level BPE) tokenizer: "
+        f"{'; '.join(problems)}; train the model with a tokenizer from `toy prep` or a GGUF"
+    )
 
 
 def _template_specials(j: dict) -> tuple[str | None, str | None]:
@@ -213,11 +272,13 @@ def _template_specials(j: dict) -> tuple[str | None, str | None]:
     if pos is None:
         return None, None
     before = [p["SpecialToken"]["id"] for p in single[:pos] if "SpecialToken" in p]
-    after = [p["SpecialToken"]["id"] for p in single[pos + 1:] if "SpecialToken" in p]
+    after = [p["SpecialToken"]["id"] for p in single[pos + 1 :] if "SpecialToken" in p]
     return (before[0] if before else None), (after[-1] if after else None)
 
 
-def tokenizer_metadata(tok: Tokenizer, n_vocab: int, source: str = "tokenizer") -> tuple[dict[str, Any], list[str]]:
+def tokenizer_metadata(
+    tok: Tokenizer, n_vocab: int, source: str = "tokenizer"
+) -> tuple[dict[str, Any], list[str]]:
     """`tokenizer.ggml.*` keys for an HF byte-level BPE, and notes. `n_vocab` is the
     model's embedding rows: the token list is padded to it with unused `[PADn]` tokens
     (llama.cpp needs one token per row), and may not exceed it."""
@@ -226,24 +287,36 @@ def tokenizer_metadata(tok: Tokenizer, n_vocab: int, source: str = "tokenizer") 
     vocab = tok.get_vocab(with_added_tokens=True)
     tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
     if [vocab[t] for t in tokens] != list(range(len(tokens))):
-        raise UsageError(f"{source}: token ids are not 0..{len(tokens) - 1} without gaps; llama.cpp needs a dense "
-                         "vocabulary")
+        raise UsageError(
+            f"{source}: token ids are not 0..{len(tokens) - 1} without gaps; llama.cpp needs a dense "
+            "vocabulary"
+        )
     if len(tokens) > n_vocab:
-        raise UsageError(f"{source}: {len(tokens)} tokens but the model has only {n_vocab} embedding rows; "
-                         "the tokenizer does not belong to this model")
+        raise UsageError(
+            f"{source}: {len(tokens)} tokens but the model has only {n_vocab} embedding rows; "
+            "the tokenizer does not belong to this model"
+        )
     added = {a["content"]: bool(a.get("special")) for a in j.get("added_tokens") or []}
-    types = [int(TokenType.CONTROL if added[t] else TokenType.USER_DEFINED) if t in added else int(TokenType.NORMAL)
-             for t in tokens]
+    types = [
+        int(TokenType.CONTROL if added[t] else TokenType.USER_DEFINED)
+        if t in added
+        else int(TokenType.NORMAL)
+        for t in tokens
+    ]
     notes = []
     if len(tokens) < n_vocab:
-        notes.append(f"vocabulary padded from {len(tokens)} to the model's {n_vocab} rows with unused tokens")
+        notes.append(
+            f"vocabulary padded from {len(tokens)} to the model's {n_vocab} rows with unused tokens"
+        )
         for i in range(len(tokens), n_vocab):
             tokens.append(f"[PAD{i}]")
             types.append(int(TokenType.UNUSED))
     merges = [m if isinstance(m, str) else " ".join(m) for m in j["model"].get("merges") or []]
     if not merges:
-        raise UsageError(f"{source}: the BPE has no merges; llama.cpp's gpt2 tokenizer needs them "
-                         "(prep with a larger --vocab-size)")
+        raise UsageError(
+            f"{source}: the BPE has no merges; llama.cpp's gpt2 tokenizer needs them "
+            "(prep with a larger --vocab-size)"
+        )
     bos_tok, eos_tok = _template_specials(j)
     if eos_tok is None:
         eos_tok = next((t for t in _EOS_CANDIDATES if t in vocab), None)
@@ -257,7 +330,9 @@ def tokenizer_metadata(tok: Tokenizer, n_vocab: int, source: str = "tokenizer") 
     if eos_tok is not None:
         kv["tokenizer.ggml.eos_token_id"] = vocab[eos_tok]
     else:
-        notes.append("the tokenizer has no end-of-text token: llama.cpp will not stop generation by itself")
+        notes.append(
+            "the tokenizer has no end-of-text token: llama.cpp will not stop generation by itself"
+        )
     # GPT-2 convention: without a declared BOS, BOS is the end-of-text token (never added).
     bos = bos_tok if bos_tok is not None else eos_tok
     if bos is not None:
@@ -275,6 +350,7 @@ def gguf_tokenizer_kv(metadata: dict[str, Any]) -> dict[str, Any]:
 
 # ------------------------------------------------------------------ full models
 
+
 def _arch_kv(arch: str, pairs: dict[str, Any]) -> dict[str, Any]:
     return {f"{arch}.{k}": v for k, v in pairs.items()}
 
@@ -282,14 +358,23 @@ def _arch_kv(arch: str, pairs: dict[str, Any]) -> dict[str, Any]:
 def _shape_hp(cfg, n_kv_head: int) -> dict[str, Any]:
     """The `{arch}.*` shape keys llama.cpp reads for every decoder (toy configs share
     these field names)."""
-    return {"vocab_size": cfg.vocab_size, "context_length": cfg.max_seq_len, "embedding_length": cfg.d_model,
-            "feed_forward_length": cfg.d_ff, "block_count": cfg.n_layer, "attention.head_count": cfg.n_head,
-            "attention.head_count_kv": n_kv_head}
+    return {
+        "vocab_size": cfg.vocab_size,
+        "context_length": cfg.max_seq_len,
+        "embedding_length": cfg.d_model,
+        "feed_forward_length": cfg.d_ff,
+        "block_count": cfg.n_layer,
+        "attention.head_count": cfg.n_head,
+        "attention.head_count_kv": n_kv_head,
+    }
 
 
 def _common_kv(name: str, dtype: str) -> dict[str, Any]:
-    return {"general.name": name, "general.file_type": int(_FILE_TYPE[dtype]),
-            "general.quantization_version": GGML_QUANT_VERSION}
+    return {
+        "general.name": name,
+        "general.file_type": int(_FILE_TYPE[dtype]),
+        "general.quantization_version": GGML_QUANT_VERSION,
+    }
 
 
 def _finish(path: Path, arch: str, kv: dict, tensors: list, notes: list[str]) -> WriteReport:
@@ -297,15 +382,28 @@ def _finish(path: Path, arch: str, kv: dict, tensors: list, notes: list[str]) ->
     types = Counter(q.name for _, _, q in tensors)
     n = 0
     for _, data, q in tensors:
-        n += int(np.prod(data.shape)) if q in (GGMLQuantizationType.F32, GGMLQuantizationType.F16) else \
-            int(np.prod(data.shape[:-1])) * data.shape[-1] // gguf.GGML_QUANT_SIZES[q][1] * gguf.GGML_QUANT_SIZES[q][0]
+        n += (
+            int(np.prod(data.shape))
+            if q in (GGMLQuantizationType.F32, GGMLQuantizationType.F16)
+            else int(np.prod(data.shape[:-1]))
+            * data.shape[-1]
+            // gguf.GGML_QUANT_SIZES[q][1]
+            * gguf.GGML_QUANT_SIZES[q][0]
+        )
     return WriteReport(Path(path), arch, types, n, notes)
 
 
-def write_llama_gguf(path: str | os.PathLike, model: Llama, tokenizer: Tokenizer | None = None, *,
-                     dtype: str = "f32", chat_template: str | None = None,
-                     tokenizer_kv: dict[str, Any] | None = None, arch: str | None = None,
-                     name: str = "toy") -> WriteReport:
+def write_llama_gguf(
+    path: str | os.PathLike,
+    model: Llama,
+    tokenizer: Tokenizer | None = None,
+    *,
+    dtype: str = "f32",
+    chat_template: str | None = None,
+    tokenizer_kv: dict[str, Any] | None = None,
+    arch: str | None = None,
+    name: str = "toy",
+) -> WriteReport:
     """A toy Llama as llama.cpp's `llama` (or `qwen2`, for q/k/v biases) architecture.
 
     The tokenizer comes from `tokenizer` (an HF byte-level BPE) or, for a model read
@@ -314,7 +412,9 @@ def write_llama_gguf(path: str | os.PathLike, model: Llama, tokenizer: Tokenizer
     cfg: LlamaConfig = model.cfg
     arch = arch or ("qwen2" if cfg.qkv_bias else "llama")
     if arch not in ("llama", "qwen2"):
-        raise UsageError(f"cannot write a toy llama as GGUF architecture {arch!r}; use llama or qwen2")
+        raise UsageError(
+            f"cannot write a toy llama as GGUF architecture {arch!r}; use llama or qwen2"
+        )
     notes: list[str] = []
     hp: dict[str, Any] = {
         **_shape_hp(cfg, cfg.n_kv_head),
@@ -346,12 +446,15 @@ def write_llama_gguf(path: str | os.PathLike, model: Llama, tokenizer: Tokenizer
     return _finish(Path(path), arch, kv, tensors, notes)
 
 
-def _tokenizer_kv(tokenizer: Tokenizer | None, tokenizer_kv: dict[str, Any] | None, n_vocab: int,
-                  notes: list[str]) -> dict[str, Any]:
+def _tokenizer_kv(
+    tokenizer: Tokenizer | None, tokenizer_kv: dict[str, Any] | None, n_vocab: int, notes: list[str]
+) -> dict[str, Any]:
     if tokenizer_kv is not None:
         return dict(tokenizer_kv)
     if tokenizer is None:
-        raise UsageError("a GGUF for llama.cpp needs the model's tokenizer; the run has no tokenizer.json")
+        raise UsageError(
+            "a GGUF for llama.cpp needs the model's tokenizer; the run has no tokenizer.json"
+        )
     kv, more = tokenizer_metadata(tokenizer, n_vocab)
     notes.extend(more)
     return kv
@@ -362,25 +465,44 @@ def gpt2_tensor_map(cfg: GPT2Config) -> dict[str, str]:
     nn.Linear (out, in) = GGUF ne [in, out], as llama.cpp wants them (HF's Conv1D would
     need a transpose). c_attn's rows are q, k, v stacked: llama.cpp's fused attn_qkv
     views its output in the same order."""
-    m = {"token_embd.weight": "wte.weight", "position_embd.weight": "wpe.weight",
-         "output_norm.weight": "ln_f.weight", "output_norm.bias": "ln_f.bias"}
+    m = {
+        "token_embd.weight": "wte.weight",
+        "position_embd.weight": "wpe.weight",
+        "output_norm.weight": "ln_f.weight",
+        "output_norm.bias": "ln_f.bias",
+    }
     if not cfg.tie_embeddings:
         m["output.weight"] = "lm_head.weight"
     for i in range(cfg.n_layer):
         b, t = f"blk.{i}.", f"h.{i}."
-        m.update({
-            b + "attn_norm.weight": t + "ln_1.weight", b + "attn_norm.bias": t + "ln_1.bias",
-            b + "attn_qkv.weight": t + "attn.c_attn.weight", b + "attn_qkv.bias": t + "attn.c_attn.bias",
-            b + "attn_output.weight": t + "attn.c_proj.weight", b + "attn_output.bias": t + "attn.c_proj.bias",
-            b + "ffn_norm.weight": t + "ln_2.weight", b + "ffn_norm.bias": t + "ln_2.bias",
-            b + "ffn_up.weight": t + "mlp.c_fc.weight", b + "ffn_up.bias": t + "mlp.c_fc.bias",
-            b + "ffn_down.weight": t + "mlp.c_proj.weight", b + "ffn_down.bias": t + "mlp.c_proj.bias",
-        })
+        m.update(
+            {
+                b + "attn_norm.weight": t + "ln_1.weight",
+                b + "attn_norm.bias": t + "ln_1.bias",
+                b + "attn_qkv.weight": t + "attn.c_attn.weight",
+                b + "attn_qkv.bias": t + "attn.c_attn.bias",
+                b + "attn_output.weight": t + "attn.c_proj.weight",
+                b + "attn_output.bias": t + "attn.c_proj.bias",
+                b + "ffn_norm.weight": t + "ln_2.weight",
+                b + "ffn_norm.bias": t + "ln_2.bias",
+                b + "ffn_up.weight": t + "mlp.c_fc.weight",
+                b + "ffn_up.bias": t + "mlp.c_fc.bias",
+                b + "ffn_down.weight": t + "mlp.c_proj.weight",
+                b + "ffn_down.bias": t + "mlp.c_proj.bias",
+            }
+        )
     return m
 
 
-def write_gpt2_gguf(path: str | os.PathLike, model: GPT2, tokenizer: Tokenizer | None, *, dtype: str = "f32",
-                    chat_template: str | None = None, name: str = "toy") -> WriteReport:
+def write_gpt2_gguf(
+    path: str | os.PathLike,
+    model: GPT2,
+    tokenizer: Tokenizer | None,
+    *,
+    dtype: str = "f32",
+    chat_template: str | None = None,
+    name: str = "toy",
+) -> WriteReport:
     """A toy GPT2 as llama.cpp's `gpt2` architecture (LayerNorm with bias, learned
     positions, fused qkv, GELU MLP). llama.cpp requires every bias: a model built with
     bias=False gets zero biases, which computes the same function."""
@@ -405,23 +527,39 @@ def write_gpt2_gguf(path: str | os.PathLike, model: GPT2, tokenizer: Tokenizer |
         data, q = _encode(gname, t.numpy(), dtype, notes)
         tensors.append((gname, data, q))
     if zeros:
-        notes.append(f"the model has no biases; wrote {len(zeros)} zero biases, which llama.cpp's gpt2 requires")
+        notes.append(
+            f"the model has no biases; wrote {len(zeros)} zero biases, which llama.cpp's gpt2 requires"
+        )
     return _finish(Path(path), "gpt2", kv, tensors, notes)
 
 
-def write_model_gguf(path: str | os.PathLike, model: torch.nn.Module, tokenizer: Tokenizer | None, *,
-                     dtype: str = "f32", chat_template: str | None = None, name: str = "toy") -> WriteReport:
+def write_model_gguf(
+    path: str | os.PathLike,
+    model: torch.nn.Module,
+    tokenizer: Tokenizer | None,
+    *,
+    dtype: str = "f32",
+    chat_template: str | None = None,
+    name: str = "toy",
+) -> WriteReport:
     """Dispatch on the model's architecture; anything but a decoder LM is refused."""
     arch = getattr(getattr(model, "cfg", None), "arch", None)
     if isinstance(model, Llama):
-        return write_llama_gguf(path, model, tokenizer, dtype=dtype, chat_template=chat_template, name=name)
+        return write_llama_gguf(
+            path, model, tokenizer, dtype=dtype, chat_template=chat_template, name=name
+        )
     if isinstance(model, GPT2):
-        return write_gpt2_gguf(path, model, tokenizer, dtype=dtype, chat_template=chat_template, name=name)
-    raise UsageError(f"a {arch or type(model).__name__} model cannot be written as GGUF: llama.cpp runs "
-                     "language models (toy's llama and gpt2)")
+        return write_gpt2_gguf(
+            path, model, tokenizer, dtype=dtype, chat_template=chat_template, name=name
+        )
+    raise UsageError(
+        f"a {arch or type(model).__name__} model cannot be written as GGUF: llama.cpp runs "
+        "language models (toy's llama and gpt2)"
+    )
 
 
 # ------------------------------------------------------------------ LoRA adapters
+
 
 def _adaptable(cfg, arch: str) -> dict[str, tuple[str, Planned]]:
     """toy module name (`layers.0.self_attn.q_proj`) -> (GGUF base tensor name, plan),
@@ -433,8 +571,16 @@ def _adaptable(cfg, arch: str) -> dict[str, tuple[str, Planned]]:
     return out
 
 
-def write_lora_gguf(path: str | os.PathLike, lora_sd: dict[str, torch.Tensor], *, alpha: float,
-                    base, arch: str = "llama", dtype: str = "f32", name: str = "toy-lora") -> WriteReport:
+def write_lora_gguf(
+    path: str | os.PathLike,
+    lora_sd: dict[str, torch.Tensor],
+    *,
+    alpha: float,
+    base,
+    arch: str = "llama",
+    dtype: str = "f32",
+    name: str = "toy-lora",
+) -> WriteReport:
     """A LoRA adapter in llama.cpp's layout (llama-adapter.cpp): `general.type=adapter`,
     `adapter.type=lora`, `adapter.lora.alpha`, tensors `<base tensor>.lora_a` (r, in)
     and `.lora_b` (out, r, rows permuted like the base where llama.cpp's converter
@@ -443,7 +589,9 @@ def write_lora_gguf(path: str | os.PathLike, lora_sd: dict[str, torch.Tensor], *
     `lora_sd` uses toy names (`layers.0.self_attn.q_proj.lora_A`, as
     `toy.lora.lora_state_dict` and `toy.formats.peft.load_peft_adapter` give); `base` is
     the config of the model it adapts and `arch` its GGUF architecture (any family)."""
-    _check_dtype(dtype, ADAPTER_DTYPES, "a LoRA adapter (it is small; q8_0 would only lose precision)")
+    _check_dtype(
+        dtype, ADAPTER_DTYPES, "a LoRA adapter (it is small; q8_0 would only lose precision)"
+    )
     names = _adaptable(base, arch)
     modules: dict[str, dict[str, torch.Tensor]] = {}
     for k, t in lora_sd.items():
@@ -457,7 +605,9 @@ def write_lora_gguf(path: str | os.PathLike, lora_sd: dict[str, torch.Tensor], *
     for module in sorted(modules, key=_module_order):
         ab = modules[module]
         if module.endswith(("lm_head", "embed_tokens")):
-            problems.append(f"{module}: adapters on the (tied) embedding/output are never exported (ANCHORS pitfall 6)")
+            problems.append(
+                f"{module}: adapters on the (tied) embedding/output are never exported (ANCHORS pitfall 6)"
+            )
             continue
         if module not in names:
             problems.append(f"{module} is not a linear layer of the base model")
@@ -469,9 +619,17 @@ def write_lora_gguf(path: str | os.PathLike, lora_sd: dict[str, torch.Tensor], *
         a = ab["lora_A"].detach().to("cpu", torch.float32)  # (r, in)
         b = ab["lora_B"].detach().to("cpu", torch.float32)  # (out, r)
         out_f, in_f = plan.shape
-        if a.dim() != 2 or b.dim() != 2 or a.shape[1] != in_f or b.shape[0] != out_f or a.shape[0] != b.shape[1]:
-            problems.append(f"{module}: A {tuple(a.shape)} / B {tuple(b.shape)} do not fit the base's "
-                            f"{gname} (out {out_f}, in {in_f})")
+        if (
+            a.dim() != 2
+            or b.dim() != 2
+            or a.shape[1] != in_f
+            or b.shape[0] != out_f
+            or a.shape[0] != b.shape[1]
+        ):
+            problems.append(
+                f"{module}: A {tuple(a.shape)} / B {tuple(b.shape)} do not fit the base's "
+                f"{gname} (out {out_f}, in {in_f})"
+            )
             continue
         ranks.add(a.shape[0])
         if plan.qk_heads:
@@ -483,13 +641,25 @@ def write_lora_gguf(path: str | os.PathLike, lora_sd: dict[str, torch.Tensor], *
         problems.append("no adapter tensors")
     if problems:
         raise UsageError("cannot write the LoRA adapter GGUF: " + "; ".join(problems[:4]))
-    kv = {"general.name": name, "adapter.type": "lora", "adapter.lora.alpha": float(alpha),
-          "general.file_type": int(_FILE_TYPE[dtype]), "general.quantization_version": GGML_QUANT_VERSION}
+    kv = {
+        "general.name": name,
+        "adapter.type": "lora",
+        "adapter.lora.alpha": float(alpha),
+        "general.file_type": int(_FILE_TYPE[dtype]),
+        "general.quantization_version": GGML_QUANT_VERSION,
+    }
     _write(Path(path), arch, kv, tensors, general_type="adapter")
     n = sum(int(np.prod(d.shape)) for _, d, _ in tensors)
-    return WriteReport(Path(path), arch, Counter(q.name for _, _, q in tensors), n,
-                       [f"{len(tensors) // 2} adapted matrices, rank {', '.join(map(str, sorted(ranks)))}, "
-                        f"alpha {alpha:g}"])
+    return WriteReport(
+        Path(path),
+        arch,
+        Counter(q.name for _, _, q in tensors),
+        n,
+        [
+            f"{len(tensors) // 2} adapted matrices, rank {', '.join(map(str, sorted(ranks)))}, "
+            f"alpha {alpha:g}"
+        ],
+    )
 
 
 def _module_order(module: str) -> tuple:
@@ -516,12 +686,16 @@ def read_lora_gguf(path: str | os.PathLike, base) -> LoraGGUF:
     h = read_gguf_header(path)
     meta = h.metadata
     if meta.get("general.type") != "adapter" or meta.get("adapter.type") != "lora":
-        raise InputError(f"{h.path}: not a LoRA adapter GGUF (general.type={meta.get('general.type')!r}, "
-                         f"adapter.type={meta.get('adapter.type')!r})")
+        raise InputError(
+            f"{h.path}: not a LoRA adapter GGUF (general.type={meta.get('general.type')!r}, "
+            f"adapter.type={meta.get('adapter.type')!r})"
+        )
     arch = meta.get("general.architecture")
     if arch not in gguf_families():
-        raise InputError(f"{h.path}: adapter for architecture {arch!r}, which toy does not read; supported: "
-                         f"{', '.join(gguf_families())}")
+        raise InputError(
+            f"{h.path}: adapter for architecture {arch!r}, which toy does not read; supported: "
+            f"{', '.join(gguf_families())}"
+        )
     alpha = meta.get("adapter.lora.alpha")
     if not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
         raise InputError(f"{h.path}: adapter.lora.alpha is missing or not a number")
@@ -531,7 +705,9 @@ def read_lora_gguf(path: str | os.PathLike, base) -> LoraGGUF:
     for name, ti in h.tensors.items():
         stem, _, kind = name.rpartition(".")
         if kind not in ("lora_a", "lora_b") or stem not in to_toy:
-            raise InputError(f"{h.path}: unexpected tensor {name!r}; expected <base tensor>.lora_a/.lora_b")
+            raise InputError(
+                f"{h.path}: unexpected tensor {name!r}; expected <base tensor>.lora_a/.lora_b"
+            )
         found.setdefault(stem, {})[kind] = _load_tensor(buf, ti).clone()
     pairs, sd, ranks = {}, {}, set()
     for stem, ab in found.items():
@@ -542,14 +718,18 @@ def read_lora_gguf(path: str | os.PathLike, base) -> LoraGGUF:
         out_f, in_f = plan.shape
         # GGUF ne: a [in, r], b [r, out]; torch order reverses them.
         if a.shape[1] != in_f or b.shape[0] != out_f or a.shape[0] != b.shape[1]:
-            raise InputError(f"{h.path}: {stem}: lora_a {tuple(a.shape)} / lora_b {tuple(b.shape)} do not fit the "
-                             f"base ({out_f} x {in_f})")
+            raise InputError(
+                f"{h.path}: {stem}: lora_a {tuple(a.shape)} / lora_b {tuple(b.shape)} do not fit the "
+                f"base ({out_f} x {in_f})"
+            )
         ranks.add(a.shape[0])
         pairs[stem] = (a, b)
         sd[module + ".lora_A"] = a
         sd[module + ".lora_B"] = unpermute_qk(b, plan.qk_heads) if plan.qk_heads else b
     if len(ranks) > 1:
-        raise InputError(f"{h.path}: mixed ranks {sorted(ranks)}; toy's LoRA has one rank per adapter")
+        raise InputError(
+            f"{h.path}: mixed ranks {sorted(ranks)}; toy's LoRA has one rank per adapter"
+        )
     return LoraGGUF(float(alpha), str(arch), pairs, sd, ranks.pop() if ranks else 0)
 
 
@@ -563,8 +743,13 @@ def base_config(path: str | os.PathLike) -> tuple[Any, str, dict[str, Any]]:
 
 MERGED_DTYPES = ("keep", "base") + DTYPES
 # What llama.cpp must not find twice or stale in a merged file: the writer sets these.
-_OWN_KEYS = ("general.architecture", "general.name", "general.file_type", "general.quantization_version",
-             "general.alignment")
+_OWN_KEYS = (
+    "general.architecture",
+    "general.name",
+    "general.file_type",
+    "general.quantization_version",
+    "general.alignment",
+)
 
 
 def _quantizable(qtype: GGMLQuantizationType) -> bool:
@@ -594,8 +779,16 @@ def _as_written(data: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
     return gguf.quants.dequantize(data, qtype)
 
 
-def write_merged_gguf(path: str | os.PathLike, base: "GGUFModel | str | os.PathLike", lora_sd: dict[str, torch.Tensor],
-                      *, rank: int, alpha: float, dtype: str = "keep", name: str = "toy-merged") -> WriteReport:
+def write_merged_gguf(
+    path: str | os.PathLike,
+    base: GGUFModel | str | os.PathLike,
+    lora_sd: dict[str, torch.Tensor],
+    *,
+    rank: int,
+    alpha: float,
+    dtype: str = "keep",
+    name: str = "toy-merged",
+) -> WriteReport:
     """The base GGUF with the adapter folded in (W += B A * alpha/r), in the base's own
     architecture: every key of the base is kept (with its type), and tensors come in
     the base's order. `dtype`:
@@ -614,18 +807,22 @@ def write_merged_gguf(path: str | os.PathLike, base: "GGUFModel | str | os.PathL
     h = read_gguf_header(base_path)
     fam = family_of(h)
     cfg = fam.config(h)
-    plan = check_tensors(h, cfg)
+    check_tensors(h, cfg)  # the base must be one toy can read
     targets = _adaptable(cfg, fam.name)
     scale = alpha / rank
     deltas: dict[str, torch.Tensor] = {}
     modules = sorted({k.rsplit(".", 1)[0] for k in lora_sd})
     for module in modules:
         if module not in targets:
-            raise InputError(f"adapter module {module} is not a linear layer of {base_path} ({fam.name})")
+            raise InputError(
+                f"adapter module {module} is not a linear layer of {base_path} ({fam.name})"
+            )
         a, b = lora_sd.get(module + ".lora_A"), lora_sd.get(module + ".lora_B")
         gname, p = targets[module]
         if a is None or b is None or tuple((b @ a).shape) != p.shape:
-            raise InputError(f"adapter module {module} does not fit {gname} {list(p.shape)} of {base_path}")
+            raise InputError(
+                f"adapter module {module} does not fit {gname} {list(p.shape)} of {base_path}"
+            )
         d = (b.float() @ a.float()) * scale  # toy's layout (half-split Q/K rows)
         deltas[gname] = permute_qk(d, p.qk_heads) if p.qk_heads else d
     buf = _map(h)
@@ -641,8 +838,15 @@ def write_merged_gguf(path: str | os.PathLike, base: "GGUFModel | str | os.PathL
                 data, q = _encode(gname, w.numpy(), _kept_type(ti.qtype), notes)
             elif dtype == "base":
                 if ti.qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
-                    data, q = _encode(gname, w.numpy(), "f32" if ti.qtype == GGMLQuantizationType.F32 else "f16", notes)
-                elif _quantizable(ti.qtype) and w.shape[-1] % gguf.GGML_QUANT_SIZES[ti.qtype][0] == 0:
+                    data, q = _encode(
+                        gname,
+                        w.numpy(),
+                        "f32" if ti.qtype == GGMLQuantizationType.F32 else "f16",
+                        notes,
+                    )
+                elif (
+                    _quantizable(ti.qtype) and w.shape[-1] % gguf.GGML_QUANT_SIZES[ti.qtype][0] == 0
+                ):
                     data, q = gguf.quants.quantize(w.numpy(), ti.qtype), ti.qtype
                 else:
                     fallback[ti.qtype.name] += 1
@@ -669,12 +873,16 @@ def write_merged_gguf(path: str | os.PathLike, base: "GGUFModel | str | os.PathL
             data, q = _encode(gname, _load_tensor(buf, ti).numpy(), dtype, notes)
         tensors.append((gname, data, q))
     if fallback:
-        notes.append(f"{sum(fallback.values())} adapted tensors of type {', '.join(fallback)} written as q8_0: "
-                     "gguf cannot quantize that type (the others keep the base's bytes)")
+        notes.append(
+            f"{sum(fallback.values())} adapted tensors of type {', '.join(fallback)} written as q8_0: "
+            "gguf cannot quantize that type (the others keep the base's bytes)"
+        )
     kv = {k: v for k, v in h.metadata.items() if k not in _OWN_KEYS}
     kv["general.name"] = name
     kv["general.quantization_version"] = GGML_QUANT_VERSION
-    file_type = h.metadata.get("general.file_type") if dtype in ("keep", "base") else int(_FILE_TYPE[dtype])
+    file_type = (
+        h.metadata.get("general.file_type") if dtype in ("keep", "base") else int(_FILE_TYPE[dtype])
+    )
     if isinstance(file_type, int):
         kv["general.file_type"] = file_type
     types = {k: t for k, t in h.kv_types.items() if k in kv}
@@ -683,12 +891,18 @@ def write_merged_gguf(path: str | os.PathLike, base: "GGUFModel | str | os.PathL
     n = sum(ti.n_elements for ti in h.tensors.values())
     kept, error = (dot / upd2, (err2 / upd2) ** 0.5) if upd2 > 0 else (1.0, 0.0)
     written = ", ".join(f"{k} x{v}" for k, v in adapted_types.most_common())
-    notes.insert(0, f"{len(deltas)} tensors of {fam.name} base {Path(base_path).name} merged with the adapter, "
-                    f"written as {written}: {kept:.0%} of its update kept, error {error:.0%} of it"
-                 + ("; every other tensor is the base's own bytes" if dtype in ("keep", "base") else ""))
+    notes.insert(
+        0,
+        f"{len(deltas)} tensors of {fam.name} base {Path(base_path).name} merged with the adapter, "
+        f"written as {written}: {kept:.0%} of its update kept, error {error:.0%} of it"
+        + ("; every other tensor is the base's own bytes" if dtype in ("keep", "base") else ""),
+    )
     lossy = sorted(k for k in adapted_types if k not in ("F32", "F16", "BF16"))
     if dtype == "base" and lossy:
-        notes.insert(1, f"--dtype base: the adapted tensors requantized to {', '.join(lossy)} keep {kept:.0%} of the "
-                        "adapter's update (a 4-bit step is far above a LoRA update: llama.cpp may answer as the base "
-                        "model does); the default --dtype keep writes them as f16")
+        notes.insert(
+            1,
+            f"--dtype base: the adapted tensors requantized to {', '.join(lossy)} keep {kept:.0%} of the "
+            "adapter's update (a 4-bit step is far above a LoRA update: llama.cpp may answer as the base "
+            "model does); the default --dtype keep writes them as f16",
+        )
     return WriteReport(Path(path), fam.name, counts, n, notes, update_kept=kept, update_error=error)

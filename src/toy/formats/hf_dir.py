@@ -29,17 +29,24 @@ from tokenizers import Tokenizer
 from toy.errors import InputError
 from toy.formats.base import Base, QuantTensor, Specials, stop_ids
 from toy.formats.safetensors_map import SafeFile, open_weights
-from toy.models import registry
+from toy.models import mlx_quant, registry
 from toy.models.family import BadConfig, Family, HFType, Keys, Planned
 from toy.models.quant import MLXSpec, QuantSpec
 from toy.models.quant_types import BASE_DTYPES, BF16, F16
-from toy.models import mlx_quant
 
 # Tensors of a multimodal checkpoint that a text model does not use (counted in a note).
-VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+VISION_PREFIXES = (
+    "vision_tower.",
+    "multi_modal_projector.",
+    "model.vision_tower.",
+    "model.multi_modal_projector.",
+)
 # A multimodal Gemma 3's text model, saved the legacy way or transformers 5's: both read as `model.`.
-TEXT_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."),
-                 ("language_model.lm_head.", "lm_head."))
+TEXT_PREFIXES = (
+    ("language_model.model.", "model."),
+    ("model.language_model.", "model."),
+    ("language_model.lm_head.", "lm_head."),
+)
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers older checkpoints saved
 
 
@@ -58,15 +65,19 @@ def supported_types() -> dict[str, tuple[Family, HFType]]:
 
 
 def dir_kind(d: Path) -> str:
-    """"transformers" or "mlx" for a model directory; an InputError naming what is
+    """ "transformers" or "mlx" for a model directory; an InputError naming what is
     missing for anything else."""
     cfg_path = d / "config.json"
     if not cfg_path.is_file():
         if (d / "adapter_config.json").is_file():
-            raise InputError(f"{d}: is a LoRA adapter directory, not a model; pass the base model here "
-                             "(an adapter goes to --adapter)")
-        raise InputError(f"{d}: not a model directory (no config.json); give a GGUF file, a transformers "
-                         "directory or an MLX directory")
+            raise InputError(
+                f"{d}: is a LoRA adapter directory, not a model; pass the base model here "
+                "(an adapter goes to --adapter)"
+            )
+        raise InputError(
+            f"{d}: not a model directory (no config.json); give a GGUF file, a transformers "
+            "directory or an MLX directory"
+        )
     cfg = _json(cfg_path, "a model directory needs one")
     if not isinstance(cfg, dict):
         raise InputError(f"{cfg_path}: expected a JSON object")
@@ -79,15 +90,17 @@ def _canonical(name: str) -> str | None:
         return None
     for old, new in TEXT_PREFIXES:
         if name.startswith(old):
-            return new + name[len(old):]
+            return new + name[len(old) :]
     return name
 
 
 def _mode_problem(q: dict, where: str) -> str | None:
     mode = q.get("mode", "affine")
     if mode != "affine":
-        return (f"{where}: MLX quantization mode {mode!r} is not supported; toy reads affine quantization "
-                "(`mlx_lm.convert -q --q-mode affine`, the default)")
+        return (
+            f"{where}: MLX quantization mode {mode!r} is not supported; toy reads affine quantization "
+            "(`mlx_lm.convert -q --q-mode affine`, the default)"
+        )
     return None
 
 
@@ -99,8 +112,10 @@ def read_model_dir(d: Path, base_dtype: str = "float32") -> Base:
     model_type = config.get("model_type")
     types = supported_types()
     if model_type not in types:
-        raise InputError(f"{d / 'config.json'}: model_type {model_type!r} is not supported; supported: "
-                         f"{', '.join(sorted(types))}")
+        raise InputError(
+            f"{d / 'config.json'}: model_type {model_type!r} is not supported; supported: "
+            f"{', '.join(sorted(types))}"
+        )
     family, hf = types[model_type]
     where = open_weights(d)
     names: dict[str, str] = {}  # plan name -> the file's name
@@ -127,29 +142,59 @@ def read_model_dir(d: Path, base_dtype: str = "float32") -> Base:
     used = set(plan) | {n[: -len(".weight")] + s for n in plan for s in (".scales", ".biases")}
     extra = sorted(set(names) - used)
     if extra:
-        raise InputError(f"{d}: unexpected tensor {names[extra[0]]!r} ({len(extra)} in all); toy's {model_type} has "
-                         "no place for it (a different architecture or an unsupported variant)")
+        raise InputError(
+            f"{d}: unexpected tensor {names[extra[0]]!r} ({len(extra)} in all); toy's {model_type} has "
+            "no place for it (a different architecture or an unsupported variant)"
+        )
     tok = _tokenizer(d)
     special, template = _specials(d, config, tok)
-    notes = [f"{ignored} tensors of the vision tower left out (the text model only)"] if ignored else []
-    beyond = sorted(i for i in tok.get_vocab(with_added_tokens=True).values() if i >= cfg.vocab_size)
+    notes = (
+        [f"{ignored} tensors of the vision tower left out (the text model only)"] if ignored else []
+    )
+    beyond = sorted(
+        i for i in tok.get_vocab(with_added_tokens=True).values() if i >= cfg.vocab_size
+    )
     if beyond:  # tokens a converter added (mlx_lm.convert's <mask>, ...): text holding them cannot be embedded
-        notes.append(f"{len(beyond)} tokenizer ids beyond the model's {cfg.vocab_size} embedding rows (e.g. "
-                     f"{tok.id_to_token(beyond[0])!r}); text containing them is refused")
-    return Base(kind=kind, path=d, arch=model_type, family=family, config=cfg, state_dict=sd, tokenizer=tok,
-                special=special, chat_template=template, chat_format=hf.chat_format, metadata=config,
-                tensor_types=types_seen, base_dtype=base_dtype, notes=notes)
+        notes.append(
+            f"{len(beyond)} tokenizer ids beyond the model's {cfg.vocab_size} embedding rows (e.g. "
+            f"{tok.id_to_token(beyond[0])!r}); text containing them is refused"
+        )
+    return Base(
+        kind=kind,
+        path=d,
+        arch=model_type,
+        family=family,
+        config=cfg,
+        state_dict=sd,
+        tokenizer=tok,
+        special=special,
+        chat_template=template,
+        chat_format=hf.chat_format,
+        metadata=config,
+        tensor_types=types_seen,
+        base_dtype=base_dtype,
+        notes=notes,
+    )
 
 
-def _load(d: Path, model_type: str, plan: dict[str, Planned], names: dict[str, str], where: dict[str, SafeFile],
-          quant: dict | None, base_dtype: str) -> tuple[dict, Counter]:
+def _load(
+    d: Path,
+    model_type: str,
+    plan: dict[str, Planned],
+    names: dict[str, str],
+    where: dict[str, SafeFile],
+    quant: dict | None,
+    base_dtype: str,
+) -> tuple[dict, Counter]:
     """toy name -> tensor or QuantTensor, and the count of each tensor type."""
     sd: dict[str, torch.Tensor | QuantTensor] = {}
     seen: Counter = Counter()
     for canon, p in plan.items():
         if canon not in names:
-            raise InputError(f"{d}: missing tensor {canon!r}; the directory does not hold a complete "
-                             f"{model_type} model of this config (check config.json and the shards)")
+            raise InputError(
+                f"{d}: missing tensor {canon!r}; the directory does not hold a complete "
+                f"{model_type} model of this config (check config.json and the shards)"
+            )
         file_name = names[canon]
         sf = where[file_name]
         e = sf.entries[file_name]
@@ -157,7 +202,9 @@ def _load(d: Path, model_type: str, plan: dict[str, Planned], names: dict[str, s
         scales = module + ".scales" if module else None
         if quant is not None and scales in names:  # an MLX quantized module
             spec = _mlx_spec(d, quant, module, names, where, p)
-            parts = tuple(where[names[n]].tensor(names[n]) for n in (canon, scales, module + ".biases"))
+            parts = tuple(
+                where[names[n]].tensor(names[n]) for n in (canon, scales, module + ".biases")
+            )
             seen[spec.name] += 1
             if base_dtype == "quantized":
                 sd[p.name] = QuantTensor(parts, spec)
@@ -166,15 +213,26 @@ def _load(d: Path, model_type: str, plan: dict[str, Planned], names: dict[str, s
                 sd[p.name] = w.to(torch.bfloat16) if base_dtype == "bfloat16" else w
             continue
         if e.shape != p.shape:
-            raise InputError(f"{sf.path}: misshapen tensor {file_name!r}: expected {list(p.shape)}, found "
-                             f"{list(e.shape)}; config.json's hyper-parameters do not match the weights")
+            raise InputError(
+                f"{sf.path}: misshapen tensor {file_name!r}: expected {list(p.shape)}, found "
+                f"{list(e.shape)}; config.json's hyper-parameters do not match the weights"
+            )
         if e.dtype not in ("F32", "F16", "BF16"):
-            raise InputError(f"{sf.path}: tensor {file_name!r} is {e.dtype}; a float weight (F32, F16, BF16) "
-                             "was expected")
+            raise InputError(
+                f"{sf.path}: tensor {file_name!r} is {e.dtype}; a float weight (F32, F16, BF16) "
+                "was expected"
+            )
         seen[e.dtype] += 1
-        if base_dtype == "quantized" and len(p.shape) == 2 and e.dtype in ("F16", "BF16") and not p.offset:
+        if (
+            base_dtype == "quantized"
+            and len(p.shape) == 2
+            and e.dtype in ("F16", "BF16")
+            and not p.offset
+        ):
             # Kept as the file's half-precision values, read as GGUF's F16/BF16 rows per use.
-            sd[p.name] = QuantTensor((sf.rows(file_name),), QuantSpec(F16 if e.dtype == "F16" else BF16, p.shape))
+            sd[p.name] = QuantTensor(
+                (sf.rows(file_name),), QuantSpec(F16 if e.dtype == "F16" else BF16, p.shape)
+            )
             continue
         view = sf.tensor(file_name)
         t = view.float() + p.offset if p.offset else view
@@ -183,14 +241,17 @@ def _load(d: Path, model_type: str, plan: dict[str, Planned], names: dict[str, s
     return sd, seen
 
 
-def _mlx_spec(d: Path, quant: dict, module: str, names: dict[str, str], where: dict[str, SafeFile],
-              p: Planned) -> MLXSpec:
+def _mlx_spec(
+    d: Path, quant: dict, module: str, names: dict[str, str], where: dict[str, SafeFile], p: Planned
+) -> MLXSpec:
     """bits and group size of a quantized module: its entry in config.json's quantization
     (under the file's module path), else the defaults, checked against the shapes."""
     file_module = names[module + ".weight"][: -len(".weight")]
     own = quant.get(file_module)
     q = own if isinstance(own, dict) else quant
-    if isinstance(own, dict) and (why := _mode_problem(own, f"{d / 'config.json'} ({file_module})")):
+    if isinstance(own, dict) and (
+        why := _mode_problem(own, f"{d / 'config.json'} ({file_module})")
+    ):
         raise InputError(why)
     w = where[names[module + ".weight"]].entries[names[module + ".weight"]]
     s = where[names[module + ".scales"]].entries[names[module + ".scales"]]
@@ -198,22 +259,33 @@ def _mlx_spec(d: Path, quant: dict, module: str, names: dict[str, str], where: d
     bits, group = q.get("bits"), q.get("group_size")
     if not isinstance(bits, int) or not isinstance(group, int):
         bits, group = w.shape[-1] * 32 // inp, inp // max(1, s.shape[-1])
-    if (w.dtype != "U32" or bits not in mlx_quant.BITS or group not in mlx_quant.GROUP_SIZES
-            or w.shape != (out, inp * bits // 32) or s.shape != (out, inp // group)):
-        raise InputError(f"{d}: {file_module} does not hold {bits}-bit, group-{group} affine weights of shape "
-                         f"{[out, inp]} (weight {w.dtype} {list(w.shape)}, scales {list(s.shape)}); supported: "
-                         f"bits {', '.join(map(str, mlx_quant.BITS))}, group sizes "
-                         f"{', '.join(map(str, mlx_quant.GROUP_SIZES))}")
+    if (
+        w.dtype != "U32"
+        or bits not in mlx_quant.BITS
+        or group not in mlx_quant.GROUP_SIZES
+        or w.shape != (out, inp * bits // 32)
+        or s.shape != (out, inp // group)
+    ):
+        raise InputError(
+            f"{d}: {file_module} does not hold {bits}-bit, group-{group} affine weights of shape "
+            f"{[out, inp]} (weight {w.dtype} {list(w.shape)}, scales {list(s.shape)}); supported: "
+            f"bits {', '.join(map(str, mlx_quant.BITS))}, group sizes "
+            f"{', '.join(map(str, mlx_quant.GROUP_SIZES))}"
+        )
     if s.dtype not in ("F16", "BF16", "F32"):
-        raise InputError(f"{d}: {file_module} has {s.dtype} scales: not affine quantization (mxfp4, nvfp4 and mxfp8 "
-                         "are not supported)")
+        raise InputError(
+            f"{d}: {file_module} has {s.dtype} scales: not affine quantization (mxfp4, nvfp4 and mxfp8 "
+            "are not supported)"
+        )
     return MLXSpec(bits, group, p.shape)
 
 
 def _tokenizer(d: Path) -> Tokenizer:
     path = d / "tokenizer.json"
     if not path.is_file():
-        raise InputError(f"{d}: no tokenizer.json; toy reads the fast tokenizer transformers saves with the model")
+        raise InputError(
+            f"{d}: no tokenizer.json; toy reads the fast tokenizer transformers saves with the model"
+        )
     try:
         return Tokenizer.from_file(str(path))
     except Exception as e:  # tokenizers raises a bare Exception on malformed JSON
@@ -223,7 +295,9 @@ def _tokenizer(d: Path) -> Tokenizer:
 def _token_text(v: Any) -> str | None:
     if isinstance(v, str):
         return v
-    if isinstance(v, dict) and isinstance(v.get("content"), str):  # an AddedToken as older configs save it
+    if isinstance(v, dict) and isinstance(
+        v.get("content"), str
+    ):  # an AddedToken as older configs save it
         return v["content"]
     return None
 
@@ -244,7 +318,11 @@ def _specials(d: Path, config: dict, tok: Tokenizer) -> tuple[Specials, str | No
         t = _token_text(tc.get(key)) if isinstance(tc, dict) else None
         return tok.token_to_id(t) if t else None
 
-    eos_list = ids(gc.get("eos_token_id")) or ids(config.get("eos_token_id")) or ids(text.get("eos_token_id"))
+    eos_list = (
+        ids(gc.get("eos_token_id"))
+        or ids(config.get("eos_token_id"))
+        or ids(text.get("eos_token_id"))
+    )
     eos = by_name("eos_token")
     if eos is None and eos_list:
         eos = eos_list[0]
@@ -254,15 +332,26 @@ def _specials(d: Path, config: dict, tok: Tokenizer) -> tuple[Specials, str | No
     pad = by_name("pad_token")
     if pad is None:
         pad = (ids(gc.get("pad_token_id")) or ids(config.get("pad_token_id")) or [None])[0]
-    special = Specials(bos=bos, eos=eos, pad=pad,
-                       stops=stop_ids(tok, eos_list + ([eos] if eos is not None else [])))
+    special = Specials(
+        bos=bos,
+        eos=eos,
+        pad=pad,
+        stops=stop_ids(tok, eos_list + ([eos] if eos is not None else [])),
+    )
     template = None
     if (d / "chat_template.jinja").is_file():
         template = (d / "chat_template.jinja").read_text(encoding="utf-8")
     elif isinstance(tc, dict):
         t = tc.get("chat_template")
         if isinstance(t, list):  # named templates: the default one
-            t = next((x.get("template") for x in t if isinstance(x, dict) and x.get("name") == "default"), None)
+            t = next(
+                (
+                    x.get("template")
+                    for x in t
+                    if isinstance(x, dict) and x.get("name") == "default"
+                ),
+                None,
+            )
         template = t if isinstance(t, str) else None
     return special, template
 
@@ -274,9 +363,16 @@ def describe_dir(d: Path) -> dict[str, Any]:
     kind = dir_kind(d)
     config = _json(d / "config.json", "a model directory needs one")
     files = sorted({sf.path for sf in open_weights(d).values()})
-    out: dict[str, Any] = {"path": str(d), "kind": kind, "arch": config.get("model_type"),
-                           "file_size": sum(f.stat().st_size for f in files), "n_files": len(files),
-                           "hyperparameters": None, "family": None, "load_error": None}
+    out: dict[str, Any] = {
+        "path": str(d),
+        "kind": kind,
+        "arch": config.get("model_type"),
+        "file_size": sum(f.stat().st_size for f in files),
+        "n_files": len(files),
+        "hyperparameters": None,
+        "family": None,
+        "load_error": None,
+    }
     try:
         base = read_model_dir(d, "quantized")
     except InputError as e:
@@ -298,12 +394,29 @@ def describe_dir(d: Path) -> dict[str, Any]:
     hp = {k: v for k, v in base.config.to_dict().items() if k != "arch"}
     hp["context_length"] = hp.pop("max_seq_len")
     tok = base.tokenizer
-    specials = {k: ({"id": i, "token": tok.id_to_token(i)} if i is not None else None)
-                for k, i in (("bos", base.special.bos), ("eos", base.special.eos), ("pad", base.special.pad))}
-    out.update({"family": base.family.name, "hyperparameters": hp, "n_params": n_params,
-                "n_tensors": len(base.state_dict), "tensor_types": dict(base.tensor_types.most_common()),
-                "resident_bytes": resident, "chat_template": base.chat_template is not None,
-                "tokenizer": {"vocab_size": tok.get_vocab_size(with_added_tokens=True), "special_tokens": specials,
-                              "stops": sorted(base.special.stops)},
-                "notes": base.notes})
+    specials = {
+        k: ({"id": i, "token": tok.id_to_token(i)} if i is not None else None)
+        for k, i in (
+            ("bos", base.special.bos),
+            ("eos", base.special.eos),
+            ("pad", base.special.pad),
+        )
+    }
+    out.update(
+        {
+            "family": base.family.name,
+            "hyperparameters": hp,
+            "n_params": n_params,
+            "n_tensors": len(base.state_dict),
+            "tensor_types": dict(base.tensor_types.most_common()),
+            "resident_bytes": resident,
+            "chat_template": base.chat_template is not None,
+            "tokenizer": {
+                "vocab_size": tok.get_vocab_size(with_added_tokens=True),
+                "special_tokens": specials,
+                "stops": sorted(base.special.stops),
+            },
+            "notes": base.notes,
+        }
+    )
     return out

@@ -41,16 +41,26 @@ class MergeReport:
 def _file_name(base: Base, toy_module: str, names: set[str]) -> str:
     """The file's name of a toy module's weight (a multimodal Gemma 3 keeps its own prefix)."""
     canon = hf_name(toy_module + ".weight")
-    for candidate in (canon, "language_model." + canon, canon.replace("model.", "model.language_model.", 1)):
+    for candidate in (
+        canon,
+        "language_model." + canon,
+        canon.replace("model.", "model.language_model.", 1),
+    ):
         if candidate in names:
             return candidate
-    raise InputError(f"{base.path}: no tensor for {toy_module!r}; the adapter does not fit this base")
+    raise InputError(
+        f"{base.path}: no tensor for {toy_module!r}; the adapter does not fit this base"
+    )
 
 
-def merge_into_dir(out: Path, base: Base, lora_sd: dict[str, torch.Tensor], rank: int, alpha: float) -> MergeReport:
+def merge_into_dir(
+    out: Path, base: Base, lora_sd: dict[str, torch.Tensor], rank: int, alpha: float
+) -> MergeReport:
     """Write `base` (a transformers or MLX directory) with the adapter folded in to `out`."""
     if base.kind not in ("transformers", "mlx"):
-        raise UsageError(f"{base.path}: merging into a directory needs a directory base, not a {base.kind} file")
+        raise UsageError(
+            f"{base.path}: merging into a directory needs a directory base, not a {base.kind} file"
+        )
     scaling = alpha / rank
     modules = sorted({k.rpartition(".")[0] for k in lora_sd})
     files = weight_files(base.path)
@@ -64,13 +74,17 @@ def merge_into_dir(out: Path, base: Base, lora_sd: dict[str, torch.Tensor], rank
     done = 0
     with atomic_dir(out) as tmp:
         for src in base.path.iterdir():  # config, tokenizer, template, index, README: as they are
-            if src.is_file() and not (src.name.endswith(".safetensors") and src.name.startswith("model")):
+            if src.is_file() and not (
+                src.name.endswith(".safetensors") and src.name.startswith("model")
+            ):
                 shutil.copyfile(src, tmp / src.name)
         for sf in opened:
             tensors = {n: sf.tensor(n) for n in sf.entries}
             for name in [n for n in sf.entries if n in targets]:
                 m = targets[name]
-                delta = (lora_sd[m + ".lora_B"].float() @ lora_sd[m + ".lora_A"].float()) * scaling  # (out, in)
+                delta = (
+                    lora_sd[m + ".lora_B"].float() @ lora_sd[m + ".lora_A"].float()
+                ) * scaling  # (out, in)
                 module = name[: -len(".weight")]
                 if quant is not None and module + ".scales" in names:
                     own = quant.get(module)
@@ -78,21 +92,42 @@ def merge_into_dir(out: Path, base: Base, lora_sd: dict[str, torch.Tensor], rank
                     bits, group = int(q["bits"]), int(q["group_size"])
                     s_file = next(o for o in opened if module + ".scales" in o.entries)
                     b_file = next(o for o in opened if module + ".biases" in o.entries)
-                    w = mlx_quant.dequantize(tensors[name], s_file.tensor(module + ".scales"),
-                                             b_file.tensor(module + ".biases"), group, bits)
+                    w = mlx_quant.dequantize(
+                        tensors[name],
+                        s_file.tensor(module + ".scales"),
+                        b_file.tensor(module + ".biases"),
+                        group,
+                        bits,
+                    )
                     wq, s, b = mlx_quant.quantize(w + delta.to(w.dtype), group, bits)
                     if s_file is not sf or b_file is not sf:
-                        raise InputError(f"{base.path}: {module}'s weight, scales and biases are in different "
-                                         "files; toy merges only modules kept in one file")
-                    tensors[name], tensors[module + ".scales"], tensors[module + ".biases"] = wq, s, b
+                        raise InputError(
+                            f"{base.path}: {module}'s weight, scales and biases are in different "
+                            "files; toy merges only modules kept in one file"
+                        )
+                    tensors[name], tensors[module + ".scales"], tensors[module + ".biases"] = (
+                        wq,
+                        s,
+                        b,
+                    )
                 else:
                     w = tensors[name]
                     tensors[name] = (w.float() + delta).to(w.dtype)
                 done += 1
-            save_file({n: t.contiguous() for n, t in tensors.items()}, str(tmp / sf.path.name),
-                      metadata=sf.metadata or {"format": "pt"})
+            save_file(
+                {n: t.contiguous() for n, t in tensors.items()},
+                str(tmp / sf.path.name),
+                metadata=sf.metadata or {"format": "pt"},
+            )
     if done != len(modules):
-        raise InputError(f"{base.path}: only {done} of the adapter's {len(modules)} modules were found")
-    what = (f"re-quantized to {quant.get('bits')} bits, group {quant.get('group_size')} (as mlx_lm.fuse)"
-            if quant is not None else "in the base's dtype")
-    return MergeReport(out, base.kind, done, [f"{done} adapted tensors {what}; every other tensor as the base"])
+        raise InputError(
+            f"{base.path}: only {done} of the adapter's {len(modules)} modules were found"
+        )
+    what = (
+        f"re-quantized to {quant.get('bits')} bits, group {quant.get('group_size')} (as mlx_lm.fuse)"
+        if quant is not None
+        else "in the base's dtype"
+    )
+    return MergeReport(
+        out, base.kind, done, [f"{done} adapted tensors {what}; every other tensor as the base"]
+    )

@@ -39,12 +39,22 @@ def _split(name: str) -> tuple[int, str]:
     """'layers.3.self_attn.q_proj' -> (3, 'self_attn.q_proj')."""
     parts = name.split(".")
     if len(parts) < 3 or parts[0] != "layers" or not parts[1].isdigit():
-        raise UsageError(f"cannot write an mlx-lm adapter for {name!r}: mlx-lm adapts modules inside the blocks")
+        raise UsageError(
+            f"cannot write an mlx-lm adapter for {name!r}: mlx-lm adapts modules inside the blocks"
+        )
     return int(parts[1]), ".".join(parts[2:])
 
 
-def save_mlx_adapter(out: Path, lora_sd: dict[str, torch.Tensor], rank: int, alpha: float, dropout: float,
-                     n_layers: int, prefix: str = PREFIX, weights_name: str = WEIGHTS_NAME) -> Path:
+def save_mlx_adapter(
+    out: Path,
+    lora_sd: dict[str, torch.Tensor],
+    rank: int,
+    alpha: float,
+    dropout: float,
+    n_layers: int,
+    prefix: str = PREFIX,
+    weights_name: str = WEIGHTS_NAME,
+) -> Path:
     """Write `weights_name` and adapter_config.json into directory `out` (made if needed)
     from toy-named adapter tensors (`<module>.lora_A` (r, in), `.lora_B` (out, r)).
     Returns the weights file."""
@@ -61,23 +71,33 @@ def save_mlx_adapter(out: Path, lora_sd: dict[str, torch.Tensor], rank: int, alp
     if not tensors:
         raise UsageError("no adapter tensors to write")
     if layers != set(range(n_layers)):
-        raise UsageError(f"the adapter covers layers {sorted(layers)[:5]}..., not all {n_layers}: mlx-lm adapts the "
-                         "last num_layers blocks, a contiguous run")
+        raise UsageError(
+            f"the adapter covers layers {sorted(layers)[:5]}..., not all {n_layers}: mlx-lm adapts the "
+            "last num_layers blocks, a contiguous run"
+        )
     config: dict[str, Any] = {
         "fine_tune_type": "lora",
         "num_layers": n_layers,
-        "lora_parameters": {"rank": int(rank), "scale": float(alpha) / int(rank), "dropout": float(dropout),
-                            "keys": sorted(keys)},
+        "lora_parameters": {
+            "rank": int(rank),
+            "scale": float(alpha) / int(rank),
+            "dropout": float(dropout),
+            "keys": sorted(keys),
+        },
     }
     out.mkdir(parents=True, exist_ok=True)
     weights = out / weights_name
     # Weights first, config last: a directory with a config is a complete adapter.
     write_file_atomic(weights, lambda p: save_file(tensors, str(p), metadata={"format": "mlx"}))
-    write_file_atomic(out / CONFIG_NAME, lambda p: Path(p).write_text(json.dumps(config, indent=2) + "\n"))
+    write_file_atomic(
+        out / CONFIG_NAME, lambda p: Path(p).write_text(json.dumps(config, indent=2) + "\n")
+    )
     return weights
 
 
-def load_mlx_adapter(d: Path, prefix: str = PREFIX) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+def load_mlx_adapter(
+    d: Path, prefix: str = PREFIX
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """An mlx-lm adapter as toy-named tensors and its config (rank, alpha = scale * rank)."""
     cfg_path, w_path = d / CONFIG_NAME, d / WEIGHTS_NAME
     try:
@@ -95,6 +115,6 @@ def load_mlx_adapter(d: Path, prefix: str = PREFIX) -> tuple[dict[str, torch.Ten
     for k, t in raw.items():
         if not k.startswith(prefix) or not k.endswith((".lora_a", ".lora_b")):
             raise InputError(f"{w_path}: {k!r} is not an mlx-lm LoRA tensor under {prefix!r}")
-        module, _, kind = k[len(prefix):].rpartition(".")
+        module, _, kind = k[len(prefix) :].rpartition(".")
         sd[f"{module}.{'lora_A' if kind == 'lora_a' else 'lora_B'}"] = t.float().T.contiguous()
     return sd, {"r": rank, "lora_alpha": scale * rank, "num_layers": config.get("num_layers")}

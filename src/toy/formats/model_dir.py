@@ -26,8 +26,12 @@ def model_state(model: nn.Module) -> dict[str, torch.Tensor]:
     return sd
 
 
-def save_model_dir(out: Path, model: nn.Module, extra: dict | None = None,
-                   tokenizer: Tokenizer | Path | None = None) -> None:
+def save_model_dir(
+    out: Path,
+    model: nn.Module,
+    extra: dict | None = None,
+    tokenizer: Tokenizer | Path | None = None,
+) -> None:
     """Write atomically: `out` holds a complete model or nothing."""
     with atomic_dir(out) as d:
         save_tensors(d / "model.safetensors", model_state(model), metadata={"format": "pt"})
@@ -47,24 +51,33 @@ def final_dir(path: str | Path, flag: str = "") -> Path:
     where = f"{flag} {d}" if flag else str(d)
     if not d.exists():
         what = "run or adapter directory" if flag == "--adapter" else "run directory"
-        raise InputError(f"{where}: no such {what}; pass a run made by `toy train` (`toy list` shows them) "
-                         "or its final/")
+        raise InputError(
+            f"{where}: no such {what}; pass a run made by `toy train` (`toy list` shows them) "
+            "or its final/"
+        )
     if not d.is_dir():
         raise InputError(f"{where}: not a directory; pass a run directory (or its final/)")
     if (d / "final").is_dir():
         return d / "final"
     if any((d / name).exists() for name in ("run.json", "events.jsonl", "checkpoints")):
-        hint = (f"resume it with `toy train --resume {d}`" if (d / "checkpoints").is_dir()
-                else "it stopped before its first checkpoint: train it again")
+        hint = (
+            f"resume it with `toy train --resume {d}`"
+            if (d / "checkpoints").is_dir()
+            else "it stopped before its first checkpoint: train it again"
+        )
         raise InputError(f"{where}: has no final/ yet (the run did not finish); {hint}")
     return d
 
 
-def load_model_dir(d: Path, device: torch.device | str = "cpu") -> tuple[nn.Module, dict, Tokenizer | None]:
+def load_model_dir(
+    d: Path, device: torch.device | str = "cpu"
+) -> tuple[nn.Module, dict, Tokenizer | None]:
     d = Path(d)
     if not (d / "config.json").is_file() or not (d / "model.safetensors").is_file():
-        raise InputError(f"{d}: no model here (needs config.json and model.safetensors); "
-                         "point at a finished run's directory or its final/")
+        raise InputError(
+            f"{d}: no model here (needs config.json and model.safetensors); "
+            "point at a finished run's directory or its final/"
+        )
     meta = read_json(d / "config.json")
     try:
         cfg = registry.config_from_dict(meta["model"])
@@ -75,7 +88,9 @@ def load_model_dir(d: Path, device: torch.device | str = "cpu") -> tuple[nn.Modu
     try:
         res = model.load_state_dict(sd, strict=False)
     except RuntimeError as e:  # a shape mismatch
-        raise InputError(f"{d / 'model.safetensors'}: does not match config.json ({str(e).splitlines()[1].strip()})")
+        raise InputError(
+            f"{d / 'model.safetensors'}: does not match config.json ({str(e).splitlines()[1].strip()})"
+        )
     tied = getattr(cfg, "tie_embeddings", False)
     missing = [k for k in res.missing_keys if not (tied and k == "lm_head.weight")]
     if missing or res.unexpected_keys:

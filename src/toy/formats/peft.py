@@ -45,7 +45,7 @@ def peft_to_toy_key(key: str) -> str | None:
     """The toy name for a PEFT key, or None if the key is not a LoRA A/B of the model body."""
     if not key.startswith(PREFIX):
         return None
-    rest = key[len(PREFIX):]
+    rest = key[len(PREFIX) :]
     for kind, suffix in _SUFFIXES.items():
         if rest.endswith(suffix) and len(rest) > len(suffix):
             return rest[: -len(suffix)] + "." + kind
@@ -70,22 +70,33 @@ def _check_lora_sd(lora_sd: dict[str, torch.Tensor], rank: int, targets: list[st
             problems.append(f"{module} has only {', '.join(ab)}")
         elif ab["lora_A"].dim() == 2 and ab["lora_B"].dim() == 2:
             if ab["lora_A"].shape[0] != rank or ab["lora_B"].shape[1] != rank:
-                problems.append(f"{module}: A {tuple(ab['lora_A'].shape)} / B {tuple(ab['lora_B'].shape)} "
-                                f"do not have rank {rank}")
+                problems.append(
+                    f"{module}: A {tuple(ab['lora_A'].shape)} / B {tuple(ab['lora_B'].shape)} "
+                    f"do not have rank {rank}"
+                )
     if not lora_sd:
         problems.append("no adapter tensors")
     if problems:
         raise UsageError("cannot save the PEFT adapter: " + "; ".join(problems[:5]))
 
 
-def save_peft_adapter(out_dir: str | Path, lora_sd: dict[str, torch.Tensor], rank: int, alpha: float,
-                      dropout: float, targets: list[str], base_model_name_or_path: str) -> Path:
+def save_peft_adapter(
+    out_dir: str | Path,
+    lora_sd: dict[str, torch.Tensor],
+    rank: int,
+    alpha: float,
+    dropout: float,
+    targets: list[str],
+    base_model_name_or_path: str,
+) -> Path:
     """Write a PEFT LoRA adapter that `PeftModel.from_pretrained(LlamaForCausalLM, out_dir)`
     loads. `lora_sd` uses toy names (as `toy.lora.lora_state_dict` returns). Returns out_dir."""
     _check_lora_sd(lora_sd, rank, targets)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tensors = {toy_to_peft_key(k): v.detach().to("cpu").contiguous() for k, v in sorted(lora_sd.items())}
+    tensors = {
+        toy_to_peft_key(k): v.detach().to("cpu").contiguous() for k, v in sorted(lora_sd.items())
+    }
     # Only long-standing LoraConfig fields: older peft versions reject unknown keys.
     config: dict[str, Any] = {
         "peft_type": "LORA",
@@ -109,8 +120,12 @@ def save_peft_adapter(out_dir: str | Path, lora_sd: dict[str, torch.Tensor], ran
         "use_dora": False,
     }
     # Weights first, config last: a directory with a config is a complete adapter.
-    write_file_atomic(out / WEIGHTS_NAME, lambda p: save_file(tensors, p, metadata={"format": "pt"}))
-    write_file_atomic(out / CONFIG_NAME, lambda p: Path(p).write_text(json.dumps(config, indent=2) + "\n"))
+    write_file_atomic(
+        out / WEIGHTS_NAME, lambda p: save_file(tensors, p, metadata={"format": "pt"})
+    )
+    write_file_atomic(
+        out / CONFIG_NAME, lambda p: Path(p).write_text(json.dumps(config, indent=2) + "\n")
+    )
     return out
 
 
@@ -123,13 +138,17 @@ def load_peft_adapter(adapter_dir: str | Path) -> tuple[dict[str, torch.Tensor],
     d = Path(adapter_dir)
     cfg_path, w_path = d / CONFIG_NAME, d / WEIGHTS_NAME
     if not d.is_dir():
-        raise InputError(f"{d}: no such adapter directory; pass the folder holding {CONFIG_NAME} and {WEIGHTS_NAME}")
+        raise InputError(
+            f"{d}: no such adapter directory; pass the folder holding {CONFIG_NAME} and {WEIGHTS_NAME}"
+        )
     if not cfg_path.is_file():
         raise InputError(f"{d}: no {CONFIG_NAME}; not a PEFT adapter directory")
     if not w_path.is_file():
         if (d / "adapter_model.bin").is_file():
-            raise InputError(f"{d}: adapter_model.bin is a pickle, which toy does not load; re-save it with "
-                             f"PEFT's save_pretrained(safe_serialization=True)")
+            raise InputError(
+                f"{d}: adapter_model.bin is a pickle, which toy does not load; re-save it with "
+                f"PEFT's save_pretrained(safe_serialization=True)"
+            )
         raise InputError(f"{d}: no {WEIGHTS_NAME}")
     try:
         config = json.loads(cfg_path.read_text(encoding="utf-8"))
@@ -172,10 +191,15 @@ def load_peft_adapter(adapter_dir: str | Path) -> tuple[dict[str, torch.Tensor],
         else:
             sd[name] = t
     if bad:
-        hint = (" (lm_head is the tied embedding: toy never adapts it)"
-                if any("lm_head" in k for k in bad) else "")
-        raise InputError(f"{w_path}: {len(bad)} keys are not LoRA A/B tensors of a llama body, first: "
-                         f"{', '.join(sorted(bad)[:3])}{hint}")
+        hint = (
+            " (lm_head is the tied embedding: toy never adapts it)"
+            if any("lm_head" in k for k in bad)
+            else ""
+        )
+        raise InputError(
+            f"{w_path}: {len(bad)} keys are not LoRA A/B tensors of a llama body, first: "
+            f"{', '.join(sorted(bad)[:3])}{hint}"
+        )
     if not sd:
         raise InputError(f"{w_path}: no tensors")
     shape_problems = []
@@ -185,7 +209,9 @@ def load_peft_adapter(adapter_dir: str | Path) -> tuple[dict[str, torch.Tensor],
         if a is None or b is None:
             shape_problems.append(f"{m} lacks lora_{'A' if a is None else 'B'}")
         elif a.dim() != 2 or b.dim() != 2 or a.shape[0] != r or b.shape[1] != r:
-            shape_problems.append(f"{m}: lora_A {tuple(a.shape)}, lora_B {tuple(b.shape)} do not match r={r}")
+            shape_problems.append(
+                f"{m}: lora_A {tuple(a.shape)}, lora_B {tuple(b.shape)} do not match r={r}"
+            )
     if shape_problems:
         raise InputError(f"{w_path}: " + "; ".join(shape_problems[:3]))
     return sd, config

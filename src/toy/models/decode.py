@@ -41,8 +41,21 @@ import sys
 import torch
 
 from toy.models.layers import KVCache, StepKV
-from toy.models.quant import QUANT_TYPES, Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q6_K, QuantEmbedding, QuantLinear, QuantSpec, codes, \
-    half_split_rows, register_parts
+from toy.models.quant import (
+    Q2_K,
+    Q3_K,
+    Q4_0,
+    Q4_1,
+    Q4_K,
+    Q6_K,
+    QUANT_TYPES,
+    QuantEmbedding,
+    QuantLinear,
+    QuantSpec,
+    codes,
+    half_split_rows,
+    register_parts,
+)
 
 FOUR_BIT = (Q4_0, Q4_1, Q4_K)
 _SUB_16 = (Q2_K, Q3_K, Q6_K)  # K-quants whose sub-blocks are 16 long (the others' are 32)
@@ -54,7 +67,9 @@ def compile_unavailable(device: torch.device) -> str | None:
         return "torch.compile stays off on Apple MPS (inductor fails there)"
     if not torch._dynamo.is_dynamo_supported():
         return f"torch.compile does not support this Python/torch ({torch.__version__})"
-    if device.type == "cpu" and not any(shutil.which(c) for c in (os.environ.get("CXX") or "g++", "c++", "clang++")):
+    if device.type == "cpu" and not any(
+        shutil.which(c) for c in (os.environ.get("CXX") or "g++", "c++", "clang++")
+    ):
         return "no C++ compiler (g++, c++ or clang++) on PATH for inductor's CPU kernels; install one (e.g. gcc)"
     return None
 
@@ -65,6 +80,7 @@ def compile_unavailable(device: torch.device) -> str | None:
 # a float32 tensor and bit-cast inside: inductor loads a float32 vector whole, where a vector
 # of bytes is loaded through a scalar copy on AVX2 (measured 4-7x slower per product there;
 # AVX-512 has a masked load and did not show it).
+
 
 def _item(w: torch.Tensor, k: int, bits: int) -> torch.Tensor:
     """Code k of int32 words (`bits` wide, unsigned) as float32, 0..2**bits - 1."""
@@ -83,7 +99,9 @@ def _in_place(w: torch.Tensor, k: int, bits: int) -> torch.Tensor:
 BYTE_BIAS = 128
 
 
-def _matvec(x: torch.Tensor, words: torch.Tensor, s: torch.Tensor, z: torch.Tensor, bits: int) -> torch.Tensor:
+def _matvec(
+    x: torch.Tensor, words: torch.Tensor, s: torch.Tensor, z: torch.Tensor, bits: int
+) -> torch.Tensor:
     """W x from words (G, W, N): code j of a group is code j % (32 // bits) of word j // (32 // bits)."""
     from torch._inductor import inductor_prims
 
@@ -97,11 +115,15 @@ def _matvec(x: torch.Tensor, words: torch.Tensor, s: torch.Tensor, z: torch.Tens
     scale = (torch.ones_like(k) << shift).float().reciprocal()  # powers of two, exact
     xs = (x.view(G, W, per_word) * scale).unsqueeze(-1)
     xs = inductor_prims.force_stride_order(xs, (W * per_word, per_word, 1, 1))
-    if bits == 4:  # one reduction over the group's codes (measured faster for nibbles, and 46 nodes, not 256)
+    if (
+        bits == 4
+    ):  # one reduction over the group's codes (measured faster for nibbles, and 46 nodes, not 256)
         top = k == per_word - 1
         down = torch.where(top, bits * (per_word - 1), 0).to(torch.int32)
         mask = torch.where(top, 2**bits - 1, (2**bits - 1) << (bits * k)).to(torch.int32)
-        acc = (((p[:, :, None, :] >> down[:, None]) & mask[:, None]).float() * xs).sum((1, 2))  # (G, N)
+        acc = (((p[:, :, None, :] >> down[:, None]) & mask[:, None]).float() * xs).sum(
+            (1, 2)
+        )  # (G, N)
     else:  # bytes: the 4 of a word unrolled, the words reduced (measured 2.5x faster than one
         # reduction over the codes, 1.2-1.7x faster than unrolling all 32, and a graph of 52 nodes, not 262)
         acc = None
@@ -161,7 +183,10 @@ def _compile(graph, inputs: list[torch.Tensor]):
 
     # Under a tracing context with a shape environment, as torch.compile's own calls are:
     # without one inductor bypasses its on-disk cache and compiles again in every process.
-    with torch._inductor.config.patch(_INDUCTOR), tracing(TracingContext(FakeTensorMode(shape_env=ShapeEnv()))):
+    with (
+        torch._inductor.config.patch(_INDUCTOR),
+        tracing(TracingContext(FakeTensorMode(shape_env=ShapeEnv()))),
+    ):
         compiled = torch._inductor.compile(graph, inputs)
     # The compiled graph's own entry takes the inputs as one list and skips the wrapper's
     # bookkeeping (measured: 2.6 us a call against 5.8, about 0.7 ms a token for SmolLM2, and
@@ -169,13 +194,16 @@ def _compile(graph, inputs: list[torch.Tensor]):
     # the code itself. torch is pinned; any other shape of the object takes the plain call.
     boxed = getattr(compiled, "current_callable", None)
     if boxed is None or getattr(compiled, "inputs_to_check", None):
+
         def boxed(args, compiled=compiled):
             out = compiled(*args)
             return out if isinstance(out, (tuple, list)) else (out,)
+
     return boxed
 
 
 # ---- the spec: what QuantLinear / QuantEmbedding hold after packing --------------------------
+
 
 class PackedSpec:
     """A GGUF block type's codes packed for generation (see the module's docstring); the
@@ -199,7 +227,9 @@ class PackedSpec:
         words, s, z = (p[..., idx] if p.numel() else p for p in parts)
         w = words.view(torch.int32)  # (G, W, n)
         bits = 4 if self.four_bit else 8
-        q = torch.stack([_item(w, k, bits) for k in range(32 // bits)], dim=2).flatten(1, 2)  # (G, L, n)
+        q = torch.stack([_item(w, k, bits) for k in range(32 // bits)], dim=2).flatten(
+            1, 2
+        )  # (G, L, n)
         if not self.four_bit:
             q.sub_(BYTE_BIAS)
         w = q.mul_(s.float().unsqueeze(1))
@@ -207,17 +237,25 @@ class PackedSpec:
             w.add_(z.float().unsqueeze(1))
         return w.flatten(0, 1)
 
-    def dequantize(self, parts: tuple[torch.Tensor, ...], dtype: torch.dtype = torch.float32,
-                   rows: slice | None = None) -> torch.Tensor:
+    def dequantize(
+        self,
+        parts: tuple[torch.Tensor, ...],
+        dtype: torch.dtype = torch.float32,
+        rows: slice | None = None,
+    ) -> torch.Tensor:
         with torch.profiler.record_function("toy::dequantize"):
             return self.columns(parts, rows if rows is not None else slice(None)).t().to(dtype)
 
-    def gather(self, parts: tuple[torch.Tensor, ...], idx: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def gather(
+        self, parts: tuple[torch.Tensor, ...], idx: torch.Tensor, dtype: torch.dtype
+    ) -> torch.Tensor:
         return self.columns(parts, idx).t().to(dtype)
 
     def matvec(self, x: torch.Tensor, parts: tuple[torch.Tensor, ...]) -> torch.Tensor:
         """x (in,) float32 -> W x (out,): the compiled kernel on the codes."""
-        if _tracing:  # inside a decode step being traced (compile_steps): the torch lines themselves,
+        if (
+            _tracing
+        ):  # inside a decode step being traced (compile_steps): the torch lines themselves,
             # on x written out first: else inductor inlines x's own ops (a norm, SwiGLU's
             # silu) into every code's product
             from torch._inductor import inductor_prims
@@ -238,7 +276,9 @@ def _narrow(t: torch.Tensor) -> torch.Tensor:
     return h if torch.equal(h.float(), t) else t
 
 
-def pack_parts(blocks: torch.Tensor, spec: QuantSpec, chunk: int = 4096) -> tuple[torch.Tensor, ...]:
+def pack_parts(
+    blocks: torch.Tensor, spec: QuantSpec, chunk: int = 4096
+) -> tuple[torch.Tensor, ...]:
     """A GGUF tensor's blocks (out, row_bytes) -> (codes, scales, offsets) as PackedSpec
     holds them, `chunk` rows at a time (a 49k-row head's float32 codes never all at once)."""
     N, K = spec.shape
@@ -249,28 +289,42 @@ def pack_parts(blocks: torch.Tensor, spec: QuantSpec, chunk: int = 4096) -> tupl
     out_s = torch.empty((K // L, N))
     out_z = None
     for r in range(0, N, step):
-        q, s, z = codes(blocks[r : r + step], spec.qtype)  # (rows * blocks_per_row, subs, L), (.., subs, 1)
+        q, s, z = codes(
+            blocks[r : r + step], spec.qtype
+        )  # (rows * blocks_per_row, subs, L), (.., subs, 1)
         _page_out(blocks[r : r + step])  # read once: the packed codes stand in for these pages now
         n = q.numel() // K
         q, s = q.reshape(n, K // L, L), s.reshape(n, K // L)
         z = z.reshape(n, K // L) if z is not None else None
-        if spec.qk_heads:  # the model's row order (rotary's half-split), as QuantSpec.dequantize gives it
+        if (
+            spec.qk_heads
+        ):  # the model's row order (rotary's half-split), as QuantSpec.dequantize gives it
             q, s = half_split_rows(q, spec.qk_heads), half_split_rows(s, spec.qk_heads)
             z = half_split_rows(z, spec.qk_heads) if z is not None else None
-        if spec.qtype == Q4_0:  # int8 q - 8 -> nibble q, and the offset -8 d (exact: d * q and 8 d are)
+        if (
+            spec.qtype == Q4_0
+        ):  # int8 q - 8 -> nibble q, and the offset -8 d (exact: d * q and 8 d are)
             q, z = q.view(torch.uint8).add(8), s * -8.0
         if four:
             q = q[..., 0::2] | (q[..., 1::2] << 4)  # two codes a byte, the first in the low nibble
         else:  # int8 (or unsigned codes under 64) -> q + 128 as a byte: the sign bit flipped
             q = q.view(torch.uint8) ^ BYTE_BIAS if q.dtype == torch.int8 else q + BYTE_BIAS
-        words = q.contiguous().view(torch.int32)  # 4 bytes a word, the first in the lowest (little-endian)
-        out_q[..., r : r + n] = words.permute(1, 2, 0)  # (G, W, rows): the lane runs over output rows
+        words = q.contiguous().view(
+            torch.int32
+        )  # 4 bytes a word, the first in the lowest (little-endian)
+        out_q[..., r : r + n] = words.permute(
+            1, 2, 0
+        )  # (G, W, rows): the lane runs over output rows
         out_s[:, r : r + n] = s.t()
         if z is not None:
             if out_z is None:
                 out_z = torch.empty((K // L, N))
             out_z[:, r : r + n] = z.t()
-    return out_q.view(torch.float32), _narrow(out_s), _narrow(out_z) if out_z is not None else torch.empty(0)
+    return (
+        out_q.view(torch.float32),
+        _narrow(out_s),
+        _narrow(out_z) if out_z is not None else torch.empty(0),
+    )
 
 
 def packed_bytes(spec: QuantSpec) -> int:
@@ -282,8 +336,12 @@ def packed_bytes(spec: QuantSpec) -> int:
 
 
 def packable(module: torch.nn.Module) -> bool:
-    return isinstance(module, (QuantLinear, QuantEmbedding)) and isinstance(module.spec, QuantSpec) \
-        and module.spec.qtype in _PACKED_TYPES and sys.byteorder == "little"  # the words' byte order
+    return (
+        isinstance(module, (QuantLinear, QuantEmbedding))
+        and isinstance(module.spec, QuantSpec)
+        and module.spec.qtype in _PACKED_TYPES
+        and sys.byteorder == "little"
+    )  # the words' byte order
 
 
 _PACKED_TYPES = set(QUANT_TYPES) - {0, 1, 30}  # the block types (F32, F16, BF16 are plain floats)
@@ -373,10 +431,17 @@ def _structure(block: torch.nn.Module) -> tuple:
     plain settings (window, softcap, scale, is_global, eps, the block types of its specs)."""
     out = []
     for name, m in block.named_modules():
-        plain = tuple(sorted((k, v) for k, v in vars(m).items()
-                             if not k.startswith("_") and isinstance(v, (bool, int, float, str, type(None)))))
+        plain = tuple(
+            sorted(
+                (k, v)
+                for k, v in vars(m).items()
+                if not k.startswith("_") and isinstance(v, (bool, int, float, str, type(None)))
+            )
+        )
         spec = getattr(m, "spec", None)
-        out.append((name, type(m).__name__, plain, (type(spec).__name__, getattr(spec, "qtype", None))))
+        out.append(
+            (name, type(m).__name__, plain, (type(spec).__name__, getattr(spec, "qtype", None)))
+        )
     return tuple(out)
 
 
@@ -400,12 +465,20 @@ class _StepForward:
     def __init__(self, block: torch.nn.Module, eager, notes: list):
         self.block, self.eager, self.notes = block, eager, notes  # notes: shared, emptied once said
         self.state: dict[str, torch.Tensor] | None = None
-        self.spans: dict[tuple, object] = {}  # (span, cache length) -> the compiled step this block calls
+        self.spans: dict[
+            tuple, object
+        ] = {}  # (span, cache length) -> the compiled step this block calls
 
     def __call__(self, *args):
         x = args[0]
-        if _tracing or x.shape[0] != 1 or x.shape[1] != 1 or x.dtype != torch.float32 or x.device.type != "cpu" \
-                or torch.is_grad_enabled():
+        if (
+            _tracing
+            or x.shape[0] != 1
+            or x.shape[1] != 1
+            or x.dtype != torch.float32
+            or x.device.type != "cpu"
+            or torch.is_grad_enabled()
+        ):
             return self.eager(*args)
         leaves = _leaves(args)
         at = next((i for i, a in enumerate(leaves) if isinstance(a, KVCache)), None)
@@ -417,12 +490,19 @@ class _StepForward:
             self.state = dict(self.block.named_parameters())
             self.state.update(self.block.named_buffers())
         inputs = [a for a in leaves if isinstance(a, torch.Tensor)]
-        inputs += [cache.k[layer][:, :, :span], cache.v[layer][:, :, :span], torch.tensor([cache.pos]),
-                   *self.state.values()]
+        inputs += [
+            cache.k[layer][:, :, :span],
+            cache.v[layer][:, :, :span],
+            torch.tensor([cache.pos]),
+            *self.state.values(),
+        ]
         step = self.spans.get((span, cache.max_len))  # the buffers' strides follow max_len
         if step is None:
-            key = (_structure(self.block), repr([type(a).__name__ for a in leaves]),
-                   tuple((tuple(t.shape), t.stride(), t.dtype) for t in inputs))
+            key = (
+                _structure(self.block),
+                repr([type(a).__name__ for a in leaves]),
+                tuple((tuple(t.shape), t.stride(), t.dtype) for t in inputs),
+            )
             step = _STEPS.get(key)
             if step is None:
                 while self.notes:
@@ -432,8 +512,8 @@ class _StepForward:
         return step(inputs)[0]
 
     def _compile(self, args, names: list[str], inputs: list[torch.Tensor]):
-        from torch.fx.experimental.proxy_tensor import make_fx
         from torch.func import functional_call
+        from torch.fx.experimental.proxy_tensor import make_fx
 
         global _tracing
         leaves = _leaves(args)
@@ -442,9 +522,19 @@ class _StepForward:
         def step(*flat):
             tensors = iter(flat[:n])
             cache = StepKV(*flat[n : n + 3])
-            it = iter([next(tensors) if isinstance(a, torch.Tensor) else cache if isinstance(a, KVCache) else a
-                       for a in leaves])
-            return functional_call(self.block, dict(zip(names, flat[n + 3 :])), _rebuild(args, it), tie_weights=False)
+            it = iter(
+                [
+                    next(tensors)
+                    if isinstance(a, torch.Tensor)
+                    else cache
+                    if isinstance(a, KVCache)
+                    else a
+                    for a in leaves
+                ]
+            )
+            return functional_call(
+                self.block, dict(zip(names, flat[n + 3 :])), _rebuild(args, it), tie_weights=False
+            )
 
         _tracing = True
         try:

@@ -15,8 +15,9 @@ error naming the file.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any
 
 # A header's context length sizes the rotary tables: the one hyper-parameter the tensors
 # actually present in a file do not bound.
@@ -34,14 +35,21 @@ class Planned:
     name: str  # toy's parameter name
     shape: tuple[int, ...]  # torch order (out, in)
     qk_heads: int = 0  # GGUF: rows llama.cpp's converter interleaved per head (the heads to undo)
-    offset: float = 0.0  # added to the file's values (HF Gemma stores norm weights w of x * (1 + w))
+    offset: float = (
+        0.0  # added to the file's values (HF Gemma stores norm weights w of x * (1 + w))
+    )
 
 
 class Keys:
     """Typed reads of a file's key/value metadata (a GGUF header's, or a config.json) and
     its tensor shapes, each failure a BadConfig naming the key (`label`: "GGUF key")."""
 
-    def __init__(self, metadata: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]], label: str = "GGUF key"):
+    def __init__(
+        self,
+        metadata: Mapping[str, Any],
+        shapes: Mapping[str, tuple[int, ...]],
+        label: str = "GGUF key",
+    ):
         self.metadata, self.shapes, self.label = metadata, shapes, label
 
     def get(self, key: str, default: Any = None) -> Any:
@@ -52,11 +60,15 @@ class Keys:
         if v is None:
             if default is None:
                 what = self.metadata.get("general.architecture") or self.metadata.get("model_type")
-                raise BadConfig(f"{self.label} {key!r} is missing; the file is not a complete {what} model")
+                raise BadConfig(
+                    f"{self.label} {key!r} is missing; the file is not a complete {what} model"
+                )
             return default
         if isinstance(v, list):  # per-layer values (some archs): toy needs them all equal
             if not v or any(x != v[0] for x in v):
-                raise BadConfig(f"{self.label} {key!r} varies per layer ({v[:8]}...); toy needs one value")
+                raise BadConfig(
+                    f"{self.label} {key!r} varies per layer ({v[:8]}...); toy needs one value"
+                )
             v = v[0]
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise BadConfig(f"{self.label} {key!r} is {v!r}; expected a positive integer")
@@ -94,9 +106,13 @@ class HFType:
     mlx-lm keeps the config.json and the tensor names)."""
 
     name: str
-    config: Callable[[Keys], Any]  # the family's config from config.json (the text part of a multimodal one)
+    config: Callable[
+        [Keys], Any
+    ]  # the family's config from config.json (the text part of a multimodal one)
     chat_format: str | None = None
-    gguf: str | None = None  # the GGUF architecture llama.cpp's converter makes of it (for GGUF adapters)
+    gguf: str | None = (
+        None  # the GGUF architecture llama.cpp's converter makes of it (for GGUF adapters)
+    )
 
 
 @dataclass(frozen=True)
@@ -105,7 +121,9 @@ class Family:
     config: type  # the config dataclass (its `arch` field names the family)
     model: type  # the torch module
     archs: dict[str, Arch] = field(default_factory=dict)  # GGUF architectures read as this family
-    hf_types: dict[str, HFType] = field(default_factory=dict)  # transformers model_types read as this family
+    hf_types: dict[str, HFType] = field(
+        default_factory=dict
+    )  # transformers model_types read as this family
     # config -> transformers tensor name -> where toy holds it (with `model.`, as HF's *ForCausalLM).
     hf_plan: Callable[[Any], dict[str, Planned]] | None = None
     # LoRA: the linear layers an adapter may target (their attribute names), and the default.
@@ -120,6 +138,7 @@ class Family:
 
 
 # ------------------------------------------------------------------ GGUF keys the families share
+
 
 @dataclass
 class Common:
@@ -137,7 +156,9 @@ class Common:
     vocab: int
     eps: float
     tied: bool
-    rope_theta: float | None = None  # config.json: None where it does not say (the family's default)
+    rope_theta: float | None = (
+        None  # config.json: None where it does not say (the family's default)
+    )
 
 
 def gguf_common(k: Keys, arch: str, eps_default: float = 1e-5) -> Common:
@@ -146,11 +167,15 @@ def gguf_common(k: Keys, arch: str, eps_default: float = 1e-5) -> Common:
     n_head = k.int(a + "attention.head_count")
     n_kv_head = k.int(a + "attention.head_count_kv", default=n_head)
     if n_head > d_model and a + "attention.key_length" not in k.metadata:
-        raise BadConfig(f"head_count {n_head} exceeds embedding_length {d_model}; the file is damaged")
+        raise BadConfig(
+            f"head_count {n_head} exceeds embedding_length {d_model}; the file is damaged"
+        )
     head_dim = k.int(a + "attention.key_length", default=d_model // n_head)
     value_len = k.int(a + "attention.value_length", default=head_dim)
     if value_len != head_dim:
-        raise BadConfig(f"key length {head_dim} != value length {value_len}; toy's attention needs them equal")
+        raise BadConfig(
+            f"key length {head_dim} != value length {value_len}; toy's attention needs them equal"
+        )
     if n_head % n_kv_head:
         raise BadConfig(f"head_count {n_head} is not a multiple of head_count_kv {n_kv_head}")
     if head_dim % 2:
@@ -158,30 +183,53 @@ def gguf_common(k: Keys, arch: str, eps_default: float = 1e-5) -> Common:
     scaling = k.get(a + "rope.scaling.type", "none")
     if scaling not in ("none", None) or "rope_freqs.weight" in k.shapes:
         what = scaling if scaling not in ("none", None) else "rope_freqs.weight"
-        raise BadConfig(f"rope scaling ({what}) is not supported by toy; use a model without long-context "
-                        "rope scaling")
+        raise BadConfig(
+            f"rope scaling ({what}) is not supported by toy; use a model without long-context "
+            "rope scaling"
+        )
     n_layer = k.int(a + "block_count")
     if n_layer > len(k.shapes):  # checked before anything loops over the layers
-        raise BadConfig(f"block_count {n_layer} cannot be right: the file holds only {len(k.shapes)} tensors; "
-                        "the file is damaged")
+        raise BadConfig(
+            f"block_count {n_layer} cannot be right: the file holds only {len(k.shapes)} tensors; "
+            "the file is damaged"
+        )
     context = k.int(a + "context_length", default=2048)
     if context > MAX_CONTEXT:
-        raise BadConfig(f"context_length {context} is beyond toy's limit of {MAX_CONTEXT}; the file is damaged "
-                        "or needs rope scaling toy lacks")
+        raise BadConfig(
+            f"context_length {context} is beyond toy's limit of {MAX_CONTEXT}; the file is damaged "
+            "or needs rope scaling toy lacks"
+        )
     emb = k.shapes.get("token_embd.weight")
     if emb is None:
-        raise BadConfig(f"missing tensor 'token_embd.weight'; the file is not a complete {arch} model")
+        raise BadConfig(
+            f"missing tensor 'token_embd.weight'; the file is not a complete {arch} model"
+        )
     if len(emb) != 2:
-        raise BadConfig(f"misshapen tensor 'token_embd.weight': expected 2 dims [vocab, {d_model}], found "
-                        f"{list(emb)}")
+        raise BadConfig(
+            f"misshapen tensor 'token_embd.weight': expected 2 dims [vocab, {d_model}], found "
+            f"{list(emb)}"
+        )
     # The embedding's rows are the model's vocabulary; the token list may be shorter
     # (padding rows) but a model cannot have fewer rows than tokens it can emit.
     vocab = emb[0]
     tokens = k.get("tokenizer.ggml.tokens")
     if isinstance(tokens, list) and len(tokens) > vocab:
-        raise BadConfig(f"{len(tokens)} tokens but token_embd.weight has only {vocab} rows; the file is damaged")
-    return Common(arch, n_layer, d_model, n_head, n_kv_head, head_dim, k.int(a + "feed_forward_length"), context,
-                  vocab, k.float(a + "attention.layer_norm_rms_epsilon", eps_default), "output.weight" not in k.shapes)
+        raise BadConfig(
+            f"{len(tokens)} tokens but token_embd.weight has only {vocab} rows; the file is damaged"
+        )
+    return Common(
+        arch,
+        n_layer,
+        d_model,
+        n_head,
+        n_kv_head,
+        head_dim,
+        k.int(a + "feed_forward_length"),
+        context,
+        vocab,
+        k.float(a + "attention.layer_norm_rms_epsilon", eps_default),
+        "output.weight" not in k.shapes,
+    )
 
 
 def rope_dims(k: Keys, c: Common) -> int:
@@ -193,8 +241,10 @@ def rope_dims(k: Keys, c: Common) -> int:
 
 def gguf_top(cfg, tied: bool) -> dict[str, Planned]:
     """The tensors outside the blocks: embedding, final norm, and the head when untied."""
-    m = {"token_embd.weight": Planned("embed_tokens.weight", (cfg.vocab_size, cfg.d_model)),
-         "output_norm.weight": Planned("norm.weight", (cfg.d_model,))}
+    m = {
+        "token_embd.weight": Planned("embed_tokens.weight", (cfg.vocab_size, cfg.d_model)),
+        "output_norm.weight": Planned("norm.weight", (cfg.d_model,)),
+    }
     if not tied:
         m["output.weight"] = Planned("lm_head.weight", (cfg.vocab_size, cfg.d_model))
     return m
@@ -223,6 +273,7 @@ def gguf_linears(cfg, i: int, qk_heads: tuple[int, int] = (0, 0)) -> dict[str, P
 
 # ------------------------------------------------------------------ transformers config.json
 
+
 def hf_name(toy_name: str) -> str:
     """toy's parameter name -> HF *ForCausalLM's: the body under `model.`, the head as is."""
     return toy_name if toy_name.startswith("lm_head.") else "model." + toy_name
@@ -242,12 +293,21 @@ def rope_theta_of(k: Keys, layer_type: str | None = None) -> float | None:
     """rope_theta from a 4.x config (top level) or a 5.x one (`rope_parameters`, per layer
     type for Gemma 3); rope scaling of any kind is refused (toy has none)."""
     params = k.get("rope_parameters")
-    if isinstance(params, dict) and layer_type is not None and isinstance(params.get(layer_type), dict):
+    if (
+        isinstance(params, dict)
+        and layer_type is not None
+        and isinstance(params.get(layer_type), dict)
+    ):
         params = params[layer_type]
     for scaling in (k.get("rope_scaling"), params if isinstance(params, dict) else None):
-        if isinstance(scaling, dict) and scaling.get("rope_type", scaling.get("type", "default")) != "default":
-            raise BadConfig(f"rope scaling ({scaling.get('rope_type', scaling.get('type'))}) is not supported by "
-                            "toy; use a model without long-context rope scaling")
+        if (
+            isinstance(scaling, dict)
+            and scaling.get("rope_type", scaling.get("type", "default")) != "default"
+        ):
+            raise BadConfig(
+                f"rope scaling ({scaling.get('rope_type', scaling.get('type'))}) is not supported by "
+                "toy; use a model without long-context rope scaling"
+            )
     if isinstance(params, dict) and isinstance(params.get("rope_theta"), (int, float)):
         return float(params["rope_theta"])
     v = k.get("rope_theta")
@@ -260,10 +320,15 @@ def hf_common(k: Keys, head_dim_key: bool = True) -> Common:
     d_model = k.int("hidden_size")
     n_head = k.int("num_attention_heads")
     n_kv = k.int("num_key_value_heads", default=n_head)
-    head_dim = k.int("head_dim", default=d_model // n_head) if head_dim_key and k.get("head_dim") else \
-        d_model // n_head
+    head_dim = (
+        k.int("head_dim", default=d_model // n_head)
+        if head_dim_key and k.get("head_dim")
+        else d_model // n_head
+    )
     if n_head % n_kv:
-        raise BadConfig(f"num_attention_heads {n_head} is not a multiple of num_key_value_heads {n_kv}")
+        raise BadConfig(
+            f"num_attention_heads {n_head} is not a multiple of num_key_value_heads {n_kv}"
+        )
     if head_dim % 2:
         raise BadConfig(f"head size {head_dim} is odd; rotary positions need an even head size")
     context = k.int("max_position_embeddings", default=2048)
@@ -272,6 +337,17 @@ def hf_common(k: Keys, head_dim_key: bool = True) -> Common:
     eps = k.get("rms_norm_eps", k.get("layer_norm_eps", 1e-6))
     emb = k.shapes.get("model.embed_tokens.weight")
     vocab = emb[0] if emb else k.int("vocab_size")  # the embedding's rows are the vocabulary
-    return Common(str(k.get("model_type", "")), k.int("num_hidden_layers"), d_model, n_head, n_kv, head_dim,
-                  k.int("intermediate_size"), context, vocab, float(eps), "lm_head.weight" not in k.shapes,
-                  rope_theta_of(k))
+    return Common(
+        str(k.get("model_type", "")),
+        k.int("num_hidden_layers"),
+        d_model,
+        n_head,
+        n_kv,
+        head_dim,
+        k.int("intermediate_size"),
+        context,
+        vocab,
+        float(eps),
+        "lm_head.weight" not in k.shapes,
+        rope_theta_of(k),
+    )

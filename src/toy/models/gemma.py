@@ -28,8 +28,21 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from toy.models.family import (Arch, BadConfig, Family, HFType, Keys, Planned, gguf_common, gguf_linears, gguf_top,
-                               hf_common, hf_from_plan, rope_dims, rope_theta_of)
+from toy.models.family import (
+    Arch,
+    BadConfig,
+    Family,
+    HFType,
+    Keys,
+    Planned,
+    gguf_common,
+    gguf_linears,
+    gguf_top,
+    hf_common,
+    hf_from_plan,
+    rope_dims,
+    rope_theta_of,
+)
 from toy.models.layers import Attention, KVCache, RMSNorm, Rotary, run_block
 
 
@@ -87,10 +100,20 @@ class Block(nn.Module):
         self.is_global = cfg.is_global(layer)
         self.input_layernorm = RMSNorm(cfg.d_model, cfg.norm_eps)
         # None where the scalar is the head size: SDPA's own default, the same bits as before.
-        scale = None if cfg.query_pre_attn_scalar == cfg.head_dim else cfg.query_pre_attn_scalar ** -0.5
-        self.self_attn = Attention(cfg.d_model, cfg.n_head, cfg.n_kv_head, cfg.head_dim, qk_norm=cfg.qk_norm,
-                                   norm_eps=cfg.norm_eps, window=0 if self.is_global else cfg.sliding_window,
-                                   scale=scale, softcap=cfg.attn_softcap)
+        scale = (
+            None if cfg.query_pre_attn_scalar == cfg.head_dim else cfg.query_pre_attn_scalar**-0.5
+        )
+        self.self_attn = Attention(
+            cfg.d_model,
+            cfg.n_head,
+            cfg.n_kv_head,
+            cfg.head_dim,
+            qk_norm=cfg.qk_norm,
+            norm_eps=cfg.norm_eps,
+            window=0 if self.is_global else cfg.sliding_window,
+            scale=scale,
+            softcap=cfg.attn_softcap,
+        )
         self.post_attention_layernorm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.pre_feedforward_layernorm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = GeluGated(cfg.d_model, cfg.d_ff)
@@ -98,7 +121,9 @@ class Block(nn.Module):
 
     def forward(self, x, ropes, cache=None, layer=0):
         rope = ropes[0] if self.is_global else ropes[1]
-        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), rope, cache, layer))
+        x = x + self.post_attention_layernorm(
+            self.self_attn(self.input_layernorm(x), rope, cache, layer)
+        )
         x = x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
         return x
 
@@ -129,7 +154,7 @@ class Gemma(nn.Module):
 
     def reset_parameters(self) -> None:
         # Only for a model not loaded from a file (tests): N(0, 0.02), norms at identity.
-        for name, p in self.named_parameters():
+        for _name, p in self.named_parameters():
             if p.dim() == 1:
                 nn.init.ones_(p)
             else:
@@ -157,7 +182,15 @@ class Gemma(nn.Module):
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
         p = self.norm.weight
-        return KVCache(self.cfg.n_layer, batch, self.cfg.n_kv_head, max_len, self.cfg.head_dim, p.device, p.dtype)
+        return KVCache(
+            self.cfg.n_layer,
+            batch,
+            self.cfg.n_kv_head,
+            max_len,
+            self.cfg.head_dim,
+            p.device,
+            p.dtype,
+        )
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
@@ -176,7 +209,9 @@ def gguf_config(k: Keys, arch: str) -> GemmaConfig:
         raise BadConfig(f"partial rotary is not supported for {arch}")
     window = int(k.float_or(arch + ".attention.sliding_window", 0))
     if window < 1:
-        raise BadConfig(f"GGUF key '{arch}.attention.sliding_window' is missing or 0; {arch}'s local layers need it")
+        raise BadConfig(
+            f"GGUF key '{arch}.attention.sliding_window' is missing or 0; {arch}'s local layers need it"
+        )
     g3 = arch == "gemma3"
     theta = k.float(arch + ".rope.freq_base", 1_000_000.0 if g3 else 10000.0)
     # The 27B models scale queries by d_model / n_head, not by the head size. The file does
@@ -184,15 +219,27 @@ def gguf_config(k: Keys, arch: str) -> GemmaConfig:
     # the layer count that marks the 27B model, and so does toy, to run the model llama.cpp runs.
     scalar = c.d_model // c.n_head if c.n_layer == GEMMA_27B_LAYERS[arch] else c.head_dim
     return GemmaConfig(
-        vocab_size=c.vocab, n_layer=c.n_layer, d_model=c.d_model, n_head=c.n_head, n_kv_head=c.n_kv_head,
-        head_dim=c.head_dim, d_ff=c.d_ff, max_seq_len=c.context, rope_theta=theta,
+        vocab_size=c.vocab,
+        n_layer=c.n_layer,
+        d_model=c.d_model,
+        n_head=c.n_head,
+        n_kv_head=c.n_kv_head,
+        head_dim=c.head_dim,
+        d_ff=c.d_ff,
+        max_seq_len=c.context,
+        rope_theta=theta,
         # Gemma 3's local layers rotate with their own base (10000 unless the file says);
         # Gemma 2 has one base for all.
         rope_local_theta=k.float(arch + ".rope.freq_base_swa", 10000.0) if g3 else theta,
-        sliding_window=window, global_every=6 if g3 else 2, norm_eps=c.eps, qk_norm=g3,
+        sliding_window=window,
+        global_every=6 if g3 else 2,
+        norm_eps=c.eps,
+        qk_norm=g3,
         attn_softcap=k.float_or(arch + ".attn_logit_softcapping", 0.0),
-        final_softcap=k.float_or(arch + ".final_logit_softcapping", 0.0), tie_embeddings=c.tied,
-        query_pre_attn_scalar=scalar)
+        final_softcap=k.float_or(arch + ".final_logit_softcapping", 0.0),
+        tie_embeddings=c.tied,
+        query_pre_attn_scalar=scalar,
+    )
 
 
 def gguf_plan(cfg: GemmaConfig) -> dict[str, Planned]:
@@ -200,49 +247,83 @@ def gguf_plan(cfg: GemmaConfig) -> dict[str, Planned]:
     m = gguf_top(cfg, cfg.tie_embeddings)
     for i in range(cfg.n_layer):
         b, t = f"blk.{i}.", f"layers.{i}."
-        m.update({  # the sandwich norms around attention and the MLP
-            b + "attn_norm.weight": Planned(t + "input_layernorm.weight", (C,)),
-            b + "post_attention_norm.weight": Planned(t + "post_attention_layernorm.weight", (C,)),
-            b + "ffn_norm.weight": Planned(t + "pre_feedforward_layernorm.weight", (C,)),
-            b + "post_ffw_norm.weight": Planned(t + "post_feedforward_layernorm.weight", (C,)),
-        })
+        m.update(
+            {  # the sandwich norms around attention and the MLP
+                b + "attn_norm.weight": Planned(t + "input_layernorm.weight", (C,)),
+                b + "post_attention_norm.weight": Planned(
+                    t + "post_attention_layernorm.weight", (C,)
+                ),
+                b + "ffn_norm.weight": Planned(t + "pre_feedforward_layernorm.weight", (C,)),
+                b + "post_ffw_norm.weight": Planned(t + "post_feedforward_layernorm.weight", (C,)),
+            }
+        )
         m.update(gguf_linears(cfg, i))
     return m
 
 
 # ------------------------------------------------------------------ transformers: gemma2, gemma3_text, gemma3
 
+
 def hf_config(k: Keys, model_type: str) -> GemmaConfig:
     if model_type == "gemma3":  # the multimodal config: the text model's config is its text_config
         text = k.get("text_config")
         if not isinstance(text, dict):
-            raise BadConfig("config.json key 'text_config' is missing; the file is not a complete gemma3 model")
+            raise BadConfig(
+                "config.json key 'text_config' is missing; the file is not a complete gemma3 model"
+            )
         k = Keys(text, k.shapes, k.label)
     c = hf_common(k)
     if k.get("hidden_activation", "gelu_pytorch_tanh") not in ("gelu_pytorch_tanh", "gelu_tanh"):
-        raise BadConfig(f"hidden_activation {k.get('hidden_activation')!r} is not supported (toy's Gemma uses "
-                        "gelu_pytorch_tanh)")
+        raise BadConfig(
+            f"hidden_activation {k.get('hidden_activation')!r} is not supported (toy's Gemma uses "
+            "gelu_pytorch_tanh)"
+        )
     g2 = model_type == "gemma2"
     # Which layers are global: toy's rule is one in `global_every`, the last of each run.
-    every = 2 if g2 else int(k.get("sliding_window_pattern", k.get("_sliding_window_pattern", 6)) or 6)
+    every = (
+        2 if g2 else int(k.get("sliding_window_pattern", k.get("_sliding_window_pattern", 6)) or 6)
+    )
     types = k.get("layer_types")
     if isinstance(types, list) and types:
         if "full_attention" in types:
             every = types.index("full_attention") + 1
-        want = ["full_attention" if i % every == every - 1 else "sliding_attention" for i in range(len(types))]
+        want = [
+            "full_attention" if i % every == every - 1 else "sliding_attention"
+            for i in range(len(types))
+        ]
         if types != want:
-            raise BadConfig(f"layer_types {types[:8]}... is not one global layer in every {every}; toy's Gemma "
-                            "cannot run this layout")
+            raise BadConfig(
+                f"layer_types {types[:8]}... is not one global layer in every {every}; toy's Gemma "
+                "cannot run this layout"
+            )
     theta = rope_theta_of(k, "full_attention") or (10000.0 if g2 else 1_000_000.0)
-    local = theta if g2 else (rope_theta_of(k, "sliding_attention") or
-                              float(k.get("rope_local_base_freq") or 10000.0))
+    local = (
+        theta
+        if g2
+        else (
+            rope_theta_of(k, "sliding_attention") or float(k.get("rope_local_base_freq") or 10000.0)
+        )
+    )
     return GemmaConfig(
-        vocab_size=c.vocab, n_layer=c.n_layer, d_model=c.d_model, n_head=c.n_head, n_kv_head=c.n_kv_head,
-        head_dim=c.head_dim, d_ff=c.d_ff, max_seq_len=c.context, rope_theta=theta, rope_local_theta=local,
-        sliding_window=k.int("sliding_window"), global_every=every, norm_eps=c.eps, qk_norm=not g2,
+        vocab_size=c.vocab,
+        n_layer=c.n_layer,
+        d_model=c.d_model,
+        n_head=c.n_head,
+        n_kv_head=c.n_kv_head,
+        head_dim=c.head_dim,
+        d_ff=c.d_ff,
+        max_seq_len=c.context,
+        rope_theta=theta,
+        rope_local_theta=local,
+        sliding_window=k.int("sliding_window"),
+        global_every=every,
+        norm_eps=c.eps,
+        qk_norm=not g2,
         attn_softcap=float(k.get("attn_logit_softcapping") or 0.0),
-        final_softcap=float(k.get("final_logit_softcapping") or 0.0), tie_embeddings=c.tied,
-        query_pre_attn_scalar=k.int("query_pre_attn_scalar", default=c.head_dim))
+        final_softcap=float(k.get("final_logit_softcapping") or 0.0),
+        tie_embeddings=c.tied,
+        query_pre_attn_scalar=k.int("query_pre_attn_scalar", default=c.head_dim),
+    )
 
 
 def hf_plan(cfg: GemmaConfig) -> dict[str, Planned]:
@@ -251,13 +332,32 @@ def hf_plan(cfg: GemmaConfig) -> dict[str, Planned]:
 
 
 FAMILY = Family(
-    "gemma", GemmaConfig, Gemma,
-    hf_types={t: HFType(t, lambda k, t=t: hf_config(k, t), "gemma", gguf=t.removesuffix("_text"))
-              for t in ("gemma2", "gemma3_text", "gemma3")},
+    "gemma",
+    GemmaConfig,
+    Gemma,
+    hf_types={
+        t: HFType(t, lambda k, t=t: hf_config(k, t), "gemma", gguf=t.removesuffix("_text"))
+        for t in ("gemma2", "gemma3_text", "gemma3")
+    },
     hf_plan=hf_plan,
-    archs={"gemma2": Arch("gemma2", lambda k: gguf_config(k, "gemma2"), gguf_plan, "gemma"),
-           "gemma3": Arch("gemma3", lambda k: gguf_config(k, "gemma3"), gguf_plan, "gemma")},
-    targets=TARGETS, default_targets="q_proj,v_proj",
-    tiny=dict(vocab_size=96, n_layer=2, d_model=64, n_head=4, n_kv_head=1, head_dim=16, d_ff=128, max_seq_len=64,
-              sliding_window=8, global_every=2, attn_softcap=50.0, final_softcap=30.0),
+    archs={
+        "gemma2": Arch("gemma2", lambda k: gguf_config(k, "gemma2"), gguf_plan, "gemma"),
+        "gemma3": Arch("gemma3", lambda k: gguf_config(k, "gemma3"), gguf_plan, "gemma"),
+    },
+    targets=TARGETS,
+    default_targets="q_proj,v_proj",
+    tiny=dict(
+        vocab_size=96,
+        n_layer=2,
+        d_model=64,
+        n_head=4,
+        n_kv_head=1,
+        head_dim=16,
+        d_ff=128,
+        max_seq_len=64,
+        sliding_window=8,
+        global_every=2,
+        attn_softcap=50.0,
+        final_softcap=30.0,
+    ),
 )

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 import torch.nn as nn
 
 
-def sample_next(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
-                gen: torch.Generator | None) -> int:
+def sample_next(
+    logits: torch.Tensor, temperature: float, top_k: int, top_p: float, gen: torch.Generator | None
+) -> int:
     """logits: (V,). temperature 0 is greedy."""
     if temperature <= 0:
         return int(torch.argmax(logits))
@@ -38,9 +39,17 @@ def next_logits(model: nn.Module, ids: torch.Tensor, cache) -> torch.Tensor:
 
 
 @torch.no_grad()
-def generate(model: nn.Module, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.8,
-             top_k: int = 0, top_p: float = 1.0, seed: int = 0, stop_ids: set[int] | None = None,
-             cache=None) -> Iterator[int]:
+def generate(
+    model: nn.Module,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    temperature: float = 0.8,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    stop_ids: set[int] | None = None,
+    cache=None,
+) -> Iterator[int]:
     """Yield new token ids one at a time (stops at a stop id, which is not yielded, or when
     the model's context is full).
 

@@ -53,7 +53,9 @@ class CausalSelfAttention(nn.Module):
         self.c_attn = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=cfg.bias)
         self.c_proj = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
 
-    def forward(self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0
+    ) -> torch.Tensor:
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(C, dim=2)  # 3 x (B, T, C)
         q = q.view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, H, T, D)
@@ -74,7 +76,9 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps, bias=cfg.bias)
         self.mlp = GeluMLP(cfg.d_model, cfg.d_ff, bias=cfg.bias)
 
-    def forward(self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0
+    ) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x), cache, layer)
         x = x + self.mlp(self.ln_2(x))
         return x
@@ -127,7 +131,9 @@ class GPT2(nn.Module):
         start = cache.pos if cache is not None else 0
         if start + T > self.cfg.max_seq_len:  # known on the host: no device sync
             # Learned positions stop at max_seq_len: unlike rotary there is nothing to extrapolate.
-            raise ValueError(f"position {start + T - 1} is past the model's context {self.cfg.max_seq_len}")
+            raise ValueError(
+                f"position {start + T - 1} is past the model's context {self.cfg.max_seq_len}"
+            )
         pos = torch.arange(start, start + T, device=idx.device)  # (T,)
         x = self.wte(idx) + self.wpe(pos)  # (B, T, C) + (T, C)
         for i, block in enumerate(self.h):
@@ -142,7 +148,9 @@ class GPT2(nn.Module):
     def new_cache(self, batch: int, max_len: int) -> KVCache:
         p = self.wte.weight
         max_len = min(max_len, self.cfg.max_seq_len)  # no position embedding exists beyond it
-        return KVCache(self.cfg.n_layer, batch, self.cfg.n_head, max_len, self.cfg.head_dim, p.device, p.dtype)
+        return KVCache(
+            self.cfg.n_layer, batch, self.cfg.n_head, max_len, self.cfg.head_dim, p.device, p.dtype
+        )
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())  # tied weights counted once
@@ -150,7 +158,9 @@ class GPT2(nn.Module):
 
 # Trained from scratch only (toy writes it to GGUF; it reads none).
 FAMILY = Family(
-    "gpt2", GPT2Config, GPT2,
+    "gpt2",
+    GPT2Config,
+    GPT2,
     presets={
         "tiny": dict(n_layer=2, d_model=64, n_head=4, max_seq_len=64),
         "small": dict(n_layer=4, d_model=256, n_head=8, max_seq_len=256),

@@ -45,8 +45,12 @@ class Rotary(nn.Module):
     def _build(self, n: int) -> None:
         # Always real CPU tensors (moved with the module): a function of the config, never
         # weights, even when the model is built on the meta device to be loaded.
-        inv_freq = 1.0 / (self.theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float64, device="cpu")
-                                         / self.head_dim))
+        inv_freq = 1.0 / (
+            self.theta
+            ** (
+                torch.arange(0, self.head_dim, 2, dtype=torch.float64, device="cpu") / self.head_dim
+            )
+        )
         t = torch.arange(n, dtype=torch.float64, device="cpu")
         freqs = torch.outer(t, inv_freq)  # (n, D/2)
         emb = torch.cat([freqs, freqs], dim=-1)  # (n, D)
@@ -100,8 +104,16 @@ class KVCache:
     masked value is never a NaN left in the memory. Written with slice assignment (plain
     tensor ops): `index_copy_` in caches has broken on Apple's MPS backend."""
 
-    def __init__(self, n_layer: int, batch: int, n_kv_head: int, max_len: int, head_dim: int,
-                 device: torch.device, dtype: torch.dtype):
+    def __init__(
+        self,
+        n_layer: int,
+        batch: int,
+        n_kv_head: int,
+        max_len: int,
+        head_dim: int,
+        device: torch.device,
+        dtype: torch.dtype,
+    ):
         self._shape = (batch, n_kv_head, head_dim)
         self.k = [self._new(max_len, device, dtype) for _ in range(n_layer)]
         self.v = [self._new(max_len, device, dtype) for _ in range(n_layer)]
@@ -127,7 +139,9 @@ class KVCache:
         """Forget every position from n on (the next tokens are written at n)."""
         self.pos = min(self.pos, max(0, n))
 
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         t = k.shape[2]
         end = self.pos + t
         if end > self.max_len:  # a caller that did not reserve: grow rather than fail
@@ -145,7 +159,9 @@ class StepKV:
     def __init__(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor):
         self.k, self.v, self.pos = k, v, pos
 
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         self.k.index_copy_(2, self.pos, k)
         self.v.index_copy_(2, self.pos, v)
         return self.k, self.v
@@ -158,9 +174,16 @@ def kv_cache_bytes(cfg, tokens: int, itemsize: int = 4) -> int:
     return 2 * cfg.n_layer * heads * cfg.head_dim * tokens * itemsize
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache | None = None,
-           layer: int = 0, window: int = 0, scale: float | None = None,
-           softcap: float = 0.0) -> torch.Tensor:
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cache: KVCache | None = None,
+    layer: int = 0,
+    window: int = 0,
+    scale: float | None = None,
+    softcap: float = 0.0,
+) -> torch.Tensor:
     """Causal attention of q (B, H, T, D) over k, v (B, K, T, D) through SDPA, with the KV
     cache when generating: (B, H, T, D). K divides H (grouped-query attention).
 
@@ -170,7 +193,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache | N
     so that path computes the scores itself."""
     T = q.shape[2]
     gqa = k.shape[1] != q.shape[1]
-    if isinstance(cache, StepKV):  # a compiled decode step: the position is a tensor, the keys a fixed span
+    if isinstance(
+        cache, StepKV
+    ):  # a compiled decode step: the position is a tensor, the keys a fixed span
         k, v = cache.update(layer, k, v)
         qpos = cache.pos.view(1, 1)
     else:
@@ -180,7 +205,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache | N
         S = past + T  # keys
         if (past == 0 or T == 1) and not softcap and (window <= 0 or S <= window):
             # Every key is seen: a whole prompt causally, or one new token (a decode step) all of them.
-            return F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, enable_gqa=gqa, scale=scale)
+            return F.scaled_dot_product_attention(
+                q, k, v, is_causal=T > 1, enable_gqa=gqa, scale=scale
+            )
         # The T queries sit at positions past..past+T-1: each sees the keys up to itself
         # (every cached one after a prefill), and within the window when there is one.
         qpos = past + torch.arange(T, device=q.device)[:, None]
@@ -192,7 +219,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache | N
         if gqa:
             k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
             v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
-        s = (q @ k.transpose(-2, -1)) * (scale if scale is not None else q.shape[-1] ** -0.5)  # (B, H, T, S)
+        s = (q @ k.transpose(-2, -1)) * (
+            scale if scale is not None else q.shape[-1] ** -0.5
+        )  # (B, H, T, S)
         s = softcap * torch.tanh(s / softcap)
         s = s.masked_fill(~m, float("-inf"))
         return torch.softmax(s.float(), dim=-1).to(q.dtype) @ v
@@ -202,11 +231,27 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache | N
 class Attention(nn.Module):
     """Multi-head attention with grouped-query K/V heads (n_kv_head divides n_head)."""
 
-    def __init__(self, d_model: int, n_head: int, n_kv_head: int, head_dim: int, bias: bool = False,
-                 out_bias: bool = False, qk_norm: bool = False, norm_eps: float = 1e-6, window: int = 0,
-                 scale: float | None = None, softcap: float = 0.0):
+    def __init__(
+        self,
+        d_model: int,
+        n_head: int,
+        n_kv_head: int,
+        head_dim: int,
+        bias: bool = False,
+        out_bias: bool = False,
+        qk_norm: bool = False,
+        norm_eps: float = 1e-6,
+        window: int = 0,
+        scale: float | None = None,
+        softcap: float = 0.0,
+    ):
         super().__init__()
-        self.n_head, self.n_kv_head, self.head_dim, self.window = n_head, n_kv_head, head_dim, window
+        self.n_head, self.n_kv_head, self.head_dim, self.window = (
+            n_head,
+            n_kv_head,
+            head_dim,
+            window,
+        )
         self.scale, self.softcap = scale, softcap  # None: 1/sqrt(head_dim); softcap 0: none
         self.q_proj = nn.Linear(d_model, n_head * head_dim, bias=bias)
         self.k_proj = nn.Linear(d_model, n_kv_head * head_dim, bias=bias)
@@ -216,8 +261,13 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(head_dim, norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, norm_eps) if qk_norm else None
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
-                cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor] | None,
+        cache: KVCache | None = None,
+        layer: int = 0,
+    ) -> torch.Tensor:
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.n_head, self.head_dim)  # (B, T, H, D)
         k = self.k_proj(x).view(B, T, self.n_kv_head, self.head_dim)  # (B, T, K, D)
@@ -227,7 +277,9 @@ class Attention(nn.Module):
         q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, H, T, D), (B, K, T, D)
         if rope is not None:  # (cos, sin) from Rotary.tables
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
-        y = attend(q, k, v, cache, layer, window=self.window, scale=self.scale, softcap=self.softcap)  # (B, H, T, D)
+        y = attend(
+            q, k, v, cache, layer, window=self.window, scale=self.scale, softcap=self.softcap
+        )  # (B, H, T, D)
         y = y.transpose(1, 2).contiguous().view(B, T, self.n_head * self.head_dim)  # (B, T, H*D)
         return self.o_proj(y)
 
@@ -253,7 +305,11 @@ class _SiluMul(torch.autograd.Function):
 
 def silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """silu(g) * u (SwiGLU's gate), through _SiluMul where a gradient is wanted."""
-    if torch.is_grad_enabled() and (g.requires_grad or u.requires_grad) and not torch.compiler.is_compiling():
+    if (
+        torch.is_grad_enabled()
+        and (g.requires_grad or u.requires_grad)
+        and not torch.compiler.is_compiling()
+    ):
         return _SiluMul.apply(g, u)
     return F.silu(g) * u
 

@@ -18,8 +18,20 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.nn as nn
 
-from toy.models.family import (Arch, BadConfig, Family, HFType, Keys, Planned, gguf_common, gguf_linears, gguf_top,
-                               hf_common, hf_from_plan, rope_dims)
+from toy.models.family import (
+    Arch,
+    BadConfig,
+    Family,
+    HFType,
+    Keys,
+    Planned,
+    gguf_common,
+    gguf_linears,
+    gguf_top,
+    hf_common,
+    hf_from_plan,
+    rope_dims,
+)
 from toy.models.layers import Attention, KVCache, RMSNorm, Rotary, SwiGLU, run_block
 
 
@@ -38,7 +50,9 @@ class LlamaConfig:
     qkv_bias: bool = False  # qwen2 has q/k/v biases
     head_dim: int = 0  # 0: d_model // n_head
     qk_norm: bool = False  # qwen3: RMSNorm on each head's queries and keys
-    sliding_window: int = 0  # mistral-style files that declare one: each token sees this many (0: all)
+    sliding_window: int = (
+        0  # mistral-style files that declare one: each token sees this many (0: all)
+    )
     arch: str = field(default="llama")
 
     def __post_init__(self) -> None:
@@ -55,8 +69,16 @@ class Block(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.self_attn = Attention(cfg.d_model, cfg.n_head, cfg.n_kv_head, cfg.head_dim, bias=cfg.qkv_bias,
-                                   qk_norm=cfg.qk_norm, norm_eps=cfg.norm_eps, window=cfg.sliding_window)
+        self.self_attn = Attention(
+            cfg.d_model,
+            cfg.n_head,
+            cfg.n_kv_head,
+            cfg.head_dim,
+            bias=cfg.qkv_bias,
+            qk_norm=cfg.qk_norm,
+            norm_eps=cfg.norm_eps,
+            window=cfg.sliding_window,
+        )
         self.post_attention_layernorm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = SwiGLU(cfg.d_model, cfg.d_ff)
 
@@ -120,8 +142,18 @@ class Llama(nn.Module):
         return self.lm_head(self.hidden(idx, cache))  # (B, T, vocab)
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
-        p = self.norm.weight  # the embedding may be GGUF blocks (uint8): the norm has the float dtype
-        return KVCache(self.cfg.n_layer, batch, self.cfg.n_kv_head, max_len, self.cfg.head_dim, p.device, p.dtype)
+        p = (
+            self.norm.weight
+        )  # the embedding may be GGUF blocks (uint8): the norm has the float dtype
+        return KVCache(
+            self.cfg.n_layer,
+            batch,
+            self.cfg.n_kv_head,
+            max_len,
+            self.cfg.head_dim,
+            p.device,
+            p.dtype,
+        )
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())  # tied weights counted once
@@ -139,13 +171,26 @@ TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 def gguf_config(k: Keys, arch: str = "llama") -> LlamaConfig:
     c = gguf_common(k, arch)
     if rope_dims(k, c) != c.head_dim:
-        raise BadConfig(f"partial rotary ({rope_dims(k, c)} of {c.head_dim} head dims) is not supported for {arch}")
+        raise BadConfig(
+            f"partial rotary ({rope_dims(k, c)} of {c.head_dim} head dims) is not supported for {arch}"
+        )
     return LlamaConfig(
-        vocab_size=c.vocab, n_layer=c.n_layer, d_model=c.d_model, n_head=c.n_head, n_kv_head=c.n_kv_head,
-        d_ff=c.d_ff, max_seq_len=c.context, rope_theta=k.float(arch + ".rope.freq_base", 10000.0),
-        norm_eps=c.eps, tie_embeddings=c.tied, qkv_bias=arch == "qwen2", head_dim=c.head_dim,
+        vocab_size=c.vocab,
+        n_layer=c.n_layer,
+        d_model=c.d_model,
+        n_head=c.n_head,
+        n_kv_head=c.n_kv_head,
+        d_ff=c.d_ff,
+        max_seq_len=c.context,
+        rope_theta=k.float(arch + ".rope.freq_base", 10000.0),
+        norm_eps=c.eps,
+        tie_embeddings=c.tied,
+        qkv_bias=arch == "qwen2",
+        head_dim=c.head_dim,
         qk_norm=arch == "qwen3",
-        sliding_window=int(k.float_or(arch + ".attention.sliding_window", 0)) if arch == "llama" else 0,
+        sliding_window=int(k.float_or(arch + ".attention.sliding_window", 0))
+        if arch == "llama"
+        else 0,
     )
 
 
@@ -159,30 +204,51 @@ def gguf_plan(cfg: LlamaConfig, interleaved: bool = True) -> dict[str, Planned]:
         m[b + "ffn_norm.weight"] = Planned(t + "post_attention_layernorm.weight", (C,))
         m.update(gguf_linears(cfg, i, (qh, kh)))
         if cfg.qkv_bias:
-            m.update({
-                b + "attn_q.bias": Planned(t + "self_attn.q_proj.bias", (H * D,), qh),
-                b + "attn_k.bias": Planned(t + "self_attn.k_proj.bias", (K * D,), kh),
-                b + "attn_v.bias": Planned(t + "self_attn.v_proj.bias", (K * D,)),
-            })
+            m.update(
+                {
+                    b + "attn_q.bias": Planned(t + "self_attn.q_proj.bias", (H * D,), qh),
+                    b + "attn_k.bias": Planned(t + "self_attn.k_proj.bias", (K * D,), kh),
+                    b + "attn_v.bias": Planned(t + "self_attn.v_proj.bias", (K * D,)),
+                }
+            )
     return m
 
 
 # ------------------------------------------------------------------ transformers: llama, mistral, qwen2, qwen3
 
+
 def hf_config(k: Keys, model_type: str) -> LlamaConfig:
-    c = hf_common(k, head_dim_key=model_type != "qwen2")  # Qwen2 derives its head size from the width
-    for key in ("mlp_bias", "attention_bias"):  # biases on o_proj / the MLP (Qwen2's q/k/v biases are its own)
+    c = hf_common(
+        k, head_dim_key=model_type != "qwen2"
+    )  # Qwen2 derives its head size from the width
+    for key in (
+        "mlp_bias",
+        "attention_bias",
+    ):  # biases on o_proj / the MLP (Qwen2's q/k/v biases are its own)
         if k.get(key):
             raise BadConfig(f"{key}=true is not supported: toy's {model_type} has no such biases")
     window = 0
-    if model_type == "mistral" or (model_type in ("qwen2", "qwen3") and k.get("use_sliding_window")):
+    if model_type == "mistral" or (
+        model_type in ("qwen2", "qwen3") and k.get("use_sliding_window")
+    ):
         window = int(k.get("sliding_window") or 0)
     default_theta = 1_000_000.0 if model_type in ("qwen2", "qwen3") else 10000.0
     return LlamaConfig(
-        vocab_size=c.vocab, n_layer=c.n_layer, d_model=c.d_model, n_head=c.n_head, n_kv_head=c.n_kv_head,
-        d_ff=c.d_ff, max_seq_len=c.context, rope_theta=c.rope_theta or default_theta, norm_eps=c.eps,
-        tie_embeddings=c.tied, qkv_bias=model_type == "qwen2",
-        head_dim=c.head_dim, qk_norm=model_type == "qwen3", sliding_window=window)
+        vocab_size=c.vocab,
+        n_layer=c.n_layer,
+        d_model=c.d_model,
+        n_head=c.n_head,
+        n_kv_head=c.n_kv_head,
+        d_ff=c.d_ff,
+        max_seq_len=c.context,
+        rope_theta=c.rope_theta or default_theta,
+        norm_eps=c.eps,
+        tie_embeddings=c.tied,
+        qkv_bias=model_type == "qwen2",
+        head_dim=c.head_dim,
+        qk_norm=model_type == "qwen3",
+        sliding_window=window,
+    )
 
 
 def hf_plan(cfg: LlamaConfig) -> dict[str, Planned]:
@@ -190,18 +256,36 @@ def hf_plan(cfg: LlamaConfig) -> dict[str, Planned]:
 
 
 FAMILY = Family(
-    "llama", LlamaConfig, Llama,
-    hf_types={t: HFType(t, lambda k, t=t: hf_config(k, t), "chatml" if t.startswith("qwen") else None,
-                        gguf="llama" if t == "mistral" else t) for t in ("llama", "mistral", "qwen2", "qwen3")},
+    "llama",
+    LlamaConfig,
+    Llama,
+    hf_types={
+        t: HFType(
+            t,
+            lambda k, t=t: hf_config(k, t),
+            "chatml" if t.startswith("qwen") else None,
+            gguf="llama" if t == "mistral" else t,
+        )
+        for t in ("llama", "mistral", "qwen2", "qwen3")
+    },
     hf_plan=hf_plan,
     archs={
         "llama": Arch("llama", gguf_config, gguf_plan),  # also Mistral
-        "qwen2": Arch("qwen2", lambda k: gguf_config(k, "qwen2"), lambda c: gguf_plan(c, interleaved=False),
-                      "chatml"),
-        "qwen3": Arch("qwen3", lambda k: gguf_config(k, "qwen3"), lambda c: gguf_plan(c, interleaved=False),
-                      "chatml"),
+        "qwen2": Arch(
+            "qwen2",
+            lambda k: gguf_config(k, "qwen2"),
+            lambda c: gguf_plan(c, interleaved=False),
+            "chatml",
+        ),
+        "qwen3": Arch(
+            "qwen3",
+            lambda k: gguf_config(k, "qwen3"),
+            lambda c: gguf_plan(c, interleaved=False),
+            "chatml",
+        ),
     },
-    targets=TARGETS, default_targets="q_proj,v_proj",
+    targets=TARGETS,
+    default_targets="q_proj,v_proj",
     presets={
         # 2 layers, tiny widths: for tests.
         "tiny": dict(n_layer=2, d_model=64, n_head=4, n_kv_head=2, max_seq_len=64),
@@ -209,8 +293,15 @@ FAMILY = Family(
         "small": dict(n_layer=4, d_model=256, n_head=8, n_kv_head=4, max_seq_len=256),
         "llama-25m": dict(n_layer=8, d_model=512, n_head=8, n_kv_head=4, max_seq_len=512),
         # SmolLM2-135M's shape (30 layers, width 576, 9 query / 3 kv heads).
-        "smollm2-135m": dict(n_layer=30, d_model=576, n_head=9, n_kv_head=3, d_ff=1536, max_seq_len=2048,
-                             rope_theta=100000.0),
+        "smollm2-135m": dict(
+            n_layer=30,
+            d_model=576,
+            n_head=9,
+            n_kv_head=3,
+            d_ff=1536,
+            max_seq_len=2048,
+            rope_theta=100000.0,
+        ),
     },
     default_preset="small",
     tiny=dict(vocab_size=96, n_layer=2, d_model=64, n_head=4, n_kv_head=2, max_seq_len=64),

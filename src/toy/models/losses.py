@@ -50,8 +50,14 @@ def compute_dtype(h: torch.Tensor) -> torch.dtype:
     return h.dtype
 
 
-def _chunked(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, want_h: bool, want_w: bool,
-             softcap: float = 0.0):
+def _chunked(
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    want_h: bool,
+    want_w: bool,
+    softcap: float = 0.0,
+):
     """(loss, grad of loss wrt h or None, wrt weight in float32 or None); float64 stays float64.
 
     Under autocast the vocabulary matrix is cast to the compute dtype ONCE, here, and the
@@ -89,7 +95,9 @@ def _chunked(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, want_
     return loss, grad_h, grad_w
 
 
-def _vocab_chunked(h: torch.Tensor, head, targets: torch.Tensor, want_h: bool, softcap: float = 0.0):
+def _vocab_chunked(
+    h: torch.Tensor, head, targets: torch.Tensor, want_h: bool, softcap: float = 0.0
+):
     """(loss, grad wrt h or None) for a frozen head whose rows come in chunks
     (`head.rows(i, j, dtype)`, e.g. dequantized GGUF blocks), in ONE pass over the
     vocabulary, as flash attention does: each row's running max m and sum s of exp(logit - m)
@@ -112,7 +120,9 @@ def _vocab_chunked(h: torch.Tensor, head, targets: torch.Tensor, want_h: bool, s
     m = torch.full((N,), float("-inf"), dtype=acc, device=h.device)
     s = torch.zeros(N, dtype=acc, device=h.device)
     picked = torch.zeros(N, dtype=acc, device=h.device)
-    soft = torch.zeros(h.shape, dtype=acc, device=h.device) if want_h else None  # sum exp(l - m) dcap W
+    soft = (
+        torch.zeros(h.shape, dtype=acc, device=h.device) if want_h else None
+    )  # sum exp(l - m) dcap W
     target = torch.zeros(h.shape, dtype=acc, device=h.device) if want_h else None  # dcap[t] W[t]
     for v0 in range(0, V, step):
         w = head.rows(v0, min(V, v0 + step), dt)  # (c, C)
@@ -131,7 +141,11 @@ def _vocab_chunked(h: torch.Tensor, head, targets: torch.Tensor, want_h: bool, s
                 e.mul_(dcap)
             with off:
                 soft.mul_(scale[:, None]).add_((e.to(dt) @ w).to(acc))
-            d_t = inside.to(acc) if dcap is None else torch.where(inside, dcap.gather(1, at[:, None]).squeeze(1), 0.0)
+            d_t = (
+                inside.to(acc)
+                if dcap is None
+                else torch.where(inside, dcap.gather(1, at[:, None]).squeeze(1), 0.0)
+            )
             target.add_(w[at].to(acc) * d_t[:, None])
     lse = m + torch.log(s)
     loss = torch.where(valid, lse - picked, 0.0).sum()
@@ -151,16 +165,26 @@ class _HeadRowsCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         (grad_h,) = ctx.saved_tensors
-        return (grad_h * grad_out.to(grad_h.dtype) if ctx.needs_input_grad[0] else None), None, None, None
+        return (
+            (grad_h * grad_out.to(grad_h.dtype) if ctx.needs_input_grad[0] else None),
+            None,
+            None,
+            None,
+        )
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, softcap: float) -> torch.Tensor:
-        loss, grad_h, grad_w = _chunked(h, weight, targets, ctx.needs_input_grad[0], ctx.needs_input_grad[1],
-                                        softcap)
+    def forward(
+        ctx, h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, softcap: float
+    ) -> torch.Tensor:
+        loss, grad_h, grad_w = _chunked(
+            h, weight, targets, ctx.needs_input_grad[0], ctx.needs_input_grad[1], softcap
+        )
         empty = torch.empty(0)
-        ctx.save_for_backward(empty if grad_h is None else grad_h, empty if grad_w is None else grad_w)
+        ctx.save_for_backward(
+            empty if grad_h is None else grad_h, empty if grad_w is None else grad_w
+        )
         ctx.weight_dtype = weight.dtype
         return loss
 
@@ -172,14 +196,19 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return gh, gw, None, None
 
 
-def head_cross_entropy(h: torch.Tensor, head: torch.nn.Module, targets: torch.Tensor,
-                       softcap: float = 0.0) -> torch.Tensor:
+def head_cross_entropy(
+    h: torch.Tensor, head: torch.nn.Module, targets: torch.Tensor, softcap: float = 0.0
+) -> torch.Tensor:
     """linear_cross_entropy through a decoder's output head: its weight, or, for a head
     over quantized blocks (QuantLinear), its rows chunk by chunk (never dequantized whole)."""
-    return linear_cross_entropy(h, head if isinstance(head, QuantLinear) else head.weight, targets, softcap)
+    return linear_cross_entropy(
+        h, head if isinstance(head, QuantLinear) else head.weight, targets, softcap
+    )
 
 
-def linear_cross_entropy(h: torch.Tensor, weight, targets: torch.Tensor, softcap: float = 0.0) -> torch.Tensor:
+def linear_cross_entropy(
+    h: torch.Tensor, weight, targets: torch.Tensor, softcap: float = 0.0
+) -> torch.Tensor:
     """Summed next-token cross-entropy of logits h @ weight.T against targets (-100:
     ignored), in float32, chunked over the rows (see the module docstring). `weight` is a
     tensor, or a frozen head that gives its rows in chunks (`.rows(i, j)`, a QuantLinear)."""

@@ -49,13 +49,19 @@ def unpack(weight: torch.Tensor, bits: int) -> torch.Tensor:
     if weight.dtype not in (torch.uint32, torch.int32):
         raise ValueError(f"packed MLX weights are uint32, not {weight.dtype}")
     lead = weight.shape[:-1]
-    raw = weight.contiguous().view(torch.uint8)  # the row's bytes, little-endian (as MLX and safetensors)
+    raw = weight.contiguous().view(
+        torch.uint8
+    )  # the row's bytes, little-endian (as MLX and safetensors)
     if bits == 8:
         return raw.to(torch.int32)
     if bits in (1, 2, 4):  # whole values per byte: shift and mask the bytes, no wide words
         shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=raw.device)
-        return ((raw.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)).reshape(*lead, -1).to(torch.int32)
-    units = raw.reshape(*lead, -1, bits).to(torch.int64)  # `bits` bytes = 8 values = 8 * bits <= 56 bits
+        return (
+            ((raw.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)).reshape(*lead, -1).to(torch.int32)
+        )
+    units = raw.reshape(*lead, -1, bits).to(
+        torch.int64
+    )  # `bits` bytes = 8 values = 8 * bits <= 56 bits
     word = (units << torch.arange(0, 8 * bits, 8, device=raw.device)).sum(-1, keepdim=True)
     q = (word >> torch.arange(0, 8 * bits, bits, device=raw.device)) & ((1 << bits) - 1)
     return q.reshape(*lead, -1).to(torch.int32)
@@ -65,7 +71,9 @@ def pack(q: torch.Tensor, bits: int) -> torch.Tensor:
     """The inverse of `unpack`: integers in [0, 2^bits) of shape (..., n), n a multiple of 32, to uint32."""
     lead = q.shape[:-1]
     if q.shape[-1] % 32:
-        raise ValueError(f"the last dim ({q.shape[-1]}) must be a multiple of 32 to pack into uint32")
+        raise ValueError(
+            f"the last dim ({q.shape[-1]}) must be a multiple of 32 to pack into uint32"
+        )
     if bits == 8:
         raw = q.to(torch.uint8)
     else:
@@ -75,34 +83,48 @@ def pack(q: torch.Tensor, bits: int) -> torch.Tensor:
     return raw.reshape(*lead, -1).contiguous().view(torch.uint32)
 
 
-def dequantize(weight: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor,
-               group_size: int = 64, bits: int = 4) -> torch.Tensor:
+def dequantize(
+    weight: torch.Tensor,
+    scales: torch.Tensor,
+    biases: torch.Tensor,
+    group_size: int = 64,
+    bits: int = 4,
+) -> torch.Tensor:
     """W = scales * q + biases per group, in the scales' dtype, as mx.dequantize(mode="affine").
     Defaults are MLX's (group size 64, 4 bits)."""
     _check(bits, group_size)
     if scales.shape != biases.shape or scales.dtype != biases.dtype:
-        raise ValueError(f"scales {tuple(scales.shape)} {scales.dtype} and biases {tuple(biases.shape)} "
-                         f"{biases.dtype} differ")
+        raise ValueError(
+            f"scales {tuple(scales.shape)} {scales.dtype} and biases {tuple(biases.shape)} "
+            f"{biases.dtype} differ"
+        )
     n = weight.shape[-1] * 32 // bits
     if weight.shape[:-1] != scales.shape[:-1] or n != scales.shape[-1] * group_size:
-        raise ValueError(f"weight {tuple(weight.shape)} and scales {tuple(scales.shape)} do not fit "
-                         f"bits={bits} group_size={group_size}")
+        raise ValueError(
+            f"weight {tuple(weight.shape)} and scales {tuple(scales.shape)} do not fit "
+            f"bits={bits} group_size={group_size}"
+        )
     q = unpack(weight, bits).to(scales.dtype).reshape(*scales.shape, group_size)
-    w = q * scales.unsqueeze(-1)  # rounded to the dtype, then the add rounds again: as MLX's CPU path
+    w = q * scales.unsqueeze(
+        -1
+    )  # rounded to the dtype, then the add rounds again: as MLX's CPU path
     w = w + biases.unsqueeze(-1)
     return w.reshape(*weight.shape[:-1], n)
 
 
-def quantize(w: torch.Tensor, group_size: int = 64, bits: int = 4
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantize(
+    w: torch.Tensor, group_size: int = 64, bits: int = 4
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(weight uint32, scales, biases) as mx.quantize(w, group_size, bits) on the CPU, bit for bit;
     scales and biases take w's dtype."""
     _check(bits, group_size)
     if bits == 1:
         raise ValueError("mx.quantize has no 1-bit affine mode")
     if not w.is_floating_point() or w.dim() < 2 or w.shape[-1] % group_size:
-        raise ValueError(f"quantize needs a float tensor of >= 2 dims whose last dim is a multiple of "
-                         f"{group_size}, not {w.dtype} {tuple(w.shape)}")
+        raise ValueError(
+            f"quantize needs a float tensor of >= 2 dims whose last dim is a multiple of "
+            f"{group_size}, not {w.dtype} {tuple(w.shape)}"
+        )
     g = w.float().reshape(*w.shape[:-1], -1, group_size)
     n_bins = float((1 << bits) - 1)
     w_max = g.amax(-1, keepdim=True)
@@ -116,4 +138,8 @@ def quantize(w: torch.Tensor, group_size: int = 64, bits: int = 4
     scale = torch.where(exact, edge / q0, scale)
     bias = torch.where(exact, edge, torch.zeros_like(edge))
     q = torch.round((g - bias) / scale).clamp(0, n_bins).to(torch.int32)
-    return (pack(q.reshape(w.shape), bits), scale.squeeze(-1).to(w.dtype), bias.squeeze(-1).to(w.dtype))
+    return (
+        pack(q.reshape(w.shape), bits),
+        scale.squeeze(-1).to(w.dtype),
+        bias.squeeze(-1).to(w.dtype),
+    )

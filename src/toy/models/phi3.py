@@ -17,8 +17,19 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.nn as nn
 
-from toy.models.family import (Arch, BadConfig, Family, HFType, Keys, Planned, gguf_common, gguf_top, hf_common,
-                               hf_from_plan, rope_dims)
+from toy.models.family import (
+    Arch,
+    BadConfig,
+    Family,
+    HFType,
+    Keys,
+    Planned,
+    gguf_common,
+    gguf_top,
+    hf_common,
+    hf_from_plan,
+    rope_dims,
+)
 from toy.models.layers import KVCache, RMSNorm, Rotary, apply_rotary, attend, run_block, silu_mul
 
 
@@ -46,12 +57,20 @@ class Phi3Config:
 class Phi3Attention(nn.Module):
     def __init__(self, cfg: Phi3Config):
         super().__init__()
-        self.n_head, self.n_kv_head, self.head_dim, self.window = cfg.n_head, cfg.n_kv_head, cfg.head_dim, \
-            cfg.sliding_window
-        self.qkv_proj = nn.Linear(cfg.d_model, (cfg.n_head + 2 * cfg.n_kv_head) * cfg.head_dim, bias=False)
+        self.n_head, self.n_kv_head, self.head_dim, self.window = (
+            cfg.n_head,
+            cfg.n_kv_head,
+            cfg.head_dim,
+            cfg.sliding_window,
+        )
+        self.qkv_proj = nn.Linear(
+            cfg.d_model, (cfg.n_head + 2 * cfg.n_kv_head) * cfg.head_dim, bias=False
+        )
         self.o_proj = nn.Linear(cfg.n_head * cfg.head_dim, cfg.d_model, bias=False)
 
-    def forward(self, x: torch.Tensor, rope, cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, rope, cache: KVCache | None = None, layer: int = 0
+    ) -> torch.Tensor:
         B, T, _ = x.shape
         H, K, D = self.n_head, self.n_kv_head, self.head_dim
         q, k, v = self.qkv_proj(x).split([H * D, K * D, K * D], dim=-1)
@@ -102,7 +121,7 @@ class Phi3(nn.Module):
         self.tie_weights()
         self.rotary = Rotary(cfg.rope_dim, cfg.max_seq_len, cfg.rope_theta)
         self.checkpointing = False
-        for name, p in self.named_parameters():  # only for a model not loaded from a file
+        for _name, p in self.named_parameters():  # only for a model not loaded from a file
             nn.init.ones_(p) if p.dim() == 1 else nn.init.normal_(p, 0.0, 0.02)
 
     @property
@@ -129,7 +148,15 @@ class Phi3(nn.Module):
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
         p = self.norm.weight
-        return KVCache(self.cfg.n_layer, batch, self.cfg.n_kv_head, max_len, self.cfg.head_dim, p.device, p.dtype)
+        return KVCache(
+            self.cfg.n_layer,
+            batch,
+            self.cfg.n_kv_head,
+            max_len,
+            self.cfg.head_dim,
+            p.device,
+            p.dtype,
+        )
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
@@ -143,11 +170,21 @@ TARGETS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 def gguf_config(k: Keys) -> Phi3Config:
     c = gguf_common(k, "phi3")
     return Phi3Config(
-        vocab_size=c.vocab, n_layer=c.n_layer, d_model=c.d_model, n_head=c.n_head, n_kv_head=c.n_kv_head,
-        head_dim=c.head_dim, rope_dim=rope_dims(k, c), d_ff=c.d_ff, max_seq_len=c.context,
-        rope_theta=k.float("phi3.rope.freq_base", 10000.0), norm_eps=c.eps,
+        vocab_size=c.vocab,
+        n_layer=c.n_layer,
+        d_model=c.d_model,
+        n_head=c.n_head,
+        n_kv_head=c.n_kv_head,
+        head_dim=c.head_dim,
+        rope_dim=rope_dims(k, c),
+        d_ff=c.d_ff,
+        max_seq_len=c.context,
+        rope_theta=k.float("phi3.rope.freq_base", 10000.0),
+        norm_eps=c.eps,
         # llama.cpp runs phi3 without a sliding window whatever the file says; so does toy.
-        sliding_window=0, tie_embeddings=c.tied)
+        sliding_window=0,
+        tie_embeddings=c.tied,
+    )
 
 
 def gguf_plan(cfg: Phi3Config) -> dict[str, Planned]:
@@ -155,18 +192,25 @@ def gguf_plan(cfg: Phi3Config) -> dict[str, Planned]:
     m = gguf_top(cfg, cfg.tie_embeddings)
     for i in range(cfg.n_layer):
         b, t = f"blk.{i}.", f"layers.{i}."
-        m.update({
-            b + "attn_norm.weight": Planned(t + "input_layernorm.weight", (C,)),
-            b + "attn_qkv.weight": Planned(t + "self_attn.qkv_proj.weight", ((H + 2 * K) * D, C)),
-            b + "attn_output.weight": Planned(t + "self_attn.o_proj.weight", (C, H * D)),
-            b + "ffn_norm.weight": Planned(t + "post_attention_layernorm.weight", (C,)),
-            b + "ffn_up.weight": Planned(t + "mlp.gate_up_proj.weight", (2 * F, C)),  # gate rows, then up rows
-            b + "ffn_down.weight": Planned(t + "mlp.down_proj.weight", (C, F)),
-        })
+        m.update(
+            {
+                b + "attn_norm.weight": Planned(t + "input_layernorm.weight", (C,)),
+                b + "attn_qkv.weight": Planned(
+                    t + "self_attn.qkv_proj.weight", ((H + 2 * K) * D, C)
+                ),
+                b + "attn_output.weight": Planned(t + "self_attn.o_proj.weight", (C, H * D)),
+                b + "ffn_norm.weight": Planned(t + "post_attention_layernorm.weight", (C,)),
+                b + "ffn_up.weight": Planned(
+                    t + "mlp.gate_up_proj.weight", (2 * F, C)
+                ),  # gate rows, then up rows
+                b + "ffn_down.weight": Planned(t + "mlp.down_proj.weight", (C, F)),
+            }
+        )
     return m
 
 
 # ------------------------------------------------------------------ transformers
+
 
 def hf_config(k: Keys) -> Phi3Config:
     c = hf_common(k, head_dim_key=False)
@@ -176,10 +220,20 @@ def hf_config(k: Keys) -> Phi3Config:
     if rope_dim % 2 or not 0 < rope_dim <= c.head_dim:
         raise BadConfig(f"partial_rotary_factor {factor} does not fit head size {c.head_dim}")
     return Phi3Config(
-        vocab_size=c.vocab, n_layer=c.n_layer, d_model=c.d_model, n_head=c.n_head, n_kv_head=c.n_kv_head,
-        head_dim=c.head_dim, rope_dim=rope_dim, d_ff=c.d_ff, max_seq_len=c.context,
-        rope_theta=c.rope_theta or 10000.0, norm_eps=c.eps, sliding_window=int(k.get("sliding_window") or 0),
-        tie_embeddings=c.tied)
+        vocab_size=c.vocab,
+        n_layer=c.n_layer,
+        d_model=c.d_model,
+        n_head=c.n_head,
+        n_kv_head=c.n_kv_head,
+        head_dim=c.head_dim,
+        rope_dim=rope_dim,
+        d_ff=c.d_ff,
+        max_seq_len=c.context,
+        rope_theta=c.rope_theta or 10000.0,
+        norm_eps=c.eps,
+        sliding_window=int(k.get("sliding_window") or 0),
+        tie_embeddings=c.tied,
+    )
 
 
 def hf_plan(cfg: Phi3Config) -> dict[str, Planned]:
@@ -187,9 +241,23 @@ def hf_plan(cfg: Phi3Config) -> dict[str, Planned]:
 
 
 FAMILY = Family(
-    "phi3", Phi3Config, Phi3, archs={"phi3": Arch("phi3", gguf_config, gguf_plan)},
-    hf_types={"phi3": HFType("phi3", hf_config, gguf="phi3")}, hf_plan=hf_plan,
-    targets=TARGETS, default_targets="qkv_proj",
-    tiny=dict(vocab_size=96, n_layer=2, d_model=64, n_head=4, n_kv_head=2, head_dim=16, rope_dim=12, d_ff=128,
-              max_seq_len=64),
+    "phi3",
+    Phi3Config,
+    Phi3,
+    archs={"phi3": Arch("phi3", gguf_config, gguf_plan)},
+    hf_types={"phi3": HFType("phi3", hf_config, gguf="phi3")},
+    hf_plan=hf_plan,
+    targets=TARGETS,
+    default_targets="qkv_proj",
+    tiny=dict(
+        vocab_size=96,
+        n_layer=2,
+        d_model=64,
+        n_head=4,
+        n_kv_head=2,
+        head_dim=16,
+        rope_dim=12,
+        d_ff=128,
+        max_seq_len=64,
+    ),
 )

@@ -42,15 +42,33 @@ from __future__ import annotations
 import torch
 
 from toy.models import mlx_quant
-from toy.models.quant_types import (BF16, F16, F32, OTHER_TYPE_NAMES, Q2_K, Q3_K, Q4_0, Q4_1, Q4_K,  # noqa: F401
-                                    Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, QK_K, QUANT_TYPES)
+from toy.models.quant_types import (  # noqa: F401
+    BF16,
+    F16,
+    F32,
+    OTHER_TYPE_NAMES,
+    Q2_K,
+    Q3_K,
+    Q4_0,
+    Q4_1,
+    Q4_K,
+    Q5_0,
+    Q5_1,
+    Q5_K,
+    Q6_K,
+    Q8_0,
+    QK_K,
+    QUANT_TYPES,
+)
 
 
 def _check_type(qtype: int) -> tuple[int, int, str]:
     if qtype not in QUANT_TYPES:
         name = OTHER_TYPE_NAMES.get(qtype, "unknown")
         known = ", ".join(name for _, _, name in QUANT_TYPES.values())
-        raise ValueError(f"unsupported GGUF tensor type {name} (id {qtype}); toy dequantizes {known}")
+        raise ValueError(
+            f"unsupported GGUF tensor type {name} (id {qtype}); toy dequantizes {known}"
+        )
     return QUANT_TYPES[qtype]
 
 
@@ -58,11 +76,15 @@ def row_bytes(qtype: int, n_cols: int) -> int:
     """Bytes one row of n_cols elements takes in type qtype."""
     block_size, type_size, name = _check_type(qtype)
     if n_cols % block_size:
-        raise ValueError(f"a {name} row holds whole blocks of {block_size}; {n_cols} columns is not one")
+        raise ValueError(
+            f"a {name} row holds whole blocks of {block_size}; {n_cols} columns is not one"
+        )
     return n_cols // block_size * type_size
 
 
-def dequantize(raw: torch.Tensor, qtype: int, n_cols: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def dequantize(
+    raw: torch.Tensor, qtype: int, n_cols: int, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """(rows, row_bytes) uint8 GGUF data of type `qtype` -> (rows, n_cols) in `dtype`.
 
     Any leading shape works: (..., row_bytes) -> (..., n_cols). The float32 result equals
@@ -73,8 +95,10 @@ def dequantize(raw: torch.Tensor, qtype: int, n_cols: int, dtype: torch.dtype = 
     if raw.dtype != torch.uint8:
         raise ValueError(f"raw GGUF data must be uint8, got {raw.dtype}")
     if raw.dim() == 0 or raw.shape[-1] != row_bytes(qtype, n_cols):
-        raise ValueError(f"a {name} row of {n_cols} columns takes {row_bytes(qtype, n_cols)} bytes; "
-                         f"raw has shape {tuple(raw.shape)}")
+        raise ValueError(
+            f"a {name} row of {n_cols} columns takes {row_bytes(qtype, n_cols)} bytes; "
+            f"raw has shape {tuple(raw.shape)}"
+        )
     lead = raw.shape[:-1]
     raw = raw.contiguous()
     if not torch.compiler.is_compiling() and raw.storage_offset() % 4:
@@ -97,6 +121,7 @@ _FLOATS = {F32: torch.float32, F16: torch.float16, BF16: torch.bfloat16}
 # one op where lo | (hi << 4) is two), converted to float once, then scaled in place. The
 # few bytes of sub-block scales are unpacked four at a time as int32 words with byte-wise
 # masks, as ggml's own C code does.
+
 
 def _view(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Bytes x read as dtype, copied first only where the block size is not a multiple of
@@ -137,13 +162,13 @@ def _signed(q: torch.Tensor, offset: int) -> torch.Tensor:
     return q.sub_(offset).view(torch.int8).float()
 
 
-
 # ---- the codes: every type is w = s * q + z per sub-block ------------------------------------
 # Each _codes_* returns (q, s, z): integer codes q (n, subs, sub_len), uint8 or int8 (an
 # offset already taken off, where the type has one), and float32 scales s and offsets z
 # (n, subs, 1); z is None where the type has none. dequantize computes q * s (+ z) in
 # float32 (exact products, one rounding at the addition; x + (-y) is x - y in IEEE, zeros'
 # signs included), and models/decode.py packs the same codes for generation.
+
 
 def _codes_q4_0(b: torch.Tensor):
     q = _fields(b[:, 2:], 4).view(-1, 1, 32)
@@ -173,6 +198,7 @@ def _codes_q8_0(b: torch.Tensor):
 
 
 # ---- K-quants: 256-element super-blocks of 8 or 16 sub-blocks, each with its own scale -----
+
 
 def _codes_q2_k(b: torch.Tensor):
     n = b.shape[0]
@@ -249,8 +275,18 @@ def _codes_q6_k(b: torch.Tensor):
     return q, dl, None  # (d * sc) * (q - 32)
 
 
-CODES = {Q4_0: _codes_q4_0, Q4_1: _codes_q4_1, Q5_0: _codes_q5_0, Q5_1: _codes_q5_1, Q8_0: _codes_q8_0,
-         Q2_K: _codes_q2_k, Q3_K: _codes_q3_k, Q4_K: _codes_q4_k, Q5_K: _codes_q5_k, Q6_K: _codes_q6_k}
+CODES = {
+    Q4_0: _codes_q4_0,
+    Q4_1: _codes_q4_1,
+    Q5_0: _codes_q5_0,
+    Q5_1: _codes_q5_1,
+    Q8_0: _codes_q8_0,
+    Q2_K: _codes_q2_k,
+    Q3_K: _codes_q3_k,
+    Q4_K: _codes_q4_k,
+    Q5_K: _codes_q5_k,
+    Q6_K: _codes_q6_k,
+}
 
 
 def codes(raw: torch.Tensor, qtype: int):
@@ -270,6 +306,7 @@ def _from_codes(qtype: int):
         q, s, z = CODES[qtype](b)
         x = q.float().mul_(s)
         return (x if z is None else x.add_(z)).view(b.shape[0], block)
+
     return kernel
 
 
@@ -280,6 +317,7 @@ _KERNELS = {t: _from_codes(t) for t in CODES}  # type -> blocks (n, type_size) -
 # A LoRA base stays in the GGUF's own blocks: a uint8 tensor (out, row_bytes), zero-copy
 # over the file's memory map (nothing is read until used), dequantized inside forward
 # and again inside backward for the input gradient; the float weight is never kept.
+
 
 class QuantSpec:
     """GGUF blocks (one uint8 tensor, `weight`, (out, row_bytes)) and what turns them back
@@ -296,17 +334,27 @@ class QuantSpec:
     matvec_ready = False  # models/decode.py's PackedSpec computes one row on the codes
 
     def __init__(self, qtype: int, shape: tuple[int, int], qk_heads: int = 0):
-        self.qtype, self.shape, self.qk_heads = int(qtype), (int(shape[0]), int(shape[1])), int(qk_heads)
+        self.qtype, self.shape, self.qk_heads = (
+            int(qtype),
+            (int(shape[0]), int(shape[1])),
+            int(qk_heads),
+        )
 
     @property
     def name(self) -> str:
         return QUANT_TYPES[self.qtype][2]
 
-    def dequantize(self, parts: tuple[torch.Tensor, ...], dtype: torch.dtype = torch.float32,
-                   rows: slice | None = None) -> torch.Tensor:
+    def dequantize(
+        self,
+        parts: tuple[torch.Tensor, ...],
+        dtype: torch.dtype = torch.float32,
+        rows: slice | None = None,
+    ) -> torch.Tensor:
         return dequantize_weight(parts[0], self, dtype, rows)
 
-    def gather(self, parts: tuple[torch.Tensor, ...], idx: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def gather(
+        self, parts: tuple[torch.Tensor, ...], idx: torch.Tensor, dtype: torch.dtype
+    ) -> torch.Tensor:
         """Rows `idx` (1-D) of the float weight (an embedding's lookup)."""
         return dequantize(parts[0][idx], self.qtype, self.shape[1], dtype)
 
@@ -324,19 +372,29 @@ class MLXSpec:
     matvec_ready = False
 
     def __init__(self, bits: int, group_size: int, shape: tuple[int, int]):
-        self.bits, self.group_size, self.shape = int(bits), int(group_size), (int(shape[0]), int(shape[1]))
+        self.bits, self.group_size, self.shape = (
+            int(bits),
+            int(group_size),
+            (int(shape[0]), int(shape[1])),
+        )
 
     @property
     def name(self) -> str:
         return f"MLX_Q{self.bits}_G{self.group_size}"
 
-    def dequantize(self, parts: tuple[torch.Tensor, ...], dtype: torch.dtype = torch.float32,
-                   rows: slice | None = None) -> torch.Tensor:
+    def dequantize(
+        self,
+        parts: tuple[torch.Tensor, ...],
+        dtype: torch.dtype = torch.float32,
+        rows: slice | None = None,
+    ) -> torch.Tensor:
         with torch.profiler.record_function("toy::dequantize"):
             w, s, b = parts if rows is None else (p[rows] for p in parts)
             return mlx_quant.dequantize(w, s, b, self.group_size, self.bits).to(dtype)
 
-    def gather(self, parts: tuple[torch.Tensor, ...], idx: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def gather(
+        self, parts: tuple[torch.Tensor, ...], idx: torch.Tensor, dtype: torch.dtype
+    ) -> torch.Tensor:
         with torch.profiler.record_function("toy::dequantize"):
             w, s, b = (p[idx] for p in parts)
             return mlx_quant.dequantize(w, s, b, self.group_size, self.bits).to(dtype)
@@ -352,15 +410,21 @@ def half_split_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, d // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def dequantize_weight(blocks: torch.Tensor, spec: QuantSpec, dtype: torch.dtype = torch.float32,
-                      rows: slice | None = None) -> torch.Tensor:
+def dequantize_weight(
+    blocks: torch.Tensor,
+    spec: QuantSpec,
+    dtype: torch.dtype = torch.float32,
+    rows: slice | None = None,
+) -> torch.Tensor:
     """The float weight (out, in) of a block tensor, or the rows `rows` of it (a slice of
     whole rows: GGUF rows are independent, so a slice of the blocks is a slice of W).
     Labelled `toy::dequantize` for the profiler (bench/profile_step.py sums it)."""
     with torch.profiler.record_function("toy::dequantize"):
         if rows is not None:
             if spec.qk_heads:
-                raise ValueError("row slices of Q/K weights are not supported (their rows are interleaved per head)")
+                raise ValueError(
+                    "row slices of Q/K weights are not supported (their rows are interleaved per head)"
+                )
             return dequantize(blocks[rows], spec.qtype, spec.shape[1], dtype)
         w = dequantize(blocks, spec.qtype, spec.shape[1], dtype)
         return half_split_rows(w, spec.qk_heads) if spec.qk_heads else w
@@ -421,13 +485,22 @@ class _QuantLinearFn(torch.autograd.Function):
 Spec = QuantSpec | MLXSpec
 
 
-def frozen_linear(x: torch.Tensor, weight: torch.Tensor | tuple[torch.Tensor, ...], bias: torch.Tensor | None,
-                  spec: Spec | None) -> torch.Tensor:
+def frozen_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor | tuple[torch.Tensor, ...],
+    bias: torch.Tensor | None,
+    spec: Spec | None,
+) -> torch.Tensor:
     """A frozen base linear: plain F.linear for a float weight, or, with a spec, its
     quantized parts dequantized per use (in the autocast dtype where autocast is on)."""
     if spec is None:
         return torch.nn.functional.linear(x, weight, bias)
-    if spec.matvec_ready and x.shape[:-1].numel() == 1 and x.dtype == torch.float32 and not torch.is_grad_enabled():
+    if (
+        spec.matvec_ready
+        and x.shape[:-1].numel() == 1
+        and x.dtype == torch.float32
+        and not torch.is_grad_enabled()
+    ):
         y = spec.matvec(x.reshape(-1), weight)  # one token of generation, on the packed codes
         y = y if bias is None else y + bias
         return y.view(*x.shape[:-1], -1)
@@ -457,7 +530,12 @@ class QuantLinear(torch.nn.Module):
     The state_dict keys are the float layer's (`weight`, `bias`) plus MLX's own, so LoRA
     and PEFT names do not change; `dequantized()` gives the float weight."""
 
-    def __init__(self, parts: torch.Tensor | tuple[torch.Tensor, ...], spec: Spec, bias: torch.Tensor | None = None):
+    def __init__(
+        self,
+        parts: torch.Tensor | tuple[torch.Tensor, ...],
+        spec: Spec,
+        bias: torch.Tensor | None = None,
+    ):
         super().__init__()
         self.spec = spec
         self.out_features, self.in_features = spec.shape
@@ -493,8 +571,11 @@ class QuantEmbedding(torch.nn.Module):
         register_parts(self, spec, parts if isinstance(parts, tuple) else (parts,))
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        dtype = _compute_dtype(torch.empty(0, device=idx.device)) if torch.is_autocast_enabled(idx.device.type) \
+        dtype = (
+            _compute_dtype(torch.empty(0, device=idx.device))
+            if torch.is_autocast_enabled(idx.device.type)
             else torch.float32
+        )
         with torch.profiler.record_function("toy::dequantize"):
             flat = self.spec.gather(parts_of(self), idx.reshape(-1), dtype)
         return flat.view(*idx.shape, self.embedding_dim)

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import pkgutil
-from functools import lru_cache
+from functools import cache
 from importlib import import_module
 from typing import Any
 
@@ -13,7 +13,7 @@ import torch.nn as nn
 from toy.models.family import Arch, Family
 
 
-@lru_cache(maxsize=None)
+@cache
 def families() -> dict[str, Family]:
     """name -> Family, for every family file in toy.models."""
     import toy.models as pkg
@@ -48,6 +48,7 @@ def lora_targets() -> tuple[str, ...]:
 
 # ------------------------------------------------------------------ presets (from scratch)
 
+
 def arch_names() -> list[str]:
     """What `--arch` takes: the families with presets."""
     return sorted(n for n, f in families().items() if f.presets)
@@ -74,7 +75,9 @@ def build_config(arch: str, preset: str | None, vocab_size: int, **overrides: An
     fam = families()[arch]
     preset = preset or fam.default_preset
     if preset not in fam.presets:
-        raise KeyError(f"unknown preset {preset!r} for arch {arch}; valid: {', '.join(sorted(fam.presets))}")
+        raise KeyError(
+            f"unknown preset {preset!r} for arch {arch}; valid: {', '.join(sorted(fam.presets))}"
+        )
     fields = dict(fam.presets[preset])
     fields.update({k: v for k, v in overrides.items() if v is not None})
     fields["vocab_size"] = vocab_size

@@ -46,15 +46,23 @@ class VitConfig:
 def check_vit_config(cfg: VitConfig) -> list[str]:
     """Every shape problem at once, named by the flag that sets it."""
     p = []
-    for name, flag in (("image_size", "--image-size"), ("patch_size", "--patch-size"), ("n_layer", "--n-layer"),
-                       ("d_model", "--d-model"), ("n_head", "--n-head"), ("n_classes", "the image folder's classes")):
+    for name, flag in (
+        ("image_size", "--image-size"),
+        ("patch_size", "--patch-size"),
+        ("n_layer", "--n-layer"),
+        ("d_model", "--d-model"),
+        ("n_head", "--n-head"),
+        ("n_classes", "the image folder's classes"),
+    ):
         v = getattr(cfg, name)
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             p.append(f"{flag} must be an integer >= 1, got {v!r}")
     if p:
         return p
     if cfg.image_size % cfg.patch_size:
-        p.append(f"--image-size {cfg.image_size} must be a multiple of --patch-size {cfg.patch_size}")
+        p.append(
+            f"--image-size {cfg.image_size} must be a multiple of --patch-size {cfg.patch_size}"
+        )
     if cfg.d_model % cfg.n_head:
         p.append(f"--d-model {cfg.d_model} must be divisible by --n-head {cfg.n_head}")
     return p
@@ -86,7 +94,9 @@ class SelfAttention(nn.Module):
         B, N, C = x.shape
         qkv = self.qkv(x).view(B, N, 3, self.n_head, C // self.n_head)  # (B, N, 3, H, D)
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # 3 x (B, H, N, D)
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0)
+        y = F.scaled_dot_product_attention(
+            q, k, v, dropout_p=self.dropout if self.training else 0.0
+        )
         y = y.transpose(1, 2).reshape(B, N, C)  # (B, N, C)
         return self.proj(y)
 
@@ -110,11 +120,15 @@ class ViT(nn.Module):
     def __init__(self, cfg: VitConfig):
         super().__init__()
         if cfg.image_size % cfg.patch_size:
-            raise ValueError(f"image_size {cfg.image_size} is not a multiple of patch_size {cfg.patch_size}")
+            raise ValueError(
+                f"image_size {cfg.image_size} is not a multiple of patch_size {cfg.patch_size}"
+            )
         self.cfg = cfg
         # A Conv2d with kernel = stride = P is exactly "cut into P x P patches, flatten,
         # apply one Linear", in one fused op.
-        self.patch_embed = nn.Conv2d(cfg.channels, cfg.d_model, kernel_size=cfg.patch_size, stride=cfg.patch_size)
+        self.patch_embed = nn.Conv2d(
+            cfg.channels, cfg.d_model, kernel_size=cfg.patch_size, stride=cfg.patch_size
+        )
         self.cls_token = nn.Parameter(torch.zeros(1, 1, cfg.d_model))
         self.pos_embed = nn.Parameter(torch.zeros(1, cfg.n_patches + 1, cfg.d_model))
         self.drop = nn.Dropout(cfg.dropout)
@@ -136,15 +150,17 @@ class ViT(nn.Module):
         in_blocks = {id(m) for m in self.blocks.modules()}
         for m in self.modules():
             if isinstance(m, nn.Linear):
-                nn.init.trunc_normal_(m.weight, std=m.in_features ** -0.5 if id(m) in in_blocks else 0.02)
+                nn.init.trunc_normal_(
+                    m.weight, std=m.in_features**-0.5 if id(m) in in_blocks else 0.02
+                )
                 nn.init.zeros_(m.bias)
             elif isinstance(m, nn.LayerNorm):
                 nn.init.ones_(m.weight)
                 nn.init.zeros_(m.bias)
         # The patch embedding is a Linear in disguise: init it like one, fan-in scaled
         # (lecun normal), as the conv's fan-in is channels * P * P.
-        fan_in = self.cfg.channels * self.cfg.patch_size ** 2
-        nn.init.trunc_normal_(self.patch_embed.weight, std=fan_in ** -0.5)
+        fan_in = self.cfg.channels * self.cfg.patch_size**2
+        nn.init.trunc_normal_(self.patch_embed.weight, std=fan_in**-0.5)
         nn.init.zeros_(self.patch_embed.bias)
         # Positions start as a 2-D sin-cos table (MAE; Beyer et al. 2022, "Better plain ViT
         # baselines"), still trained. timm's N(0, 0.02) positions are 50x smaller than a
@@ -182,13 +198,20 @@ class ViT(nn.Module):
 
 # Presets give the shape only; n_classes comes from the image folder (the vit-tiny recipe).
 FAMILY = Family(
-    "vit", VitConfig, ViT, language_model=False,
+    "vit",
+    VitConfig,
+    ViT,
+    language_model=False,
     presets={
         # ViT-Tiny/16 at 224 px: 196 patches, 12 layers, width 192, 3 heads.
-        "vit-tiny": dict(image_size=224, patch_size=16, n_layer=12, d_model=192, n_head=3, d_ff=768),
+        "vit-tiny": dict(
+            image_size=224, patch_size=16, n_layer=12, d_model=192, n_head=3, d_ff=768
+        ),
         # ViT-Tiny at half its depth: what the vit-tiny recipe picks for a small image set,
         # where 6 layers learn faster per step than 12 (docs/results.md, Fashion-MNIST ViT).
-        "vit-tiny-6": dict(image_size=224, patch_size=16, n_layer=6, d_model=192, n_head=3, d_ff=768),
+        "vit-tiny-6": dict(
+            image_size=224, patch_size=16, n_layer=6, d_model=192, n_head=3, d_ff=768
+        ),
         # 28 px, 7 px patches (16 of them), 2 layers: for tests.
         "tiny": dict(image_size=28, patch_size=7, n_layer=2, d_model=64, n_head=4, d_ff=256),
     },

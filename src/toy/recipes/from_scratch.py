@@ -5,11 +5,11 @@ from __future__ import annotations
 import torch
 
 from toy.models import registry
+from toy.recipes.lm import fingerprint, lm_config, lm_derived, lm_job, open_token_data
 from toy.runs import Project
 from toy.train.config import RunConfig
-from toy.train.recipe import Recipe
 from toy.train.job import Built
-from toy.recipes.lm import fingerprint, lm_config, lm_derived, lm_job, open_token_data
+from toy.train.recipe import Recipe
 
 
 def build(cfg: RunConfig, project: Project) -> Built:
@@ -18,10 +18,23 @@ def build(cfg: RunConfig, project: Project) -> Built:
     mcfg, seq_len = lm_config(cfg, cfg.arch, data.train, notes)
     torch.manual_seed(cfg.seed)
     model = registry.build_model(mcfg)
-    config = {"recipe": "from-scratch", "arch": cfg.arch, "model": mcfg.to_dict(), "corpus": str(data.train.path),
-              "corpus_tokens": len(data.train), "corpus_sha256": fingerprint(data.train.path), "seq_len": seq_len}
+    config = {
+        "recipe": "from-scratch",
+        "arch": cfg.arch,
+        "model": mcfg.to_dict(),
+        "corpus": str(data.train.path),
+        "corpus_tokens": len(data.train),
+        "corpus_sha256": fingerprint(data.train.path),
+        "seq_len": seq_len,
+    }
     job = lm_job("from-scratch", model, data, cfg, seq_len, config)
-    return Built(job=job, arch=cfg.arch, params=model.num_params(), notes=notes, derived=lm_derived(cfg, data.train, seq_len, notes))
+    return Built(
+        job=job,
+        arch=cfg.arch,
+        params=model.num_params(),
+        notes=notes,
+        derived=lm_derived(cfg, data.train, seq_len, notes),
+    )
 
 
 RECIPE = Recipe("from-scratch", build)

@@ -6,9 +6,10 @@ warm_start.py and lora.py (token streams) build on it; no recipe imports another
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -37,8 +38,13 @@ class TokenData:
     bundled: bool  # the bundled plays (no --corpus, no project corpus)
 
 
-def open_token_data(cfg: RunConfig, project: Project, tokenizer: Tokenizer | None = None,
-                    tokenizer_source: str | None = None, bundled_ok: bool = True) -> TokenData:
+def open_token_data(
+    cfg: RunConfig,
+    project: Project,
+    tokenizer: Tokenizer | None = None,
+    tokenizer_source: str | None = None,
+    bundled_ok: bool = True,
+) -> TokenData:
     """The training corpus, its validation split and their tokenizer, checked together.
 
     Corpus: --corpus, else the project's data/corpus.bin, else (when `bundled_ok`) the
@@ -57,8 +63,10 @@ def open_token_data(cfg: RunConfig, project: Project, tokenizer: Tokenizer | Non
     elif bundled_ok:
         path, bundled = bundled_corpus(), True
     else:
-        raise UsageError(f"{cfg.recipe} needs --corpus FILE.bin tokenized with {tokenizer_source}'s tokenizer; make it with "
-                         f"`toy prep TEXT --tokenizer {tokenizer_source} --out FILE.bin`")
+        raise UsageError(
+            f"{cfg.recipe} needs --corpus FILE.bin tokenized with {tokenizer_source}'s tokenizer; make it with "
+            f"`toy prep TEXT --tokenizer {tokenizer_source} --out FILE.bin`"
+        )
     tok_path: Path | None = None
     if tokenizer is None:
         tok_path = Path(cfg.tokenizer) if cfg.tokenizer else tokenizer_beside(path)
@@ -68,25 +76,40 @@ def open_token_data(cfg: RunConfig, project: Project, tokenizer: Tokenizer | Non
         if tokenizer is None:
             tok_path = None
         tokenizer_source = str(tok_path)
-    vocab = tokenizer.get_vocab_size(with_added_tokens=True) if tokenizer is not None else cfg.vocab_size
+    vocab = (
+        tokenizer.get_vocab_size(with_added_tokens=True)
+        if tokenizer is not None
+        else cfg.vocab_size
+    )
     train = read_tokens(path, raw_i32=bool(cfg.raw_i32), vocab_size=vocab)
     if tokenizer is not None:
         own = tok_path is None  # the recipe's tokenizer (a model's), not a file beside the corpus
-        if (own or train.tokenizer_hash != NO_HASH) and not toktools.hash_matches(tokenizer, train.tokenizer_hash):
+        if (own or train.tokenizer_hash != NO_HASH) and not toktools.hash_matches(
+            tokenizer, train.tokenizer_hash
+        ):
             if cfg.raw_i32:
-                raise InputError(f"--raw-i32 {path}: a headerless corpus cannot prove it was tokenized with "
-                                 f"{tokenizer_source}'s tokenizer; convert it with `toy prep {path} --raw-i32 "
-                                 f"--tokenizer {tokenizer_source} --out FILE.bin`")
-            what = ("has no tokenizer hash" if train.tokenizer_hash == NO_HASH
-                    else f"was tokenized with another tokenizer (vocabulary {train.vocab_size})")
-            raise InputError(f"{path} {what} than {tokenizer_source} (vocabulary {vocab}); re-run "
-                             f"`toy prep TEXT --tokenizer {tokenizer_source} --out {path}`")
+                raise InputError(
+                    f"--raw-i32 {path}: a headerless corpus cannot prove it was tokenized with "
+                    f"{tokenizer_source}'s tokenizer; convert it with `toy prep {path} --raw-i32 "
+                    f"--tokenizer {tokenizer_source} --out FILE.bin`"
+                )
+            what = (
+                "has no tokenizer hash"
+                if train.tokenizer_hash == NO_HASH
+                else f"was tokenized with another tokenizer (vocabulary {train.vocab_size})"
+            )
+            raise InputError(
+                f"{path} {what} than {tokenizer_source} (vocabulary {vocab}); re-run "
+                f"`toy prep TEXT --tokenizer {tokenizer_source} --out {path}`"
+            )
     val_path = Path(cfg.val_corpus) if cfg.val_corpus else val_path_for(path)
     val = None
     if cfg.val_corpus or val_path.is_file():
         val = read_tokens(val_path, raw_i32=bool(cfg.raw_i32), vocab_size=train.vocab_size)
         if val.vocab_size != train.vocab_size or val.tokenizer_hash != train.tokenizer_hash:
-            raise InputError(f"{val_path} and {path} were made with different tokenizers; prep them together")
+            raise InputError(
+                f"{val_path} and {path} were made with different tokenizers; prep them together"
+            )
     return TokenData(train, val, tokenizer, tok_path, bundled)
 
 
@@ -96,8 +119,10 @@ def val_windows(val: TokenFile | None, seq_len: int, rows: int, seed: int) -> Wi
     if val is None:
         return None
     if len(val) < seq_len + 1:
-        raise InputError(f"{val.path}: {len(val)} validation tokens, fewer than --seq-len {seq_len} + 1; "
-                         "raise --val-fraction in `toy prep`, give a longer --val-corpus or lower --seq-len")
+        raise InputError(
+            f"{val.path}: {len(val)} validation tokens, fewer than --seq-len {seq_len} + 1; "
+            "raise --val-fraction in `toy prep`, give a longer --val-corpus or lower --seq-len"
+        )
     return Windows(val, seq_len, rows, seed)
 
 
@@ -107,27 +132,41 @@ def lm_config(cfg: RunConfig, arch: str, train: TokenFile, notes: list[str] | No
     Every shape problem is reported at once as a UsageError naming its flag."""
     if arch not in registry.lm_archs():
         hint = "; train images with --recipe vit-tiny" if arch == "vit" else ""
-        raise UsageError(f"--arch {arch!r} is not a language model; valid: {', '.join(registry.lm_archs())}{hint}")
+        raise UsageError(
+            f"--arch {arch!r} is not a language model; valid: {', '.join(registry.lm_archs())}{hint}"
+        )
     if arch == "gpt2" and cfg.n_kv_head:
-        raise UsageError("--n-kv-head applies to llama (grouped-query attention); gpt2 has one kv head per head")
+        raise UsageError(
+            "--n-kv-head applies to llama (grouped-query attention); gpt2 has one kv head per head"
+        )
     try:
-        mcfg = registry.build_config(arch, cfg.preset, train.vocab_size, n_layer=cfg.n_layer,
-                                     d_model=cfg.d_model, n_head=cfg.n_head,
-                                     **({"n_kv_head": cfg.n_kv_head} if arch == "llama" else {}))
+        mcfg = registry.build_config(
+            arch,
+            cfg.preset,
+            train.vocab_size,
+            n_layer=cfg.n_layer,
+            d_model=cfg.d_model,
+            n_head=cfg.n_head,
+            **({"n_kv_head": cfg.n_kv_head} if arch == "llama" else {}),
+        )
     except KeyError as e:
         raise UsageError(str(e.args[0]))
     except TypeError as e:
         raise UsageError(f"--arch {arch}: {e}")
     seq_len = cfg.seq_len or mcfg.max_seq_len
     if notes is not None and seq_len > mcfg.max_seq_len:
-        notes.append(f"warning: --seq-len {seq_len} is beyond the preset's context {mcfg.max_seq_len}: attention "
-                     f"costs grow with its square ({(seq_len / mcfg.max_seq_len) ** 2:,.0f}x the preset's per "
-                     "sequence), expect slow steps; a preset with a longer context (--preset) is the usual choice")
+        notes.append(
+            f"warning: --seq-len {seq_len} is beyond the preset's context {mcfg.max_seq_len}: attention "
+            f"costs grow with its square ({(seq_len / mcfg.max_seq_len) ** 2:,.0f}x the preset's per "
+            "sequence), expect slow steps; a preset with a longer context (--preset) is the usual choice"
+        )
     mcfg.max_seq_len = max(mcfg.max_seq_len, seq_len)
     problems = registry.check_config(mcfg)
     if len(train) < seq_len + 1:
-        problems.append(f"--seq-len {seq_len} is longer than the corpus {train.path} ({len(train)} tokens); "
-                        "lower it or prep more text")
+        problems.append(
+            f"--seq-len {seq_len} is longer than the corpus {train.path} ({len(train)} tokens); "
+            "lower it or prep more text"
+        )
     if problems:
         raise UsageError("; ".join(problems))
     return mcfg, seq_len
@@ -137,18 +176,36 @@ def lm_derived(cfg: RunConfig, train: TokenFile, seq_len: int, notes: list[str])
     """What an LM recipe works out from the data: the sequence length, and the steps of
     --epochs (one epoch: every non-overlapping window of the corpus once, in rows)."""
     windows = max(1, (len(train) - 1) // seq_len)
-    epochs, note = cfg.epoch_steps(windows, cfg.batch_size * cfg.grad_accum * dist.info().world, "token windows")
+    epochs, note = cfg.epoch_steps(
+        windows, cfg.batch_size * cfg.grad_accum * dist.info().world, "token windows"
+    )
     notes += [note] if note else []
     return {"seq_len": seq_len, **epochs}
 
 
-def lm_job(recipe: str, model: nn.Module, data: TokenData, cfg: RunConfig, seq_len: int,
-           config: dict[str, Any], export: Callable[[], nn.Module] | None = None, **job_fields: Any) -> Job:
+def lm_job(
+    recipe: str,
+    model: nn.Module,
+    data: TokenData,
+    cfg: RunConfig,
+    seq_len: int,
+    config: dict[str, Any],
+    export: Callable[[], nn.Module] | None = None,
+    **job_fields: Any,
+) -> Job:
     """Next-token training on random windows of the corpus, validation on fixed windows
     of its validation split. `final/` gets `export()` (default: the model itself) as a
     plain model directory with the tokenizer; `job_fields` go to Job as they are."""
     d = dist.info()
-    win = Windows(data.train, seq_len, cfg.batch_size, cfg.seed, world=d.world, rank=d.rank, accum=cfg.grad_accum)
+    win = Windows(
+        data.train,
+        seq_len,
+        cfg.batch_size,
+        cfg.seed,
+        world=d.world,
+        rank=d.rank,
+        accum=cfg.grad_accum,
+    )
     # Every rank evaluates the same global set: eval_batches batches of the global batch size.
     val_win = val_windows(data.val, seq_len, cfg.batch_size * d.world, cfg.seed)
     tokenizer = data.tokenizer_path or data.tokenizer
@@ -158,6 +215,12 @@ def lm_job(recipe: str, model: nn.Module, data: TokenData, cfg: RunConfig, seq_l
             m = export() if export is not None else model
         save_model_dir(out, m, extra={"recipe": recipe, "train": config}, tokenizer=tokenizer)
 
-    return Job(recipe=recipe, model=model, micro_batch=win.batch,
-               eval_batches=(lambda: val_win.eval_batches(cfg.eval_batches)) if val_win else (lambda: []),
-               save_final=save_final, config=config, **job_fields)
+    return Job(
+        recipe=recipe,
+        model=model,
+        micro_batch=win.batch,
+        eval_batches=(lambda: val_win.eval_batches(cfg.eval_batches)) if val_win else (lambda: []),
+        save_final=save_final,
+        config=config,
+        **job_fields,
+    )

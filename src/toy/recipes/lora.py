@@ -12,23 +12,31 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from toy.data.chat import (FORMATS, ChatBatches, ConversationError, count_reasons, encode_all, encode_example, read_chat_jsonl,
-                           resolve_chat_template)
+from toy.data.chat import (
+    FORMATS,
+    ChatBatches,
+    ConversationError,
+    count_reasons,
+    encode_all,
+    encode_example,
+    read_chat_jsonl,
+    resolve_chat_template,
+)
 from toy.data.tokens import Windows
 from toy.errors import InputError, UsageError
-from toy.formats.checkpoint import atomic_dir
 from toy.formats.base import read_base
+from toy.formats.checkpoint import atomic_dir
 from toy.formats.mlx_adapter import body_prefix, save_mlx_adapter
 from toy.formats.peft import save_peft_adapter
 from toy.lora import VALID_TARGETS, apply_lora, lora_state_dict
 from toy.models.quant import count_params, resident_bytes
 from toy.models.quant_types import BASE_DTYPES
+from toy.recipes.lm import fingerprint, open_token_data, val_windows
 from toy.runs import Project, plural
 from toy.train import dist
 from toy.train.config import RunConfig
-from toy.train.recipe import Recipe
 from toy.train.job import Built, Job
-from toy.recipes.lm import fingerprint, open_token_data, val_windows
+from toy.train.recipe import Recipe
 
 DEFAULT_MODEL = "data/smollm2-135m.gguf"
 GET_MODEL = "get it with `toy fetch smollm2`, or pass --model FILE.gguf or a transformers or MLX model directory"
@@ -36,37 +44,84 @@ GET_MODEL = "get it with `toy fetch smollm2`, or pass --model FILE.gguf or a tra
 # Recipe flags and the general flags whose default differs for LoRA. targets None: the
 # family's default (q_proj,v_proj; Phi-3's fused qkv_proj); base_dtype None: the device's
 # (quantized on cpu and mps, bfloat16 on cuda).
-FLAGS = dict(model=None, data=None, val_data=None, rank=8, alpha=16.0, dropout=0.0, targets=None,
-             epochs=None, output=None, strict=False, base_dtype=None, chat_template=None,
-             lr=2e-4, min_lr=2e-5, seq_len=512, batch_size=4, warmup=10, weight_decay=0.0)
+FLAGS = dict(
+    model=None,
+    data=None,
+    val_data=None,
+    rank=8,
+    alpha=16.0,
+    dropout=0.0,
+    targets=None,
+    epochs=None,
+    output=None,
+    strict=False,
+    base_dtype=None,
+    chat_template=None,
+    lr=2e-4,
+    min_lr=2e-5,
+    seq_len=512,
+    batch_size=4,
+    warmup=10,
+    weight_decay=0.0,
+)
 CHAT_BUCKET = 64  # --compile: chat batch lengths are padded up to a multiple of this
 
 
 def add_arguments(g) -> None:
-    g.add_argument("--model", "--model-path", dest="model", help="base model: a GGUF file, or a transformers or MLX "
-                   f"model directory (--model-path: mlx-lm's name) (default {DEFAULT_MODEL} in the project)")
-    g.add_argument("--data", help="training JSONL, one example a line, one format a file: {\"messages\": [{\"role\", "
-                   "\"content\"}, ...], \"tools\": [...]} (loss on every assistant turn), {\"prompt\", \"completion\"} "
-                   "(loss on the completion) or {\"text\"} (loss on every token); or a directory holding train.jsonl "
-                   "and valid.jsonl (no default: give --data, or --corpus for a token stream)")
+    g.add_argument(
+        "--model",
+        "--model-path",
+        dest="model",
+        help="base model: a GGUF file, or a transformers or MLX "
+        f"model directory (--model-path: mlx-lm's name) (default {DEFAULT_MODEL} in the project)",
+    )
+    g.add_argument(
+        "--data",
+        help='training JSONL, one example a line, one format a file: {"messages": [{"role", '
+        '"content"}, ...], "tools": [...]} (loss on every assistant turn), {"prompt", "completion"} '
+        '(loss on the completion) or {"text"} (loss on every token); or a directory holding train.jsonl '
+        "and valid.jsonl (no default: give --data, or --corpus for a token stream)",
+    )
     g.add_argument("--val-data", help="validation chat JSONL (default: 5%% of --data held out)")
     g.add_argument("--rank", type=int, help="LoRA rank r (default 8)")
-    g.add_argument("--alpha", type=float, help="LoRA alpha; the update is scaled by alpha / r (default 16)")
+    g.add_argument(
+        "--alpha", type=float, help="LoRA alpha; the update is scaled by alpha / r (default 16)"
+    )
     g.add_argument("--dropout", type=float, help="dropout on the LoRA input (default 0)")
-    g.add_argument("--targets", help="comma-separated projections to adapt, from "
-                   f"{','.join(VALID_TARGETS)} (default q_proj,v_proj; qkv_proj for phi3)")
-    g.add_argument("--base-dtype", choices=BASE_DTYPES,
-                   help="how the frozen base is held: quantized (the GGUF's own blocks, memory-mapped, dequantized "
-                        "per layer in forward and backward: the least memory), bfloat16 or float32 (dequantized "
-                        "once at load) (default quantized on cpu and metal, bfloat16 on cuda)")
-    g.add_argument("--chat-template", metavar="FILE.jinja", help="chat template for --data (default: the GGUF's "
-                   "own; for a file without one, toy's built-in template of its family: Gemma turns, ChatML)")
-    g.add_argument("--output", help="also copy the final adapter directory (PEFT) to PATH, which must be new or a "
-                   "directory of toy's adapter files (it is replaced whole; anything else exits 2 before training); "
-                   "PATH ending in .safetensors: the adapter for mlx-lm there, its adapter_config.json beside it, "
-                   "as mlx-lm's trainer writes them (default: only RUN_DIR/final)")
-    g.add_argument("--strict", action="store_true", default=None, help="an invalid chat line is fatal (default: warn, skip, count)")
-    g.add_argument("--max-seq-len", dest="seq_len", type=int, help="alias of --seq-len (default 512 for LoRA)")
+    g.add_argument(
+        "--targets",
+        help="comma-separated projections to adapt, from "
+        f"{','.join(VALID_TARGETS)} (default q_proj,v_proj; qkv_proj for phi3)",
+    )
+    g.add_argument(
+        "--base-dtype",
+        choices=BASE_DTYPES,
+        help="how the frozen base is held: quantized (the GGUF's own blocks, memory-mapped, dequantized "
+        "per layer in forward and backward: the least memory), bfloat16 or float32 (dequantized "
+        "once at load) (default quantized on cpu and metal, bfloat16 on cuda)",
+    )
+    g.add_argument(
+        "--chat-template",
+        metavar="FILE.jinja",
+        help="chat template for --data (default: the GGUF's "
+        "own; for a file without one, toy's built-in template of its family: Gemma turns, ChatML)",
+    )
+    g.add_argument(
+        "--output",
+        help="also copy the final adapter directory (PEFT) to PATH, which must be new or a "
+        "directory of toy's adapter files (it is replaced whole; anything else exits 2 before training); "
+        "PATH ending in .safetensors: the adapter for mlx-lm there, its adapter_config.json beside it, "
+        "as mlx-lm's trainer writes them (default: only RUN_DIR/final)",
+    )
+    g.add_argument(
+        "--strict",
+        action="store_true",
+        default=None,
+        help="an invalid chat line is fatal (default: warn, skip, count)",
+    )
+    g.add_argument(
+        "--max-seq-len", dest="seq_len", type=int, help="alias of --seq-len (default 512 for LoRA)"
+    )
 
 
 def resolve_model(cfg: RunConfig, project: Project) -> Path:
@@ -109,8 +164,10 @@ def check_opts(cfg: RunConfig) -> list[str]:
     if cfg.model and not Path(cfg.model).exists():
         p.append(f"--model {cfg.model} not found; {GET_MODEL}")
     if cfg.data and not Path(cfg.data).exists():
-        p.append(f"--data {cfg.data} not found; give a JSONL file (conversations, prompt/completion pairs or text) "
-                 "or a directory holding train.jsonl")
+        p.append(
+            f"--data {cfg.data} not found; give a JSONL file (conversations, prompt/completion pairs or text) "
+            "or a directory holding train.jsonl"
+        )
     if cfg.val_data and not Path(cfg.val_data).is_file():
         p.append(f"--val-data {cfg.val_data} not found; give a JSONL file")
     if cfg.output:
@@ -188,18 +245,33 @@ def build(cfg: RunConfig, project: Project) -> Built:
     del base.state_dict  # the model holds the only copy of the base
     base_layers, base_arch, base_kind = base.config.n_layer, base.arch, base.kind
     # Validation of rank/alpha/targets happens here, before any data work.
-    wrapped = apply_lora(model, targets, int(cfg.rank), float(cfg.alpha), float(cfg.dropout), int(cfg.seed))
+    wrapped = apply_lora(
+        model, targets, int(cfg.rank), float(cfg.alpha), float(cfg.dropout), int(cfg.seed)
+    )
     seq_len = int(cfg.seq_len)
     notes: list[str] = list(base.notes)
     resident = resident_bytes(model)
-    notes.append(f"base {model_path.name}: {base.arch}, held {dtype} ({resident / 1e9:.2f} GB resident"
-                 + (", memory-mapped blocks)" if dtype == "quantized" else ")"))
+    notes.append(
+        f"base {model_path.name}: {base.arch}, held {dtype} ({resident / 1e9:.2f} GB resident"
+        + (", memory-mapped blocks)" if dtype == "quantized" else ")")
+    )
     if seq_len > base.config.max_seq_len:
-        notes.append(f"--seq-len {seq_len} lowered to the model's context {base.config.max_seq_len}")
+        notes.append(
+            f"--seq-len {seq_len} lowered to the model's context {base.config.max_seq_len}"
+        )
         seq_len = base.config.max_seq_len
-    config = {"recipe": "lora", "arch": base.arch, "model": str(model_path), "model_sha256": fingerprint(model_path),
-              "rank": int(cfg.rank), "alpha": float(cfg.alpha), "targets": targets, "seq_len": seq_len,
-              "base_dtype": dtype, "base_resident_bytes": resident}
+    config = {
+        "recipe": "lora",
+        "arch": base.arch,
+        "model": str(model_path),
+        "model_sha256": fingerprint(model_path),
+        "rank": int(cfg.rank),
+        "alpha": float(cfg.alpha),
+        "targets": targets,
+        "seq_len": seq_len,
+        "base_dtype": dtype,
+        "base_resident_bytes": resident,
+    }
     d = dist.info()
     if cfg.data:
         micro, evals, n_units, info = chat_stream(cfg, tok, base, seq_len, notes)
@@ -214,8 +286,15 @@ def build(cfg: RunConfig, project: Project) -> Built:
     notes += [note] if note else []
 
     def save_final(out: Path) -> None:
-        save_peft_adapter(out, lora_state_dict(model), rank=int(cfg.rank), alpha=float(cfg.alpha),
-                          dropout=float(cfg.dropout), targets=targets, base_model_name_or_path=str(model_path))
+        save_peft_adapter(
+            out,
+            lora_state_dict(model),
+            rank=int(cfg.rank),
+            alpha=float(cfg.alpha),
+            dropout=float(cfg.dropout),
+            targets=targets,
+            base_model_name_or_path=str(model_path),
+        )
         tok.save(str(out / "tokenizer.json"))
         if cfg.output:
             # Checked again now: PATH may have changed since the start, or be this very
@@ -224,26 +303,44 @@ def build(cfg: RunConfig, project: Project) -> Built:
             if why:
                 raise InputError(f"{why}; the adapter is in {out}, not copied")
             dest = Path(os.path.abspath(cfg.output))
-            if cfg.output.endswith(".safetensors"):  # mlx-lm's trainer's --output: its adapter, there
-                save_mlx_adapter(dest.parent, lora_state_dict(model), int(cfg.rank), float(cfg.alpha),
-                                 float(cfg.dropout), n_layers=base_layers, weights_name=dest.name,
-                                 prefix=body_prefix(base_kind, base_arch))
+            if cfg.output.endswith(
+                ".safetensors"
+            ):  # mlx-lm's trainer's --output: its adapter, there
+                save_mlx_adapter(
+                    dest.parent,
+                    lora_state_dict(model),
+                    int(cfg.rank),
+                    float(cfg.alpha),
+                    float(cfg.dropout),
+                    n_layers=base_layers,
+                    weights_name=dest.name,
+                    prefix=body_prefix(base_kind, base_arch),
+                )
             elif dest != out.resolve():
                 with atomic_dir(dest) as tmp:
                     for name in ADAPTER_FILES:
                         if (out / name).is_file():
                             shutil.copyfile(out / name, tmp / name)
 
-    job = Job(recipe="lora", model=model, micro_batch=micro, eval_batches=lambda: evals, save_final=save_final,
-              config=config)
+    job = Job(
+        recipe="lora",
+        model=model,
+        micro_batch=micro,
+        eval_batches=lambda: evals,
+        save_final=save_final,
+        config=config,
+    )
     n_params = count_params(model)
     n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    notes.append(f"adapters on {plural(len(wrapped), 'module')}: {n_train:,} trainable of "
-                 f"{plural(n_params, 'parameter')}")
+    notes.append(
+        f"adapters on {plural(len(wrapped), 'module')}: {n_train:,} trainable of "
+        f"{plural(n_params, 'parameter')}"
+    )
     return Built(job=job, arch=base.arch, params=n_params, notes=notes, derived=derived)
 
 
 # ---------------------------------------------------------------- chat JSONL
+
 
 def data_files(cfg: RunConfig) -> tuple[Path, Path | None]:
     """--data (a file, or a directory holding train.jsonl and, as the held-out set,
@@ -252,8 +349,10 @@ def data_files(cfg: RunConfig) -> tuple[Path, Path | None]:
     val = Path(cfg.val_data) if cfg.val_data else None
     if data.is_dir():
         if not (data / "train.jsonl").is_file():
-            raise InputError(f"--data {data}: a data directory holds train.jsonl (and valid.jsonl for validation); "
-                             "it has no train.jsonl")
+            raise InputError(
+                f"--data {data}: a data directory holds train.jsonl (and valid.jsonl for validation); "
+                "it has no train.jsonl"
+            )
         if val is None and (data / "valid.jsonl").is_file():
             val = data / "valid.jsonl"
         data = data / "train.jsonl"
@@ -271,28 +370,36 @@ def chat_stream(cfg: RunConfig, tok, base, seq_len, notes):
     def read(path) -> list:
         chat = read_chat_jsonl(path, strict=strict, warn=warn)
         if chat.skipped:
-            notes.append(f"{path}: skipped {plural(chat.n_skipped, 'invalid line')} ({count_reasons(chat.skipped)})")
+            notes.append(
+                f"{path}: skipped {plural(chat.n_skipped, 'invalid line')} ({count_reasons(chat.skipped)})"
+            )
         return chat
 
     train = read(data_path)
     val_file = read(val_path) if val_path is not None else None
     if val_file is not None and val_file.kind != train.kind:
-        raise InputError(f"{val_path}: {FORMATS[val_file.kind]}s, but {data_path} holds {FORMATS[train.kind]}s; "
-                         "give both in one format")
+        raise InputError(
+            f"{val_path}: {FORMATS[val_file.kind]}s, but {data_path} holds {FORMATS[train.kind]}s; "
+            "give both in one format"
+        )
     # A conversation needs the chat template; a prompt/completion pair uses it where the
     # model has one (else the texts are joined); plain text needs none.
     template = None
     if train.kind == "messages" or cfg.chat_template:
-        template, note = resolve_chat_template(base.chat_template, base.vocab_tokens, base.chat_format,
-                                               cfg.chat_template, str(model))
+        template, note = resolve_chat_template(
+            base.chat_template, base.vocab_tokens, base.chat_format, cfg.chat_template, str(model)
+        )
         notes += [note] if note else []
     elif train.kind == "prompt":
         try:
-            template, note = resolve_chat_template(base.chat_template, base.vocab_tokens, base.chat_format, None,
-                                                   str(model))
+            template, note = resolve_chat_template(
+                base.chat_template, base.vocab_tokens, base.chat_format, None, str(model)
+            )
             notes += [note] if note else []
         except InputError:
-            notes.append(f"{model} has no chat template: each prompt and completion are joined as plain text")
+            notes.append(
+                f"{model} has no chat template: each prompt and completion are joined as plain text"
+            )
     source = f"--chat-template {cfg.chat_template}" if cfg.chat_template else model
     special = base.special
     bos, eos = base.token(special.bos), base.token(special.eos)
@@ -304,24 +411,39 @@ def chat_stream(cfg: RunConfig, tok, base, seq_len, notes):
         ids, mask = encode_example(tok, template, ex, seq_len + 1, bos, eos, special.eos)
         if ids and max(ids) >= vocab:
             bad = max(ids)
-            raise ConversationError(f"token {tok.id_to_token(bad)!r} (id {bad}) is beyond the model's {vocab} "
-                                    "embedding rows")
+            raise ConversationError(
+                f"token {tok.id_to_token(bad)!r} (id {bad}) is beyond the model's {vocab} "
+                "embedding rows"
+            )
         return ids, mask
 
-    notes.append(f"{data_path}: {FORMATS[train.kind]} a line"
-                 + ("" if train.kind == "messages" else
-                    "; loss on the completion" if train.kind == "prompt" else "; loss on every token"))
-    samples, dropped, failed = encode_all(list(zip(train.lines, train.examples)), data_path, source, encode, strict,
-                                          warn)
+    notes.append(
+        f"{data_path}: {FORMATS[train.kind]} a line"
+        + (
+            ""
+            if train.kind == "messages"
+            else "; loss on the completion"
+            if train.kind == "prompt"
+            else "; loss on every token"
+        )
+    )
+    samples, dropped, failed = encode_all(
+        list(zip(train.lines, train.examples)), data_path, source, encode, strict, warn
+    )
     if failed:
-        notes.append(f"{data_path}: skipped {plural(failed, 'conversation')} the chat template cannot render")
+        notes.append(
+            f"{data_path}: skipped {plural(failed, 'conversation')} the chat template cannot render"
+        )
     if dropped:
         notes.append(f"skipped {plural(dropped, 'example')} whose prompt fills --seq-len {seq_len}")
     if not samples:
-        raise InputError(f"{data_path}: no example has a supervised token within --seq-len {seq_len}")
+        raise InputError(
+            f"{data_path}: no example has a supervised token within --seq-len {seq_len}"
+        )
     if val_file is not None:
-        val_samples, _, _ = encode_all(list(zip(val_file.lines, val_file.examples)), val_path, source, encode, strict,
-                                       warn)
+        val_samples, _, _ = encode_all(
+            list(zip(val_file.lines, val_file.examples)), val_path, source, encode, strict, warn
+        )
     else:
         # Hold out a deterministic 5% (at least one) when there is enough data.
         n_val = max(1, len(samples) // 20) if len(samples) >= 20 else 0
@@ -330,40 +452,72 @@ def chat_stream(cfg: RunConfig, tok, base, seq_len, notes):
         val_samples = [x for i, x in enumerate(samples) if i in val_idx]
         samples = [x for i, x in enumerate(samples) if i not in val_idx]
         if n_val:
-            notes.append(f"validation: {plural(n_val, 'example')} held out of --data (give --val-data or a data "
-                         "directory's valid.jsonl to choose)")
+            notes.append(
+                f"validation: {plural(n_val, 'example')} held out of --data (give --val-data or a data "
+                "directory's valid.jsonl to choose)"
+            )
     # A step holds about what --batch-size packed rows of --seq-len would: conversations
     # of similar length, right-padded to the longest of their batch (length_batches).
     d = dist.info()
     bucket = CHAT_BUCKET if cfg.compile else 1
-    batches = ChatBatches(samples, int(cfg.batch_size) * (seq_len + 1), int(cfg.seed), pad, seq_len, bucket,
-                          world=d.world, rank=d.rank)
-    val = ChatBatches(val_samples, batches.budget, int(cfg.seed), pad, seq_len, bucket) if val_samples else None
+    batches = ChatBatches(
+        samples,
+        int(cfg.batch_size) * (seq_len + 1),
+        int(cfg.seed),
+        pad,
+        seq_len,
+        bucket,
+        world=d.world,
+        rank=d.rank,
+    )
+    val = (
+        ChatBatches(val_samples, batches.budget, int(cfg.seed), pad, seq_len, bucket)
+        if val_samples
+        else None
+    )
     evals = val.eval_batches(cfg.eval_batches) if val is not None else []
     if val is not None and len(val) > cfg.eval_batches:
-        notes.append(f"validation: {cfg.eval_batches} of {len(val)} held-out batches per evaluation, "
-                     "spread over their lengths (--eval-batches)")
+        notes.append(
+            f"validation: {cfg.eval_batches} of {len(val)} held-out batches per evaluation, "
+            "spread over their lengths (--eval-batches)"
+        )
     n, budget = len(batches), batches.budget
     sup = sum(int(sum(m)) for _, m in samples)
-    info = {"data": str(cfg.data), "data_sha256": fingerprint(data_path),
-            "conversations": len(samples), "batches": n, "supervised_tokens": sup}
+    info = {
+        "data": str(cfg.data),
+        "data_sha256": fingerprint(data_path),
+        "conversations": len(samples),
+        "batches": n,
+        "supervised_tokens": sup,
+    }
     if train.kind != "messages":
         info["data_format"] = train.kind
     if val_path is not None and not cfg.val_data:
         info["val_data"], info["val_data_sha256"] = str(val_path), fingerprint(val_path)
-    notes.append(f"{plural(len(samples), 'example')} in {plural(n, 'length-grouped batch', 'length-grouped batches')} "
-                 f"of up to {budget:,} tokens; {sup:,} supervised tokens")
+    notes.append(
+        f"{plural(len(samples), 'example')} in {plural(n, 'length-grouped batch', 'length-grouped batches')} "
+        f"of up to {budget:,} tokens; {sup:,} supervised tokens"
+    )
     return batches.batch, evals, n, info
 
 
 # ---------------------------------------------------------------- token stream
+
 
 def token_stream(cfg: RunConfig, project: Project, tok, model_path: Path, seq_len: int):
     """Random windows of a token file made with the base's tokenizer (checked by its hash),
     and fixed windows of its validation split."""
     data = open_token_data(cfg, project, tokenizer=tok, tokenizer_source=str(model_path))
     d = dist.info()
-    win = Windows(data.train, seq_len, cfg.batch_size, cfg.seed, world=d.world, rank=d.rank, accum=cfg.grad_accum)
+    win = Windows(
+        data.train,
+        seq_len,
+        cfg.batch_size,
+        cfg.seed,
+        world=d.world,
+        rank=d.rank,
+        accum=cfg.grad_accum,
+    )
     val = val_windows(data.val, seq_len, cfg.batch_size * d.world, cfg.seed)
     evals = val.eval_batches(cfg.eval_batches) if val is not None else []
     n_rows = max(1, len(data.train) // seq_len)
@@ -371,5 +525,11 @@ def token_stream(cfg: RunConfig, project: Project, tok, model_path: Path, seq_le
     return win.batch, evals, n_rows, info
 
 
-RECIPE = Recipe("lora", build, defaults=FLAGS, add_arguments=add_arguments, check=check_opts,
-                batch_unit=batch_unit)
+RECIPE = Recipe(
+    "lora",
+    build,
+    defaults=FLAGS,
+    add_arguments=add_arguments,
+    check=check_opts,
+    batch_unit=batch_unit,
+)

@@ -22,7 +22,14 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from toy.data.images import ImageBatches, ImageSet, bundled_images, fingerprint, load_image_folders, to_float
+from toy.data.images import (
+    ImageBatches,
+    ImageSet,
+    bundled_images,
+    fingerprint,
+    load_image_folders,
+    to_float,
+)
 from toy.errors import UsageError
 from toy.formats.model_dir import save_model_dir
 from toy.models import registry
@@ -30,19 +37,29 @@ from toy.models.vit import VitConfig, check_vit_config
 from toy.runs import Project
 from toy.train import dist
 from toy.train.config import RunConfig
-from toy.train.recipe import Recipe
 from toy.train.job import Built, Job
+from toy.train.recipe import Recipe
 
 NAME = "vit-tiny"
 
 # This recipe's flags and its defaults for toy's general ones (flag > toy.toml > these).
 FLAGS: dict[str, Any] = dict(
-    arch="vit", images=None, val_images=None, image_size=None, patch_size=None, augment="auto",
+    arch="vit",
+    images=None,
+    val_images=None,
+    image_size=None,
+    patch_size=None,
+    augment="auto",
     # From-scratch ViTs want a gentler decay than a decoder LM's 0.1, and a batch of
     # images is cheap next to a batch of 256-token sequences. Warmup 40 (the 10% cap at
     # 400 steps): on 12,000 Fashion-MNIST images, 6 x 192, 400 steps, 82.0% test accuracy
     # against 79.9% with 20 (and 5 was worse than 20 on 4 x 128); docs/results.md.
-    lr=1e-3, min_lr=1e-5, warmup=40, batch_size=64, weight_decay=0.05, eval_batches=16,
+    lr=1e-3,
+    min_lr=1e-5,
+    warmup=40,
+    batch_size=64,
+    weight_decay=0.05,
+    eval_batches=16,
 )
 
 # Without --preset: ViT-Tiny's width at half its depth below this many training images
@@ -63,18 +80,37 @@ LM_ONLY = ("corpus", "val_corpus", "tokenizer", "vocab_size", "seq_len", "n_kv_h
 
 
 def add_arguments(group) -> None:
-    group.add_argument("--images", metavar="DIR", help="image folder, one subfolder of PNG/JPEG files per class "
-                       "(default: the bundled Fashion-MNIST smoke set)")
-    group.add_argument("--val-images", metavar="DIR", help="validation folder with the same class subfolders "
-                       "(default: hold out 10%% of each class of --images)")
-    group.add_argument("--image-size", type=int, help="side in pixels images are resized to (default: the preset's, "
-                       "224 for vit-tiny)")
-    group.add_argument("--patch-size", type=int, help="side of the square patches, must divide --image-size "
-                       "(default: the preset's, 16 for vit-tiny)")
-    group.add_argument("--augment", metavar="MODE", help="training augmentation: crop-flip (random crop of the "
-                       "image padded by 1/8 of its side, and left-right flips), none, or auto: crop-flip when the "
-                       f"run sees each training image {AUGMENT_EPOCHS} times or more, else none (default auto; "
-                       "the run prints which)")
+    group.add_argument(
+        "--images",
+        metavar="DIR",
+        help="image folder, one subfolder of PNG/JPEG files per class "
+        "(default: the bundled Fashion-MNIST smoke set)",
+    )
+    group.add_argument(
+        "--val-images",
+        metavar="DIR",
+        help="validation folder with the same class subfolders "
+        "(default: hold out 10%% of each class of --images)",
+    )
+    group.add_argument(
+        "--image-size",
+        type=int,
+        help="side in pixels images are resized to (default: the preset's, 224 for vit-tiny)",
+    )
+    group.add_argument(
+        "--patch-size",
+        type=int,
+        help="side of the square patches, must divide --image-size "
+        "(default: the preset's, 16 for vit-tiny)",
+    )
+    group.add_argument(
+        "--augment",
+        metavar="MODE",
+        help="training augmentation: crop-flip (random crop of the "
+        "image padded by 1/8 of its side, and left-right flips), none, or auto: crop-flip when the "
+        f"run sees each training image {AUGMENT_EPOCHS} times or more, else none (default auto; "
+        "the run prints which)",
+    )
 
 
 def _int_flag(cfg: RunConfig, key: str, problems: list[str]) -> int | None:
@@ -91,20 +127,28 @@ def choose_preset(n_train: int) -> tuple[str, str]:
     """The preset for a training set of `n_train` images when --preset is not given, and
     a note saying why. Both have ViT-Tiny's width and input shape; only the depth differs."""
     if n_train < SMALL_SET:
-        return SMALL_PRESET, (f"preset {SMALL_PRESET} (auto: {n_train:,} training images, under {SMALL_SET:,}: "
-                              f"{registry.preset('vit', SMALL_PRESET)['n_layer']} layers learn faster per step than "
-                              "ViT-Tiny's 12; --preset vit-tiny overrides)")
-    return "vit-tiny", f"preset vit-tiny (auto: {n_train:,} training images, at least {SMALL_SET:,})"
+        return SMALL_PRESET, (
+            f"preset {SMALL_PRESET} (auto: {n_train:,} training images, under {SMALL_SET:,}: "
+            f"{registry.preset('vit', SMALL_PRESET)['n_layer']} layers learn faster per step than "
+            "ViT-Tiny's 12; --preset vit-tiny overrides)"
+        )
+    return (
+        "vit-tiny",
+        f"preset vit-tiny (auto: {n_train:,} training images, at least {SMALL_SET:,})",
+    )
 
 
-def model_config(cfg: RunConfig, n_classes: int, channels: int, problems: list[str],
-                 preset: str | None = None) -> VitConfig | None:
+def model_config(
+    cfg: RunConfig, n_classes: int, channels: int, problems: list[str], preset: str | None = None
+) -> VitConfig | None:
     """Preset (`preset` when --preset is not given), then flag overrides; shape problems
     are appended to `problems`."""
     presets = registry.family("vit").presets
     preset = cfg.preset or preset or registry.family("vit").default_preset
     if preset not in presets:
-        problems.append(f"--preset {preset!r} is unknown for vit; valid: {', '.join(sorted(presets))}")
+        problems.append(
+            f"--preset {preset!r} is unknown for vit; valid: {', '.join(sorted(presets))}"
+        )
         return None
     fields = dict(presets[preset])
     for key in ("image_size", "patch_size", "n_layer", "d_model", "n_head"):
@@ -125,7 +169,11 @@ def build(cfg: RunConfig, project: Project) -> Built:
     for key in LM_ONLY:
         if getattr(cfg, key) is not None:
             flag = "--" + key.replace("_", "-")
-            fix = "give --images DIR instead" if key in ("corpus", "val_corpus", "tokenizer") else "leave it out"
+            fix = (
+                "give --images DIR instead"
+                if key in ("corpus", "val_corpus", "tokenizer")
+                else "leave it out"
+            )
             problems.append(f"{flag} does not apply to {NAME} (it is a language-model flag); {fix}")
     if cfg.augment not in AUGMENT:
         problems.append(f"--augment {cfg.augment!r} is unknown; valid: {', '.join(AUGMENT)}")
@@ -139,7 +187,9 @@ def build(cfg: RunConfig, project: Project) -> Built:
     return make_job(train, val, cfg, str(images), str(val_images) if val_images else None)
 
 
-def make_job(train: ImageSet, val: ImageSet | None, cfg: RunConfig, source: str, val_source: str | None) -> Built:
+def make_job(
+    train: ImageSet, val: ImageSet | None, cfg: RunConfig, source: str, val_source: str | None
+) -> Built:
     """The job for decoded image sets (what `build` reads from folders; scripts may
     decode other formats, e.g. Fashion-MNIST's IDX files, and call this directly)."""
     problems: list[str] = []
@@ -157,7 +207,9 @@ def make_job(train: ImageSet, val: ImageSet | None, cfg: RunConfig, source: str,
     torch.manual_seed(cfg.seed)
     model = registry.build_model(vcfg)
 
-    epochs, note = cfg.epoch_steps(len(train), cfg.batch_size * cfg.grad_accum * dist.info().world, "images")
+    epochs, note = cfg.epoch_steps(
+        len(train), cfg.batch_size * cfg.grad_accum * dist.info().world, "images"
+    )
     if epochs:
         notes.append(note)
         derived.update(epochs)
@@ -169,42 +221,91 @@ def make_job(train: ImageSet, val: ImageSet | None, cfg: RunConfig, source: str,
         augment, why = choose_augment(cfg, len(train))
         notes.append(why)
     derived["augment"] = augment
-    batches = ImageBatches(train, cfg.batch_size, cfg.seed, augment=augment == "crop-flip",
-                           rank=dist.info().rank, world=dist.info().world)
-    val_batches = ImageBatches(val, cfg.batch_size, cfg.seed, augment=False) if val is not None else None
+    batches = ImageBatches(
+        train,
+        cfg.batch_size,
+        cfg.seed,
+        augment=augment == "crop-flip",
+        rank=dist.info().rank,
+        world=dist.info().world,
+    )
+    val_batches = (
+        ImageBatches(val, cfg.batch_size, cfg.seed, augment=False) if val is not None else None
+    )
     skipped = train.skipped.counts()
-    config = {"recipe": NAME, "arch": "vit", "model": vcfg.to_dict(), "images": source, "val_images": val_source,
-              "classes": train.classes, "n_train": len(train), "n_val": len(val) if val is not None else 0,
-              "images_sha256": fingerprint(train), "skipped": skipped, "augment": augment}
+    config = {
+        "recipe": NAME,
+        "arch": "vit",
+        "model": vcfg.to_dict(),
+        "images": source,
+        "val_images": val_source,
+        "classes": train.classes,
+        "n_train": len(train),
+        "n_val": len(val) if val is not None else 0,
+        "images_sha256": fingerprint(train),
+        "skipped": skipped,
+        "augment": augment,
+    }
     if val_source is not None and val is not None:
         config["val_skipped"] = val.skipped.counts()
 
     def save_final(d: Path) -> None:
-        save_model_dir(d, model, extra={"recipe": NAME, "classes": train.classes, "image_size": vcfg.image_size,
-                                        "channels": channels, "normalize": "x / 127.5 - 1", "train": config})
+        save_model_dir(
+            d,
+            model,
+            extra={
+                "recipe": NAME,
+                "classes": train.classes,
+                "image_size": vcfg.image_size,
+                "channels": channels,
+                "normalize": "x / 127.5 - 1",
+                "train": config,
+            },
+        )
 
-    notes.insert(0, f"{len(train)} training images in {len(train.classes)} classes from {source}"
-                 + (f", {len(val)} validation images" if val is not None else ", no validation images"))
+    notes.insert(
+        0,
+        f"{len(train)} training images in {len(train.classes)} classes from {source}"
+        + (f", {len(val)} validation images" if val is not None else ", no validation images"),
+    )
     if any(skipped.values()):
-        notes.append(f"skipped files in {source}: {train.skipped.describe()} "
-                     f"(e.g. {next(iter(train.skipped.examples.values()))})")
+        notes.append(
+            f"skipped files in {source}: {train.skipped.describe()} "
+            f"(e.g. {next(iter(train.skipped.examples.values()))})"
+        )
     tally = _Tally()
-    job = Job(recipe=NAME, model=model, micro_batch=batches.batch,
-              eval_batches=(lambda: val_batches.eval_batches(cfg.eval_batches)) if val_batches else (lambda: []),
-              save_final=save_final, config=config, loss=tally.loss, count=count, n_items=count,
-              items_name="images", eval_metrics=tally.accuracy, params_decay=decays)
+    job = Job(
+        recipe=NAME,
+        model=model,
+        micro_batch=batches.batch,
+        eval_batches=(lambda: val_batches.eval_batches(cfg.eval_batches))
+        if val_batches
+        else (lambda: []),
+        save_final=save_final,
+        config=config,
+        loss=tally.loss,
+        count=count,
+        n_items=count,
+        items_name="images",
+        eval_metrics=tally.accuracy,
+        params_decay=decays,
+    )
     return Built(job=job, arch="vit", params=model.num_params(), notes=notes, derived=derived)
 
 
 def choose_augment(cfg: RunConfig, n_train: int) -> tuple[str, str]:
     """--augment auto: the mode for this run's passes over the data, and a note saying why."""
-    seen = cfg.steps * cfg.batch_size * cfg.grad_accum * dist.info().world  # images drawn over the run
+    seen = (
+        cfg.steps * cfg.batch_size * cfg.grad_accum * dist.info().world
+    )  # images drawn over the run
     epochs = seen / max(1, n_train)
     mode = "crop-flip" if epochs >= AUGMENT_EPOCHS else "none"
     other = "none" if mode == "crop-flip" else "crop-flip"
     times = f"{epochs:.1f}" if epochs >= 0.1 else f"{epochs:.2g}"  # a short run: 0.0053, not 0.0
-    return mode, (f"augment {mode} (auto: the run sees each of its {n_train:,} training images {times} times, "
-                  f"{'at least' if mode == 'crop-flip' else 'under'} {AUGMENT_EPOCHS}; --augment {other} overrides)")
+    return mode, (
+        f"augment {mode} (auto: the run sees each of its {n_train:,} training images {times} times, "
+        f"{'at least' if mode == 'crop-flip' else 'under'} {AUGMENT_EPOCHS}; --augment {other} overrides)"
+    )
 
 
 def decays(name: str, p: torch.Tensor) -> bool:
@@ -230,7 +331,9 @@ class _Tally:
         self.correct = 0
         self.total = 0
 
-    def loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    def loss(
+        self, model: nn.Module, batch: dict[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Cross-entropy summed over the batch's images, and the image count (the loop
         divides by the count over the whole accumulation step)."""
         logits = model(to_float(batch["images"]))  # (B, n_classes)
@@ -238,9 +341,13 @@ class _Tally:
         if not model.training:
             self.correct += int((logits.argmax(-1) == labels).sum())
             self.total += int(labels.numel())
-        return F.cross_entropy(logits.float(), labels, reduction="sum"), torch.tensor(labels.numel())
+        return F.cross_entropy(logits.float(), labels, reduction="sum"), torch.tensor(
+            labels.numel()
+        )
 
-    def accuracy(self, model: nn.Module, batches: list[dict[str, torch.Tensor]]) -> dict[str, float]:
+    def accuracy(
+        self, model: nn.Module, batches: list[dict[str, torch.Tensor]]
+    ) -> dict[str, float]:
         n = sum(int(b["labels"].numel()) for b in batches)
         correct, total = self.correct, self.total
         self.correct = self.total = 0

@@ -23,9 +23,10 @@ may be longer than its tokenizer).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -37,11 +38,11 @@ from toy.errors import InputError, UsageError
 from toy.formats.base import QuantTensor, read_base
 from toy.formats.gguf import read_gguf_header, read_gguf_tensor, supported_archs
 from toy.models import registry
+from toy.recipes.lm import fingerprint, lm_config, lm_derived, lm_job, open_token_data
 from toy.runs import Project
 from toy.train.config import RunConfig
-from toy.train.recipe import Recipe
 from toy.train.job import Built
-from toy.recipes.lm import fingerprint, lm_config, lm_derived, lm_job, open_token_data
+from toy.train.recipe import Recipe
 
 NAME = "warm-start"
 INITS = ("scratch", "donor", "pca")
@@ -50,22 +51,42 @@ GET_DONOR = "`toy fetch smollm2` fetches SmolLM2-135M"
 INIT_STD = 0.02  # Llama.reset_parameters' std: warmed tables start at this RMS (docs/results.md)
 
 # This recipe's flags; the model and optimiser flags are the general ones (as from-scratch).
-EMBED_LR_SCALE = 3.0  # the embedding (or lens) trains at this times --lr: docs/results.md, "Warm start"
-FLAGS: dict[str, Any] = dict(donor=None, init="donor", freeze_embed_steps=0, embed_lr_scale=EMBED_LR_SCALE)
+EMBED_LR_SCALE = (
+    3.0  # the embedding (or lens) trains at this times --lr: docs/results.md, "Warm start"
+)
+FLAGS: dict[str, Any] = dict(
+    donor=None, init="donor", freeze_embed_steps=0, embed_lr_scale=EMBED_LR_SCALE
+)
 
 
 def add_arguments(g) -> None:
-    g.add_argument("--donor", metavar="DONOR", help="a GGUF model, or a transformers or MLX model directory, of any "
-                   "supported family, whose token embedding warms the embedding and whose tokenizer the corpus must "
-                   "use (`toy prep TEXT --tokenizer DONOR`) (no default: required)")
-    g.add_argument("--init", metavar="{scratch,donor,pca}", help="embedding init: scratch (random, the baseline), "
-                   "donor (the donor's rows; a trainable lens when widths differ) or pca (the donor's top "
-                   "--d-model principal components) (default donor)")
-    g.add_argument("--freeze-embed-steps", type=int, metavar="N",
-                   help="keep the warmed embedding (and lens) frozen for the first N steps (default 0)")
-    g.add_argument("--embed-lr-scale", type=float, metavar="X",
-                   help="the embedding (the lens, with a donor table) trains at X times --lr, with every --init, "
-                   f"scratch included (default {EMBED_LR_SCALE:g})")
+    g.add_argument(
+        "--donor",
+        metavar="DONOR",
+        help="a GGUF model, or a transformers or MLX model directory, of any "
+        "supported family, whose token embedding warms the embedding and whose tokenizer the corpus must "
+        "use (`toy prep TEXT --tokenizer DONOR`) (no default: required)",
+    )
+    g.add_argument(
+        "--init",
+        metavar="{scratch,donor,pca}",
+        help="embedding init: scratch (random, the baseline), "
+        "donor (the donor's rows; a trainable lens when widths differ) or pca (the donor's top "
+        "--d-model principal components) (default donor)",
+    )
+    g.add_argument(
+        "--freeze-embed-steps",
+        type=int,
+        metavar="N",
+        help="keep the warmed embedding (and lens) frozen for the first N steps (default 0)",
+    )
+    g.add_argument(
+        "--embed-lr-scale",
+        type=float,
+        metavar="X",
+        help="the embedding (the lens, with a donor table) trains at X times --lr, with every --init, "
+        f"scratch included (default {EMBED_LR_SCALE:g})",
+    )
 
 
 def check_opts(cfg: RunConfig) -> list[str]:
@@ -77,24 +98,37 @@ def check_opts(cfg: RunConfig) -> list[str]:
     if not isinstance(n, int) or isinstance(n, bool) or n < 0:
         p.append(f"--freeze-embed-steps must be an integer >= 0, got {n!r}")
     x = cfg.embed_lr_scale
-    if x is not None and (isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or x <= 0):
+    if x is not None and (
+        isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or x <= 0
+    ):
         p.append(f"--embed-lr-scale must be a number > 0, got {x!r}")
     if not cfg.donor:
-        p.append(f"--donor DONOR.gguf is required: it gives the embedding and the tokenizer ({GET_DONOR})")
+        p.append(
+            f"--donor DONOR.gguf is required: it gives the embedding and the tokenizer ({GET_DONOR})"
+        )
     elif not Path(cfg.donor).exists():
-        p.append(f"--donor {cfg.donor} not found; pass a GGUF model or a model directory ({GET_DONOR})")
+        p.append(
+            f"--donor {cfg.donor} not found; pass a GGUF model or a model directory ({GET_DONOR})"
+        )
     if cfg.arch != "llama":
-        p.append(f"--arch {cfg.arch}: warm-start builds a llama (its tied embedding is what the donor "
-                 "fills); drop --arch")
+        p.append(
+            f"--arch {cfg.arch}: warm-start builds a llama (its tied embedding is what the donor "
+            "fills); drop --arch"
+        )
     if cfg.tokenizer:
-        p.append("--tokenizer conflicts with --donor: warm-start uses the donor's tokenizer; drop --tokenizer")
+        p.append(
+            "--tokenizer conflicts with --donor: warm-start uses the donor's tokenizer; drop --tokenizer"
+        )
     if cfg.raw_i32:
-        p.append("--raw-i32: a headerless corpus cannot prove it uses the donor's tokenizer; convert it with "
-                 "`toy prep FILE --raw-i32 --tokenizer DONOR.gguf --out FILE.bin`")
+        p.append(
+            "--raw-i32: a headerless corpus cannot prove it uses the donor's tokenizer; convert it with "
+            "`toy prep FILE --raw-i32 --tokenizer DONOR.gguf --out FILE.bin`"
+        )
     return p
 
 
 # ------------------------------------------------------------------ the donor
+
 
 @dataclass
 class Donor:
@@ -117,30 +151,48 @@ def open_donor(path: Path) -> Donor:
     """Header (or config), family check, embedding shape and tokenizer; no weight is read
     yet. A GGUF, or a transformers or MLX model directory."""
     if not path.exists():
-        raise InputError(f"--donor {path} not found; pass a GGUF model or a model directory ({GET_DONOR})")
+        raise InputError(
+            f"--donor {path} not found; pass a GGUF model or a model directory ({GET_DONOR})"
+        )
     if path.is_dir():
         return _open_dir_donor(path)
     h = read_gguf_header(path)
     arch = h.metadata.get("general.architecture")
     if arch not in supported_archs():
-        raise InputError(f"--donor {path}: architecture {arch!r} is not one toy reads (supported: "
-                         f"{', '.join(supported_archs())}); pass a model of one of those families")
+        raise InputError(
+            f"--donor {path}: architecture {arch!r} is not one toy reads (supported: "
+            f"{', '.join(supported_archs())}); pass a model of one of those families"
+        )
     if h.metadata.get("general.type") == "adapter":
         raise InputError(f"--donor {path}: is a LoRA adapter GGUF, not a model; pass a model GGUF")
     width = h.metadata.get(f"{arch}.embedding_length")
     if isinstance(width, bool) or not isinstance(width, int) or width < 1:
-        raise InputError(f"--donor {path}: GGUF key '{arch}.embedding_length' is {width!r}; expected the "
-                         "embedding width (a positive integer)")
+        raise InputError(
+            f"--donor {path}: GGUF key '{arch}.embedding_length' is {width!r}; expected the "
+            "embedding width (a positive integer)"
+        )
     ti = h.tensors.get(EMBED)
     if ti is None:
-        raise InputError(f"--donor {path}: has no tensor '{EMBED}' (the token embedding warm-start copies); "
-                         "pass a complete model GGUF")
+        raise InputError(
+            f"--donor {path}: has no tensor '{EMBED}' (the token embedding warm-start copies); "
+            "pass a complete model GGUF"
+        )
     if len(ti.shape) != 2 or ti.shape[1] != width:
-        raise InputError(f"--donor {path}: '{EMBED}' has shape {list(ti.shape)}, expected [rows, {width}] "
-                         f"({arch}.embedding_length); the file is damaged")
+        raise InputError(
+            f"--donor {path}: '{EMBED}' has shape {list(ti.shape)}, expected [rows, {width}] "
+            f"({arch}.embedding_length); the file is damaged"
+        )
     tok = toktools.from_gguf_metadata(h.metadata, source=str(path))
-    return Donor(path, arch, width, ti.shape[0], tok, toktools.tokenizer_hash(tok), ti.qtype.name,
-                 lambda: read_gguf_tensor(h, EMBED))
+    return Donor(
+        path,
+        arch,
+        width,
+        ti.shape[0],
+        tok,
+        toktools.tokenizer_hash(tok),
+        ti.qtype.name,
+        lambda: read_gguf_tensor(h, EMBED),
+    )
 
 
 def _open_dir_donor(path: Path) -> Donor:
@@ -162,6 +214,7 @@ def _open_dir_donor(path: Path) -> Donor:
 
 
 # ------------------------------------------------------------------ projections
+
 
 def centre(table: torch.Tensor) -> torch.Tensor:
     """The rows of `table` minus their mean row (the mean taken in float64), float32."""
@@ -272,7 +325,11 @@ def fold(model: nn.Module) -> nn.Module:
     """A plain Llama equal to `model`, with table @ lens^T as its (tied) embedding."""
     if not isinstance(model.embed_tokens, LensEmbedding):
         return model
-    sd = {k: v for k, v in model.state_dict().items() if not k.startswith(("embed_tokens.", "lm_head."))}
+    sd = {
+        k: v
+        for k, v in model.state_dict().items()
+        if not k.startswith(("embed_tokens.", "lm_head."))
+    }
     sd["embed_tokens.weight"] = model.embed_tokens.weight.detach()
     with torch.random.fork_rng(devices=[]):  # the throwaway random init must not move the run's RNG
         plain = registry.build_model(model.cfg)
@@ -298,33 +355,43 @@ class EmbedFreeze:
 
 # ------------------------------------------------------------------ build
 
+
 def build(cfg: RunConfig, project: Project) -> Built:
     init = cfg.init
     donor = open_donor(Path(cfg.donor))
-    data = open_token_data(cfg, project, tokenizer=donor.tokenizer, tokenizer_source=str(donor.path),
-                           bundled_ok=False)
+    data = open_token_data(
+        cfg, project, tokenizer=donor.tokenizer, tokenizer_source=str(donor.path), bundled_ok=False
+    )
     train = data.train
     if train.vocab_size > donor.rows:
-        raise InputError(f"--corpus {train.path}: vocabulary {train.vocab_size} is larger than --donor {donor.path}'s "
-                         f"{EMBED} ({donor.rows} rows); the file is damaged")
+        raise InputError(
+            f"--corpus {train.path}: vocabulary {train.vocab_size} is larger than --donor {donor.path}'s "
+            f"{EMBED} ({donor.rows} rows); the file is damaged"
+        )
     vocab = train.vocab_size
     seq_notes: list[str] = []
     mcfg, seq_len = lm_config(cfg, "llama", train, seq_notes)
     if init == "pca" and mcfg.d_model > donor.width:
-        raise UsageError(f"--init pca: --d-model {mcfg.d_model} exceeds --donor {donor.path}'s width {donor.width}; "
-                         f"PCA gives at most {donor.width} components: lower --d-model or use --init donor "
-                         "(a trainable lens)")
+        raise UsageError(
+            f"--init pca: --d-model {mcfg.d_model} exceeds --donor {donor.path}'s width {donor.width}; "
+            f"PCA gives at most {donor.width} components: lower --d-model or use --init donor "
+            "(a trainable lens)"
+        )
     # The same seed and the same model class as --init scratch: only the embedding differs.
     torch.manual_seed(cfg.seed)
     model = registry.build_model(mcfg)
     notes: list[str] = list(seq_notes)
     lens = init == "pca" or (init == "donor" and donor.width != mcfg.d_model)
-    frozen = ["embed_tokens.lens.weight" if lens else "embed_tokens.weight"]  # tied: lm_head shares it
+    frozen = [
+        "embed_tokens.lens.weight" if lens else "embed_tokens.weight"
+    ]  # tied: lm_head shares it
     src = f"{donor.path.name}'s token embedding ({donor.rows} x {donor.width}, {donor.table_type})"
     if init != "scratch":
         table = donor.table(vocab)
         if not torch.isfinite(table).all():
-            raise InputError(f"--donor {donor.path}: '{EMBED}' holds NaN or inf values; the file is damaged")
+            raise InputError(
+                f"--donor {donor.path}: '{EMBED}' holds NaN or inf values; the file is damaged"
+            )
         if not lens:
             with torch.no_grad():
                 model.embed_tokens.weight.copy_(table)
@@ -333,44 +400,83 @@ def build(cfg: RunConfig, project: Project) -> Built:
             table = centre(table)  # the mean row, shared by every token, would swamp the inputs
             if init == "donor":
                 install_lens(model, table, lens_init(table, mcfg.d_model, cfg.seed))
-                notes.append(f"embedding: {src}, centred (frozen) @ a trainable random lens {donor.width} -> "
-                             f"{mcfg.d_model} (product starts at RMS {INIT_STD}); the tied head uses the same product")
+                notes.append(
+                    f"embedding: {src}, centred (frozen) @ a trainable random lens {donor.width} -> "
+                    f"{mcfg.d_model} (product starts at RMS {INIT_STD}); the tied head uses the same product"
+                )
             else:
                 axes, var = principal_axes(table, mcfg.d_model)
-                install_lens(model, table, scaled_lens(table, axes.T))  # rows: the axes, largest variance first
+                install_lens(
+                    model, table, scaled_lens(table, axes.T)
+                )  # rows: the axes, largest variance first
                 share = float(var.sum()) / float(table.double().var(0, unbiased=False).sum())
-                notes.append(f"embedding: {src}, centred (frozen) @ a trainable lens {donor.width} -> {mcfg.d_model} "
-                             f"that starts on its top {mcfg.d_model} principal axes ({share:.1%} of its variance; "
-                             f"product at RMS {INIT_STD}); the tied head uses the same product")
+                notes.append(
+                    f"embedding: {src}, centred (frozen) @ a trainable lens {donor.width} -> {mcfg.d_model} "
+                    f"that starts on its top {mcfg.d_model} principal axes ({share:.1%} of its variance; "
+                    f"product at RMS {INIT_STD}); the tied head uses the same product"
+                )
         del table
     else:
-        notes.append(f"embedding: random N(0, 0.02) (the baseline); tokenizer from {donor.path.name}")
+        notes.append(
+            f"embedding: random N(0, 0.02) (the baseline); tokenizer from {donor.path.name}"
+        )
     if donor.rows > vocab and init != "scratch":
-        notes.append(f"{donor.rows - vocab} padding rows of the donor table beyond the vocabulary are unused")
+        notes.append(
+            f"{donor.rows - vocab} padding rows of the donor table beyond the vocabulary are unused"
+        )
     n_embed = vocab * mcfg.d_model
     n_params = sum(p.numel() for p in model.parameters())
     n_folded = n_params - (donor.width * mcfg.d_model if lens else 0) + (n_embed if lens else 0)
-    notes.append(f"vocabulary {vocab}: the embedding is {n_embed:,} of the final model's {n_folded:,} parameters "
-                 f"({n_embed / n_folded:.0%})")
+    notes.append(
+        f"vocabulary {vocab}: the embedding is {n_embed:,} of the final model's {n_folded:,} parameters "
+        f"({n_embed / n_folded:.0%})"
+    )
     freeze = None
     n_freeze = int(cfg.freeze_embed_steps)
     if n_freeze > 0:
         freeze = EmbedFreeze(frozen, n_freeze)
         notes.append(f"{'lens' if lens else 'embedding'} frozen for steps 1..{n_freeze}")
-    config = {"recipe": NAME, "arch": "llama", "model": mcfg.to_dict(), "corpus": str(train.path),
-              "corpus_tokens": len(train), "corpus_sha256": fingerprint(train.path), "seq_len": seq_len,
-              "init": init, "donor": str(donor.path), "donor_sha256": fingerprint(donor.path),
-              "donor_arch": donor.arch, "donor_width": donor.width, "donor_rows": donor.rows, "lens": lens,
-              "freeze_embed_steps": n_freeze}
+    config = {
+        "recipe": NAME,
+        "arch": "llama",
+        "model": mcfg.to_dict(),
+        "corpus": str(train.path),
+        "corpus_tokens": len(train),
+        "corpus_sha256": fingerprint(train.path),
+        "seq_len": seq_len,
+        "init": init,
+        "donor": str(donor.path),
+        "donor_sha256": fingerprint(donor.path),
+        "donor_arch": donor.arch,
+        "donor_width": donor.width,
+        "donor_rows": donor.rows,
+        "lens": lens,
+        "freeze_embed_steps": n_freeze,
+    }
     # None: a run recorded before the flag existed (its embedding trained at 1 x --lr);
     # resume then reports the changed job config instead of failing here.
     scale = 1.0 if cfg.embed_lr_scale is None else float(cfg.embed_lr_scale)
     if scale != 1.0:
         notes.append(f"{'lens' if lens else 'embedding'} LR: {scale:g} x --lr (--embed-lr-scale)")
     config["embed_lr_scale"] = scale
-    job = lm_job(NAME, model, data, cfg, seq_len, config, export=lambda: fold(model), frozen=freeze,
-                 lr_scale=lambda name: scale if name.startswith("embed_tokens.") else 1.0)
-    return Built(job=job, arch="llama", params=n_params, notes=notes, derived=lm_derived(cfg, train, seq_len, notes))
+    job = lm_job(
+        NAME,
+        model,
+        data,
+        cfg,
+        seq_len,
+        config,
+        export=lambda: fold(model),
+        frozen=freeze,
+        lr_scale=lambda name: scale if name.startswith("embed_tokens.") else 1.0,
+    )
+    return Built(
+        job=job,
+        arch="llama",
+        params=n_params,
+        notes=notes,
+        derived=lm_derived(cfg, train, seq_len, notes),
+    )
 
 
 RECIPE = Recipe("warm-start", build, defaults=FLAGS, add_arguments=add_arguments, check=check_opts)

@@ -95,31 +95,37 @@ class RunConfig:
         return {f.name: f.default for f in fields(cls)}
 
     @classmethod
-    def for_recipe(cls, recipe: str, flags: dict[str, Any] | None = None, **overrides: Any) -> "RunConfig":
+    def for_recipe(
+        cls, recipe: str, flags: dict[str, Any] | None = None, **overrides: Any
+    ) -> RunConfig:
         """Defaults, then a recipe's FLAGS, then overrides: how scripts and tests build one."""
         return cls(**{**cls.defaults(), **(flags or {}), "recipe": recipe, **overrides})
 
     @classmethod
-    def from_record(cls, record: dict[str, Any], source: str = "run.json") -> "RunConfig":
+    def from_record(cls, record: dict[str, Any], source: str = "run.json") -> RunConfig:
         """The config a run recorded (run.json "config"). Keys this toy does not know mean
         the run came from another version: refuse rather than guess."""
         unknown = sorted(set(record) - set(cls.keys()))
         if unknown:
-            raise InputError(f"{source}: unknown config key(s) {', '.join(unknown)}; the run was made by another "
-                             "toy version: resume it with that version or start a new run")
+            raise InputError(
+                f"{source}: unknown config key(s) {', '.join(unknown)}; the run was made by another "
+                "toy version: resume it with that version or start a new run"
+            )
         return cls(**record)
 
-    def with_derived(self, derived: dict[str, Any]) -> "RunConfig":
+    def with_derived(self, derived: dict[str, Any]) -> RunConfig:
         """The config with what the recipe worked out (Built.derived) filled in."""
         return dataclasses.replace(self, **derived) if derived else self
 
-    def replace(self, **changes: Any) -> "RunConfig":
+    def replace(self, **changes: Any) -> RunConfig:
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
-    def epoch_steps(self, n_units: int, per_step: int, unit: str) -> tuple[dict[str, Any], str | None]:
+    def epoch_steps(
+        self, n_units: int, per_step: int, unit: str
+    ) -> tuple[dict[str, Any], str | None]:
         """--epochs as a step count: each epoch is one pass over the `n_units` training
         units (token windows, images, chat batches), `per_step` of them a step (the global
         batch). Returns (derived, note); nothing when --steps counts (a resumed run keeps its
@@ -127,8 +133,10 @@ class RunConfig:
         if self.steps is not None or self.epochs is None:
             return {}, None
         steps = self.epochs * math.ceil(max(1, n_units) / per_step)
-        return {"steps": steps}, (f"{self.epochs} epoch{'s' if self.epochs != 1 else ''} of {n_units:,} {unit}, "
-                                  f"{per_step} a step = {steps} step{'s' if steps != 1 else ''}")
+        return {"steps": steps}, (
+            f"{self.epochs} epoch{'s' if self.epochs != 1 else ''} of {n_units:,} {unit}, "
+            f"{per_step} a step = {steps} step{'s' if steps != 1 else ''}"
+        )
 
     # ------------------------------------------------------------------ reading
 
@@ -141,7 +149,9 @@ class RunConfig:
 RESUME_MAY_CHANGE = ("steps", "device", "compile")
 
 
-def resolve(cli: dict[str, Any], toml: dict[str, Any], recipe: str, recipe_defaults: dict[str, Any]) -> RunConfig:
+def resolve(
+    cli: dict[str, Any], toml: dict[str, Any], recipe: str, recipe_defaults: dict[str, Any]
+) -> RunConfig:
     """flags (`cli`, None = not given) > toy.toml [train.<recipe>] > [train] > the recipe's
     defaults > RunConfig's. An unknown toy.toml key is an error naming it."""
     if cli.get("epochs") is not None and cli.get("steps") is not None:
@@ -152,7 +162,9 @@ def resolve(cli: dict[str, Any], toml: dict[str, Any], recipe: str, recipe_defau
     for k, v in table.items():
         key = k.replace("-", "_")
         if key not in out:
-            raise UsageError(f"toy.toml [train] has unknown key {k!r}; valid: {', '.join(sorted(out))}")
+            raise UsageError(
+                f"toy.toml [train] has unknown key {k!r}; valid: {', '.join(sorted(out))}"
+            )
         out[key] = v
     out.update({k: v for k, v in cli.items() if v is not None})
     out["recipe"] = recipe
@@ -171,11 +183,15 @@ def problems(c: RunConfig, archs: list[str], presets: list[str] | None) -> list[
     presets (None when --arch is unknown)."""
     p = []
     if c.arch not in archs:
-        p.append(f"--arch {c.arch!r} is unknown; valid: {', '.join(a for a in archs if a != 'vit')} "
-                 "(vit via --recipe vit-tiny)")
+        p.append(
+            f"--arch {c.arch!r} is unknown; valid: {', '.join(a for a in archs if a != 'vit')} "
+            "(vit via --recipe vit-tiny)"
+        )
     elif c.preset is not None and presets is not None and c.preset not in presets:
         p.append(f"--preset {c.preset!r} is unknown for {c.arch}; valid: {', '.join(presets)}")
-    for k in ("batch_size", "grad_accum", "eval_batches") + (("steps",) if c.steps is not None else ()):
+    for k in ("batch_size", "grad_accum", "eval_batches") + (
+        ("steps",) if c.steps is not None else ()
+    ):
         v = getattr(c, k)
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             p.append(f"{_flag(k)} must be an integer >= 1, got {v!r}")
@@ -197,6 +213,8 @@ def problems(c: RunConfig, archs: list[str], presets: list[str] | None) -> list[
         from pathlib import Path
 
         if not Path(c.corpus).is_file():
-            p.append(f"--corpus {c.corpus} not found; make one with `toy prep TEXT --out FILE.bin` "
-                     "or start a project with `toy new DIR`")
+            p.append(
+                f"--corpus {c.corpus} not found; make one with `toy prep TEXT --out FILE.bin` "
+                "or start a project with `toy new DIR`"
+            )
     return p

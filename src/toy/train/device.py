@@ -19,7 +19,9 @@ def resolve_device(name: str) -> torch.device:
         if sys.platform != "darwin":
             raise UsageError("--device metal: metal is only available on macOS; use --device cpu")
         if not torch.backends.mps.is_available():
-            raise UsageError("--device metal: this PyTorch build has no MPS support; use --device cpu")
+            raise UsageError(
+                "--device metal: this PyTorch build has no MPS support; use --device cpu"
+            )
         return torch.device("mps")
     if name == "cuda":
         if not torch.cuda.is_available():

@@ -59,7 +59,9 @@ def init(device_type: str) -> DistInfo:
     if not dist.is_initialized():
         timeout = datetime.timedelta(seconds=float(os.environ.get("TOY_DIST_TIMEOUT", "300")))
         dist.init_process_group(backend=backend, timeout=timeout)
-    _INFO = DistInfo(rank=dist.get_rank(), world=dist.get_world_size(), local_rank=local, backend=backend)
+    _INFO = DistInfo(
+        rank=dist.get_rank(), world=dist.get_world_size(), local_rank=local, backend=backend
+    )
     return _INFO
 
 
@@ -132,5 +134,16 @@ def launch(nproc: int, argv: list[str]) -> int:
             skip = True
         elif not a.startswith("--nproc="):
             rest.append(a)
-    return subprocess.call([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                            str(nproc), "-m", "toy", *rest])
+    return subprocess.call(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            str(nproc),
+            "-m",
+            "toy",
+            *rest,
+        ]
+    )

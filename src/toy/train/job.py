@@ -3,9 +3,10 @@ loss. The loop (loop.py) owns everything else."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Collection
+from typing import Any
 
 import numpy as np
 import torch
@@ -28,7 +29,9 @@ class Job:
     # Flags/choices that identify the run (recorded in run.json, checked on resume).
     config: dict[str, Any] = field(default_factory=dict)
     # Loss over one micro-batch: (sum of per-token losses, number of supervised tokens).
-    loss: Callable[[nn.Module, dict[str, torch.Tensor]], tuple[torch.Tensor, torch.Tensor]] | None = None
+    loss: (
+        Callable[[nn.Module, dict[str, torch.Tensor]], tuple[torch.Tensor, torch.Tensor]] | None
+    ) = None
     # Number of supervised tokens in a batch, known before the forward pass: the loop
     # divides every micro-batch's loss sum by the total over the whole accumulation step.
     count: Callable[[dict[str, torch.Tensor]], int] | None = None
@@ -36,7 +39,9 @@ class Job:
     n_items: Callable[[dict[str, torch.Tensor]], int] | None = None
     items_name: str = "tokens"
     # Optional extra eval metrics (e.g. accuracy): model -> {"name": value}
-    eval_metrics: Callable[[nn.Module, list[dict[str, torch.Tensor]]], dict[str, float]] | None = None
+    eval_metrics: Callable[[nn.Module, list[dict[str, torch.Tensor]]], dict[str, float]] | None = (
+        None
+    )
     # Modules whose weights decay; default: every trainable tensor with 2+ dims.
     params_decay: Callable[[str, torch.Tensor], bool] | None = None
     # LR multiplier by parameter name (as in trainable()); default 1 for every parameter.

@@ -61,7 +61,9 @@ def compile_blocks(model: torch.nn.Module, device: torch.device) -> str:
     why = compile_unavailable(device)
     found = list(model.blocks)
     if why or not found:
-        return f"--compile: {why or 'this model has no repeated blocks to compile'}; training eagerly"
+        return (
+            f"--compile: {why or 'this model has no repeated blocks to compile'}; training eagerly"
+        )
     import torch._dynamo
 
     torch._dynamo.config.suppress_errors = True  # a graph inductor cannot build runs eagerly
@@ -77,7 +79,11 @@ def _no_buffer_sync() -> dict:
     from torch.nn.parallel import DistributedDataParallel
 
     params = inspect.signature(DistributedDataParallel.__init__).parameters
-    return {"forward_sync_buffers": False} if "forward_sync_buffers" in params else {"broadcast_buffers": False}
+    return (
+        {"forward_sync_buffers": False}
+        if "forward_sync_buffers" in params
+        else {"broadcast_buffers": False}
+    )
 
 
 def _ddp_ignore_frozen(module: torch.nn.Module) -> list[str]:
@@ -121,8 +127,12 @@ class _Signals:
             raise KeyboardInterrupt  # the second Ctrl-C: stop now
         self.signum = signum
         if self._announce:
-            print(f"{signal.Signals(signum).name}: finishing step {self.step}, then checkpointing... "
-                  "(Ctrl-C again stops at once, without that checkpoint)", file=sys.stderr, flush=True)
+            print(
+                f"{signal.Signals(signum).name}: finishing step {self.step}, then checkpointing... "
+                "(Ctrl-C again stops at once, without that checkpoint)",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def __exit__(self, *exc):
         for s, h in self._old.items():
@@ -169,8 +179,15 @@ class Trainer:
     """One run of the loop over a Job. `run()` is the whole of it; each method below is
     one part, in the order a step meets them."""
 
-    def __init__(self, job: Job, cfg: RunConfig, run_dir: Path | None, device: torch.device,
-                 events: EventLog, reporter: Reporter):
+    def __init__(
+        self,
+        job: Job,
+        cfg: RunConfig,
+        run_dir: Path | None,
+        device: torch.device,
+        events: EventLog,
+        reporter: Reporter,
+    ):
         self.job, self.cfg, self.run_dir, self.device = job, cfg, run_dir, device
         self.events, self.reporter = events, reporter
         self.d = dist.info()
@@ -178,19 +195,25 @@ class Trainer:
         self.model = job.model.to(device)
         if cfg.checkpointing:
             self.model.checkpointing = True
-            tune_malloc(MMAP_THRESHOLD_LOW_MEMORY)  # the low-memory mode: freed blocks go back at once
+            tune_malloc(
+                MMAP_THRESHOLD_LOW_MEMORY
+            )  # the low-memory mode: freed blocks go back at once
         if cfg.compile:
             reporter.message(compile_blocks(self.model, device))
         self.ddp, self.fsdp = self._wrap()
         self.named = job.trainable()  # after sharding: FSDP replaces parameters with DTensors
         self.names = {id(p): n for n, p in self.named}
         self.by_name = dict(self.named)
-        self.opt = make_adamw(self.named, cfg.lr, cfg.weight_decay, job.params_decay, lr_scale=job.lr_scale)
+        self.opt = make_adamw(
+            self.named, cfg.lr, cfg.weight_decay, job.params_decay, lr_scale=job.lr_scale
+        )
         self.schedule = Schedule(cfg.lr, cfg.min_lr, cfg.warmup, cfg.steps)
         self.res = TrainResult()
         self.saved_step = -1
         self.evals: list = []
-        self._next: tuple[int, list] | None = None  # (step, its batches), made during the step before
+        self._next: tuple[int, list] | None = (
+            None  # (step, its batches), made during the step before
+        )
 
     # ---------------------------------------------------------------- setup
 
@@ -225,7 +248,9 @@ class Trainer:
         base = schedule or Schedule(self.cfg.lr, self.cfg.min_lr, self.cfg.warmup, self.cfg.steps)
         self.schedule = base.extended(done, self.cfg.steps)
         if self.schedule != base:
-            self.reporter.message(f"  LR schedule {self.schedule.describe()} (docs/reliability.md: resume)")
+            self.reporter.message(
+                f"  LR schedule {self.schedule.describe()} (docs/reliability.md: resume)"
+            )
         return done
 
     # ---------------------------------------------------------------- one step
@@ -234,7 +259,10 @@ class Trainer:
         """Step `step`'s micro-batches, prepared on the host (job.prepare) and, for CUDA,
         in pinned memory so the copies with non_blocking=True really are asynchronous."""
         cfg, job = self.cfg, self.job
-        micro = [job.prepare(job.micro_batch((step - 1) * cfg.grad_accum + m)) for m in range(cfg.grad_accum)]
+        micro = [
+            job.prepare(job.micro_batch((step - 1) * cfg.grad_accum + m))
+            for m in range(cfg.grad_accum)
+        ]
         if self.device.type == "cuda":
             micro = [{k: v.pin_memory() for k, v in b.items()} for b in micro]
         return micro
@@ -265,7 +293,10 @@ class Trainer:
             n_global = dist.all_sum(torch.tensor(float(n_sup), device=self.device))
             scale = d.world / n_global.clamp_min(1.0)
         elif n_sup == 0:
-            raise RunFailed(f"step {step}: the batch has no supervised tokens; check the data's loss mask", step=step)
+            raise RunFailed(
+                f"step {step}: the batch has no supervised tokens; check the data's loss mask",
+                step=step,
+            )
         else:
             n_global, scale = None, 1.0 / n_sup
         loss_sum = torch.zeros((), device=self.device)
@@ -276,7 +307,11 @@ class Trainer:
             b = {k: v.to(self.device, non_blocking=True) for k, v in b.items()}
             # Gradients are all-reduced once per step, on the last micro-batch.
             last = i == len(micro) - 1
-            sync = self.ddp.no_sync() if self.ddp is not None and not last else contextlib.nullcontext()
+            sync = (
+                self.ddp.no_sync()
+                if self.ddp is not None and not last
+                else contextlib.nullcontext()
+            )
             if self.fsdp is not None:
                 self.fsdp.set_requires_gradient_sync(last)
             with sync:
@@ -286,7 +321,9 @@ class Trainer:
                 # global batch divided by its supervised tokens, hence * world.
                 (ls * scale).backward()
             loss_sum += ls.detach().float()
-        if job.frozen is not None:  # after backward and the gradient all-reduce: AdamW skips None grads
+        if (
+            job.frozen is not None
+        ):  # after backward and the gradient all-reduce: AdamW skips None grads
             for n in job.frozen(step):
                 self.by_name[n].grad = None
         if cfg.clip > 0:
@@ -298,16 +335,23 @@ class Trainer:
             # device still works through this step's queue: the read below waits for it.
             self._next = (step + 1, self._fetch(step + 1))
         if d.enabled:
-            total, n_sup = torch.stack([dist.all_sum(loss_sum), n_global]).tolist()  # one host sync per step
+            total, n_sup = torch.stack(
+                [dist.all_sum(loss_sum), n_global]
+            ).tolist()  # one host sync per step
             if n_sup == 0:
-                raise RunFailed(f"step {step}: the batch has no supervised tokens; check the data's loss mask",
-                                step=step)
+                raise RunFailed(
+                    f"step {step}: the batch has no supervised tokens; check the data's loss mask",
+                    step=step,
+                )
             loss = total / n_sup
         else:
             loss = loss_sum.item() / n_sup  # one host sync per step
         if not math.isfinite(loss):
-            raise RunFailed(f"loss became {loss} at step {step}; lower --lr or check the data "
-                            f"(the last good checkpoint, if any, stays under {self.ckpt_root})", step=step)
+            raise RunFailed(
+                f"loss became {loss} at step {step}; lower --lr or check the data "
+                f"(the last good checkpoint, if any, stays under {self.ckpt_root})",
+                step=step,
+            )
         return loss, n_items, lr
 
     # ---------------------------------------------------------------- eval, save
@@ -316,8 +360,13 @@ class Trainer:
         if not self.evals:
             return
         t0 = time.perf_counter()
-        metrics = evaluate(self.job, self.evals, self.device, self.fsdp,
-                           progress=lambda i, n: self.reporter.eval_progress(step, i, n, time.perf_counter() - t0))
+        metrics = evaluate(
+            self.job,
+            self.evals,
+            self.device,
+            self.fsdp,
+            progress=lambda i, n: self.reporter.eval_progress(step, i, n, time.perf_counter() - t0),
+        )
         timer.eval_time += time.perf_counter() - t0
         self.res.val_losses.append({"step": step, "loss": metrics["val_loss"]})
         extra = {k: v for k, v in metrics.items() if k != "val_loss"}
@@ -331,9 +380,15 @@ class Trainer:
         if self.ckpt_root is None or step == self.saved_step:
             return
         self.saved_step = step
-        state = {"losses": self.res.losses, "val_losses": self.res.val_losses, "metrics": self.res.metrics,
-                 "data_position": step * self.cfg.grad_accum, "config": self.job.config,
-                 "world_size": self.d.world, "schedule": self.schedule.to_dict()}
+        state = {
+            "losses": self.res.losses,
+            "val_losses": self.res.val_losses,
+            "metrics": self.res.metrics,
+            "data_position": step * self.cfg.grad_accum,
+            "config": self.job.config,
+            "world_size": self.d.world,
+            "schedule": self.schedule.to_dict(),
+        }
         rank_rng = dist.gather_rng_states(self.device)  # every rank's generators
         model_state = {n: _full(t) for n, t in self.job.trainable_state().items()}
         opt_state = ckpt.optimizer_tensors(self.opt, self.names, _full)
@@ -341,12 +396,17 @@ class Trainer:
             dist.barrier()
             return
         try:
-            path = ckpt.save_checkpoint(self.ckpt_root, step, model_state, opt_state, state, rank_rng)
+            path = ckpt.save_checkpoint(
+                self.ckpt_root, step, model_state, opt_state, state, rank_rng
+            )
         except OSError as e:
             # The temp directory is gone (atomic_dir removed it): no partial checkpoint
             # can pass for a valid one, and the previous checkpoint is untouched.
-            raise RunFailed(f"cannot write the step-{step} checkpoint under {self.ckpt_root}: {e.strerror or e}; "
-                            "free disk space or train with another --out", step=step)
+            raise RunFailed(
+                f"cannot write the step-{step} checkpoint under {self.ckpt_root}: {e.strerror or e}; "
+                "free disk space or train with another --out",
+                step=step,
+            )
         ckpt.prune_checkpoints(self.ckpt_root, self.cfg.keep_last)
         self.events.emit("checkpoint", step=step, path=str(path.relative_to(self.run_dir)))
         dist.barrier()
@@ -372,14 +432,23 @@ class Trainer:
                     self.res.items_per_s = ips
                 self.res.losses.append({"step": step, "loss": loss})
                 peak = self.res.peak_mem_bytes = peak_memory(self.device)
-                self.events.emit("step", step=step, loss=loss, lr=lr, items=n_items, peak_mem_bytes=peak,
-                                 **({f"{self.job.items_name}_per_s": round(ips, 2)} if ips else {}))
+                self.events.emit(
+                    "step",
+                    step=step,
+                    loss=loss,
+                    lr=lr,
+                    items=n_items,
+                    peak_mem_bytes=peak,
+                    **({f"{self.job.items_name}_per_s": round(ips, 2)} if ips else {}),
+                )
                 self.reporter.step(step, loss, ips, peak)
                 if cfg.eval_every and step % cfg.eval_every == 0 and step != cfg.steps:
                     self.evaluate(step, timer)
                 if cfg.save_every and step % cfg.save_every == 0:
                     self.save(step)
-                if dist.any_flag(sig.signum is not None, self.device):  # a signal on one rank stops all
+                if dist.any_flag(
+                    sig.signum is not None, self.device
+                ):  # a signal on one rank stops all
                     self._interrupted(step, sig.signum or signal.SIGTERM)
             self.evaluate(cfg.steps, timer)
             # The last step is always checkpointed: a finished run can be extended with
@@ -399,12 +468,22 @@ class Trainer:
         self.events.emit("interrupted", step=step, signal=name)
         self.reporter.close()
         where = self.ckpt_root / ckpt.STEP_FMT.format(step) if self.ckpt_root is not None else None
-        raise Interrupted(f"interrupted by {name} after step {step}; checkpoint saved in {where}; "
-                          f"resume with `toy train --resume {self.run_dir}`", signum)
+        raise Interrupted(
+            f"interrupted by {name} after step {step}; checkpoint saved in {where}; "
+            f"resume with `toy train --resume {self.run_dir}`",
+            signum,
+        )
 
 
-def train(job: Job, cfg: RunConfig, run_dir: Path | None, device: torch.device, events: EventLog,
-          reporter: Reporter | None = None, resume: Path | None = None) -> TrainResult:
+def train(
+    job: Job,
+    cfg: RunConfig,
+    run_dir: Path | None,
+    device: torch.device,
+    events: EventLog,
+    reporter: Reporter | None = None,
+    resume: Path | None = None,
+) -> TrainResult:
     """Run the loop: `resume` is a checkpoint directory to continue from."""
     return Trainer(job, cfg, run_dir, device, events, reporter or Reporter()).run(resume)
 
@@ -430,16 +509,27 @@ def materialize(model: torch.nn.Module) -> None:
 
     whole = {}
     for mod in model.modules():
-        for name, p in list(mod.named_parameters(recurse=False)):
+        for _name, p in list(mod.named_parameters(recurse=False)):
             if isinstance(p, DTensor) and id(p) not in whole:
-                whole[id(p)] = torch.nn.Parameter(p.full_tensor().detach().clone(), requires_grad=p.requires_grad)
+                whole[id(p)] = torch.nn.Parameter(
+                    p.full_tensor().detach().clone(), requires_grad=p.requires_grad
+                )
     for mod in model.modules():
         if isinstance(mod, FSDPModule):
             # Drop FSDP's class and hooks: they would swap the sharded parameters back in.
-            mod.__class__ = next(c for c in mod.__class__.__mro__[1:]
-                                 if issubclass(c, torch.nn.Module) and not issubclass(c, FSDPModule))
-            for hooks in (mod._forward_pre_hooks, mod._forward_hooks, mod._state_dict_pre_hooks,
-                          mod._state_dict_hooks, mod._load_state_dict_pre_hooks, mod._backward_pre_hooks):
+            mod.__class__ = next(
+                c
+                for c in mod.__class__.__mro__[1:]
+                if issubclass(c, torch.nn.Module) and not issubclass(c, FSDPModule)
+            )
+            for hooks in (
+                mod._forward_pre_hooks,
+                mod._forward_hooks,
+                mod._state_dict_pre_hooks,
+                mod._state_dict_hooks,
+                mod._load_state_dict_pre_hooks,
+                mod._backward_pre_hooks,
+            ):
                 hooks.clear()
         for name, p in list(mod.named_parameters(recurse=False)):
             if id(p) in whole:
@@ -450,8 +540,13 @@ def materialize(model: torch.nn.Module) -> None:
 
 
 @torch.no_grad()
-def evaluate(job: Job, batches: list[dict[str, torch.Tensor]], device: torch.device,
-             forward: torch.nn.Module | None = None, progress=None) -> dict[str, float]:
+def evaluate(
+    job: Job,
+    batches: list[dict[str, torch.Tensor]],
+    device: torch.device,
+    forward: torch.nn.Module | None = None,
+    progress=None,
+) -> dict[str, float]:
     """Validation loss (and the job's metrics) over `batches`; `progress(i, n)` after each."""
     model = job.model
     was_training = model.training
@@ -473,14 +568,22 @@ def evaluate(job: Job, batches: list[dict[str, torch.Tensor]], device: torch.dev
     return out
 
 
-def _restore(job: Job, opt: torch.optim.Optimizer, ckpt_dir: Path, res: TrainResult, names: dict[int, str],
-             seed: int) -> tuple[int, Schedule | None]:
+def _restore(
+    job: Job,
+    opt: torch.optim.Optimizer,
+    ckpt_dir: Path,
+    res: TrainResult,
+    names: dict[int, str],
+    seed: int,
+) -> tuple[int, Schedule | None]:
     """Load a checkpoint into the job and optimizer; (its step, its LR schedule)."""
     model_sd, opt_t, rng_t, state = ckpt.load_checkpoint(ckpt_dir)
     params = dict(job.trainable())
     missing = set(params) - set(model_sd)
     if missing:
-        raise RunFailed(f"{ckpt_dir}: checkpoint lacks {sorted(missing)[0]}; it belongs to another run")
+        raise RunFailed(
+            f"{ckpt_dir}: checkpoint lacks {sorted(missing)[0]}; it belongs to another run"
+        )
     with torch.no_grad():
         for n, p in params.items():
             p.copy_(_shard_like(model_sd[n].to(p.dtype), p))

@@ -26,7 +26,9 @@ class Reporter:
     """Quiet base: --json mode and non-zero ranks use it as is."""
 
     def start(self, total_steps: int, first_step: int) -> None: ...
-    def step(self, step: int, loss: float, items_per_s: float | None, peak_mem: int | None = None) -> None: ...
+    def step(
+        self, step: int, loss: float, items_per_s: float | None, peak_mem: int | None = None
+    ) -> None: ...
     def eval(self, step: int, metrics: dict[str, float]) -> None: ...
     def eval_progress(self, step: int, done: int, total: int, elapsed: float) -> None: ...
     def message(self, text: str) -> None: ...
@@ -36,7 +38,9 @@ class Reporter:
 class TextReporter(Reporter):
     """Plain lines on stdout; on a terminal, a rich bar drawn below them (transient)."""
 
-    def __init__(self, out: TextIO | None = None, items_name: str = "tokens", bar: bool | None = None):
+    def __init__(
+        self, out: TextIO | None = None, items_name: str = "tokens", bar: bool | None = None
+    ):
         self.out = out or sys.stdout
         self.items_name = items_name
         self.bar = self.out.isatty() if bar is None else bar
@@ -52,11 +56,18 @@ class TextReporter(Reporter):
 
         console = Console(file=self.out)
         self._progress = Progress(
-            TextColumn("step {task.completed}/{task.total}"), BarColumn(),
-            TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[speed]}"),
-            TextColumn("{task.fields[mem]}"), TimeRemainingColumn(), console=console, transient=True)
-        self._task = self._progress.add_task("train", total=total_steps, completed=first_step, loss="-", speed="",
-                                             mem="")
+            TextColumn("step {task.completed}/{task.total}"),
+            BarColumn(),
+            TextColumn("loss {task.fields[loss]}"),
+            TextColumn("{task.fields[speed]}"),
+            TextColumn("{task.fields[mem]}"),
+            TimeRemainingColumn(),
+            console=console,
+            transient=True,
+        )
+        self._task = self._progress.add_task(
+            "train", total=total_steps, completed=first_step, loss="-", speed="", mem=""
+        )
         self._progress.start()
 
     def _print(self, line: str) -> None:
@@ -68,12 +79,16 @@ class TextReporter(Reporter):
         except BrokenPipeError:
             stdout_closed()
 
-    def step(self, step: int, loss: float, items_per_s: float | None, peak_mem: int | None = None) -> None:
+    def step(
+        self, step: int, loss: float, items_per_s: float | None, peak_mem: int | None = None
+    ) -> None:
         self._print(f"step {step} loss {loss:.6f}")
         if self._progress is not None:
             speed = f"{items_per_s:,.0f} {self.items_name}/s" if items_per_s else ""
             mem = f"peak {peak_mem / 1e9:.2f} GB" if peak_mem else ""
-            self._progress.update(self._task, completed=step, loss=f"{loss:.4f}", speed=speed, mem=mem)
+            self._progress.update(
+                self._task, completed=step, loss=f"{loss:.4f}", speed=speed, mem=mem
+            )
 
     def eval_progress(self, step: int, done: int, total: int, elapsed: float) -> None:
         """A long evaluation says where it is (on stderr, so step lines stay byte-stable):
@@ -83,7 +98,11 @@ class TextReporter(Reporter):
                 self._eval_said = 0.0
             return
         self._eval_said = elapsed
-        print(f"  evaluating (step {step}): {done}/{total} batches, {elapsed:.0f} s", file=sys.stderr, flush=True)
+        print(
+            f"  evaluating (step {step}): {done}/{total} batches, {elapsed:.0f} s",
+            file=sys.stderr,
+            flush=True,
+        )
 
     def eval(self, step: int, metrics: dict[str, float]) -> None:
         parts = " ".join(f"{k} {v:.6f}" for k, v in metrics.items())

@@ -6,8 +6,9 @@ module for optional attributes.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from toy.train.config import RunConfig
 from toy.train.job import Built

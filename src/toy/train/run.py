@@ -28,7 +28,15 @@ from toy import __version__
 from toy.errors import Interrupted, RunFailed, ToyError, UsageError
 from toy.formats.checkpoint import list_checkpoints, read_json
 from toy.models import registry
-from toy.runs import EventLog, Project, check_run_id, create_run_dir, make_run_id, plural, write_json_atomic
+from toy.runs import (
+    EventLog,
+    Project,
+    check_run_id,
+    create_run_dir,
+    make_run_id,
+    plural,
+    write_json_atomic,
+)
 from toy.train import dist
 from toy.train.config import RESUME_MAY_CHANGE, RunConfig, problems, resolve
 from toy.train.device import device_info, resolve_device
@@ -56,12 +64,14 @@ class Outcome:
 
 # ------------------------------------------------------------------ the config
 
+
 def unknown_recipe(name: str, recipes: dict[str, Recipe]) -> str:
     import difflib
 
     close = difflib.get_close_matches(str(name), sorted(recipes), n=1, cutoff=0.5)
-    return (f"--recipe {name!r} is unknown; valid: {', '.join(sorted(recipes))}"
-            + (f"; did you mean {close[0]!r}?" if close else ""))
+    return f"--recipe {name!r} is unknown; valid: {', '.join(sorted(recipes))}" + (
+        f"; did you mean {close[0]!r}?" if close else ""
+    )
 
 
 def resolve_config(cli: dict[str, Any], project: Project, recipes: dict[str, Recipe]) -> RunConfig:
@@ -73,7 +83,9 @@ def resolve_config(cli: dict[str, Any], project: Project, recipes: dict[str, Rec
     recipe = recipes[name]
     cfg = resolve(cli, project.train_defaults, name, recipe.defaults)
     archs = registry.arch_names()
-    found = problems(cfg, archs, registry.preset_names(cfg.arch) if cfg.arch in archs else None) + recipe.check(cfg)
+    found = problems(
+        cfg, archs, registry.preset_names(cfg.arch) if cfg.arch in archs else None
+    ) + recipe.check(cfg)
     if found:
         raise UsageError("; ".join(found))
     return cfg
@@ -85,12 +97,16 @@ def fit_schedule(cfg: RunConfig, notes: list[str], default_lr: float | None = No
     short run with a raised --lr, as README's LoRA example, is a choice, not a mistake)."""
     cap = int(cfg.steps * WARMUP_SHARE)
     if cfg.warmup > cap:
-        notes.append(f"--warmup {cfg.warmup} cut to {cap}: at most {WARMUP_SHARE:.0%} of the run's "
-                     f"{plural(cfg.steps, 'step')}")
+        notes.append(
+            f"--warmup {cfg.warmup} cut to {cap}: at most {WARMUP_SHARE:.0%} of the run's "
+            f"{plural(cfg.steps, 'step')}"
+        )
         cfg = cfg.replace(warmup=cap)
     if cfg.steps < SHORT_RUN and (default_lr is None or cfg.lr <= default_lr):
-        notes.append(f"warning: {plural(cfg.steps, 'optimizer step')} is too short for the loss to move much; "
-                     "raise --steps or --epochs (or --lr) to see learning")
+        notes.append(
+            f"warning: {plural(cfg.steps, 'optimizer step')} is too short for the loss to move much; "
+            "raise --steps or --epochs (or --lr) to see learning"
+        )
     return cfg
 
 
@@ -103,20 +119,32 @@ def rescale_for_world(cfg: RunConfig, saved_world: int, world: int, unit: str) -
     if unit == "batches":
         units = cfg.grad_accum * saved_world
         if units % world:
-            raise UsageError(f"--resume: each step of the run takes {units} chat batches, which do not split over "
-                             f"{world} processes; resume on a number of processes that divides {units}")
+            raise UsageError(
+                f"--resume: each step of the run takes {units} chat batches, which do not split over "
+                f"{world} processes; resume on a number of processes that divides {units}"
+            )
         return cfg.replace(grad_accum=units // world)
     rows = cfg.batch_size * saved_world
     if rows % world:
-        raise UsageError(f"--resume: the run's global batch of {rows} rows does not split over {world} "
-                         f"processes; resume with a world size that divides {rows}")
+        raise UsageError(
+            f"--resume: the run's global batch of {rows} rows does not split over {world} "
+            f"processes; resume with a world size that divides {rows}"
+        )
     return cfg.replace(batch_size=rows // world)
 
 
 # ------------------------------------------------------------------ a new run
 
-def new_run(cli: dict[str, Any], project: Project, recipes: dict[str, Recipe], *, run_id: str | None = None,
-            out: str | None = None, json_mode: bool = False) -> Outcome:
+
+def new_run(
+    cli: dict[str, Any],
+    project: Project,
+    recipes: dict[str, Recipe],
+    *,
+    run_id: str | None = None,
+    out: str | None = None,
+    json_mode: bool = False,
+) -> Outcome:
     """`toy train`: everything checked before the run directory exists."""
     cfg = resolve_config(cli, project, recipes)
     recipe = recipes[cfg.recipe]
@@ -126,37 +154,68 @@ def new_run(cli: dict[str, Any], project: Project, recipes: dict[str, Recipe], *
     if run_id and d.is_main:
         check_run_id(run_id)
         if (runs_dir / run_id).exists():
-            raise UsageError(f"--run-id {run_id}: {runs_dir / run_id} already exists; pick another id")
+            raise UsageError(
+                f"--run-id {run_id}: {runs_dir / run_id} already exists; pick another id"
+            )
     built = recipe.build(cfg, project)  # every input check happens here, before the run dir exists
     cfg = cfg.with_derived(built.derived)
     default_lr = RunConfig.for_recipe(cfg.recipe, recipe.defaults).lr
     cfg = fit_schedule(cfg, built.notes, default_lr)  # the resolved config, read-only from here on
     run_dir = None
     if d.is_main:  # rank 0 alone names and makes the run directory, then tells the others
-        rid = run_id or make_run_id(project.run_id_template, runs_dir, recipe=cfg.recipe, arch=built.arch)
+        rid = run_id or make_run_id(
+            project.run_id_template, runs_dir, recipe=cfg.recipe, arch=built.arch
+        )
         run_dir = create_run_dir(runs_dir, rid)
     run_dir = Path(dist.broadcast_object(str(run_dir)))
-    distributed = {"world_size": d.world, "backend": d.backend if d.enabled else "none",
-                   "global_batch": cfg.batch_size * cfg.grad_accum * d.world, "fsdp": bool(cfg.fsdp and d.enabled)}
+    distributed = {
+        "world_size": d.world,
+        "backend": d.backend if d.enabled else "none",
+        "global_batch": cfg.batch_size * cfg.grad_accum * d.world,
+        "fsdp": bool(cfg.fsdp and d.enabled),
+    }
     info = {
-        "run_id": run_dir.name, "recipe": cfg.recipe, "arch": built.arch, "seed": cfg.seed,
-        "params": built.params, "config": cfg.to_dict(), "job": built.job.config,
+        "run_id": run_dir.name,
+        "recipe": cfg.recipe,
+        "arch": built.arch,
+        "seed": cfg.seed,
+        "params": built.params,
+        "config": cfg.to_dict(),
+        "job": built.job.config,
         "device": device_info(device),
-        "versions": {"toy": __version__, "torch": torch.__version__, "python": platform.python_version()},
+        "versions": {
+            "toy": __version__,
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+        },
         "machine": {"platform": platform.platform(), "cpu_count": _cpu_count()},
-        "command": sys.argv, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "distributed": distributed,
-        "segments": [{"from_step": 0, "steps": cfg.steps, "world_size": d.world, "started": time.time()}],
+        "command": sys.argv,
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "distributed": distributed,
+        "segments": [
+            {"from_step": 0, "steps": cfg.steps, "world_size": d.world, "started": time.time()}
+        ],
     }
     if d.is_main:
         write_json_atomic(run_dir / "run.json", info)
     events = EventLog(run_dir / "events.jsonl", enabled=d.is_main)
-    events.emit("run_started", run_id=run_dir.name, recipe=cfg.recipe, arch=built.arch, params=built.params,
-                steps=cfg.steps, seed=cfg.seed, device=device.type, world_size=d.world,
-                global_batch=distributed["global_batch"])
+    events.emit(
+        "run_started",
+        run_id=run_dir.name,
+        recipe=cfg.recipe,
+        arch=built.arch,
+        params=built.params,
+        steps=cfg.steps,
+        seed=cfg.seed,
+        device=device.type,
+        world_size=d.world,
+        global_batch=distributed["global_batch"],
+    )
     return _execute(cfg, built, run_dir, device, events, None, json_mode)
 
 
 # ------------------------------------------------------------------ a resumed run
+
 
 def _saved_config(info: dict, run_dir: Path) -> RunConfig:
     """The resolved config run.json recorded (runs made before it was recorded kept their
@@ -171,16 +230,29 @@ def _same_base(key: str, recorded, now) -> bool:
     """A LoRA run made before bases were recorded absolute kept --model as given
     (relative); resumed, the recipe records the absolute path of the same file. The
     file's content is compared separately (model_sha256)."""
-    return (key == "model" and isinstance(recorded, str) and isinstance(now, str)
-            and not Path(recorded).is_absolute() and Path(recorded).resolve() == Path(now))
+    return (
+        key == "model"
+        and isinstance(recorded, str)
+        and isinstance(now, str)
+        and not Path(recorded).is_absolute()
+        and Path(recorded).resolve() == Path(now)
+    )
 
 
-def resume_run(run_dir: Path, cli: dict[str, Any], project: Project, recipes: dict[str, Recipe], *,
-               json_mode: bool = False) -> Outcome:
+def resume_run(
+    run_dir: Path,
+    cli: dict[str, Any],
+    project: Project,
+    recipes: dict[str, Recipe],
+    *,
+    json_mode: bool = False,
+) -> Outcome:
     """`toy train --resume RUN`: its recorded config (only --steps may be raised, and the
     device and --compile changed), from its latest checkpoint, in place."""
     if not (run_dir / "run.json").is_file():
-        raise UsageError(f"--resume {run_dir}: no run.json there; give a run directory made by `toy train`")
+        raise UsageError(
+            f"--resume {run_dir}: no run.json there; give a run directory made by `toy train`"
+        )
     info = read_json(run_dir / "run.json")
     saved = _saved_config(info, run_dir)
     for k, v in cli.items():
@@ -188,24 +260,32 @@ def resume_run(run_dir: Path, cli: dict[str, Any], project: Project, recipes: di
             continue
         if getattr(saved, k) != v:
             flag = "--" + k.replace("_", "-")
-            raise UsageError(f"--resume: {flag} {v!r} differs from the run's {getattr(saved, k)!r}; "
-                             "a resumed run keeps its config (only --steps may be raised)")
+            raise UsageError(
+                f"--resume: {flag} {v!r} differs from the run's {getattr(saved, k)!r}; "
+                "a resumed run keeps its config (only --steps may be raised)"
+            )
     ckpts = list_checkpoints(run_dir / "checkpoints")
     if not ckpts:
-        raise UsageError(f"--resume {run_dir}: no checkpoint to resume from; train with --save-every N")
+        raise UsageError(
+            f"--resume {run_dir}: no checkpoint to resume from; train with --save-every N"
+        )
     last = ckpts[-1]
     done = int(read_json(last / "state.json")["step"])
     cfg = saved
     if cli.get("steps") is not None:
         if cli["steps"] < saved.steps:
-            raise UsageError(f"--steps {cli['steps']} is below the run's {saved.steps}; it may only be raised")
+            raise UsageError(
+                f"--steps {cli['steps']} is below the run's {saved.steps}; it may only be raised"
+            )
         cfg = cfg.replace(steps=cli["steps"])
     for k in ("device", "compile"):
         if cli.get(k) is not None:
             cfg = cfg.replace(**{k: cli[k]})
     if done >= cfg.steps:
-        raise UsageError(f"--resume {run_dir}: its checkpoint is at step {done} of {cfg.steps}; "
-                         "raise --steps to train further")
+        raise UsageError(
+            f"--resume {run_dir}: its checkpoint is at step {done} of {cfg.steps}; "
+            "raise --steps to train further"
+        )
     device = resolve_device(cfg.device)
     d = dist.init(device.type)
     saved_world = int(info.get("distributed", {}).get("world_size", 1))
@@ -215,33 +295,53 @@ def resume_run(run_dir: Path, cli: dict[str, Any], project: Project, recipes: di
     for k in sorted(set(built.job.config) | set(info["job"])):
         a, b = info["job"].get(k), json.loads(json.dumps(built.job.config.get(k)))
         if a != b and not _same_base(k, a, b):
-            raise UsageError(f"--resume {run_dir}: {k} changed since the run started ({a!r} -> {b!r}); "
-                             "restore the original input or start a new run")
+            raise UsageError(
+                f"--resume {run_dir}: {k} changed since the run started ({a!r} -> {b!r}); "
+                "restore the original input or start a new run"
+            )
     run_cfg = run_cfg.with_derived(built.derived)
     if d.is_main:  # run.json tells the truth about the run as it now stands
         info["config"] = cfg.to_dict()
-        info.setdefault("segments", []).append({"from_step": done, "steps": cfg.steps, "world_size": d.world,
-                                                "started": time.time()})
+        info.setdefault("segments", []).append(
+            {"from_step": done, "steps": cfg.steps, "world_size": d.world, "started": time.time()}
+        )
         write_json_atomic(run_dir / "run.json", info)
     events = EventLog(run_dir / "events.jsonl", enabled=d.is_main)
-    events.emit("run_resumed", from_step=done, steps=run_cfg.steps, checkpoint=str(last.relative_to(run_dir)),
-                world_size=d.world)
+    events.emit(
+        "run_resumed",
+        from_step=done,
+        steps=run_cfg.steps,
+        checkpoint=str(last.relative_to(run_dir)),
+        world_size=d.world,
+    )
     return _execute(run_cfg, built, run_dir, device, events, last, json_mode)
 
 
 # ------------------------------------------------------------------ the loop, and closing the run
 
-def _execute(cfg: RunConfig, built: Built, run_dir: Path, device: torch.device, events: EventLog,
-             resume: Path | None, json_mode: bool) -> Outcome:
+
+def _execute(
+    cfg: RunConfig,
+    built: Built,
+    run_dir: Path,
+    device: torch.device,
+    events: EventLog,
+    resume: Path | None,
+    json_mode: bool,
+) -> Outcome:
     """Run the loop and close the run with exactly one event: run_finished, run_failed
     (exit 1; an unexpected error also leaves its traceback in error.log) or interrupted."""
     main_rank = dist.info().is_main
-    reporter = Reporter() if json_mode or not main_rank else TextReporter(items_name=built.job.items_name)
+    reporter = (
+        Reporter() if json_mode or not main_rank else TextReporter(items_name=built.job.items_name)
+    )
     if not json_mode:
         what = f"resuming {run_dir.name} from {resume.name}" if resume else f"run {run_dir.name}"
-        reporter.message(f"{what}: {cfg.recipe} {built.arch}, {plural(built.params, 'parameter')}, "
-                         f"{plural(cfg.steps, 'step')} on {device.type} "
-                         f"({plural(torch.get_num_threads(), 'thread')}) -> {run_dir}")
+        reporter.message(
+            f"{what}: {cfg.recipe} {built.arch}, {plural(built.params, 'parameter')}, "
+            f"{plural(cfg.steps, 'step')} on {device.type} "
+            f"({plural(torch.get_num_threads(), 'thread')}) -> {run_dir}"
+        )
         for note in built.notes:
             reporter.message(f"  {note}")
     elif main_rank:  # --json: stdout is the one object; warnings still reach the user
@@ -265,8 +365,11 @@ def _execute(cfg: RunConfig, built: Built, run_dir: Path, device: torch.device, 
         raise
     except KeyboardInterrupt:  # a second Ctrl-C: stop now, no checkpoint for the step in flight
         close("interrupted", signal="SIGINT", checkpoint=False)
-        raise Interrupted(f"stopped at once by a second Ctrl-C; no checkpoint for the step in flight; resume "
-                          f"from the last checkpoint with `toy train --resume {run_dir}`", 2)
+        raise Interrupted(
+            f"stopped at once by a second Ctrl-C; no checkpoint for the step in flight; resume "
+            f"from the last checkpoint with `toy train --resume {run_dir}`",
+            2,
+        )
     except ToyError as e:
         close("run_failed", step=e.step if isinstance(e, RunFailed) else None, error=e.message)
         raise e if isinstance(e, RunFailed) else RunFailed(e.message)
@@ -277,10 +380,19 @@ def _execute(cfg: RunConfig, built: Built, run_dir: Path, device: torch.device, 
         raise RunFailed(f"{type(e).__name__}: {e} (traceback in {log})")
     last = res.losses[-1]["loss"] if res.losses else None
     last_val = res.val_losses[-1]["loss"] if res.val_losses else None
-    close("run_finished", step=res.final_step, loss=last, val_loss=last_val, wall_s=round(res.wall_s, 3),
-          peak_mem_bytes=res.peak_mem_bytes, **{f"{built.job.items_name}_per_s": res.items_per_s})
+    close(
+        "run_finished",
+        step=res.final_step,
+        loss=last,
+        val_loss=last_val,
+        wall_s=round(res.wall_s, 3),
+        peak_mem_bytes=res.peak_mem_bytes,
+        **{f"{built.job.items_name}_per_s": res.items_per_s},
+    )
     return Outcome(run_dir.name, run_dir, cfg, built, device, res, main_rank)
 
 
 def _cpu_count() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return (
+        len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    )

@@ -37,7 +37,7 @@ class Schedule:
     # warmup + cosine schedule.
     start: int | None = None
     start_lr: float | None = None
-    previous: "Schedule | None" = None
+    previous: Schedule | None = None
 
     def at(self, step: int) -> float:
         """The LR of step `step` (counting from 0: the step about to be taken)."""
@@ -49,7 +49,7 @@ class Schedule:
             return self.lr * (step + 1) / self.warmup
         return _cosine(step - self.warmup, self.total - self.warmup, self.lr, self.min_lr)
 
-    def extended(self, done: int, total: int) -> "Schedule":
+    def extended(self, done: int, total: int) -> Schedule:
         """This schedule resumed after `done` steps with a new, larger `total` (see the
         module docstring). The same total gives the same schedule."""
         if total == self.total:
@@ -57,21 +57,27 @@ class Schedule:
         if self.start is None and done < self.warmup:
             return Schedule(self.lr, self.min_lr, self.warmup, total)
         last = self.at(done - 1) if done > 0 else self.lr
-        return Schedule(self.lr, self.min_lr, self.warmup, total, start=done, start_lr=last, previous=self)
+        return Schedule(
+            self.lr, self.min_lr, self.warmup, total, start=done, start_lr=last, previous=self
+        )
 
     def to_dict(self) -> dict:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "Schedule":
+    def from_dict(cls, d: dict) -> Schedule:
         prev = d.get("previous")
         return cls(**{**d, "previous": cls.from_dict(prev) if prev else None})
 
     def describe(self) -> str:
         if self.start is None:
-            return f"warmup {self.warmup}, cosine {self.lr:g} -> {self.min_lr:g} at step {self.total}"
-        return (f"extended at step {self.start}: cosine from its LR {self.start_lr:.3g} to --min-lr "
-                f"{self.min_lr:g} at step {self.total}")
+            return (
+                f"warmup {self.warmup}, cosine {self.lr:g} -> {self.min_lr:g} at step {self.total}"
+            )
+        return (
+            f"extended at step {self.start}: cosine from its LR {self.start_lr:.3g} to --min-lr "
+            f"{self.min_lr:g} at step {self.total}"
+        )
 
 
 def _cosine(i: int, n: int, hi: float, lo: float) -> float:
@@ -85,8 +91,15 @@ def lr_at(step: int, total: int, lr: float, min_lr: float, warmup: int) -> float
     return Schedule(lr, min_lr, warmup, total).at(step)
 
 
-def make_adamw(named_params, lr: float, weight_decay: float, decay_rule, betas=(0.9, 0.95),
-               eps=1e-8, lr_scale=None) -> torch.optim.AdamW:
+def make_adamw(
+    named_params,
+    lr: float,
+    weight_decay: float,
+    decay_rule,
+    betas=(0.9, 0.95),
+    eps=1e-8,
+    lr_scale=None,
+) -> torch.optim.AdamW:
     """AdamW with a group for weights that decay (matrices, embeddings) and one for those
     that don't (biases, norm gains), as in GPT-2/nanoGPT; `lr_scale(name)` (default 1)
     splits further: each group's "lr_scale" multiplies the schedule's LR (a resume keeps
@@ -96,7 +109,16 @@ def make_adamw(named_params, lr: float, weight_decay: float, decay_rule, betas=(
     for name, p in named_params:
         key = (bool(decay_rule(name, p)), float(lr_scale(name)) if lr_scale is not None else 1.0)
         groups.setdefault(key, []).append(p)
-    order = sorted(groups, key=lambda k: (not k[0], k[1]))  # decaying first, as before; a fixed order for resume
+    order = sorted(
+        groups, key=lambda k: (not k[0], k[1])
+    )  # decaying first, as before; a fixed order for resume
     return torch.optim.AdamW(
-        [{"params": groups[k], "weight_decay": weight_decay if k[0] else 0.0, "lr_scale": k[1]} for k in order],
-        lr=lr, betas=betas, eps=eps, foreach=True)
+        [
+            {"params": groups[k], "weight_decay": weight_decay if k[0] else 0.0, "lr_scale": k[1]}
+            for k in order
+        ],
+        lr=lr,
+        betas=betas,
+        eps=eps,
+        foreach=True,
+    )
