@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import sys
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -34,11 +36,64 @@ def resolve_device(name: str) -> torch.device:
     return torch.device("cpu")
 
 
-def autocast(device: torch.device):
-    """bf16 autocast on CUDA; float32 elsewhere (CPUs without bf16 units run bf16 matmul
-    hundreds of times slower, and MPS bf16 support varies)."""
+PRECISIONS = ("auto", "float32", "bf16")
+
+
+@dataclass(frozen=True)
+class Precision:
+    """What a run computes its matmuls in, and why (run.json records both)."""
+
+    name: str  # "bf16" | "float32"
+    reason: str
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.bfloat16 if self.name == "bf16" else torch.float32
+
+
+def cpu_bf16_units() -> str | None:
+    """The CPU's bf16 units by /proc/cpuinfo's flags ('amx_bf16', 'avx512_bf16'), or None.
+    Without them a bf16 matmul runs hundreds of times slower than float32."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text(errors="replace").split()
+    except OSError:
+        return None
+    for unit in ("amx_bf16", "avx512_bf16"):
+        if unit in flags:
+            return unit
+    return None
+
+
+def resolve_precision(name: str, device: torch.device, flag: str = "--precision") -> Precision:
+    """auto: bf16 on CUDA and on a CPU with bf16 units, float32 elsewhere (metal too);
+    bf16 asked for on a CPU without the units is a usage error that says why."""
+    if name not in PRECISIONS:
+        raise UsageError(f"{flag} {name!r} is unknown; valid: {', '.join(PRECISIONS)}")
+    if name == "float32":
+        return Precision("float32", f"{flag} float32")
     if device.type == "cuda":
-        return torch.autocast("cuda", dtype=torch.bfloat16)
+        return Precision("bf16", "cuda computes bf16 on its tensor cores")
+    if device.type == "cpu":
+        unit = cpu_bf16_units()
+        if unit:
+            return Precision("bf16", f"this cpu has bf16 units ({unit})")
+        if name == "bf16":
+            raise UsageError(
+                f"{flag} bf16: this cpu has no bf16 units (no avx512_bf16 or amx_bf16 in "
+                "/proc/cpuinfo), where bf16 runs hundreds of times slower; use --precision float32"
+            )
+        return Precision("float32", "this cpu has no bf16 units (avx512_bf16, amx_bf16)")
+    if name == "bf16":
+        raise UsageError(f"{flag} bf16: not supported on {device.type}; use --precision float32")
+    return Precision("float32", f"{device.type}: float32")
+
+
+def autocast(device: torch.device, precision: Precision | None = None):
+    """bf16 autocast where the precision is bf16 (by default: on CUDA only); float32
+    elsewhere. Norms, softmax and losses keep float32 inside (models/layers.py, losses.py)."""
+    bf16 = precision.name == "bf16" if precision is not None else device.type == "cuda"
+    if bf16 and device.type in ("cuda", "cpu"):
+        return torch.autocast(device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
 
 
