@@ -554,7 +554,8 @@ def test_cli_lora_base_override_and_missing_base(lora_run, toy_cli, tmp_path):
     cfg_path.write_text(json.dumps(cfg))
     code, _, err = toy_cli("export", run, "--format", "gguf-lora")
     assert code == 2 and "changed since the run trained" in err
-    code, out, err = toy_cli("export", run, "--format", "gguf-lora", "--model", other)
+    # (the default path holds the export above: replaced only with --force)
+    code, out, err = toy_cli("export", run, "--format", "gguf-lora", "--model", other, "--force")
     assert code == 0 and "not the file the adapter was trained on" in out
 
 

@@ -135,7 +135,7 @@ def write_file_atomic(path: Path, fill: Callable[[Path], None]) -> None:
         fill(Path(tmp))
         with open(tmp, "rb+") as fh:
             os.fsync(fh.fileno())
-        os.chmod(tmp, 0o666 & ~_umask())
+        os.chmod(tmp, 0o666 & ~current_umask())
         os.replace(tmp, path)
     except BaseException:
         try:
@@ -145,7 +145,8 @@ def write_file_atomic(path: Path, fill: Callable[[Path], None]) -> None:
         raise
 
 
-def _umask() -> int:
+def current_umask() -> int:
+    """The process umask (read by setting it and back: there is no getter)."""
     mask = os.umask(0)
     os.umask(mask)
     return mask
@@ -231,11 +232,20 @@ def read_events(run_dir: Path) -> list[dict]:
     return out
 
 
-def fingerprint(path: Path, limit: int = 1 << 22) -> str:
+def fingerprint(path: Path, limit: int = 1 << 22, files: list[Path] | None = None) -> str:
     """sha256 of a file's size and first 4 MiB: cheap, and catches a swapped corpus on
-    resume. A directory (a model directory): each file's name and size, and the first
-    4 MiB of its config.json and of each weight file (their headers)."""
+    resume. A directory (a model directory): `files` (formats.hf_dir.read_files: the
+    files the model is read from), each one's name, size and first 4 MiB. Without
+    `files`, the form runs recorded before: every file's name and size, and the first
+    4 MiB of config.json and of each .safetensors file."""
     path = Path(path)
+    if path.is_dir() and files is not None:
+        h = hashlib.sha256(b"read files")
+        for f in sorted(files):
+            h.update(f"{f.relative_to(path)}:{f.stat().st_size};".encode())
+            with open(f, "rb") as fh:
+                h.update(fh.read(limit))
+        return h.hexdigest()[:16]
     if path.is_dir():
         h = hashlib.sha256(b"dir")
         for f in sorted(p for p in path.iterdir() if p.is_file()):

@@ -65,6 +65,12 @@ def add_parser(sub) -> None:
         help="a LoRA run's base model, a GGUF file or a model directory "
         "(default: the path in its adapter_config.json)",
     )
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="replace an existing output file, or a directory holding an earlier export of "
+        "this kind (never the run's base, anything in a base directory, or the run itself)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
 
@@ -182,6 +188,52 @@ def _out_path(r: _Run, args, default_name: str) -> Path:
     return r.dir / "export" / default_name
 
 
+def _claim(r: _Run, args, out: Path, base: Path | None = None, marker: str = "") -> Path:
+    """The one output policy of every export, checked before any work: `out` is never the
+    run's base, inside a base directory or a folder holding the base, nor the run's own
+    directory or final/ (even with --force); an existing file, or a non-empty directory,
+    is replaced only with --force, and a directory only when it holds an earlier export
+    (`marker`, the file a directory export always writes: given for directory exports;
+    no subfolders). Every writer then writes under a temp name and renames (nothing
+    half-written)."""
+    where = f"--out {out}" if args.out else str(out)
+    at = out.resolve()
+    guarded = [(r.final, "the run's own final/", True), (r.dir, "the run's own directory", False)]
+    if base is not None:
+        kind = "base directory" if base.is_dir() else "base"
+        guarded.insert(0, (base, f"the run's {kind} {base}", base.is_dir()))
+    for path, what, inside in guarded:
+        p = path.resolve()
+        if at == p or at in p.parents or (inside and p in at.parents):
+            how = "is" if at == p else ("holds" if at in p.parents else "is inside")
+            raise UsageError(
+                f"{where} {how} {what}; an export never writes there, even with --force: "
+                "choose a path outside it"
+            )
+    if marker:  # a directory export
+        if out.exists() and not out.is_dir():
+            raise UsageError(
+                f"{where} is a file and a --format {args.format} export is a directory; "
+                "choose a new path"
+            )
+        names = list(out.iterdir()) if out.is_dir() else []
+        if names and not args.force:
+            raise UsageError(
+                f"{where} exists and is not empty; pass --force to replace it, or choose a new path"
+            )
+        if names and (not (out / marker).is_file() or any(n.is_dir() for n in names)):
+            raise UsageError(
+                f"{where} is not an earlier export (no {marker}, or it holds folders), and "
+                "--force replaces only that: choose a new path"
+            )
+        return out
+    if out.is_dir():
+        raise UsageError(f"{where} is a directory; name the file to write")
+    if out.exists() and not args.force:
+        raise UsageError(f"{where} exists; pass --force to replace it, or choose a new path")
+    return out
+
+
 # ------------------------------------------------------------------ LoRA base
 
 
@@ -222,6 +274,7 @@ def _export_model(r: _Run, args, dtype: str):
     from toy.formats.gguf_write import write_model_gguf
     from toy.formats.model_dir import load_model_dir
 
+    out = _claim(r, args, _out_path(r, args, f"{r.name}-{dtype}.gguf"))
     model, meta, tok = load_model_dir(r.final)
     if tok is None:
         raise InputError(
@@ -232,7 +285,6 @@ def _export_model(r: _Run, args, dtype: str):
     template = meta.get("chat_template") if isinstance(meta.get("chat_template"), str) else None
     if template is None and (r.final / "chat_template.jinja").is_file():
         template = (r.final / "chat_template.jinja").read_text()
-    out = _out_path(r, args, f"{r.name}-{dtype}.gguf")
     try:
         return write_model_gguf(out, model, tok, dtype=dtype, chat_template=template, name=r.name)
     except UsageError as e:
@@ -251,6 +303,7 @@ def _export_lora(r: _Run, args, dtype: str):
 
     sd, config = _load_adapter(r)
     base, notes = _resolve_base(r, args, config)
+    out = _claim(r, args, _out_path(r, args, f"{r.name}-lora-{dtype}.gguf"), base)
     if base.is_dir():  # the GGUF llama.cpp's converter makes of this directory
         from toy.formats.base import read_base
 
@@ -262,7 +315,6 @@ def _export_lora(r: _Run, args, dtype: str):
             )
     else:
         cfg, arch, _ = base_config(base)
-    out = _out_path(r, args, f"{r.name}-lora-{dtype}.gguf")
     rep = write_lora_gguf(
         out,
         sd,
@@ -280,28 +332,25 @@ def _export_lora(r: _Run, args, dtype: str):
 
 def _export_mlx(r: _Run, args) -> Path:
     """The run's adapter as mlx-lm loads it: adapters.safetensors + adapter_config.json."""
+    from toy.formats.checkpoint import atomic_dir
     from toy.formats.mlx_adapter import save_mlx_adapter
 
     sd, config = _load_adapter(r)
     base, _ = _resolve_base(r, args, config)
     out = Path(args.out) if args.out else r.dir / "export" / f"{r.name}-mlx"
-    if out.exists() and (
-        not out.is_dir()
-        or any(p.name not in ("adapters.safetensors", "adapter_config.json") for p in out.iterdir())
-    ):
-        raise UsageError(
-            f"--out {out} exists and is not an mlx-lm adapter directory; choose a new path"
-        )
+    _claim(r, args, out, base, marker="adapter_config.json")
     n_layers = 1 + max(int(k.split(".")[1]) for k in sd)
-    save_mlx_adapter(
-        out,
-        sd,
-        rank=int(config["r"]),
-        alpha=float(config["lora_alpha"]),
-        dropout=float(config.get("lora_dropout") or 0.0),
-        n_layers=n_layers,
-        prefix=_mlx_prefix(base),
-    )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_dir(out) as tmp:  # both files or neither
+        save_mlx_adapter(
+            tmp,
+            sd,
+            rank=int(config["r"]),
+            alpha=float(config["lora_alpha"]),
+            dropout=float(config.get("lora_dropout") or 0.0),
+            n_layers=n_layers,
+            prefix=_mlx_prefix(base),
+        )
     return out
 
 
@@ -322,6 +371,9 @@ def _export_merged_dir(r: _Run, args) -> Path:
 
     sd, config = _load_adapter(r)
     base_path, notes = _resolve_base(r, args, config)
+    kind = "mlx" if args.format == "mlx" else "transformers"
+    out = Path(args.out) if args.out else r.dir / "export" / f"{r.name}-merged-{kind}"
+    _claim(r, args, out, base_path, marker="config.json")
     base = read_base(base_path, "quantized")
     if base.kind != args.format:
         raise UsageError(
@@ -329,7 +381,6 @@ def _export_merged_dir(r: _Run, args) -> Path:
             f"{'file' if base.kind == 'gguf' else 'directory'}; merge into it with --format "
             f"{'gguf' if base.kind == 'gguf' else base.kind}"
         )
-    out = Path(args.out) if args.out else r.dir / "export" / f"{r.name}-merged-{base.kind}"
     merge_into_dir(out, base, sd, rank=int(config["r"]), alpha=float(config["lora_alpha"]))
     return out
 
@@ -344,7 +395,7 @@ def _export_merged(r: _Run, args, dtype: str):
             f"--merge --format gguf: the run's base {base_path} is a model directory; merge into it with "
             "--format transformers or mlx (its own kind)"
         )
-    out = _out_path(r, args, f"{r.name}-merged-{dtype}.gguf")
+    out = _claim(r, args, _out_path(r, args, f"{r.name}-merged-{dtype}.gguf"), base_path)
     try:
         rep = write_merged_gguf(
             out,
@@ -364,16 +415,12 @@ def _export_merged(r: _Run, args, dtype: str):
 def _export_peft(r: _Run, args) -> Path:
     from toy.formats.checkpoint import atomic_dir
 
-    _load_adapter(r)  # validates the adapter: config, keys, shapes
+    _, config = _load_adapter(r)  # validates the adapter: config, keys, shapes
+    # A PEFT copy needs no base; the one it names (or --model) is still never written over.
+    named = args.model or config.get("base_model_name_or_path")
+    base = Path(named) if isinstance(named, str) and named and Path(named).exists() else None
     out = Path(args.out) if args.out else r.dir / "export" / f"{r.name}-peft"
-    if out.exists() and (
-        not out.is_dir() or (any(out.iterdir()) and not (out / "adapter_config.json").is_file())
-    ):
-        raise UsageError(
-            f"--out {out} exists and is not a PEFT adapter directory; choose a new path"
-        )
-    if out.resolve() == r.final.resolve():
-        raise UsageError(f"--out {out} is the run's own final/; choose another path")
+    _claim(r, args, out, base, marker="adapter_config.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     # final/ of a LoRA run already is a PEFT directory (save_peft_adapter wrote it): copy it.
     with atomic_dir(out) as d:

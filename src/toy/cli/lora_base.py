@@ -3,10 +3,12 @@ infer` and `toy export`.
 
 A LoRA run records its base twice: adapter_config.json's `base_model_name_or_path`
 (PEFT's field; an absolute path, so the run works from any folder) and run.json's
-`model_sha256` (size and sha256 of the file's first 4 MiB, which hold its GGUF header:
-`toy.runs.fingerprint`), so a base replaced by another file is noticed. Runs made
-before the path was absolute recorded it as given on the command line: it is tried as
-it is (from the current folder), then against the run's project root."""
+`model_sha256` (a GGUF file's size and the sha256 of its first 4 MiB, which hold its
+header; a model directory's: the same of each file the model is read from, so an adapter
+saved beside the model changes nothing: `toy.formats.hf_dir.base_fingerprint`), so a
+base replaced by another is noticed. Runs made before the path was absolute recorded it
+as given on the command line: it is tried as it is (from the current folder), then
+against the run's project root."""
 
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ def resolve_base(
     config records. A recorded base whose fingerprint differs from run.json's is refused;
     one named with --model is used with a note saying it is not the file trained on."""
     from toy.formats.checkpoint import read_json
+    from toy.formats.hf_dir import base_fingerprint
     from toy.runs import find_project, fingerprint
 
     notes: list[str] = []
@@ -39,7 +42,9 @@ def resolve_base(
     else:
         recorded = config.get("base_model_name_or_path")
         if not isinstance(recorded, str) or not recorded:
-            raise InputError(f"{where}: no base_model_name_or_path; pass --model BASE.gguf")
+            raise InputError(
+                f"{where}: no base_model_name_or_path; pass --model BASE.gguf or --model MODEL_DIR"
+            )
         cands = [Path(recorded)]
         if not Path(recorded).is_absolute():  # a run made before bases were recorded absolute
             root = find_project(run_dir.resolve()).root
@@ -49,21 +54,34 @@ def resolve_base(
         if base is None:
             raise InputError(
                 f"base model {recorded} (from {where}) not found; restore it, or pass --model "
-                "BASE.gguf (the base the adapter was trained on)"
+                f"{_flag_value(recorded)} (the base the adapter was trained on)"
             )
     run_json = run_dir / "run.json"
     want = None
     if run_json.is_file():
         info = read_json(run_json)
         want = (info.get("job") or {}).get("model_sha256") if isinstance(info, dict) else None
-    if want and fingerprint(base) != want:
+    # A directory's fingerprint in runs made before it covered only the read files: every
+    # file of the folder (toy.runs.fingerprint without files), still accepted.
+    if (
+        want
+        and want != base_fingerprint(base)
+        and not (base.is_dir() and want == fingerprint(base))
+    ):
         if not model:
             raise InputError(
                 f"{base}: this base changed since the run trained on it (fingerprint differs from "
-                f"{run_json}); restore it, or pass --model BASE.gguf to use it anyway"
+                f"{run_json}); restore it, or pass --model {_flag_value(base)} to use it anyway"
             )
         notes.append(
             f"--model {base} is not the file the adapter was trained on (fingerprint differs); "
             "it must be the same weights (e.g. another quantization) for the result to be right"
         )
     return base, notes
+
+
+def _flag_value(base: str | Path) -> str:
+    """What --model takes in place of `base`: a model directory, or a GGUF file."""
+    p = Path(base)
+    is_dir = p.is_dir() if p.exists() else p.suffix.lower() != ".gguf"
+    return "MODEL_DIR (a model directory)" if is_dir else "BASE.gguf"

@@ -29,7 +29,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from toy.errors import InputError
-from toy.runs import write_file_atomic  # formats' writers import it from here too
+from toy.runs import current_umask, write_file_atomic  # formats' writers import it from here too
 
 STEP_FMT = "step-{:06d}"
 
@@ -82,8 +82,10 @@ def read_json(path: Path) -> Any:
 
 
 def atomic_dir(final: Path):
-    """Context manager: yields a temp dir next to `final`; on success renames it to
-    `final` (replacing an old one), on failure removes it."""
+    """Context manager: yields a temp dir next to `final`; on success gives its files the
+    usual permissions (0666 less the umask: safetensors and mkstemp create theirs 0600,
+    which would hide a merged model from the machine's other users) and renames it to
+    `final` (replacing an old one); on failure removes it."""
     return _AtomicDir(final)
 
 
@@ -102,6 +104,10 @@ class _AtomicDir:
         if exc_type is not None:
             shutil.rmtree(self.tmp, ignore_errors=True)
             return False
+        mode = 0o666 & ~current_umask()
+        for f in self.tmp.rglob("*"):
+            if f.is_file() and not f.is_symlink():
+                os.chmod(f, mode)
         _fsync_dir(self.tmp)
         if self.final.exists():
             old = self.final.with_name(f".{self.final.name}.old-{os.getpid()}")

@@ -28,11 +28,12 @@ from tokenizers import Tokenizer
 
 from toy.errors import InputError
 from toy.formats.base import Base, QuantTensor, Specials, stop_ids
-from toy.formats.safetensors_map import SafeFile, open_weights
+from toy.formats.safetensors_map import SafeFile, open_weights, weight_files
 from toy.models import mlx_quant, registry
 from toy.models.family import BadConfig, Family, HFType, Keys, Planned
 from toy.models.quant import MLXSpec, QuantSpec
 from toy.models.quant_types import BASE_DTYPES, BF16, F16
+from toy.runs import fingerprint
 
 # Tensors of a multimodal checkpoint that a text model does not use (counted in a note).
 VISION_PREFIXES = (
@@ -57,6 +58,37 @@ def _json(path: Path, what: str) -> Any:
         raise InputError(f"{path} not found; {what}")
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise InputError(f"{path}: not valid JSON ({str(e).splitlines()[0]})")
+
+
+# The files a model directory is read from besides its weights (read_dir, _tokenizer,
+# _specials): what a run's fingerprint of its base covers. Anything else in the folder (a
+# README, an mlx-lm adapter saved beside the model) does not change the model.
+READ_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+    "model.safetensors.index.json",
+)
+
+
+def read_files(d: Path) -> list[Path]:
+    """The files of model directory `d` that toy reads: READ_FILES present and the
+    weight files (safetensors_map.weight_files), sorted by name."""
+    files = {d / n for n in READ_FILES if (d / n).is_file()}
+    try:
+        files.update(weight_files(d))
+    except InputError:  # no usable weights: reading the directory says why
+        pass
+    return sorted(files)
+
+
+def base_fingerprint(path: Path) -> str:
+    """toy.runs.fingerprint of a base: a GGUF file's size and header, or a model
+    directory's read_files (names, sizes and first 4 MiB)."""
+    path = Path(path)
+    return fingerprint(path, files=read_files(path) if path.is_dir() else None)
 
 
 def supported_types() -> dict[str, tuple[Family, HFType]]:

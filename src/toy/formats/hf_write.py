@@ -56,7 +56,8 @@ def _file_name(base: Base, toy_module: str, names: set[str]) -> str:
 def merge_into_dir(
     out: Path, base: Base, lora_sd: dict[str, torch.Tensor], rank: int, alpha: float
 ) -> MergeReport:
-    """Write `base` (a transformers or MLX directory) with the adapter folded in to `out`."""
+    """Write `base` (a transformers or MLX directory) with the adapter folded in to `out`,
+    replacing an earlier `out` whole (whether it may is the caller's policy: toy export's)."""
     if base.kind not in ("transformers", "mlx"):
         raise UsageError(
             f"{base.path}: merging into a directory needs a directory base, not a {base.kind} file"
@@ -68,8 +69,6 @@ def merge_into_dir(
     names = {n for sf in opened for n in sf.entries}
     targets = {_file_name(base, m, names): m for m in modules}
     quant = base.metadata.get("quantization") if base.kind == "mlx" else None
-    if out.exists() and any(out.iterdir()):
-        raise UsageError(f"--out {out} exists and is not empty; choose a new directory")
     out.parent.mkdir(parents=True, exist_ok=True)
     done = 0
     with atomic_dir(out) as tmp:

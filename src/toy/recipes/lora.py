@@ -26,6 +26,7 @@ from toy.data.tokens import Windows
 from toy.errors import InputError, UsageError
 from toy.formats.base import read_base
 from toy.formats.checkpoint import atomic_dir
+from toy.formats.hf_dir import base_fingerprint
 from toy.formats.mlx_adapter import body_prefix, save_mlx_adapter
 from toy.formats.peft import save_peft_adapter
 from toy.lora import VALID_TARGETS, apply_lora, lora_state_dict
@@ -264,7 +265,7 @@ def build(cfg: RunConfig, project: Project) -> Built:
         "recipe": "lora",
         "arch": base.arch,
         "model": str(model_path),
-        "model_sha256": fingerprint(model_path),
+        "model_sha256": base_fingerprint(model_path),
         "rank": int(cfg.rank),
         "alpha": float(cfg.alpha),
         "targets": targets,

@@ -37,6 +37,7 @@ from toy import tokenizer as toktools
 from toy.errors import InputError, UsageError
 from toy.formats.base import QuantTensor, read_base
 from toy.formats.gguf import read_gguf_header, read_gguf_tensor, supported_archs
+from toy.formats.hf_dir import base_fingerprint
 from toy.models import registry
 from toy.recipes.lm import fingerprint, lm_config, lm_derived, lm_job, open_token_data
 from toy.runs import Project
@@ -446,7 +447,7 @@ def build(cfg: RunConfig, project: Project) -> Built:
         "seq_len": seq_len,
         "init": init,
         "donor": str(donor.path),
-        "donor_sha256": fingerprint(donor.path),
+        "donor_sha256": base_fingerprint(donor.path),
         "donor_arch": donor.arch,
         "donor_width": donor.width,
         "donor_rows": donor.rows,

@@ -33,6 +33,7 @@ from toy.runs import (
     Project,
     check_run_id,
     create_run_dir,
+    fingerprint,
     make_run_id,
     plural,
     write_json_atomic,
@@ -239,6 +240,23 @@ def _same_base(key: str, recorded, now) -> bool:
     )
 
 
+# A base's fingerprint key -> the job key holding its path.
+_FINGERPRINTED = {"model_sha256": "model", "donor_sha256": "donor"}
+
+
+def _older_fingerprint(key: str, recorded, config: dict) -> bool:
+    """A run made before a model directory's fingerprint covered only the files it is read
+    from recorded every file of the folder (toy.runs.fingerprint's older form): that
+    form, taken of the same directory now, still matches."""
+    where = config.get(_FINGERPRINTED.get(key, ""))
+    return (
+        isinstance(recorded, str)
+        and isinstance(where, str)
+        and Path(where).is_dir()
+        and (fingerprint(Path(where)) == recorded)
+    )
+
+
 def resume_run(
     run_dir: Path,
     cli: dict[str, Any],
@@ -294,7 +312,7 @@ def resume_run(
     built = recipe.build(run_cfg, project)
     for k in sorted(set(built.job.config) | set(info["job"])):
         a, b = info["job"].get(k), json.loads(json.dumps(built.job.config.get(k)))
-        if a != b and not _same_base(k, a, b):
+        if a != b and not _same_base(k, a, b) and not _older_fingerprint(k, a, built.job.config):
             raise UsageError(
                 f"--resume {run_dir}: {k} changed since the run started ({a!r} -> {b!r}); "
                 "restore the original input or start a new run"
