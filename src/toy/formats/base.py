@@ -28,6 +28,7 @@ from tokenizers import Tokenizer
 from toy.errors import InputError
 from toy.models.family import Family
 from toy.models.quant import MLXSpec, QuantEmbedding, QuantLinear, QuantSpec, parts_of
+from toy.models.quant_types import BF16
 
 KINDS = ("gguf", "transformers", "mlx")
 
@@ -109,7 +110,8 @@ class Base:
         a QuantLinear / QuantEmbedding over its parts. A tied head shares the embedding."""
         with torch.device("meta"), _no_init():
             model = self.family.model(self.config)
-        for name, t in self.state_dict.items():
+        weights = {n: _frozen_half(t) for n, t in self.state_dict.items()}
+        for name, t in weights.items():
             if isinstance(t, QuantTensor):
                 owner = name.rpartition(".")[0]
                 mod = model.get_submodule(owner)
@@ -120,7 +122,7 @@ class Base:
                 )
                 parent, _, child = owner.rpartition(".")
                 setattr(model.get_submodule(parent) if parent else model, child, new)
-        for name, t in self.state_dict.items():
+        for name, t in weights.items():
             if isinstance(t, QuantTensor):
                 continue
             owner, _, attr = name.rpartition(".")
@@ -145,6 +147,18 @@ class Base:
         for p in model.parameters():
             p.requires_grad_(True)  # what is trainable is the recipe's call (LoRA freezes them)
         return model.to(device).eval()
+
+
+def _frozen_half(t: torch.Tensor | QuantTensor) -> torch.Tensor | QuantTensor:
+    """A bfloat16 weight (`--base-dtype bfloat16`) as the frozen layers over a file's
+    BF16 rows hold it: used in the activations' dtype at each use (the autocast dtype
+    under autocast, where the cast is none; float32 otherwise), as a quantized weight is.
+    As a plain bf16 parameter it would meet float32 activations (the norms and the
+    adapters stay float32) in F.linear, which refuses mixed dtypes without autocast."""
+    if isinstance(t, QuantTensor) or t.dtype != torch.bfloat16 or t.dim() != 2:
+        return t
+    raw = t.contiguous().view(torch.uint8)  # (out, 2 * in): BF16 rows, no copy
+    return QuantTensor((raw,), QuantSpec(BF16, (t.shape[0], t.shape[1])))
 
 
 @contextlib.contextmanager

@@ -18,7 +18,8 @@ The base's weights come in one of three forms (`--base-dtype`):
   dequantize in forward and backward. Q/K rows llama.cpp interleaved are un-interleaved
   at dequantization time, so the file's bytes are used as they are.
 - `float32`: dequantized once at load (torch kernels, bit-identical to gguf.quants).
-- `bfloat16`: the same, cast to bfloat16 (for CUDA).
+- `bfloat16`: the same, each 2-D weight cast to bfloat16 (CUDA's default; the norms stay
+  float32), used in the activations' dtype at each use (formats/base.py's build_model).
 Types toy's torch kernels lack (the IQ quants) are dequantized with gguf.quants at load,
 in every mode.
 """
@@ -182,7 +183,7 @@ def read_gguf(source: str | os.PathLike | GGUFHeader, base_dtype: str = "float32
             )
         if p.qk_heads:
             t = unpermute_qk(t, p.qk_heads)
-        if base_dtype == "bfloat16":
+        if base_dtype == "bfloat16" and t.dim() == 2:  # the norms stay float32
             t = t.to(torch.bfloat16)
         sd[p.name] = t.contiguous()
     if slow and base_dtype == "quantized":

@@ -91,6 +91,17 @@ def base_fingerprint(path: Path) -> str:
     return fingerprint(path, files=read_files(path) if path.is_dir() else None)
 
 
+def _object(path: Path) -> dict:
+    """An optional JSON file that holds an object (tokenizer_config.json,
+    generation_config.json): {} when absent."""
+    if not path.is_file():
+        return {}
+    v = _json(path, "")
+    if not isinstance(v, dict):
+        raise InputError(f"{path}: expected a JSON object, found {type(v).__name__}; fix the file")
+    return v
+
+
 def supported_types() -> dict[str, tuple[Family, HFType]]:
     """transformers model_type -> (its family, how the family reads it)."""
     return {t: (f, h) for f in registry.families().values() for t, h in f.hf_types.items()}
@@ -143,7 +154,7 @@ def read_model_dir(d: Path, base_dtype: str = "float32") -> Base:
     config = _json(d / "config.json", "a model directory needs one")
     model_type = config.get("model_type")
     types = supported_types()
-    if model_type not in types:
+    if not isinstance(model_type, str) or model_type not in types:
         raise InputError(
             f"{d / 'config.json'}: model_type {model_type!r} is not supported; supported: "
             f"{', '.join(sorted(types))}"
@@ -338,32 +349,51 @@ def _specials(d: Path, config: dict, tok: Tokenizer) -> tuple[Specials, str | No
     """BOS/EOS/pad and the reply's stop ids (generation_config.json's eos_token_id, which
     may be a list, else config.json's), and the chat template (chat_template.jinja, else
     tokenizer_config.json's, a string or a list of named ones)."""
-    tc = _json(d / "tokenizer_config.json", "") if (d / "tokenizer_config.json").is_file() else {}
-    gc = _json(d / "generation_config.json", "") if (d / "generation_config.json").is_file() else {}
+    tc = _object(d / "tokenizer_config.json")
+    gc = _object(d / "generation_config.json")
     text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+    n_tokens = tok.get_vocab_size(with_added_tokens=True)
 
-    def ids(v) -> list[int]:
+    def ids(source: dict, key: str, file: str) -> list[int]:
+        """A token id or a list of them; one that is not a token of tokenizer.json is refused
+        (it would stop nothing, or index past the vocabulary)."""
+        v = source.get(key)
         vals = v if isinstance(v, list) else [v]
-        return [x for x in vals if isinstance(x, int) and not isinstance(x, bool)]
+        out = [x for x in vals if isinstance(x, int) and not isinstance(x, bool)]
+        bad = next((x for x in out if not 0 <= x < n_tokens), None)
+        if bad is not None:
+            raise InputError(
+                f"{d / file}: {key} {bad} is not a token id of tokenizer.json (0 to "
+                f"{n_tokens - 1}); fix the file"
+            )
+        return out
 
     def by_name(key: str) -> int | None:
-        t = _token_text(tc.get(key)) if isinstance(tc, dict) else None
+        t = _token_text(tc.get(key))
         return tok.token_to_id(t) if t else None
 
     eos_list = (
-        ids(gc.get("eos_token_id"))
-        or ids(config.get("eos_token_id"))
-        or ids(text.get("eos_token_id"))
+        ids(gc, "eos_token_id", "generation_config.json")
+        or ids(config, "eos_token_id", "config.json")
+        or ids(text, "eos_token_id", "config.json")
     )
     eos = by_name("eos_token")
     if eos is None and eos_list:
         eos = eos_list[0]
     bos = by_name("bos_token")
     if bos is None:
-        bos = (ids(gc.get("bos_token_id")) or ids(config.get("bos_token_id")) or [None])[0]
+        bos = (
+            ids(gc, "bos_token_id", "generation_config.json")
+            or ids(config, "bos_token_id", "config.json")
+            or [None]
+        )[0]
     pad = by_name("pad_token")
     if pad is None:
-        pad = (ids(gc.get("pad_token_id")) or ids(config.get("pad_token_id")) or [None])[0]
+        pad = (
+            ids(gc, "pad_token_id", "generation_config.json")
+            or ids(config, "pad_token_id", "config.json")
+            or [None]
+        )[0]
     special = Specials(
         bos=bos,
         eos=eos,
@@ -372,8 +402,14 @@ def _specials(d: Path, config: dict, tok: Tokenizer) -> tuple[Specials, str | No
     )
     template = None
     if (d / "chat_template.jinja").is_file():
-        template = (d / "chat_template.jinja").read_text(encoding="utf-8")
-    elif isinstance(tc, dict):
+        try:
+            template = (d / "chat_template.jinja").read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise InputError(
+                f"{d / 'chat_template.jinja'}: not UTF-8 text (byte {e.start}); a chat template "
+                "is a jinja2 text file"
+            )
+    else:
         t = tc.get("chat_template")
         if isinstance(t, list):  # named templates: the default one
             t = next(

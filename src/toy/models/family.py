@@ -15,6 +15,8 @@ error naming the file.
 
 from __future__ import annotations
 
+import math
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -88,6 +90,33 @@ class Keys:
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0 <= v < float("inf")):
             raise BadConfig(f"{self.label} {key!r} is {v!r}; expected a number >= 0")
         return float(v)
+
+    def count(self, key: str, default: int = 0) -> int:
+        """An integer >= 0 that may be absent or null (a sliding window: 0 for none)."""
+        v = self.metadata.get(key)
+        if v is None:
+            return default
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise BadConfig(f"{self.label} {key!r} is {v!r}; expected an integer >= 0")
+        return v
+
+    def number(self, key: str, default: float, low: float, high: float = math.inf) -> float:
+        """A finite number in [low, high] (NaN and infinities refused), default when absent."""
+        v = self.metadata.get(key)
+        return default if v is None else in_range(v, f"{self.label} {key!r}", low, high)
+
+
+def in_range(v: Any, what: str, low: float, high: float = math.inf) -> float:
+    """v as a float when it is a finite number in [low, high]; a BadConfig naming `what`."""
+    if (
+        isinstance(v, bool)
+        or not isinstance(v, (int, float))
+        or not math.isfinite(v)
+        or not low <= v <= high
+    ):
+        bounds = f"from {low:g} to {high:g}" if high < math.inf else f">= {low:g}"
+        raise BadConfig(f"{what} is {v!r}; expected a finite number {bounds}")
+    return float(v)
 
 
 @dataclass(frozen=True)
@@ -274,6 +303,9 @@ def gguf_linears(cfg, i: int, qk_heads: tuple[int, int] = (0, 0)) -> dict[str, P
 # ------------------------------------------------------------------ transformers config.json
 
 
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")  # a block's tensors, as the plans name them
+
+
 def hf_name(toy_name: str) -> str:
     """toy's parameter name -> HF *ForCausalLM's: the body under `model.`, the head as is."""
     return toy_name if toy_name.startswith("lm_head.") else "model." + toy_name
@@ -308,10 +340,11 @@ def rope_theta_of(k: Keys, layer_type: str | None = None) -> float | None:
                 f"rope scaling ({scaling.get('rope_type', scaling.get('type'))}) is not supported by "
                 "toy; use a model without long-context rope scaling"
             )
-    if isinstance(params, dict) and isinstance(params.get("rope_theta"), (int, float)):
-        return float(params["rope_theta"])
-    v = k.get("rope_theta")
-    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+    # A base below 1 makes 1 / theta^(2i/d) overflow: rotary angles of inf, NaN outputs.
+    top = k.number("rope_theta", None, 1.0)
+    if isinstance(params, dict) and params.get("rope_theta") is not None:
+        return in_range(params["rope_theta"], f"{k.label} 'rope_parameters.rope_theta'", 1.0)
+    return top
 
 
 def hf_common(k: Keys, head_dim_key: bool = True) -> Common:
@@ -334,12 +367,23 @@ def hf_common(k: Keys, head_dim_key: bool = True) -> Common:
     context = k.int("max_position_embeddings", default=2048)
     if context > MAX_CONTEXT:
         raise BadConfig(f"max_position_embeddings {context} is beyond toy's limit of {MAX_CONTEXT}")
-    eps = k.get("rms_norm_eps", k.get("layer_norm_eps", 1e-6))
+    # A norm's epsilon keeps 1 / sqrt(mean(x^2) + eps) finite: it must be positive (and small).
+    eps_key = "rms_norm_eps" if k.get("rms_norm_eps") is not None else "layer_norm_eps"
+    eps = k.number(eps_key, 1e-6, 1e-30, 1.0)
     emb = k.shapes.get("model.embed_tokens.weight")
     vocab = emb[0] if emb else k.int("vocab_size")  # the embedding's rows are the vocabulary
+    # Checked against the tensors present before anything loops over the layers (a plan of
+    # a billion layers would take all the memory): each layer's tensors are in the files.
+    n_layer = k.int("num_hidden_layers")
+    present = {m.group(1) for name in k.shapes if (m := _LAYER.match(name))}
+    if n_layer > len(present):
+        raise BadConfig(
+            f"{k.label} 'num_hidden_layers' is {n_layer} but the weights hold "
+            f"{len(present)} layers; config.json does not match the weights"
+        )
     return Common(
         str(k.get("model_type", "")),
-        k.int("num_hidden_layers"),
+        n_layer,
         d_model,
         n_head,
         n_kv,
@@ -347,7 +391,7 @@ def hf_common(k: Keys, head_dim_key: bool = True) -> Common:
         k.int("intermediate_size"),
         context,
         vocab,
-        float(eps),
+        eps,
         "lm_head.weight" not in k.shapes,
         rope_theta_of(k),
     )

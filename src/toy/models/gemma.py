@@ -280,9 +280,7 @@ def hf_config(k: Keys, model_type: str) -> GemmaConfig:
         )
     g2 = model_type == "gemma2"
     # Which layers are global: toy's rule is one in `global_every`, the last of each run.
-    every = (
-        2 if g2 else int(k.get("sliding_window_pattern", k.get("_sliding_window_pattern", 6)) or 6)
-    )
+    every = 2 if g2 else k.count("sliding_window_pattern", k.count("_sliding_window_pattern")) or 6
     types = k.get("layer_types")
     if isinstance(types, list) and types:
         if "full_attention" in types:
@@ -301,7 +299,7 @@ def hf_config(k: Keys, model_type: str) -> GemmaConfig:
         theta
         if g2
         else (
-            rope_theta_of(k, "sliding_attention") or float(k.get("rope_local_base_freq") or 10000.0)
+            rope_theta_of(k, "sliding_attention") or k.number("rope_local_base_freq", 10000.0, 1.0)
         )
     )
     return GemmaConfig(
@@ -319,8 +317,8 @@ def hf_config(k: Keys, model_type: str) -> GemmaConfig:
         global_every=every,
         norm_eps=c.eps,
         qk_norm=not g2,
-        attn_softcap=float(k.get("attn_logit_softcapping") or 0.0),
-        final_softcap=float(k.get("final_logit_softcapping") or 0.0),
+        attn_softcap=k.float_or("attn_logit_softcapping", 0.0),
+        final_softcap=k.float_or("final_logit_softcapping", 0.0),
         tie_embeddings=c.tied,
         query_pre_attn_scalar=k.int("query_pre_attn_scalar", default=c.head_dim),
     )

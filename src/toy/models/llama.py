@@ -231,7 +231,7 @@ def hf_config(k: Keys, model_type: str) -> LlamaConfig:
     if model_type == "mistral" or (
         model_type in ("qwen2", "qwen3") and k.get("use_sliding_window")
     ):
-        window = int(k.get("sliding_window") or 0)
+        window = k.count("sliding_window")
     default_theta = 1_000_000.0 if model_type in ("qwen2", "qwen3") else 10000.0
     return LlamaConfig(
         vocab_size=c.vocab,

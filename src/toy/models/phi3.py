@@ -28,6 +28,7 @@ from toy.models.family import (
     gguf_top,
     hf_common,
     hf_from_plan,
+    in_range,
     rope_dims,
 )
 from toy.models.layers import KVCache, RMSNorm, Rotary, apply_rotary, attend, run_block, silu_mul
@@ -216,7 +217,8 @@ def hf_config(k: Keys) -> Phi3Config:
     c = hf_common(k, head_dim_key=False)
     params = k.get("rope_parameters") if isinstance(k.get("rope_parameters"), dict) else {}
     factor = params.get("partial_rotary_factor", k.get("partial_rotary_factor", 1.0)) or 1.0
-    rope_dim = int(c.head_dim * float(factor))
+    factor = in_range(factor, f"{k.label} 'partial_rotary_factor'", 0.0, 1.0)
+    rope_dim = int(c.head_dim * factor)
     if rope_dim % 2 or not 0 < rope_dim <= c.head_dim:
         raise BadConfig(f"partial_rotary_factor {factor} does not fit head size {c.head_dim}")
     return Phi3Config(
@@ -231,7 +233,7 @@ def hf_config(k: Keys) -> Phi3Config:
         max_seq_len=c.context,
         rope_theta=c.rope_theta or 10000.0,
         norm_eps=c.eps,
-        sliding_window=int(k.get("sliding_window") or 0),
+        sliding_window=k.count("sliding_window"),
         tie_embeddings=c.tied,
     )
 
