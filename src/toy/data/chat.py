@@ -54,7 +54,7 @@ import torch
 from jinja2.exceptions import SecurityError, TemplateError, TemplateSyntaxError
 from tokenizers import Tokenizer
 
-from toy.data.sandbox import BoundedSandbox, render_bounded
+from toy.data.sandbox import BoundedSandbox, compile_bounded, render_bounded
 from toy.errors import InputError, ToyError, UsageError
 from toy.runs import plural
 from toy.tokenizer import encode_prompt
@@ -126,7 +126,7 @@ def _compile(template: str) -> jinja2.Template:
     env = _Env(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
-    return env.from_string(template)
+    return compile_bounded(env, template)  # its nesting checked before jinja2 compiles it
 
 
 def _one_line(e: BaseException) -> str:
@@ -797,3 +797,5 @@ def _compile_checked(template: str, where: str) -> None:
         raise InputError(f"{where}: line {e.lineno}: syntax error: {_one_line(e)}")
     except TemplateError as e:
         raise InputError(f"{where}: does not compile: {_one_line(e)}")
+    except InputError as e:  # a limit (nesting)
+        raise InputError(f"{where}: {e.message}")
