@@ -142,20 +142,29 @@ def test_schedule_same_total_is_unchanged_and_warmup_extension_equals_an_unbroke
     assert [ext.at(i) for i in range(80)] == [whole.at(i) for i in range(80)]
 
 
-def test_schedule_extension_continues_from_the_restored_lr_to_min_lr():
+def test_schedule_extension_warms_back_to_the_peak_then_decays_to_min_lr():
     s = Schedule(1e-3, 1e-4, warmup=10, total=40)
     ext = s.extended(30, 60)
     assert ext.at(29) == s.at(29)  # the steps already taken keep their LR
-    assert ext.at(30) == pytest.approx(s.at(29))  # the next step continues from the restored LR
+    assert ext.rewarm == 3  # a tenth of the 30 new steps
+    warm = [ext.at(i) for i in range(29, 33)]
+    assert all(a < b for a, b in zip(warm, warm[1:]))  # from the restored LR, rising
+    assert ext.at(32) == pytest.approx(1e-3)  # back to the run's peak
+    lrs = [ext.at(i) for i in range(32, 60)]
+    assert all(a >= b for a, b in zip(lrs, lrs[1:]))  # then a cosine
     assert ext.at(59) == pytest.approx(1e-4)  # and the new last step reaches --min-lr
-    lrs = [ext.at(i) for i in range(30, 60)]
-    assert all(a >= b for a, b in zip(lrs, lrs[1:]))  # decaying, never re-warming
-    # A finished run (last LR = min_lr) continues at min_lr.
+    # A finished run (last LR = min_lr) trains again: not flat at min_lr (issue 35 item 4).
     done = s.extended(40, 50)
-    assert all(done.at(i) == pytest.approx(1e-4) for i in range(40, 50))
+    assert done.at(40) > 1e-4 and max(done.at(i) for i in range(40, 50)) == pytest.approx(1e-3)
+    assert done.at(49) == pytest.approx(1e-4)
     # Extending an extension starts a new segment from where it is.
     again = ext.extended(45, 70)
-    assert again.at(45) == pytest.approx(ext.at(44)) and again.at(69) == pytest.approx(1e-4)
+    assert again.at(44) == ext.at(44) and again.at(69) == pytest.approx(1e-4)
+    assert max(again.at(i) for i in range(45, 70)) == pytest.approx(1e-3)
+    # A checkpoint from before the warmup existed keeps its curve (a cosine from its LR).
+    old = Schedule.from_dict({k: v for k, v in ext.to_dict().items() if k != "rewarm"})
+    assert old.at(30) == pytest.approx(s.at(29)) and old.at(59) == pytest.approx(1e-4)
+    assert Schedule.from_dict(ext.to_dict()) == ext
 
 
 def test_extension_lr_end_to_end_and_a_second_resume_keeps_the_curve(corpus, toy_cli, tmp_path):
@@ -163,7 +172,7 @@ def test_extension_lr_end_to_end_and_a_second_resume_keeps_the_curve(corpus, toy
     run_json(toy_cli, "train", *common, "--steps", "6", "--run-id", "r")
     run_json(toy_cli, "train", "--resume", tmp_path / "r", "--steps", "12", "--json")
     lrs = {e["step"]: e["lr"] for e in step_events(tmp_path / "r")}
-    assert lrs[7] == pytest.approx(lrs[6]) and lrs[12] == pytest.approx(1e-4)
+    assert lrs[7] > lrs[6] and lrs[12] == pytest.approx(1e-4)  # warmed up again, then decayed
     # Cut the extension after step 10 and resume it: the same LRs and losses as unbroken.
     shutil.copytree(tmp_path / "r", tmp_path / "cut")
     shutil.rmtree(tmp_path / "cut" / "checkpoints" / "step-000012")
@@ -174,6 +183,23 @@ def test_extension_lr_end_to_end_and_a_second_resume_keeps_the_curve(corpus, toy
         (e["step"], e["lr"], e["loss"]) for e in full[-2:]
     ]
     assert r["losses"][-1]["loss"] == full[-1]["loss"]
+
+
+def test_a_finished_run_extended_trains_at_its_peak_lr_not_at_min_lr(corpus, toy_cli, tmp_path):
+    """Issue 35 item 4: `--resume RUN --steps 60` after a 3e-3 run of 30 steps trained
+    every new step at --min-lr 1e-4 ("cosine from its LR 0.0001 to --min-lr 0.0001"). The
+    extension warms back to the run's peak, then decays, and says so in one line."""
+    common = ["--corpus", corpus, "--out", tmp_path, *TINY, "--lr", "3e-3", "--warmup", "2"]
+    run_json(toy_cli, "train", *common, "--steps", "10", "--run-id", "f")
+    code, out, err = toy_cli("train", "--resume", tmp_path / "f", "--steps", "30")
+    assert code == 0, err
+    lrs = {e["step"]: e["lr"] for e in step_events(tmp_path / "f")}
+    assert lrs[10] == pytest.approx(1e-4)  # the run had finished at --min-lr
+    new = [lrs[k] for k in range(11, 31)]
+    assert max(new) == pytest.approx(3e-3) and sum(new) / len(new) > 10 * 1e-4, new
+    assert lrs[30] == pytest.approx(1e-4)
+    said = [line for line in (out + err).splitlines() if "LR schedule extended" in line]
+    assert len(said) == 1 and "warmup 2" in said[0] and "peak 0.003" in said[0], said
 
 
 # ---------------------------------------------------------------- 4. one resolved config

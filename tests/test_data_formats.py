@@ -5,6 +5,7 @@ token by token; each format trains through the command line."""
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -231,3 +232,87 @@ def test_a_conversation_file_on_a_base_without_a_template_is_refused(bases, toy_
         *COMMON,
     )
     assert code == 2 and "has no chat template" in err and not (tmp_path / "r").exists()
+
+
+# ------------------------------------------------------------------ one huge line (issue 32 item 7)
+
+
+def _uncut(tok, template, ex, max_len, eos_id):
+    """(ids, mask) as before strings were cut: everything tokenized whole."""
+    from toy.data.chat import encode_chat
+    from toy.tokenizer import encode_prompt
+
+    if ex.kind == "text":
+        ids = encode_prompt(tok, ex.text) + [eos_id]
+        return ids[:max_len], ([0] + [1] * (len(ids) - 1))[:max_len]
+    if ex.kind == "prompt" and template is None:
+        p = encode_prompt(tok, ex.prompt)
+        c = tok.encode(ex.completion, add_special_tokens=False).ids + [eos_id]
+        return (p + c)[:max_len], ([0] * len(p) + [1] * len(c))[:max_len]
+    msgs = ex.messages or (
+        {"role": "user", "content": ex.prompt},
+        {"role": "assistant", "content": ex.completion},
+    )
+    return encode_chat(tok, template, msgs, max_len, "", "<|im_end|>")
+
+
+def test_a_huge_string_is_cut_to_what_the_window_uses(tok):
+    """Cutting a string longer than the window can use changes no id and no mask bit of
+    the window, for every format, and says how many strings it cut."""
+    from toy.data.chat import window_chars
+
+    words = bundled_text_paths()[0].read_text()[:20000]
+    big = (words * 12)[:200_000]
+    assert len(big) > window_chars(tok, 65)
+    eos = tok.token_to_id("<|im_end|>")
+    cases = [
+        (None, Example("text", text=big)),
+        (None, Example("prompt", prompt="Say:", completion=big)),
+        (None, Example("prompt", prompt=big, completion="ok")),
+        (CHATML, Example("prompt", prompt="Say:", completion=big)),
+        (
+            CHATML,
+            Example(
+                "messages",
+                messages=(
+                    {"role": "user", "content": "hi"},
+                    {"role": "assistant", "content": big},
+                    {"role": "user", "content": big},
+                    {"role": "assistant", "content": "bye"},
+                ),
+            ),
+        ),
+    ]
+    for template, ex in cases:
+        for max_len in (65, 193):
+            cut = []
+            got = encode_example(tok, template, ex, max_len, "", "<|im_end|>", eos, cut)
+            assert got == _uncut(tok, template, ex, max_len, eos), (ex.kind, max_len)
+            assert [n for n, _ in cut] == [2 if ex.kind == "messages" else 1], cut
+
+
+def test_one_20mb_text_line_costs_memory_by_the_window(bases, tmp_path):
+    """A 20 MB {"text"} line with --max-seq-len 64 peaked at 3.2 GB, tokenized whole; now
+    its peak is about that of a small file, and the run's notes say what was cut."""
+    rows = _rows("text", 20)
+    rows.insert(3, {"text": ("the cat sat on the mat. " * 900_000)[:20_000_000]})
+    data = write(tmp_path / "big.jsonl", rows)
+    wrapper = (
+        "import resource, subprocess, sys; "
+        "r = subprocess.run(sys.argv[1:], capture_output=True, text=True); "
+        "sys.stderr.write(r.stdout + r.stderr); "
+        "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss // 1024); "
+        "sys.exit(r.returncode)"
+    )
+    argv = [sys.executable, "-m", "toy", "train", "--recipe", "lora", "--model", bases["plain"]]
+    argv += ["--data", data, "--max-seq-len", "64", "--steps", "1", "--out", tmp_path / "runs"]
+    p = subprocess.run(
+        [sys.executable, "-c", wrapper, *map(str, argv)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert p.returncode == 0, p.stderr
+    peak_mb = int(p.stdout.split()[-1])
+    assert peak_mb < 1200, f"peak {peak_mb} MB"
+    assert "cut 1 string in 1 line to their first" in p.stderr, p.stderr

@@ -77,6 +77,26 @@ TIME_ATTACKS = {
     "{% endmacro %}{{ f(60) }}",
     "loop calling a filter": "{% set x = range(100000) %}{% for a in x %}{% for b in x %}{{ ''|trim }}{% endfor %}"
     "{% endfor %}",
+    # One call that runs long by itself (issue 32 item 6): no clock check between calls can
+    # stop it; wordwrap over a megabyte took 13 s, at 4 MB minutes.
+    "one wordwrap call": "{% set s = 'x' * 1000000 %}{{ s|wordwrap(1)|length }}",
+    "one urlize call": "{% set s = 'a ' * 900000 %}{{ s|urlize|length }}",
+    "one sort call": "{% set s = 'ab' * 2000000 %}{{ s|sort|length }}",
+}
+# Nested deeper than jinja2's parser and code generator (one Python frame a level or more)
+# or Python's compiler (100 nested blocks) can take: a RecursionError or IndentationError
+# traceback before (issue 32 item 6).
+DEEP = {
+    "parentheses": "{{ " + "(" * 500 + "1" + ")" * 500 + " }}",
+    "lists": "{{ " + "[" * 500 + "]" * 500 + " }}",
+    "calls": "{{ " + "range(" * 100 + "1" + ")" * 100 + " }}",
+    "a chain of +": "{{ 1" + " + 1" * 5000 + " }}",
+    "a chain of filters": "{{ 1" + "|string" * 2000 + " }}",
+    "unary minus": "{{ " + "-" * 5000 + "1 }}",
+    "conditional expressions": "{{ 1" + " if 1 else 1" * 1000 + " }}",
+    "nested if blocks": "{% if 1 %}" * 120 + "x" + "{% endif %}" * 120,
+    "nested for loops": "{% for a in [1] %}" * 70 + "x" + "{% endfor %}" * 70,
+    "a macro that calls itself": "{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}",
 }
 
 
@@ -113,6 +133,36 @@ def test_a_template_cannot_hang(template, monkeypatch):
     err, took = _refused(template)
     assert "MAX_TEMPLATE_SECONDS" in err.message and "0.5 s" in err.message, err.message
     assert took < 0.5 + 1.5, f"took {took:.1f} s"
+
+
+@pytest.mark.parametrize("template", DEEP.values(), ids=DEEP.keys())
+def test_a_template_nested_too_deep_is_refused(template):
+    err, took = _refused(template)
+    assert "limit" in err.message and "deep" in err.message, err.message
+    assert took < 2, f"took {took:.1f} s"
+
+
+def test_nesting_limits_leave_real_templates_room():
+    """The deepest nesting a real template has is far under the limits: 3 brackets, a tree
+    21 deep (deepseekv3's; SmolLM2's 10); a template at the limits still renders."""
+    at_limit = "{{ " + "(" * sandbox.MAX_TEMPLATE_NESTING + "1" + ")" * sandbox.MAX_TEMPLATE_NESTING
+    assert render_template(at_limit + " }}", CONV, False, "", "") == "1"
+    chain = "{{ 1" + " + 1" * (sandbox.MAX_TEMPLATE_TREE_DEPTH - 4) + " }}"
+    assert render_template(chain, CONV, False, "", "") == str(sandbox.MAX_TEMPLATE_TREE_DEPTH - 3)
+
+
+def test_the_deadline_timer_is_cheap_and_left_as_found():
+    """A render arms SIGALRM only for itself: the handler and the timer are restored."""
+    import signal
+
+    before = signal.getsignal(signal.SIGALRM)
+    t0 = time.perf_counter()
+    for _ in range(200):
+        render_template(BUILTIN_TEMPLATES["chatml"], CONV[1:3], False, "", "")
+    per = (time.perf_counter() - t0) / 200
+    assert signal.getsignal(signal.SIGALRM) is before
+    assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+    assert per < 0.005, f"{per * 1e6:.0f} us a render"
 
 
 def _plain(template: str, messages, add_generation_prompt: bool, bos: str, eos: str) -> str:
@@ -198,11 +248,15 @@ def base(tmp_path_factory):
     model = tiny_model(vocab_size=tok.get_vocab_size(with_added_tokens=True), max_seq_len=256)
     evil = write_llama_gguf(d / "evil.gguf", model, tok, chat_template=SIZE_ATTACKS["string times"])
     good = write_llama_gguf(d / "good.gguf", model, tok)
+    deep = write_llama_gguf(d / "deep.gguf", model, tok, chat_template=DEEP["a chain of +"])
+    slow = write_llama_gguf(
+        d / "slow.gguf", model, tok, chat_template=TIME_ATTACKS["one wordwrap call"]
+    )
     chat_file = write_jsonl(
         conversations(bundled_text_paths(), 10, seed=1, turns=(1, 1), max_chars=100),
         d / "chat.jsonl",
     )
-    return {"evil": evil, "good": good, "chat": chat_file, "dir": d}
+    return {"evil": evil, "good": good, "deep": deep, "slow": slow, "chat": chat_file, "dir": d}
 
 
 def test_the_cli_names_the_template_source(base, toy_cli, tmp_path):
@@ -234,3 +288,24 @@ def test_the_cli_names_the_template_source(base, toy_cli, tmp_path):
     assert time.monotonic() - t0 < sandbox.MAX_TEMPLATE_SECONDS + 5
     assert len(err.strip().splitlines()) == 1  # one error, not a warning per conversation
     assert not any(tmp_path.glob("*-lora-*"))  # no run directory
+
+
+def test_the_cli_refuses_deep_and_slow_templates_naming_their_source(base, toy_cli, tmp_path):
+    """Issue 32 item 6 through the CLI: a nesting too deep (from the GGUF, and from
+    --chat-template) and one filter call that runs long (the real 2 s limit), each one
+    line, exit 2, naming where the template came from, no run directory."""
+    common = ["train", "--recipe", "lora", "--data", base["chat"], "--seq-len", "128"]
+    common += ["--steps", "1", "--out", tmp_path]
+    code, _, err = toy_cli(*common, "--model", base["deep"])
+    assert code == 2 and str(base["deep"]) in err and "MAX_TEMPLATE_TREE_DEPTH" in err, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    jinja = tmp_path / "deep.jinja"
+    jinja.write_text(DEEP["parentheses"])
+    code, _, err = toy_cli(*common, "--model", base["good"], "--chat-template", jinja)
+    assert code == 2 and f"--chat-template {jinja}" in err and "MAX_TEMPLATE_NESTING" in err, err
+    t0 = time.monotonic()
+    code, _, err = toy_cli(*common, "--model", base["slow"])
+    took = time.monotonic() - t0
+    assert code == 2 and str(base["slow"]) in err and "MAX_TEMPLATE_SECONDS" in err, err
+    assert took < sandbox.MAX_TEMPLATE_SECONDS + 5, f"took {took:.1f} s"
+    assert not any(tmp_path.glob("*-lora-*"))

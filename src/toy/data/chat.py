@@ -43,7 +43,7 @@ import json
 import sys
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +54,7 @@ import torch
 from jinja2.exceptions import SecurityError, TemplateError, TemplateSyntaxError
 from tokenizers import Tokenizer
 
-from toy.data.sandbox import BoundedSandbox, render_bounded
+from toy.data.sandbox import BoundedSandbox, compile_bounded, render_bounded
 from toy.errors import InputError, ToyError, UsageError
 from toy.runs import plural
 from toy.tokenizer import encode_prompt
@@ -126,7 +126,7 @@ def _compile(template: str) -> jinja2.Template:
     env = _Env(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
-    return env.from_string(template)
+    return compile_bounded(env, template)  # its nesting checked before jinja2 compiles it
 
 
 def _one_line(e: BaseException) -> str:
@@ -408,6 +408,48 @@ def read_chat_jsonl(
 
 # --------------------------------------------------------------------------- encoding
 
+CUT_MARGIN = 64  # tokens past the window a cut text still holds: the cut changes only its last ones
+_LONGEST: dict[int, tuple[Tokenizer, int]] = {}
+
+
+def window_chars(tok: Tokenizer, max_len: int) -> int:
+    """How many characters of one string can matter to a window of max_len tokens: a token
+    covers at most as many characters as its vocabulary entry has (byte-level entries are
+    one character a byte), so max_len + CUT_MARGIN tokens of the longest entry, twice over
+    (a normalizer may fold two characters into one). Text past that is cut before it is
+    tokenized: a 20 MB line tokenized whole held 3.2 GB for a 64-token window."""
+    hit = _LONGEST.get(id(tok))
+    if hit is None or hit[0] is not tok:
+        longest = max((len(t) for t in tok.get_vocab(with_added_tokens=True)), default=1)
+        hit = _LONGEST[id(tok)] = (tok, max(longest, 1))
+    return 2 * (max_len + CUT_MARGIN) * hit[1]
+
+
+def cut_to_window(ex: Example, chars: int) -> tuple[Example, int]:
+    """`ex` with each of its strings (text, prompt, completion, a message's content) cut to
+    `chars` characters (window_chars), and how many were cut. What a window of the
+    example's tokens holds is unchanged: each cut string still has more tokens than the
+    window, so everything after it lies past the window too."""
+    cut = 0
+
+    def fit(x: str) -> str:
+        nonlocal cut
+        if len(x) <= chars:
+            return x
+        cut += 1
+        return x[:chars]
+
+    if ex.kind == "messages":
+        msgs = tuple({**m, "content": fit(m["content"])} for m in ex.messages)
+        ex = replace(ex, messages=msgs) if cut else ex
+    elif ex.kind == "prompt":
+        p, c = fit(ex.prompt), fit(ex.completion)
+        ex = replace(ex, prompt=p, completion=c) if cut else ex
+    else:
+        t = fit(ex.text)
+        ex = replace(ex, text=t) if cut else ex
+    return ex, cut
+
 
 def _assistant_char_spans(
     template: str,
@@ -415,14 +457,18 @@ def _assistant_char_spans(
     bos_token: str,
     eos_token: str,
     tools: list | None = None,
+    chars: int | None = None,
 ) -> tuple[str, list[tuple[int, int]]]:
-    """The full rendering and the [start, end) character spans to supervise."""
+    """The full rendering and the [start, end) character spans to supervise (those that
+    start within `chars` characters, when given: the rest lie past the window)."""
     full = render_template(template, messages, False, bos_token, eos_token, tools)
     spans = []
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
         prompt = render_template(template, messages[:i], True, bos_token, eos_token, tools)
+        if chars is not None and len(prompt) > chars:
+            break
         upto = render_template(template, messages[: i + 1], False, bos_token, eos_token, tools)
         if not upto.startswith(prompt) or not full.startswith(upto):
             raise ConversationError(
@@ -450,8 +496,11 @@ def encode_chat(
     bos_token: str,
     eos_token: str,
     tools: list | None = None,
+    chars: int | None = None,
 ) -> tuple[list[int], list[int]]:
     """Render and tokenize one conversation; returns (ids, mask), truncated to max_len.
+    `chars` (window_chars): the rendering is cut to that many characters before it is
+    tokenized, as what lies past them lies past the window.
 
     mask[t] == 1 iff ids[t] is a supervised target (see the module doc). Special tokens
     come from the template, and the BOS the tokenizer's rules ask for (a GGUF's
@@ -461,8 +510,8 @@ def encode_chat(
     """
     if max_len < 1:
         raise UsageError(f"--seq-len must be >= 1, got {max_len}")
-    text, spans = _assistant_char_spans(template, messages, bos_token, eos_token, tools)
-    enc = tok.encode(text, add_special_tokens=False)
+    text, spans = _assistant_char_spans(template, messages, bos_token, eos_token, tools, chars)
+    enc = tok.encode(text if chars is None else text[:chars], add_special_tokens=False)
     ids = list(enc.ids)
     head = encode_prompt(tok, "")  # the BOS the rules ask for ([] when none)
     head = head if ids[: len(head)] != head else []
@@ -488,6 +537,7 @@ def encode_example(
     bos_token: str,
     eos_token: str,
     eos_id: int | None,
+    cut: list[tuple[int, int]] | None = None,
 ) -> tuple[list[int], list[int]]:
     """(ids, mask) of one example, truncated to max_len; raw text starts with the BOS the
     tokenizer's rules ask for (`encode_prompt`, as `toy infer --prompt`), `eos_id` ends a
@@ -497,9 +547,19 @@ def encode_example(
     - prompt/completion: one user/assistant exchange through the template where the model
       has one (the completion and its end-of-turn supervised); else the two texts joined,
       the completion and EOS supervised;
-    - text: every token supervised (but the first, which nothing predicts), EOS appended."""
+    - text: every token supervised (but the first, which nothing predicts), EOS appended.
+
+    A string longer than a window can use is cut first (cut_to_window), so one huge line
+    costs memory by the window, not by its size; `cut` gets (the number of strings cut,
+    the characters each kept) when there are any."""
+    chars = window_chars(tok, max_len)
+    ex, n = cut_to_window(ex, chars)
+    if n and cut is not None:
+        cut.append((n, chars))
     if ex.kind == "messages":
-        return encode_chat(tok, template, ex.messages, max_len, bos_token, eos_token, ex.tools)
+        return encode_chat(
+            tok, template, ex.messages, max_len, bos_token, eos_token, ex.tools, chars
+        )
     tail = [eos_id] if eos_id is not None else []
     if ex.kind == "prompt":
         if template is not None:
@@ -507,7 +567,7 @@ def encode_example(
                 {"role": "user", "content": ex.prompt},
                 {"role": "assistant", "content": ex.completion},
             ]
-            return encode_chat(tok, template, turns, max_len, bos_token, eos_token)
+            return encode_chat(tok, template, turns, max_len, bos_token, eos_token, None, chars)
         p = encode_prompt(tok, ex.prompt)
         c = tok.encode(ex.completion, add_special_tokens=False).ids + tail
         return (p + c)[:max_len], ([0] * len(p) + [1] * len(c))[:max_len]
@@ -797,3 +857,5 @@ def _compile_checked(template: str, where: str) -> None:
         raise InputError(f"{where}: line {e.lineno}: syntax error: {_one_line(e)}")
     except TemplateError as e:
         raise InputError(f"{where}: does not compile: {_one_line(e)}")
+    except InputError as e:  # a limit (nesting)
+        raise InputError(f"{where}: {e.message}")

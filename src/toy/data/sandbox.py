@@ -22,6 +22,15 @@ from modifying its inputs, and caps `range()`; it does not stop `{{ 'x' * 300000
 - time: MAX_TEMPLATE_SECONDS. The clock is checked at the start of every block body the
   template runs (each loop iteration, each macro call, each `if` branch: compiled in, see
   _CodeGenerator) and in every hook above, so loops with no output and no calls stop too.
+  Inside one call (a filter such as wordwrap, urlize, sort or groupby over a few
+  megabytes runs for minutes in Python), a timer (SIGALRM, in the main thread of a
+  POSIX process: toy's CLI) ends the render at the deadline; a call in C over values
+  the size limit holds (str methods, json, re-free joins) takes milliseconds.
+- nesting (`compile_bounded`, before jinja2 compiles): brackets nested more than
+  MAX_TEMPLATE_NESTING deep in the token stream, or a parsed tree deeper than
+  MAX_TEMPLATE_TREE_DEPTH (`1+1+...`, `x|f|f|...`, blocks in blocks): jinja2's parser and
+  code generator recurse once per level and Python's compiler nests 100 blocks at most;
+  a RecursionError there would be a traceback.
 
 Past a bound: TemplateLimitError (an InputError: exit 2), the template's fault whatever
 the conversation. A normal template renders the same text as in plain jinja2.
@@ -32,6 +41,7 @@ from __future__ import annotations
 import functools
 import math
 import re
+import signal
 import string
 import threading
 import time
@@ -56,6 +66,8 @@ MAX_TEMPLATE_SECONDS = (
     2.0  # one render (one conversation renders 1 + 2 x its assistant turns times)
 )
 MAX_TEMPLATE_DEPTH = 100  # lists and dicts nested in one value
+MAX_TEMPLATE_NESTING = 32  # brackets nested in the source (real templates: 0 to 3)
+MAX_TEMPLATE_TREE_DEPTH = 64  # the parsed template's depth (real templates: 8 to 21)
 
 FIX = "a chat template is untrusted input: fix this one, or use another (toy train --chat-template FILE.jinja)"
 
@@ -84,7 +96,7 @@ class _Budget:
         self.expired = True
         raise TemplateLimitError(
             f"chat template ran past toy's limit of {MAX_TEMPLATE_SECONDS:g} s for one "
-            f"conversation (MAX_TEMPLATE_SECONDS: a loop or recursion too long); {FIX}"
+            f"conversation (MAX_TEMPLATE_SECONDS: a loop, a recursion or one call too long); {FIX}"
         )
 
     def check(self, size: int, what: str) -> None:
@@ -623,6 +635,79 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
         return value
 
 
+_OPEN, _CLOSE = frozenset("([{"), frozenset(")]}")
+
+
+def _too_deep(what: str, lineno: int, limit: int, name: str) -> TemplateLimitError:
+    return TemplateLimitError(
+        f"chat template exceeds toy's limit: {what} nested more than {limit} deep at line "
+        f"{lineno} ({name}); {FIX}"
+    )
+
+
+def compile_bounded(env: jinja2.Environment, source: str) -> jinja2.Template:
+    """`env.from_string(source)` with its nesting checked first (see the module doc):
+    the brackets on the token stream (jinja2's lexer does not recurse), the depth of the
+    parsed tree before jinja2 generates and compiles its Python. TemplateLimitError past
+    a limit; jinja2's own TemplateSyntaxError as before."""
+    depth = 0
+    for lineno, kind, value in env.lex(source):
+        if kind == "operator" and value in _OPEN:
+            depth += 1
+            if depth > MAX_TEMPLATE_NESTING:
+                raise _too_deep("brackets", lineno, MAX_TEMPLATE_NESTING, "MAX_TEMPLATE_NESTING")
+        elif kind == "operator" and value in _CLOSE:
+            depth -= 1
+    try:
+        tree = env.parse(source)
+    except RecursionError:  # a long run of unary operators or nested blocks: the parser recurses
+        raise _too_deep(
+            "expressions or blocks", 1, MAX_TEMPLATE_TREE_DEPTH, "MAX_TEMPLATE_TREE_DEPTH"
+        ) from None
+    stack = [(tree, 1)]
+    while stack:  # the tree's depth, without recursion
+        node, d = stack.pop()
+        if d > MAX_TEMPLATE_TREE_DEPTH:
+            raise _too_deep(
+                "expressions or blocks",
+                getattr(node, "lineno", 1),
+                MAX_TEMPLATE_TREE_DEPTH,
+                "MAX_TEMPLATE_TREE_DEPTH",
+            )
+        stack.extend((child, d + 1) for child in node.iter_child_nodes())
+    return env.from_string(tree)
+
+
+class _Alarm:
+    """A one-shot SIGALRM at the render's deadline whose handler ends the render: the
+    clock checks between calls cannot stop one call that runs long in Python. Armed only
+    in the main thread, where Python runs signal handlers, and only when no other timer
+    is set (that one's owner keeps it)."""
+
+    def __init__(self, budget: _Budget):
+        self.budget, self.armed, self.previous = budget, False, None
+        if not hasattr(signal, "setitimer") or threading.current_thread() is not (
+            threading.main_thread()
+        ):
+            return
+        if signal.getitimer(signal.ITIMER_REAL)[0] > 0:
+            return
+        self.previous = signal.signal(signal.SIGALRM, self._ring)
+        self.armed = True
+        signal.setitimer(signal.ITIMER_REAL, max(budget.deadline - time.monotonic(), 1e-3))
+
+    def _ring(self, signum: int, frame: Any) -> None:
+        if self.armed:
+            self.disarm()
+            self.budget.expire()
+
+    def disarm(self) -> None:
+        if self.armed:
+            self.armed = False
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, self.previous)
+
+
 def render_bounded(tpl: jinja2.Template, input_chars: int, **context: Any) -> str:
     """Render `tpl` (from a BoundedSandbox) within the limits; TemplateLimitError past one.
     `input_chars`: the size of what it renders (the messages' text), which the size
@@ -631,14 +716,24 @@ def render_bounded(tpl: jinja2.Template, input_chars: int, **context: Any) -> st
     b = _Budget(limit, MAX_TEMPLATE_SECONDS, MAX_TEMPLATE_WORK * limit)
     outer = getattr(_local, "budget", None)
     _local.budget = b
+    alarm = _Alarm(b) if outer is None else None
     try:
         out, n = [], 0
         for chunk in tpl.generate(**context):
             n += len(chunk)
             b.check(n, "the rendered text")
             out.append(chunk)
+    except RecursionError:  # a macro that calls itself without end
+        raise TemplateLimitError(
+            f"chat template exceeds toy's limit: its macros call each other deeper than "
+            f"Python's recursion limit; {FIX}"
+        ) from None
     finally:
-        _local.budget = outer
+        try:
+            if alarm is not None:
+                alarm.disarm()
+        finally:
+            _local.budget = outer
     if b.expired:  # in case something on the way caught the error
         b.expire()
     return "".join(out)

@@ -407,9 +407,10 @@ def chat_stream(cfg: RunConfig, tok, base, seq_len, notes):
     pad = special.pad if special.pad is not None else (special.eos or 0)
 
     vocab = base.config.vocab_size
+    cut: list[tuple[int, int]] = []  # (strings cut to what a window can use, chars kept) a line
 
     def encode(ex):
-        ids, mask = encode_example(tok, template, ex, seq_len + 1, bos, eos, special.eos)
+        ids, mask = encode_example(tok, template, ex, seq_len + 1, bos, eos, special.eos, cut)
         if ids and max(ids) >= vocab:
             bad = max(ids)
             raise ConversationError(
@@ -437,6 +438,12 @@ def chat_stream(cfg: RunConfig, tok, base, seq_len, notes):
         )
     if dropped:
         notes.append(f"skipped {plural(dropped, 'example')} whose prompt fills --seq-len {seq_len}")
+    if cut:
+        notes.append(
+            f"{data_path}: cut {plural(sum(n for n, _ in cut), 'string')} in "
+            f"{plural(len(cut), 'line')} to their first {cut[0][1]:,} characters before "
+            f"tokenizing (no more can reach --seq-len {seq_len})"
+        )
     if not samples:
         raise InputError(
             f"{data_path}: no example has a supervised token within --seq-len {seq_len}"

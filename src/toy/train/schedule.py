@@ -10,10 +10,12 @@ The schedule, and what a resume does to it, are defined here and nowhere else:
   - if d is still inside the warmup, the warmup finishes as planned and the cosine runs
     to the new total: every step already taken had the LR it would have had in an
     unbroken N-step run, so the result equals one;
-  - otherwise the LR continues from the LR of step d (the one restored with the
-    optimizer) and decays by a cosine to `min_lr` at step N. Re-warming a trained model
-    would throw away what the decay bought; a finished run, whose last LR was min_lr,
-    therefore continues at min_lr.
+  - otherwise the new steps train: a warmup of a tenth of them (at least one step) from
+    the LR of step d (the one restored with the optimizer) back to the run's peak `lr`,
+    then a cosine to `min_lr` at step N, the shape of the run's own schedule. (Continuing
+    from step d's LR instead left a finished run, whose last LR was min_lr, flat at
+    min_lr: a tenth or less of its LR, for every new step.) Checkpoints written before
+    the warmup existed (no `rewarm`) keep their curve: a cosine from step d's LR.
   The extension is stored in each checkpoint, so resuming an extension again continues
   the same curve, and extending it again starts a new segment from where it is.
 """
@@ -38,13 +40,19 @@ class Schedule:
     start: int | None = None
     start_lr: float | None = None
     previous: Schedule | None = None
+    rewarm: int = 0  # an extension's warmup from start_lr back to lr (0: none, as before)
 
     def at(self, step: int) -> float:
         """The LR of step `step` (counting from 0: the step about to be taken)."""
         if self.start is not None:
             if step < self.start:
                 return self.previous.at(step)
-            return _cosine(step - self.start, self.total - self.start, self.start_lr, self.min_lr)
+            i, n = step - self.start, self.total - self.start
+            if i < self.rewarm:
+                return self.start_lr + (self.lr - self.start_lr) * (i + 1) / self.rewarm
+            if self.rewarm:
+                return _cosine(i - self.rewarm, n - self.rewarm, self.lr, self.min_lr)
+            return _cosine(i, n, self.start_lr, self.min_lr)
         if self.warmup > 0 and step < self.warmup:
             return self.lr * (step + 1) / self.warmup
         return _cosine(step - self.warmup, self.total - self.warmup, self.lr, self.min_lr)
@@ -57,8 +65,16 @@ class Schedule:
         if self.start is None and done < self.warmup:
             return Schedule(self.lr, self.min_lr, self.warmup, total)
         last = self.at(done - 1) if done > 0 else self.lr
+        rewarm = max(1, (total - done) // 10)
         return Schedule(
-            self.lr, self.min_lr, self.warmup, total, start=done, start_lr=last, previous=self
+            self.lr,
+            self.min_lr,
+            self.warmup,
+            total,
+            start=done,
+            start_lr=last,
+            previous=self,
+            rewarm=rewarm,
         )
 
     def to_dict(self) -> dict:
@@ -74,8 +90,14 @@ class Schedule:
             return (
                 f"warmup {self.warmup}, cosine {self.lr:g} -> {self.min_lr:g} at step {self.total}"
             )
+        if not self.rewarm:
+            return (
+                f"extended at step {self.start}: cosine from its LR {self.start_lr:.3g} to "
+                f"--min-lr {self.min_lr:g} at step {self.total}"
+            )
         return (
-            f"extended at step {self.start}: cosine from its LR {self.start_lr:.3g} to --min-lr "
+            f"extended at step {self.start}: warmup {self.rewarm} from its LR "
+            f"{self.start_lr:.3g} back to the run's peak {self.lr:g}, then cosine to --min-lr "
             f"{self.min_lr:g} at step {self.total}"
         )
 
