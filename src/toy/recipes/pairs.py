@@ -212,7 +212,8 @@ def build_pairs(
 
     notes.append(
         f"{data_path}: {plural(len(train), 'preference pair')} in "
-        f"{plural(n_batches, 'batch', 'batches')} of {plural(per, 'pair')}; {plural(len(val), 'held-out pair')}"
+        f"{plural(n_batches, 'batch', 'batches')} of {plural(per, 'pair')}; "
+        f"{plural(len(val), 'held-out pair')}"
         + (
             ", reference log-probs from the base with the adapter off, once a pair"
             if reference
