@@ -22,8 +22,15 @@ LAYERS = [
     "cli",
 ]
 RANK = {name: i for i, name in enumerate(LAYERS)}
-# What recipes share without being recipes: the recipe table and the decoder-LM part.
-SHARED_RECIPE_PARTS = ("toy.recipes", "toy.recipes.lm")
+# What recipes share without being recipes: the recipe table, the decoder-LM part and
+# the adapter recipes' part (base, flags, --output, the final adapter, chat data), and
+# the preference recipes' part (pairs, references, figures).
+SHARED_RECIPE_PARTS = (
+    "toy.recipes",
+    "toy.recipes.lm",
+    "toy.recipes.adapter",
+    "toy.recipes.pairs",
+)
 
 
 def layer_of(module: str) -> str | None:

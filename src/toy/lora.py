@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.nn as nn
@@ -82,6 +84,7 @@ class LoRALinear(nn.Module):
             torch.zeros(self.out_features, rank, dtype=dtype, device=weight.device)
         )
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        self.disabled = False  # disable_adapter: the base's output alone
         self.reset_lora(generator)
 
     @classmethod
@@ -109,6 +112,8 @@ class LoRALinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         base = parts_of(self) if self.spec is not None else self.weight
         y = frozen_linear(x, base, self.bias, self.spec)  # (..., out)
+        if self.disabled:
+            return y
         # Low rank first: (..., in) -> (..., r) -> (..., out). Never forms B @ A (out x in).
         h = self.dropout(x)
         if not torch.is_autocast_enabled(
@@ -230,6 +235,25 @@ def apply_lora(
 
 def _lora_modules(model: nn.Module) -> list[tuple[str, LoRALinear]]:
     return [(n, m) for n, m in model.named_modules() if isinstance(m, LoRALinear)]
+
+
+@contextmanager
+def disable_adapter(model: nn.Module) -> Iterator[nn.Module]:
+    """Within the block the wrapped model computes exactly what its base does (each
+    LoRALinear returns its frozen layer's output, without the update or its dropout): the
+    reference model of preference tuning, with no second copy of the weights (PEFT's and
+    torchtune's `disable_adapter`). The adapters are switched back on after, as they were."""
+    mods = [m for _, m in _lora_modules(model)]
+    if not mods:
+        raise UsageError("disable_adapter: the model has no LoRA modules (apply_lora first)")
+    was = [m.disabled for m in mods]
+    for m in mods:
+        m.disabled = True
+    try:
+        yield model
+    finally:
+        for m, w in zip(mods, was):
+            m.disabled = w
 
 
 def lora_parameters(model: nn.Module) -> list[nn.Parameter]:

@@ -50,6 +50,15 @@ def curves(run_dir: Path) -> tuple[list[tuple[int, float]], list[tuple[int, floa
     return sorted(train.items()), sorted(val.items())
 
 
+def preference_accuracy(run_dir: Path) -> list[tuple[int, float]]:
+    """(step, held-out preference accuracy) of a dpo / orpo run; [] for other runs."""
+    acc: dict[int, float] = {}
+    for e in read_events(run_dir):
+        if e.get("event") == "eval" and isinstance(e.get("pref_accuracy"), (int, float)):
+            acc[int(e["step"])] = float(e["pref_accuracy"])
+    return sorted(acc.items())
+
+
 def label(run_dir: Path) -> str:
     from toy.formats.checkpoint import read_json
 
@@ -128,6 +137,25 @@ def run(args) -> int:
     ax.set_ylabel("loss")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
+    accs = [(i, d, preference_accuracy(d)) for i, (d, _, _) in enumerate(data)]
+    if any(acc for _, _, acc in accs):  # preference runs: held-out accuracy, right-hand axis
+        ax2 = ax.twinx()
+        for i, d, acc in accs:
+            if acc:
+                xs, ys = zip(*acc)
+                color = colors[i % len(colors)]
+                ax2.plot(
+                    xs,
+                    ys,
+                    color=color,
+                    linestyle=":",
+                    marker="^",
+                    markersize=3.5,
+                    label=f"{label(d)} held-out preference accuracy",
+                )
+        ax2.set_ylabel("preference accuracy")
+        ax2.set_ylim(0, 1)
+        ax2.legend(fontsize=8, loc="lower right")
     if args.title:
         ax.set_title(args.title)
     fig.tight_layout()

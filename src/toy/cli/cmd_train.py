@@ -50,7 +50,7 @@ def _presets() -> str:
 def add_parser(sub, recipes: bool = True) -> None:
     p = sub.add_parser(
         "train",
-        help="train a model (from-scratch, warm-start, lora, vit-tiny)",
+        help="train a model (from-scratch, warm-start, lora, dpo, orpo, vit-tiny)",
         description=__doc__,
     )
     g = p.add_argument_group("run")
@@ -226,10 +226,43 @@ def add_parser(sub, recipes: bool = True) -> None:
     o.add_argument(
         "--keep-last", type=nonneg_int, help="checkpoints to keep, 0 keeps all (default 2)"
     )
-    # Each recipe adds its own flags in a group of its own (recipe modules own them).
-    for name in recipe_names() if recipes else ():
-        load_recipe(name).add_arguments(p.add_argument_group(f"{name} recipe"))
+    # Each recipe adds its own flags (recipe modules own them) in a group of its own; a
+    # flag several recipes take (the adapter recipes' --model, --rank, ...) is added once,
+    # in a group named after all of them.
+    if recipes:
+        for title, calls in recipe_groups():
+            g = p.add_argument_group(title)
+            for args, kwargs in calls:
+                g.add_argument(*args, **kwargs)
     p.set_defaults(func=run)
+
+
+class _Recorder:
+    """Stands for an argparse group: keeps a recipe's add_argument calls."""
+
+    def __init__(self):
+        self.calls: list[tuple[tuple, dict]] = []
+
+    def add_argument(self, *args, **kwargs) -> None:
+        self.calls.append((args, kwargs))
+
+
+def recipe_groups() -> list[tuple[str, list[tuple[tuple, dict]]]]:
+    """(group title, add_argument calls) for the recipes' flags, each flag once, under
+    the recipes that take it ('lora recipe', 'dpo, lora, orpo recipes')."""
+    owners: dict[str, list[str]] = {}
+    call: dict[str, tuple[tuple, dict]] = {}
+    for name in recipe_names():
+        rec = _Recorder()
+        load_recipe(name).add_arguments(rec)
+        for args, kwargs in rec.calls:
+            owners.setdefault(args[0], []).append(name)
+            call.setdefault(args[0], (args, kwargs))
+    groups: dict[str, list] = {}
+    for flag, names in owners.items():
+        title = f"{', '.join(names)} recipe" + ("s" if len(names) > 1 else "")
+        groups.setdefault(title, []).append(call[flag])
+    return list(groups.items())
 
 
 def flag_keys() -> list[str]:
@@ -257,15 +290,21 @@ def check_recipe_flags(recipe: str, cli: dict) -> None:
     which recipe takes it."""
     problems = []
     owned = own_flags()
+    takers: dict[str, list[str]] = {}  # flag -> the recipes that take it
     for name, flags in owned.items():
         if name == recipe:
             continue
         for key, flag in flags.items():
             if cli.get(key) is not None and key not in owned.get(recipe, {}):
-                problems.append(
-                    f"{flag} is a {name} recipe flag; the {recipe} recipe does not take it "
-                    f"(drop it, or train with --recipe {name})"
-                )
+                takers.setdefault(flag, []).append(name)
+    for flag, names in takers.items():
+        # lora first: the recipe most flags of the adapter recipes are known from
+        names.sort(key=lambda n: (n != "lora", n))
+        also = f" (and {', '.join(names[1:])})" if len(names) > 1 else ""
+        problems.append(
+            f"{flag} is a {names[0]} recipe flag{also}; the {recipe} recipe does not take it "
+            f"(drop it, or train with --recipe {names[0]})"
+        )
     if problems:
         raise UsageError("; ".join(problems))
 
@@ -342,11 +381,21 @@ def _print(o: Outcome, json_mode: bool) -> None:
             out["metrics"] = res.metrics
         if acc:  # classifiers: the accuracy curve under its own key
             out["val_accuracy"] = acc
+        pref = [
+            {"step": m["step"], "accuracy": m["pref_accuracy"]}
+            for m in res.metrics
+            if "pref_accuracy" in m
+        ]
+        if pref:  # preference recipes: the held-out preference accuracy
+            out["val_pref_accuracies"] = pref
         print(json.dumps(out))
     else:
         val = f", val loss {last_val:.4f}" if last_val is not None else ""
         speed = f", {res.items_per_s:,.0f} {job.items_name}/s" if res.items_per_s else ""
         val += f", val accuracy {acc[-1]['accuracy']:.4f}" if acc else ""
+        prefs = [m for m in res.metrics if "pref_accuracy" in m]
+        if prefs:
+            val += f", held-out preference accuracy {prefs[-1]['pref_accuracy']:.4f}"
         mem = f", peak memory {res.peak_mem_bytes / 1e9:.2f} GB" if res.peak_mem_bytes else ""
         print(
             f"done: loss {last:.4f}{val}{speed}{mem}, {res.wall_s:.1f}s; model in {o.run_dir / 'final'}"

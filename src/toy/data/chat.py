@@ -203,6 +203,8 @@ class Example:
     text: str = ""
 
 
+PREFERENCE = "preference pair"  # the skip reason of a {"prompt", "chosen", "rejected"} line
+
 FORMATS = {
     "messages": 'a {"messages"} conversation',
     "prompt": 'a {"prompt", "completion"} pair',
@@ -227,6 +229,8 @@ def _check_line(obj: Any) -> tuple[Example | None, str, str]:
                 f'"tools" must be a list of tool schemas, got {type(tools).__name__}',
             )
         return Example("messages", tuple(conv), tools=tools), "", ""
+    if "chosen" in obj or "rejected" in obj:
+        return None, PREFERENCE, 'a preference pair ({"prompt", "chosen", "rejected"})'
     if "prompt" in obj or "completion" in obj:
         p, c = obj.get("prompt"), obj.get("completion")
         if not isinstance(p, str) or not isinstance(c, str):
@@ -326,6 +330,42 @@ class ChatFile:
         return sum(self.skipped.values())
 
 
+def json_lines(path: Path, hint: str):
+    """(line number, object, "", "") for each JSON line of a data file, or (line number,
+    None, reason, detail) for one that is not UTF-8 or not JSON; blank lines and lines
+    starting with `#` are passed over, a BOM on the first line dropped. A file that
+    cannot be opened is an InputError naming it (`hint`: what the file should hold)."""
+    try:
+        fh = open(path, "rb")
+    except FileNotFoundError:
+        raise InputError(f"{path}: no such file; pass a JSONL file ({hint})")
+    except IsADirectoryError:
+        raise InputError(f"{path}: is a directory; pass a JSONL file")
+    except OSError as e:
+        raise InputError(f"{path}: cannot read ({e.strerror})")
+    with fh:
+        # Read as bytes and decode per line: one corrupt line must not hide the others.
+        for lineno, raw in enumerate(fh, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                where = f"bad byte at column {e.start + 1}"
+                yield lineno, None, "not UTF-8", f"not UTF-8 text ({where})"
+                continue
+            if lineno == 1:
+                line = line.removeprefix("\ufeff")  # editors on Windows add a BOM
+            line = line.strip()
+            if not line or line.startswith("#"):
+                continue
+            try:
+                yield lineno, json.loads(line), "", ""
+            except json.JSONDecodeError as e:
+                where = f"{e.msg} at column {e.colno}"
+                yield lineno, None, "not valid JSON", f"not valid JSON ({where})"
+            except RecursionError:
+                yield lineno, None, "not valid JSON", "not valid JSON (nested too deeply)"
+
+
 def read_chat_jsonl(
     path: str | Path, strict: bool = False, warn: Callable[[str], None] | None = None
 ) -> ChatFile:
@@ -338,59 +378,39 @@ def read_chat_jsonl(
     """
     warn = warn or _stderr
     path = Path(path)
-    try:
-        fh = open(path, "rb")
-    except FileNotFoundError:
-        raise InputError(f"{path}: no such file; pass a chat JSONL file ({SCHEMA_HINT})")
-    except IsADirectoryError:
-        raise InputError(f"{path}: is a directory; pass a chat JSONL file")
-    except OSError as e:
-        raise InputError(f"{path}: cannot read ({e.strerror})")
     chat = ChatFile(path)
     first_bad = ""
-    with fh:
-        # Read as bytes and decode per line: one corrupt line must not hide the others.
-        for lineno, raw in enumerate(fh, 1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                kind, detail = "not UTF-8", f"not UTF-8 text (bad byte at column {e.start + 1})"
-            else:
-                if lineno == 1:
-                    line = line.removeprefix("\ufeff")  # editors on Windows add a BOM
-                line = line.strip()
-                if not line or line.startswith("#"):
-                    continue
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError as e:
-                    kind, detail = "not valid JSON", f"not valid JSON ({e.msg} at column {e.colno})"
-                except RecursionError:
-                    kind, detail = "not valid JSON", "not valid JSON (nested too deeply)"
-                else:
-                    ex, kind, detail = _check_line(obj)
-                    if ex is not None:
-                        if chat.examples and ex.kind != chat.kind:
-                            raise InputError(
-                                f"{path}:{lineno}: {FORMATS[ex.kind]}, in a file of {FORMATS[chat.kind]}s "
-                                f"(from line {chat.lines[0]}); one format per file: split the file"
-                            )
-                        chat.examples.append(ex)
-                        chat.lines.append(lineno)
-                        continue
-            if strict:
+    for lineno, obj, kind, detail in json_lines(path, SCHEMA_HINT):
+        if obj is not None:
+            ex, kind, detail = _check_line(obj)
+            if ex is not None:
+                if chat.examples and ex.kind != chat.kind:
+                    raise InputError(
+                        f"{path}:{lineno}: {FORMATS[ex.kind]}, in a file of {FORMATS[chat.kind]}s "
+                        f"(from line {chat.lines[0]}); one format per file: split the file"
+                    )
+                chat.examples.append(ex)
+                chat.lines.append(lineno)
+                continue
+            if kind == PREFERENCE and not chat.examples:
                 raise InputError(
-                    f"{path}:{lineno}: {detail}; {SCHEMA_HINT} (strict mode stops at the first bad line)"
+                    f"{path}:{lineno}: {detail}; train on preference pairs with --recipe dpo "
+                    "or --recipe orpo (supervised fine-tuning takes conversations, "
+                    "prompt/completion pairs or text)"
                 )
-            chat.skipped[kind] += 1
-            first_bad = first_bad or f"line {lineno}: {detail}"
-            if chat.n_skipped <= SHOW_SKIPPED:
-                warn(f"{path}:{lineno}: {detail}; line skipped")
-            if chat.n_skipped >= GIVE_UP_AFTER and not chat.examples:
-                raise InputError(
-                    f"{path} does not look like training JSONL: none of its first {GIVE_UP_AFTER} lines "
-                    f"is an example ({first_bad}); {SCHEMA_HINT}"
-                )
+        if strict:
+            raise InputError(
+                f"{path}:{lineno}: {detail}; {SCHEMA_HINT} (strict mode stops at the first bad line)"
+            )
+        chat.skipped[kind] += 1
+        first_bad = first_bad or f"line {lineno}: {detail}"
+        if chat.n_skipped <= SHOW_SKIPPED:
+            warn(f"{path}:{lineno}: {detail}; line skipped")
+        if chat.n_skipped >= GIVE_UP_AFTER and not chat.examples:
+            raise InputError(
+                f"{path} does not look like training JSONL: none of its first {GIVE_UP_AFTER} lines "
+                f"is an example ({first_bad}); {SCHEMA_HINT}"
+            )
     if not chat.examples:
         what = (
             f"{plural(chat.n_skipped, 'line')} skipped: {count_reasons(chat.skipped)}"

@@ -23,6 +23,7 @@ the logits as cap * tanh(z / cap) first.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from toy.models.quant import QuantLinear
 
@@ -228,3 +229,53 @@ def linear_cross_entropy(
     if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
         return _LinearCrossEntropy.apply(h, weight, targets, softcap)
     return _chunked(h, weight, targets, False, False, softcap)[0]  # evaluation: the loss alone
+
+
+# ------------------------------------------------------------------ preference losses
+
+
+def sequence_logprobs(
+    h: torch.Tensor, head: torch.nn.Module, targets: torch.Tensor, softcap: float = 0.0
+) -> torch.Tensor:
+    """(S,) sums of log p(target) over each row of targets (S, A) (IGNORE: not counted),
+    from hidden states h (S, A, C): a preference loss's per-sequence log-probabilities,
+    one chunked head pass a sequence (no (S, A, vocab) logits)."""
+    return torch.stack(
+        [-head_cross_entropy(h[j], head, targets[j], softcap) for j in range(h.shape[0])]
+    )
+
+
+def dpo_loss(
+    chosen: torch.Tensor,
+    rejected: torch.Tensor,
+    ref_chosen: torch.Tensor,
+    ref_rejected: torch.Tensor,
+    beta: float = 0.1,
+    label_smoothing: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """DPO's sigmoid loss per pair, with the rewards beta * (log pi - log ref) of the chosen
+    and rejected answers (sequence log-probs, each (B,)). label_smoothing e > 0 is
+    conservative DPO: the label is taken as flipped with probability e."""
+    logits = (chosen - ref_chosen) - (rejected - ref_rejected)
+    z = beta * logits
+    losses = -F.logsigmoid(z) * (1 - label_smoothing) - F.logsigmoid(-z) * label_smoothing
+    return losses, beta * (chosen - ref_chosen).detach(), beta * (rejected - ref_rejected).detach()
+
+
+def log1mexp(x: torch.Tensor) -> torch.Tensor:
+    """log(1 - exp(x)) for x < 0, without cancellation (branch at -log 2)."""
+    return torch.where(
+        x < -0.6931471805599453, torch.log1p(-torch.exp(x)), torch.log(-torch.expm1(x))
+    )
+
+
+def orpo_loss(
+    chosen_mean: torch.Tensor, rejected_mean: torch.Tensor, chosen_nll: torch.Tensor, lam: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ORPO per pair: the chosen NLL minus lam * log sigmoid(log odds ratio), the odds of
+    an answer p / (1 - p) taken on its mean token log-probability (as TRL's ORPOTrainer);
+    the rewards are lam * those means."""
+    c, r = chosen_mean.float(), rejected_mean.float()
+    log_odds = (c - r) - (log1mexp(c) - log1mexp(r))
+    losses = chosen_nll - lam * F.logsigmoid(log_odds)
+    return losses, lam * c.detach(), lam * r.detach()

@@ -10,6 +10,8 @@ RECIPES = {
     "from-scratch": "from_scratch",
     "vit-tiny": "vit_tiny",
     "lora": "lora",
+    "dpo": "dpo",
+    "orpo": "orpo",
     "warm-start": "warm_start",
 }
 

@@ -72,6 +72,10 @@ class RunConfig:
     strict: bool = False
     base_dtype: str | None = None
     chat_template: str | None = None
+    # ---- dpo, orpo
+    beta: float | None = None
+    label_smoothing: float | None = None
+    orpo_lambda: float | None = None
     # ---- warm-start
     donor: str | None = None
     init: str | None = None

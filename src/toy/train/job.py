@@ -55,6 +55,9 @@ class Job:
     # Host-side work on a batch before it is copied to the device (the LM loss: the
     # indices of the supervised positions, so the device is never asked for a count).
     prepare: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None
+    # Figures of the step just taken, beside its loss (preference recipes: rewards, margin,
+    # accuracy): read once after each step, recorded with the loss, printed on its line.
+    step_metrics: Callable[[], dict[str, float]] | None = None
 
     def __post_init__(self) -> None:
         if self.prepare is None:

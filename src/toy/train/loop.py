@@ -430,7 +430,8 @@ class Trainer:
                 ips = timer.end_step(n_items)
                 if ips:
                     self.res.items_per_s = ips
-                self.res.losses.append({"step": step, "loss": loss})
+                extra = self.job.step_metrics() if self.job.step_metrics is not None else {}
+                self.res.losses.append({"step": step, "loss": loss, **extra})
                 peak = self.res.peak_mem_bytes = peak_memory(self.device)
                 self.events.emit(
                     "step",
@@ -440,8 +441,9 @@ class Trainer:
                     items=n_items,
                     peak_mem_bytes=peak,
                     **({f"{self.job.items_name}_per_s": round(ips, 2)} if ips else {}),
+                    **extra,
                 )
-                self.reporter.step(step, loss, ips, peak)
+                self.reporter.step(step, loss, ips, peak, **({"extra": extra} if extra else {}))
                 if cfg.eval_every and step % cfg.eval_every == 0 and step != cfg.steps:
                     self.evaluate(step, timer)
                 if cfg.save_every and step % cfg.save_every == 0:

@@ -27,7 +27,12 @@ class Reporter:
 
     def start(self, total_steps: int, first_step: int) -> None: ...
     def step(
-        self, step: int, loss: float, items_per_s: float | None, peak_mem: int | None = None
+        self,
+        step: int,
+        loss: float,
+        items_per_s: float | None,
+        peak_mem: int | None = None,
+        extra: dict[str, float] | None = None,
     ) -> None: ...
     def eval(self, step: int, metrics: dict[str, float]) -> None: ...
     def eval_progress(self, step: int, done: int, total: int, elapsed: float) -> None: ...
@@ -80,15 +85,21 @@ class TextReporter(Reporter):
             stdout_closed()
 
     def step(
-        self, step: int, loss: float, items_per_s: float | None, peak_mem: int | None = None
+        self,
+        step: int,
+        loss: float,
+        items_per_s: float | None,
+        peak_mem: int | None = None,
+        extra: dict[str, float] | None = None,
     ) -> None:
-        self._print(f"step {step} loss {loss:.6f}")
+        figures = "".join(f" {k} {v:.6f}" for k, v in (extra or {}).items())
+        self._print(f"step {step} loss {loss:.6f}{figures}")
         if self._progress is not None:
             speed = f"{items_per_s:,.0f} {self.items_name}/s" if items_per_s else ""
             mem = f"peak {peak_mem / 1e9:.2f} GB" if peak_mem else ""
-            self._progress.update(
-                self._task, completed=step, loss=f"{loss:.4f}", speed=speed, mem=mem
-            )
+            acc = (extra or {}).get("pref_accuracy")
+            shown = f"{loss:.4f}" + (f" acc {acc:.2f}" if acc is not None else "")
+            self._progress.update(self._task, completed=step, loss=shown, speed=speed, mem=mem)
 
     def eval_progress(self, step: int, done: int, total: int, elapsed: float) -> None:
         """A long evaluation says where it is (on stderr, so step lines stay byte-stable):

@@ -1,0 +1,304 @@
+"""Preference pairs -> (ids, answer mask) for a chosen and a rejected answer: the data of
+DPO and ORPO, one JSON object a line, in TRL's three forms:
+
+    standard:        {"prompt": "...", "chosen": "...", "rejected": "..."}
+    conversational:  {"prompt": [messages], "chosen": [{"role": "assistant", ...}],
+                      "rejected": [{"role": "assistant", ...}]}
+    implicit prompt: {"chosen": [messages], "rejected": [messages]}: the messages both
+                     begin with are the prompt, and each ends with its one answer.
+
+A standard prompt is a user turn through the model's chat template where it has one (as
+a prompt/completion line is for SFT), else the texts are joined and the answer ends with
+EOS. The three forms of one pair give the same ids and mask (tests/test_preference.py).
+
+The mask marks the answer's tokens (its content and the end-of-turn marker after it, as
+data/chat.py marks an assistant turn), nothing of the prompt: a sequence's log-probability
+is the sum over those. A line that is no pair (not JSON, a key missing, chosen ==
+rejected, an empty answer, messages that are not a conversation) is skipped and counted by
+reason with its first line number; so is a pair that cannot fit --max-seq-len: a long
+prompt is cut from the left and long answers from the right, but a pair whose two answers
+differ only beyond the cut has nothing left to prefer.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from toy.data.chat import (
+    IGNORE_INDEX,
+    ROLES,
+    ConversationError,
+    Example,
+    encode_example,
+    json_lines,
+)
+from toy.errors import InputError
+from toy.runs import plural
+
+SCHEMA = (
+    'each line must be a preference pair: {"prompt": "...", "chosen": "...", "rejected": "..."}, '
+    'the same with lists of {"role", "content"} messages, or {"chosen": [messages], '
+    '"rejected": [messages]} sharing their leading messages'
+)
+TOO_LONG = "cannot fit --max-seq-len"
+
+
+@dataclass(frozen=True)
+class Pair:
+    """One preference pair: the prompt as messages, the two answers' texts. `text` holds a
+    standard line's prompt string (joined as text where the model has no template)."""
+
+    prompt: tuple
+    chosen: str
+    rejected: str
+    text: str | None = None
+
+
+def _messages(x: Any, where: str) -> tuple[list[dict] | None, str]:
+    if not isinstance(x, list) or not x:
+        return None, f'"{where}" must be a non-empty list of messages'
+    out = []
+    for j, m in enumerate(x):
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            return (
+                None,
+                f'{where}[{j}] must be a {{"role", "content"}} message (role one of {ROLES})',
+            )
+        if not isinstance(m.get("content"), str):
+            return None, f'{where}[{j}] "content" must be a string'
+        out.append({"role": m["role"], "content": m["content"]})
+    return out, ""
+
+
+def parse_pair(obj: Any) -> tuple[Pair | None, str, str]:
+    """(pair, "", "") or (None, reason, detail) for one JSON object."""
+    if not isinstance(obj, dict):
+        return None, "not a JSON object", f"expected a JSON object, got {type(obj).__name__}"
+    missing = [k for k in ("chosen", "rejected") if k not in obj]
+    if missing:
+        keys = ", ".join(sorted(map(str, obj))[:5]) or "none"
+        return None, "missing key", f'no "{missing[0]}" key (keys: {keys})'
+    p, c, r = obj.get("prompt"), obj["chosen"], obj["rejected"]
+    if isinstance(c, str) and isinstance(r, str):
+        if not isinstance(p, str):
+            what = "no" if p is None else f"a {type(p).__name__} as"
+            return None, "missing key", f'{what} "prompt": a standard pair needs a prompt string'
+        pair = Pair(({"role": "user", "content": p},), c, r, text=p)
+    else:
+        cm, why = _messages(c, "chosen")
+        rm, why2 = (_messages(r, "rejected")) if cm is not None else (None, why)
+        if cm is None or rm is None:
+            return None, "bad messages", why or why2
+        if p is None:  # implicit prompt: the leading messages both answers share
+            n = 0
+            while n < min(len(cm), len(rm)) - 1 and cm[n] == rm[n]:
+                n += 1
+            prompt, cm, rm = cm[:n], cm[n:], rm[n:]
+            if not prompt:
+                return None, "bad messages", "chosen and rejected share no leading message"
+        else:
+            prompt, why = _messages(p, "prompt")
+            if prompt is None:
+                return None, "bad messages", why
+        if len(cm) != 1 or len(rm) != 1 or {cm[0]["role"], rm[0]["role"]} != {"assistant"}:
+            return (
+                None,
+                "bad messages",
+                "each answer must be one assistant message after the prompt",
+            )
+        if prompt[-1]["role"] == "assistant":
+            return None, "bad messages", "the prompt ends with an assistant turn, not a question"
+        pair = Pair(tuple(prompt), cm[0]["content"], rm[0]["content"])
+    if not pair.chosen.strip() or not pair.rejected.strip():
+        return None, "empty answer", "an answer is empty (nothing to prefer)"
+    if pair.chosen == pair.rejected:
+        return None, "chosen == rejected", "chosen and rejected are the same (nothing to prefer)"
+    return pair, "", ""
+
+
+@dataclass
+class PairFile:
+    path: Path
+    pairs: list[Pair] = field(default_factory=list)
+    lines: list[int] = field(default_factory=list)
+    skipped: Counter = field(default_factory=Counter)  # reason -> lines skipped for it
+    first: dict = field(default_factory=dict)  # reason -> the first line skipped for it
+
+    def skip(self, reason: str, line: int) -> None:
+        self.skipped[reason] += 1
+        self.first.setdefault(reason, line)
+
+    def summary(self) -> str:
+        """'skipped 3 lines: 2 missing key (first line 4), 1 chosen == rejected (line 9)'."""
+        parts = [
+            f"{n} {why} ({'first line' if n > 1 else 'line'} {self.first[why]})"
+            for why, n in self.skipped.most_common()
+        ]
+        return f"skipped {plural(sum(self.skipped.values()), 'line')}: {', '.join(parts)}"
+
+
+def read_pairs(path: str | Path) -> PairFile:
+    """Every pair of a JSONL file, with its line; the others counted by reason."""
+    out = PairFile(Path(path))
+    for lineno, obj, reason, _ in json_lines(out.path, SCHEMA):
+        pair = None
+        if obj is not None:
+            pair, reason, _ = parse_pair(obj)
+        if pair is None:
+            out.skip(reason, lineno)
+            continue
+        out.pairs.append(pair)
+        out.lines.append(lineno)
+    return out
+
+
+# ------------------------------------------------------------------ encoding
+
+
+def _last_run(mask: list[int]) -> list[int]:
+    """Only the last run of 1s: the answer, not an earlier assistant turn of the prompt."""
+    out = [0] * len(mask)
+    i = len(mask)
+    while i and not mask[i - 1]:
+        i -= 1
+    while i and mask[i - 1]:
+        out[i - 1] = 1
+        i -= 1
+    return out
+
+
+def encode_answer(tok, template, pair: Pair, answer: str, bos, eos, eos_id):
+    """(ids, mask) of the prompt and one answer, uncut; the mask on the answer alone."""
+    if template is None and pair.text is not None:
+        ex = Example("prompt", prompt=pair.text, completion=answer)
+    else:
+        msgs = (*pair.prompt, {"role": "assistant", "content": answer})
+        ex = Example("messages", messages=msgs)
+    ids, mask = encode_example(tok, template, ex, 1 << 30, bos, eos, eos_id)
+    return ids, _last_run(mask)
+
+
+@dataclass
+class Encoded:
+    """A pair's two sequences: ids and answer mask each, cut to fit."""
+
+    chosen: tuple[list[int], list[int]]
+    rejected: tuple[list[int], list[int]]
+    prompt_cut: bool = False
+    answer_cut: bool = False
+
+
+def fit(seqs, budget: int) -> tuple[list, bool, bool]:
+    """Cut the (ids, mask) of a pair's answers to `budget` tokens: the prompt from the left
+    first (keeping at least one token, which the answer's first token is predicted from),
+    then each answer from the right."""
+    lens = []
+    for ids, mask in seqs:
+        start = mask.index(1) if 1 in mask else len(mask)
+        lens.append((start, len(ids) - start))
+    longest = max(a for _, a in lens)
+    out, p_cut, a_cut = [], False, False
+    for (ids, mask), (p, _) in zip(seqs, lens):
+        keep = min(p, max(1, budget - longest))
+        p_cut |= keep < p
+        ids, mask = ids[p - keep :], mask[p - keep :]
+        a_cut |= len(ids) > budget
+        out.append((ids[:budget], mask[:budget]))
+    return out, p_cut, a_cut
+
+
+def encode_pair(tok, template, pair: Pair, budget: int, bos, eos, eos_id) -> Encoded:
+    """Both answers encoded and cut to `budget` tokens; ConversationError when the pair
+    cannot fit (its answers differ only beyond the cut)."""
+    seqs = [
+        encode_answer(tok, template, pair, a, bos, eos, eos_id)
+        for a in (pair.chosen, pair.rejected)
+    ]
+    (c, r), p_cut, a_cut = fit(seqs, budget)
+    if c == r:
+        raise ConversationError(TOO_LONG)
+    return Encoded(c, r, p_cut, a_cut)
+
+
+def encode_pairs(
+    pf: PairFile, encode: Callable[[Pair], Encoded], warn: Callable[[str], None]
+) -> tuple[list[Encoded], Counter]:
+    """Every pair of a file encoded; those that cannot fit (or that the template cannot
+    render) are skipped into pf's counts. Returns (encoded, cut counts)."""
+    out, cuts = [], Counter()
+    for line, pair in zip(pf.lines, pf.pairs):
+        try:
+            e = encode(pair)
+        except ConversationError as err:
+            why = TOO_LONG if err.message == TOO_LONG else "template cannot render"
+            pf.skip(why, line)
+            continue
+        cuts["prompt"] += e.prompt_cut
+        cuts["answer"] += e.answer_cut
+        out.append(e)
+    return out, cuts
+
+
+def cut_note(cuts: Counter, budget: int) -> str | None:
+    parts = []
+    if cuts["prompt"]:
+        parts.append(f"{plural(cuts['prompt'], 'prompt')} cut from the left")
+    if cuts["answer"]:
+        parts.append(f"the answers of {plural(cuts['answer'], 'pair')} cut from the right")
+    return f"to fit --max-seq-len {budget - 1}: {', '.join(parts)}" if parts else None
+
+
+# ------------------------------------------------------------------ batches
+
+
+def pair_batch(items: Sequence[tuple[int, Encoded]], pad: int) -> dict[str, torch.Tensor]:
+    """One batch of B pairs: rows 0..B-1 the chosen sequences, B..2B-1 the rejected, right
+    padded (causal attention needs no mask then); position t predicts token t+1.
+
+    ids (2B, T); ans_pos / ans_tgt (2B, A): where each answer's targets are and what they
+    are, n_ans their count; `full` (2B, T): every real next token (ORPO's NLL reads the
+    chosen rows'), n_full their count; `pair` (B,): the pairs' indices, which the
+    reference log-probs are kept by."""
+    seqs = [e.chosen for _, e in items] + [e.rejected for _, e in items]
+    T = max(len(ids) for ids, _ in seqs)
+    ids = torch.full((len(seqs), T), pad, dtype=torch.long)
+    mask = torch.zeros((len(seqs), T), dtype=torch.long)
+    real = torch.zeros((len(seqs), T), dtype=torch.bool)
+    for b, (i, m) in enumerate(seqs):
+        ids[b, : len(i)] = torch.tensor(i)
+        mask[b, : len(m)] = torch.tensor(m)
+        real[b, : len(i)] = True
+    nxt = ids[:, 1:]
+    ignore = torch.full_like(nxt, IGNORE_INDEX)
+    # The answer's target positions of each row, gathered into (2B, A), A the longest
+    # answer (shorter rows padded with IGNORE at position 0): the head runs on them alone.
+    ans = mask[:, 1:] > 0
+    n_ans = ans.sum(1)
+    A = int(n_ans.max())
+    pos = torch.zeros((len(seqs), A), dtype=torch.long)
+    tgt = torch.full((len(seqs), A), IGNORE_INDEX, dtype=torch.long)
+    for b in range(len(seqs)):
+        where = ans[b].nonzero().flatten()
+        pos[b, : len(where)] = where
+        tgt[b, : len(where)] = nxt[b, where]
+    full = torch.where(real[:, 1:], nxt, ignore)
+    return {
+        "ids": ids[:, :-1],
+        "ans_pos": pos,
+        "ans_tgt": tgt,
+        "n_ans": n_ans.float(),
+        "full": full,
+        "n_full": (full != IGNORE_INDEX).sum(1).float(),
+        "pair": torch.tensor([k for k, _ in items], dtype=torch.long),
+    }
+
+
+def no_pairs(path: Path, pf: PairFile) -> InputError:
+    what = pf.summary() if pf.skipped else "it holds only blank lines and comments"
+    return InputError(f"no preference pair to learn from in {path} ({what}); {SCHEMA}")

@@ -1,0 +1,251 @@
+"""What the preference recipes (dpo, orpo) share; not a recipe itself: the pair data
+(--data FILE|DIR, --val-data, held-out share), the batches of pairs, the reference
+log-probs (DPO: the same base with the adapter switched off, computed once per pair and
+kept: the base is frozen, so they never change, and later epochs run the policy only),
+the figures (rewards, margin, preference accuracy), and the Job.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from toy.data.preference import (
+    Encoded,
+    cut_note,
+    encode_pair,
+    encode_pairs,
+    no_pairs,
+    pair_batch,
+    read_pairs,
+)
+from toy.lora import disable_adapter
+from toy.models.losses import sequence_logprobs
+from toy.recipes.adapter import (
+    ADAPTER_FLAGS,
+    adapter_saver,
+    add_adapter_arguments,
+    check_adapter_opts,
+    check_vocab,
+    data_files,
+    data_template,
+    hold_out,
+    load_adapted,
+    pad_id,
+)
+from toy.recipes.lm import fingerprint
+from toy.runs import Project, plural
+from toy.train import dist
+from toy.train.config import RunConfig
+from toy.train.device import autocast
+from toy.train.job import Built, Job
+
+PAIR_FLAGS = {**ADAPTER_FLAGS, "batch_size": 4, "lr": 5e-5, "min_lr": 5e-6}
+DATA_HELP = (
+    'preference pairs, one JSON object a line (TRL\'s forms): {"prompt", "chosen", "rejected"} '
+    'strings, the same with lists of {"role", "content"} messages, or {"chosen": [messages], '
+    '"rejected": [messages]} sharing their leading messages; or a directory holding '
+    "train.jsonl and valid.jsonl (no default). --batch-size counts pairs"
+)
+
+
+def add_pair_arguments(g) -> None:
+    add_adapter_arguments(g, DATA_HELP)
+
+
+def check_pair_opts(cfg: RunConfig) -> list[str]:
+    p = [] if cfg.data else ["give --data pairs.jsonl (preference pairs)"]
+    if cfg.corpus:
+        p.append("--corpus is a token file; preference recipes train on --data pairs.jsonl")
+    return p + check_adapter_opts(cfg)
+
+
+def batches_unit(cfg: RunConfig) -> str:
+    return "batches"
+
+
+def figures(rc: torch.Tensor, rr: torch.Tensor) -> dict[str, float]:
+    """The preference figures of the pairs seen: mean rewards, margin and accuracy (the
+    share whose chosen reward is above the rejected one's)."""
+    rc, rr = rc.double(), rr.double()
+    m = rc - rr
+    vals = torch.stack([rc.mean(), rr.mean(), m.mean(), (m > 0).double().mean()]).tolist()
+    return dict(zip(("reward_chosen", "reward_rejected", "margin", "pref_accuracy"), vals))
+
+
+class Figures:
+    """Rewards gathered as the loss runs (detached, on the device): the step's, read once
+    after the step (one host read), and an evaluation's."""
+
+    def __init__(self):
+        self.seen = {True: [], False: []}  # model.training -> [(rc, rr)]
+
+    def add(self, training: bool, rc: torch.Tensor, rr: torch.Tensor) -> None:
+        self.seen[training].append((rc, rr))
+
+    def take(self, training: bool) -> dict[str, float]:
+        got, self.seen[training] = self.seen[training], []
+        if not got:
+            return {}
+        return figures(torch.cat([a for a, _ in got]), torch.cat([b for _, b in got]))
+
+
+def answer_logps(model, b: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the (2B,) answer log-probs, the hidden states (2B, T, C)) of a pair batch."""
+    h = model.hidden(b["ids"])  # (2B, T, C)
+    pos = b["ans_pos"]  # (2B, A)
+    hg = h.gather(1, pos[..., None].expand(-1, -1, h.shape[-1]))  # (2B, A, C)
+    return sequence_logprobs(hg, model.lm_head, b["ans_tgt"], model.final_softcap), h
+
+
+class References:
+    """The reference log-probs of every pair: the base alone (adapters off), computed the
+    first time a pair is met and kept. `computed` counts the pairs that took a pass."""
+
+    def __init__(self, model, n: int):
+        self.model = model
+        self.logps = torch.zeros((n, 2), dtype=torch.float32)
+        self.known = torch.zeros(n, dtype=torch.bool)
+        self.computed = 0
+
+    @torch.no_grad()
+    def fill(self, b: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        idx = b["pair"]
+        new = ~self.known[idx]
+        if bool(new.any()):
+            dev = next(self.model.parameters()).device
+            keys = ("ids", "ans_pos", "ans_tgt")
+            on = {k: b[k].to(dev) for k in keys}
+            with disable_adapter(self.model), autocast(dev):
+                s, _ = answer_logps(self.model, on)
+            s = s.float().cpu().view(2, -1).T  # (B, 2): chosen, rejected
+            self.logps[idx[new]] = s[new]
+            self.known[idx[new]] = True
+            self.computed += int(new.sum())
+        return {**b, "ref": self.logps[idx]}
+
+
+def pair_micro_batches(encoded: list[Encoded], per: int, seed: int, pad: int, world, rank):
+    """micro_batch(k): global batch k of `per` pairs; each epoch a fresh order from
+    (seed, epoch), each of `world` processes taking its own batches."""
+    n = max(1, math.ceil(len(encoded) / per))
+    orders: dict[int, np.ndarray] = {}
+
+    def batch(k: int) -> dict[str, torch.Tensor]:
+        epoch, i = divmod(k * world + rank, n)
+        if epoch not in orders:
+            orders.clear()
+            orders[epoch] = np.random.default_rng([seed, epoch, 13]).permutation(len(encoded))
+        members = orders[epoch][i * per : (i + 1) * per].tolist()
+        return pair_batch([(j, encoded[j]) for j in members], pad)
+
+    return batch, n
+
+
+def build_pairs(
+    cfg: RunConfig,
+    project: Project,
+    recipe: str,
+    loss: Callable,
+    own: dict,
+    reference: bool,
+) -> Built:
+    """The preference job: `loss(model, batch, figures)` -> (sum over pairs, pairs);
+    `own`: the recipe's own settings recorded in run.json; `reference`: whether the
+    loss reads reference log-probs (DPO) or not (ORPO)."""
+    a = load_adapted(cfg, project, recipe)
+    base, tok, notes = a.base, a.base.tokenizer, a.notes
+    data_path, val_path = data_files(cfg)
+    train_pf = read_pairs(data_path)
+    val_pf = read_pairs(val_path) if val_path is not None else None
+    texts = all(p.text is not None for p in train_pf.pairs + (val_pf.pairs if val_pf else []))
+    template = data_template(cfg, base, "prompt" if texts else "messages", notes)
+    special = base.special
+    bos, eos = base.token(special.bos), base.token(special.eos)
+    budget = int(a.seq_len) + 1
+
+    def encode(pair) -> Encoded:
+        e = encode_pair(tok, template, pair, budget, bos, eos, special.eos)
+        check_vocab(e.chosen[0] + e.rejected[0], tok, base)
+        return e
+
+    def encode_file(pf, path) -> list[Encoded]:
+        if not pf.pairs:
+            raise no_pairs(path, pf)
+        enc, cuts = encode_pairs(pf, encode, lambda m: None)
+        if pf.skipped:
+            notes.append(f"warning: {path}: {pf.summary()}")
+        if not enc:
+            raise no_pairs(path, pf)
+        if n := cut_note(cuts, budget):
+            notes.append(n)
+        return enc
+
+    train = encode_file(train_pf, data_path)
+    if val_pf is not None:
+        val = encode_file(val_pf, val_path)
+    else:
+        train, val = hold_out(train, cfg.seed, notes, "pair")
+    d = dist.info()
+    pad = pad_id(base)
+    micro, n_batches = pair_micro_batches(
+        train, int(cfg.batch_size), cfg.seed, pad, d.world, d.rank
+    )
+    # Held-out batches: every held-out pair, in order (the same at every evaluation), up
+    # to --eval-batches of them. Their pair indices follow the training pairs'.
+    n_eval = min(cfg.eval_batches, math.ceil(len(val) / cfg.batch_size)) if val else 0
+    per = int(cfg.batch_size)
+    val_items = [(len(train) + j, e) for j, e in enumerate(val)]
+    evals = [pair_batch(val_items[i * per : (i + 1) * per], pad) for i in range(n_eval)]
+    refs = References(a.model, len(train) + len(val)) if reference else None
+    fill = refs.fill if refs is not None else (lambda b: b)
+    figs = Figures()
+    eval_ready: list = []
+
+    def eval_batches() -> list[dict[str, torch.Tensor]]:
+        if not eval_ready:  # once the model is on its device: the references pass there
+            eval_ready.extend(fill(b) for b in evals)
+        return eval_ready
+
+    notes.append(
+        f"{data_path}: {plural(len(train), 'preference pair')} in "
+        f"{plural(n_batches, 'batch', 'batches')} of {plural(per, 'pair')}; "
+        f"{plural(len(val), 'held-out pair')}"
+        + (
+            ", reference log-probs from the base with the adapter off, once a pair"
+            if reference
+            else ""
+        )
+    )
+    info = {
+        "data": str(cfg.data),
+        "data_sha256": fingerprint(data_path),
+        "pairs": len(train),
+        "batches": n_batches,
+        **own,
+    }
+    if val_path is not None and not cfg.val_data:
+        info["val_data"], info["val_data_sha256"] = str(val_path), fingerprint(val_path)
+    derived = a.derived()
+    epochs, note = cfg.epoch_steps(n_batches, d.world * cfg.grad_accum, "batches")
+    derived.update(epochs)
+    notes += [note] if note else []
+    job = Job(
+        recipe=recipe,
+        model=a.model,
+        micro_batch=lambda k: fill(micro(k)),
+        eval_batches=eval_batches,
+        save_final=adapter_saver(cfg, a),
+        config={**a.config, **info},
+        loss=lambda model, b: loss(model, b, figs),
+        count=lambda b: int(b["pair"].numel()),
+        eval_metrics=lambda model, batches: figs.take(False),
+        step_metrics=lambda: figs.take(True),
+    )
+    job.references = refs  # the tests count the reference passes
+    n_params, note = a.sizes()
+    notes.append(note)
+    return Built(job=job, arch=base.arch, params=n_params, notes=notes, derived=derived)
