@@ -139,3 +139,150 @@ def test_a_transformers_merge_on_a_bf16_base_keeps_the_fine_tune(chat, toy_cli, 
         "--out", tmp_path / "b",
     )  # fmt: skip
     assert code == 0 and "--dtype base" in out and "rounds part of the update away" in out, out
+
+
+# ---------------------------------------------------------------- 35.8 and 35.9: what a run says
+
+TINY = ["--preset", "tiny", "--batch-size", "4", "--seq-len", "32", "--eval-batches", "2"]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    d = tmp_path_factory.mktemp("corpus")
+    from toy.cli.main import main
+
+    assert main(["prep", str(bundled_text_paths()[0]), "--out", str(d / "c.bin"),
+                 "--vocab-size", "400"]) == 0  # fmt: skip
+    return d / "c.bin"
+
+
+def scratch(toy_cli, corpus, out, *extra):
+    return toy_cli("train", "--corpus", corpus, "--out", out, *TINY, *extra)
+
+
+def test_toy_new_suggests_a_run_that_learns(toy_cli, tmp_path):
+    from toy.train.run import SHORT_RUN
+
+    code, out, err = toy_cli("new", tmp_path / "p")
+    assert code == 0, err
+    nxt = next(line for line in out.splitlines() if line.startswith("next:"))
+    assert "--steps" in nxt, nxt
+    assert int(nxt.split("--steps")[1].split()[0]) >= 10 * SHORT_RUN
+
+
+def test_the_warmup_cut_is_said_only_of_a_warmup_given(toy_cli, corpus, tmp_path):
+    code, out, err = scratch(toy_cli, corpus, tmp_path, "--steps", "4", "--run-id", "a")
+    assert code == 0 and "cut to" not in out, out  # the default warmup: nothing to say
+    code, out, err = scratch(
+        toy_cli, corpus, tmp_path, "--steps", "4", "--warmup", "10", "--run-id", "b"
+    )
+    assert code == 0 and "--warmup 10 cut to 0" in out, out
+
+
+def test_infer_base_dtype_help_speaks_of_every_base(toy_cli, capsys):
+    with pytest.raises(SystemExit):
+        toy_cli("infer", "--help")
+    text = " ".join(capsys.readouterr().out.split())
+    assert "how a GGUF model is held" not in text and "a GGUF file or a model directory" in text
+    with pytest.raises(SystemExit):
+        toy_cli("train", "--help")
+    assert "a token budget" in " ".join(capsys.readouterr().out.split())
+
+
+def test_a_chat_run_says_its_batch_is_a_token_budget_and_a_bf16_base_is_kept_so(
+    chat, toy_cli, tmp_path
+):
+    code, out, err = toy_cli(
+        "train", "--recipe", "lora", "--model-path", tiny_dir("llama", dtype="bfloat16"),
+        "--data", chat, "--out", tmp_path, "--seq-len", "128", "--batch-size", "2",
+        "--eval-batches", "1", "--steps", "1",
+    )  # fmt: skip
+    assert code == 0, err
+    lines = out.splitlines()
+    assert "micro-batches of up to 258 tokens" in lines[0] and "token budget" in lines[0], lines[0]
+    base = next(line for line in lines if "base " in line and "GB resident" in line)
+    assert "kept in bf16" in base and "held quantized" not in base, base
+
+
+def test_a_resume_refusal_names_the_file_that_changed(toy_cli, corpus, tmp_path):
+    from toy.data.tokens import read_tokens, write_tokens
+
+    mine = tmp_path / "mine.bin"
+    for suffix in (".bin", ".val.bin", ".tokenizer.json"):
+        src = corpus.with_name("c" + suffix)
+        mine.with_name("mine" + suffix).write_bytes(src.read_bytes())
+    code, _, err = scratch(toy_cli, mine, tmp_path, "--steps", "2", "--run-id", "r")
+    assert code == 0, err
+    tf = read_tokens(mine)
+    tokens = tf.tokens.copy()
+    tokens[:10] = tokens[10:20]
+    write_tokens(mine, tokens, tf.vocab_size, tf.tokenizer_hash)
+    code, _, err = toy_cli("train", "--resume", tmp_path / "r", "--steps", "4")
+    assert code == 2 and str(mine) in err and "corpus_sha256" not in err, err
+
+
+def test_prep_says_when_the_vocabulary_falls_short(toy_cli, tmp_path):
+    (tmp_path / "t.txt").write_text("the cat sat on the mat. " * 20)
+    code, out, err = toy_cli(
+        "prep", tmp_path / "t.txt", "--out", tmp_path / "t.bin", "--vocab-size", "1000"
+    )
+    assert code == 0, err
+    assert "--vocab-size 1,000 asked" in out and "only " in out, out
+
+
+def test_a_mixed_format_file_is_named_in_plain_words(chat, toy_cli, tmp_path):
+    data = tmp_path / "mixed.jsonl"
+    data.write_text(
+        json.dumps({"prompt": "hi", "completion": "there"})
+        + "\n"
+        + json.dumps(
+            {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}
+        )  # fmt: skip
+        + "\n"
+    )
+    code, _, err = toy_cli(
+        "train", "--recipe", "lora", "--model-path", tiny_dir("llama"), "--data", data,
+        "--out", tmp_path, "--steps", "1",
+    )  # fmt: skip
+    assert code == 2 and 'in a file of {"prompt", "completion"} pairs' in err, err
+
+
+def test_warm_start_says_which_parameter_count_is_which(toy_cli, tmp_path):
+    from test_warm_start import make_donor
+
+    donor = make_donor(tmp_path)
+    code, out, err = toy_cli(
+        "train", "--recipe", "warm-start", "--donor", donor["gguf"], "--corpus", donor["corpus"],
+        "--out", tmp_path, *TINY, "--d-model", "32", "--n-head", "4", "--n-kv-head", "2",
+        "--steps", "1",
+    )  # fmt: skip
+    assert code == 0, err
+    note = next(line for line in out.splitlines() if "of the final model's" in line)
+    first = next(line for line in out.splitlines() if line.startswith("run "))
+    trained = first.split(", ")[1].split()[0]  # "run X: warm-start llama, N parameters, ..."
+    assert f"the model trained has {trained}" in note, (first, note)
+
+
+def test_chat_dash_reads_the_message_from_stdin(toy_cli, monkeypatch):
+    import io
+
+    base = tiny_dir("llama")
+    opts = ["--temperature", "0", "--max-new-tokens", "8"]
+    code, said, err = toy_cli("infer", "--model", base, "--chat", "Who goes there?", *opts)
+    assert code == 0, err
+    monkeypatch.setattr(sys, "stdin", io.StringIO("Who goes there?\n"))
+    code, out, err = toy_cli("infer", "--model", base, "--chat", "-", *opts)
+    assert code == 0 and out == said, (out, said)
+    monkeypatch.setattr(sys, "stdin", io.StringIO(""))
+    code, out, err = toy_cli("infer", "--model", base, "--chat", "-", *opts)
+    assert code == 2 and "--chat -" in err
+
+
+def test_a_generation_cut_at_the_context_says_so(toy_cli, corpus, tmp_path):
+    code, _, err = scratch(toy_cli, corpus, tmp_path, "--steps", "1", "--run-id", "r")
+    assert code == 0, err
+    code, out, err = toy_cli(
+        "infer", "--run", tmp_path / "r", "--prompt", "To be", "--max-new-tokens", "100",
+        "--temperature", "0",
+    )  # fmt: skip
+    assert code == 0 and "the model's context of 64 tokens is full" in err, err  # tiny: 64
