@@ -138,7 +138,7 @@ def test_a_file_that_mixes_formats_names_the_first_line_that_differs(tmp_path):
     with pytest.raises(
         InputError,
         match=rf"{p}:3: a {{\"text\"}} document, in a file of "
-        r"a {\"prompt\", \"completion\"} pairs \(from line 1\)",
+        r"{\"prompt\", \"completion\"} pairs \(from line 1\)",
     ):
         read_chat_jsonl(p)
 

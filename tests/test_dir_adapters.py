@@ -147,8 +147,10 @@ def test_mlx_adapter_and_fused_directory(chat, toy_cli, tmp_path):
         load_adapters(model, str(adapter))
         theirs = torch.from_numpy(np.array(model(mx.array(IDS.numpy())).astype(mx.float32)))
         torch.testing.assert_close(theirs, ours, atol=1e-3, rtol=0)
-    # Fused into the MLX base, re-quantized to its 4 bits, group 32 (as mlx_lm.fuse).
-    code, _, err = toy_cli("export", run, "--format", "mlx", "--merge", "--out", tmp_path / "fused")
+    # Fused into the MLX base, re-quantized to its 4 bits, group 32 (as mlx_lm.fuse: on request).
+    code, _, err = toy_cli(
+        "export", run, "--format", "mlx", "--merge", "--dtype", "base", "--out", tmp_path / "fused"
+    )
     assert code == 0, err
     assert (
         json.loads((tmp_path / "fused" / "config.json").read_text())["quantization"]

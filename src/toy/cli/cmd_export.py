@@ -33,8 +33,8 @@ def add_parser(sub) -> None:
         help="gguf: a full model (from-scratch runs; LoRA runs on a GGUF base with --merge); gguf-lora: a "
         "LoRA run's adapter for llama.cpp (--lora); peft: a LoRA run's adapter for HF PEFT; mlx: a "
         "LoRA run's adapter for mlx-lm (adapters.safetensors + adapter_config.json), or with --merge "
-        "the adapter fused into an MLX base, re-quantized as mlx_lm.fuse does; transformers: with "
-        "--merge, the adapter merged into a transformers base, in its dtype",
+        "the adapter fused into an MLX base; transformers: with --merge, the adapter merged into a "
+        "transformers base (see --dtype for how the adapted tensors are written)",
     )
     p.add_argument(
         "--out",
@@ -51,7 +51,10 @@ def add_parser(sub) -> None:
         "which keeps the fine-tune, as llama.cpp's export-lora does; base requantizes the changed ones to "
         "the base's own type (else q8_0): the smallest file, but lossy: a 4-bit base rounds most of a LoRA "
         "update away and llama.cpp then answers much as the base model does (the export notes how much of "
-        "the update it kept)",
+        "the update it kept). A merged MLX or transformers directory takes keep (the default: "
+        "MLX's adapted linears unquantized in float16, as mlx_lm.fuse --dequantize; a "
+        "half-precision transformers base's in float32) or base (re-quantized as mlx_lm.fuse "
+        "does, or the base's dtype: lossy)",
     )
     p.add_argument(
         "--merge",
@@ -160,11 +163,19 @@ def _check_request(r: _Run, args) -> str:
                 f"--merge writes a full model: use it with --format gguf, mlx or transformers (the "
                 f"base's kind), not --format {fmt}"
             )
+    if fmt in ("mlx", "transformers") and args.merge:
+        if args.dtype not in (None, "keep", "base"):
+            raise UsageError(
+                f"--dtype {args.dtype} is not offered for a merged {fmt} directory; choose keep "
+                "(the default: the adapted linears at a width that holds the update) or base "
+                "(in the base's own form: smaller, lossy)"
+            )
+        return args.dtype or "keep"
     if fmt in ("peft", "mlx", "transformers"):
         if args.dtype:
             raise UsageError(
-                f"--dtype applies to GGUF exports; --format {fmt} keeps the adapter as trained and a "
-                "merged directory the base's own types: drop --dtype"
+                f"--dtype applies to GGUF exports and merges; --format {fmt} keeps the adapter as "
+                "trained: drop --dtype"
             )
         return ""
     if args.dtype in ("keep", "base") and not args.merge:
@@ -257,9 +268,9 @@ def run(args) -> int:
     if args.format == "peft":
         return _report(args, r, _export_peft(r, args), "")
     if args.format in ("mlx", "transformers"):
-        return _report(
-            args, r, _export_mlx(r, args) if not args.merge else _export_merged_dir(r, args), ""
-        )
+        if args.merge:
+            return _report_merged_dir(args, r, _export_merged_dir(r, args, dtype), dtype)
+        return _report(args, r, _export_mlx(r, args), "")
     if r.kind == "model":
         report = _export_model(r, args, dtype)
     elif args.format == "gguf-lora":
@@ -365,7 +376,7 @@ def _mlx_prefix(base: Path) -> str:
     )
 
 
-def _export_merged_dir(r: _Run, args) -> Path:
+def _export_merged_dir(r: _Run, args, dtype: str):
     from toy.formats.base import read_base
     from toy.formats.hf_write import merge_into_dir
 
@@ -381,8 +392,11 @@ def _export_merged_dir(r: _Run, args) -> Path:
             f"{'file' if base.kind == 'gguf' else 'directory'}; merge into it with --format "
             f"{'gguf' if base.kind == 'gguf' else base.kind}"
         )
-    merge_into_dir(out, base, sd, rank=int(config["r"]), alpha=float(config["lora_alpha"]))
-    return out
+    rep = merge_into_dir(
+        out, base, sd, rank=int(config["r"]), alpha=float(config["lora_alpha"]), dtype=dtype
+    )
+    rep.notes = notes + rep.notes
+    return rep
 
 
 def _export_merged(r: _Run, args, dtype: str):
@@ -435,6 +449,33 @@ def _export_peft(r: _Run, args) -> Path:
     return out
 
 
+def _report_merged_dir(args, r: _Run, rep, dtype: str) -> int:
+    files = sorted(p.name for p in rep.path.iterdir())
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "format": "toy/export-v1",
+                    "run_dir": str(r.dir),
+                    "kind": r.kind,
+                    "merged": True,
+                    "export_format": args.format,
+                    "path": str(rep.path),
+                    "files": files,
+                    "dtype": dtype,
+                    "update_kept": rep.update_kept,
+                    "update_error": rep.update_error,
+                    "notes": rep.notes,
+                }
+            )
+        )
+        return 0
+    print(f"wrote {rep.path}/ ({args.format} model, the adapter merged in: {', '.join(files)})")
+    for note in rep.notes:
+        print(f"  {note}")
+    return 0
+
+
 def _report(args, r: _Run, rep, dtype: str) -> int:
     if isinstance(rep, Path):  # a directory: peft, mlx, a merged directory
         files = sorted(p.name for p in rep.iterdir())
@@ -454,7 +495,6 @@ def _report(args, r: _Run, rep, dtype: str) -> int:
             )
         else:
             what = {"peft": "PEFT adapter", "mlx": "mlx-lm adapter"}.get(args.format, "")
-            what = f"{args.format} model, the adapter merged in" if args.merge else what
             print(f"wrote {rep}/ ({what}: {', '.join(files)})")
             if args.format == "mlx" and not args.merge:
                 print(f"  load it with mlx_lm.generate --model MLX_BASE --adapter-path {rep}")

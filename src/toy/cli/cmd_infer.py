@@ -62,7 +62,7 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--chat",
         metavar="MESSAGE",
-        help="one chat message, rendered with the model's chat template "
+        help="one chat message, rendered with the model's chat template; - reads it from stdin "
         "(default: none; without --prompt or --chat, an interactive chat)",
     )
     p.add_argument(
@@ -109,7 +109,8 @@ def add_parser(sub) -> None:
         "--base-dtype",
         choices=INFER_BASE_DTYPES,
         default="auto",
-        help="how a GGUF model is held: float32 or bfloat16 (dequantized once) or quantized (the "
+        help="how the base (a GGUF file or a model directory) is held: float32 or bfloat16 "
+        "(dequantized once) or quantized (the "
         "file's own blocks; on cpu with a C++ compiler they are packed for generation, one token's "
         "products computed on the 4- or 8-bit codes and each block compiled for one token: the fastest "
         "and smallest there, after a compile on first use (~20 s the first time on a machine, a few "
@@ -146,6 +147,10 @@ def run(args) -> int:
         raise UsageError(
             "--prompt and --chat conflict: continue raw text or send a chat message, not both"
         )
+    if args.chat == "-":  # the message from stdin (a file, a here-document, a pipe)
+        args.chat = sys.stdin.read().rstrip("\n")
+        if not args.chat.strip():
+            raise UsageError("--chat -: stdin held no message; pipe the message in, or give it")
     if args.adapter and not (args.model or args.run):
         raise UsageError("--adapter needs --model BASE.gguf")
     device = resolve_device(args.device)
@@ -504,6 +509,7 @@ def stream(lm: LM, ids: list[int], args, cache=None) -> list[int]:
         cache=cache,
     ):
         new.append(t)
+        held = min(len(ids), lm.limit) + len(new) - 1  # positions fed so far
         # Decode the whole continuation each time: a byte-level token may be half a
         # UTF-8 character, so print only the settled text.
         text = lm.tok.decode(new)
@@ -513,6 +519,12 @@ def stream(lm: LM, ids: list[int], args, cache=None) -> list[int]:
             shown = text
     out.write("\n")
     out.flush()
+    if cache is None and new and len(new) < args.max_new_tokens and held >= lm.limit:
+        print(
+            f"[cut at {len(new)} new tokens: the model's context of {lm.limit} tokens is full "
+            f"(--max-new-tokens {args.max_new_tokens} asked for more)]",
+            file=sys.stderr,
+        )
     return new
 
 

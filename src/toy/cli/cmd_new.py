@@ -39,6 +39,7 @@ eval_batches = 8
 # Conversations in data/chat.jsonl: one epoch of LoRA on SmolLM2 over them is a couple of
 # minutes on 2 cores, long enough for the held-out loss to fall visibly.
 CHATS = 240
+FIRST_STEPS = 300  # the first run `toy new` suggests (README's too)
 
 
 def add_parser(sub) -> None:
@@ -73,5 +74,6 @@ def run(args) -> int:
         f"created project {d}: toy.toml, data/corpus.bin (bundled Shakespeare, BPE {DEFAULT_VOCAB}), "
         f"data/chat.jsonl ({len(chats)} conversations from the plays), runs/"
     )
-    print(f"next: cd {d} && toy train --recipe from-scratch")
+    # Long enough for the loss to fall (5 steps, the default, is not).
+    print(f"next: cd {d} && toy train --recipe from-scratch --steps {FIRST_STEPS}")
     return 0

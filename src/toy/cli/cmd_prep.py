@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 from toy import tokenizer as toktools
@@ -134,6 +135,13 @@ def run(args) -> int:
         val_fraction=args.val_fraction,
         force=args.force,
     )
+    short = bool(args.vocab_size) and r.vocab_size < args.vocab_size
+    if short:  # BPE stops when no pair is left to merge: a small text has few
+        print(
+            f"note: --vocab-size {args.vocab_size:,} asked, but the text gave a vocabulary of "
+            f"only {r.vocab_size:,} (BPE ran out of pairs to merge); more text gives more",
+            file=sys.stderr if args.json else sys.stdout,
+        )
     if args.json:
         print(
             json.dumps(
@@ -146,6 +154,7 @@ def run(args) -> int:
                     "val_tokens": r.val_tokens,
                     "vocab_size": r.vocab_size,
                     "documents": r.documents,
+                    **({"vocab_size_asked": args.vocab_size} if short else {}),
                 }
             )
         )

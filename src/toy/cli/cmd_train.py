@@ -178,8 +178,9 @@ def add_parser(sub, recipes: bool = True) -> None:
     o.add_argument(
         "--batch-size",
         type=positive_int("--batch-size"),
-        help=f"sequences per micro-batch {dflt('batch_size')}; with chat --data, a budget of "
-        "batch-size x (seq-len + 1) tokens filled with conversations of similar length",
+        help=f"sequences per micro-batch {dflt('batch_size')}; with chat --data, a token budget: "
+        "a micro-batch holds up to batch-size x (seq-len + 1) tokens, filled with conversations "
+        "of similar length (more short conversations, fewer long ones)",
     )
     o.add_argument(
         "--grad-accum",

@@ -386,7 +386,8 @@ def read_chat_jsonl(
             if ex is not None:
                 if chat.examples and ex.kind != chat.kind:
                     raise InputError(
-                        f"{path}:{lineno}: {FORMATS[ex.kind]}, in a file of {FORMATS[chat.kind]}s "
+                        f"{path}:{lineno}: {FORMATS[ex.kind]}, in a file of "
+                        f"{FORMATS[chat.kind].removeprefix('a ')}s "
                         f"(from line {chat.lines[0]}); one format per file: split the file"
                     )
                 chat.examples.append(ex)

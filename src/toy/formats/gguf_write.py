@@ -74,6 +74,7 @@ from toy.formats.gguf import (
     tensor_name_map,
     unpermute_qk,
 )
+from toy.formats.hf_write import update_note
 from toy.models.gpt2 import GPT2, GPT2Config
 from toy.models.llama import Llama, LlamaConfig
 from toy.tokenizer import EOS_TOKEN, from_gguf_metadata
@@ -894,7 +895,8 @@ def write_merged_gguf(
     notes.insert(
         0,
         f"{len(deltas)} tensors of {fam.name} base {Path(base_path).name} merged with the adapter, "
-        f"written as {written}: {kept:.0%} of its update kept, error {error:.0%} of it"
+        f"written as {written}: "
+        + update_note(kept, error)
         + ("; every other tensor is the base's own bytes" if dtype in ("keep", "base") else ""),
     )
     lossy = sorted(k for k in adapted_types if k not in ("F32", "F16", "BF16"))

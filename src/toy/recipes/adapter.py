@@ -298,8 +298,13 @@ def load_adapted(cfg: RunConfig, project: Project, recipe: str) -> Adapted:
     seq_len = int(cfg.seq_len)
     notes: list[str] = list(base.notes)
     resident = resident_bytes(model)
+    held = f"held {dtype}"
+    if dtype == "quantized" and not any(t not in ("F32", "F16", "BF16") for t in base.tensor_types):
+        # --base-dtype quantized on a float base keeps its own dtype: nothing is quantized.
+        own = [t.lower() for t in base.tensor_types if t in ("F16", "BF16")] or ["float32"]
+        held = f"kept in {', '.join(own)} (its own dtype)"
     notes.append(
-        f"base {model_path.name}: {base.arch}, held {dtype} ({resident / 1e9:.2f} GB resident"
+        f"base {model_path.name}: {base.arch}, {held} ({resident / 1e9:.2f} GB resident"
         + (", memory-mapped blocks)" if dtype == "quantized" else ")")
     )
     if seq_len > base.config.max_seq_len:

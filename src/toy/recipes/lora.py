@@ -81,7 +81,15 @@ def build(cfg: RunConfig, project: Project) -> Built:
     )
     n_params, note = a.sizes()
     notes.append(note)
-    return Built(job=job, arch=a.base.arch, params=n_params, notes=notes, derived=derived)
+    batch = (
+        f"micro-batches of up to {int(cfg.batch_size) * (a.seq_len + 1):,} tokens (with chat data "
+        f"--batch-size is a token budget: {cfg.batch_size} x (--seq-len {a.seq_len} + 1))"
+        if cfg.data
+        else ""
+    )
+    return Built(
+        job=job, arch=a.base.arch, params=n_params, notes=notes, derived=derived, batch=batch
+    )
 
 
 # ---------------------------------------------------------------- token stream

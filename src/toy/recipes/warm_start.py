@@ -429,8 +429,14 @@ def build(cfg: RunConfig, project: Project) -> Built:
     n_params = sum(p.numel() for p in model.parameters())
     n_folded = n_params - (donor.width * mcfg.d_model if lens else 0) + (n_embed if lens else 0)
     notes.append(
-        f"vocabulary {vocab}: the embedding is {n_embed:,} of the final model's {n_folded:,} parameters "
-        f"({n_embed / n_folded:.0%})"
+        f"vocabulary {vocab}: the embedding is {n_embed:,} of the final model's {n_folded:,} "
+        f"parameters ({n_embed / n_folded:.0%})"
+        + (
+            f"; the model trained has {n_params:,} (a {donor.width} -> {mcfg.d_model} lens over "
+            "the donor's frozen table in place of the embedding; final/ holds their product)"
+            if lens and n_folded != n_params
+            else ""
+        )
     )
     freeze = None
     n_freeze = int(cfg.freeze_embed_steps)

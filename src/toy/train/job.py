@@ -130,3 +130,6 @@ class Built:
     params: int
     notes: list[str] = field(default_factory=list)
     derived: dict[str, Any] = field(default_factory=dict)
+    # What a step's micro-batch is, in words, where it is not --batch-size rows (chat data's
+    # token budget): the run's first line says it.
+    batch: str = ""

@@ -92,16 +92,27 @@ def resolve_config(cli: dict[str, Any], project: Project, recipes: dict[str, Rec
     return cfg
 
 
-def fit_schedule(cfg: RunConfig, notes: list[str], default_lr: float | None = None) -> RunConfig:
+def _toml_keys(project: Project, recipe: str) -> set[str]:
+    """The [train] (and [train.<recipe>]) keys toy.toml sets, with _ for -."""
+    t = project.train_defaults
+    own = t.get(recipe) if isinstance(t.get(recipe), dict) else {}
+    return {k.replace("-", "_") for k in (*t, *own)}
+
+
+def fit_schedule(
+    cfg: RunConfig, notes: list[str], default_lr: float | None = None, warmup_given: bool = True
+) -> RunConfig:
     """Keep the warmup within 10% of the run (a 2-step run spent entirely warming up
-    learns nothing), and warn of a run too short to learn at the recipe's default LR (a
-    short run with a raised --lr, as README's LoRA example, is a choice, not a mistake)."""
+    learns nothing; said only of a --warmup the user gave, not of a default), and warn of a
+    run too short to learn at the recipe's default LR (a short run with a raised --lr, as
+    README's LoRA example, is a choice, not a mistake)."""
     cap = int(cfg.steps * WARMUP_SHARE)
-    if cfg.warmup > cap:
+    if cfg.warmup > cap and warmup_given:
         notes.append(
             f"--warmup {cfg.warmup} cut to {cap}: at most {WARMUP_SHARE:.0%} of the run's "
             f"{plural(cfg.steps, 'step')}"
         )
+    if cfg.warmup > cap:
         cfg = cfg.replace(warmup=cap)
     if cfg.steps < SHORT_RUN and (default_lr is None or cfg.lr <= default_lr):
         notes.append(
@@ -161,7 +172,10 @@ def new_run(
     built = recipe.build(cfg, project)  # every input check happens here, before the run dir exists
     cfg = cfg.with_derived(built.derived)
     default_lr = RunConfig.for_recipe(cfg.recipe, recipe.defaults).lr
-    cfg = fit_schedule(cfg, built.notes, default_lr)  # the resolved config, read-only from here on
+    given = cli.get("warmup") is not None or "warmup" in _toml_keys(project, cfg.recipe)
+    cfg = fit_schedule(
+        cfg, built.notes, default_lr, given
+    )  # the resolved config, read-only from here on
     run_dir = None
     if d.is_main:  # rank 0 alone names and makes the run directory, then tells the others
         rid = run_id or make_run_id(
@@ -313,6 +327,13 @@ def resume_run(
     for k in sorted(set(built.job.config) | set(info["job"])):
         a, b = info["job"].get(k), json.loads(json.dumps(built.job.config.get(k)))
         if a != b and not _same_base(k, a, b) and not _older_fingerprint(k, a, built.job.config):
+            src = info["job"].get(k.removesuffix("_sha256")) if k.endswith("_sha256") else None
+            if isinstance(src, str):  # a fingerprint: name the file that changed
+                raise UsageError(
+                    f"--resume {run_dir}: {src} (the run's {k.removesuffix('_sha256')}) changed "
+                    "since the run started (its sha256 differs); restore the original file or "
+                    "start a new run"
+                )
             raise UsageError(
                 f"--resume {run_dir}: {k} changed since the run started ({a!r} -> {b!r}); "
                 "restore the original input or start a new run"
@@ -358,7 +379,9 @@ def _execute(
         reporter.message(
             f"{what}: {cfg.recipe} {built.arch}, {plural(built.params, 'parameter')}, "
             f"{plural(cfg.steps, 'step')} on {device.type} "
-            f"({plural(torch.get_num_threads(), 'thread')}) -> {run_dir}"
+            f"({plural(torch.get_num_threads(), 'thread')})"
+            + (f", {built.batch}" if built.batch else "")
+            + f" -> {run_dir}"
         )
         for note in built.notes:
             reporter.message(f"  {note}")
