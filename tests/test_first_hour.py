@@ -286,3 +286,19 @@ def test_a_generation_cut_at_the_context_says_so(toy_cli, corpus, tmp_path):
         "--temperature", "0",
     )  # fmt: skip
     assert code == 0 and "the model's context of 64 tokens is full" in err, err  # tiny: 64
+
+
+# ---------------------------------------------------------------- 35.7: where models come from
+
+
+def test_describe_takes_peft_and_mlx_adapter_directories(chat, toy_cli, tmp_path):
+    run = lora_run(toy_cli, tiny_dir("llama"), chat, tmp_path)
+    for fmt in ("peft", "mlx"):
+        code, _, err = toy_cli("export", run, "--format", fmt, "--out", tmp_path / fmt)
+        assert code == 0, err
+        code, out, err = toy_cli("describe", tmp_path / fmt)
+        assert code == 0, err
+        assert "rank 8" in out and "self_attn.q_proj x2" in out and "mlp.down_proj x2" in out, out
+        code, out, err = toy_cli("describe", tmp_path / fmt, "--json")
+        d = json.loads(out)
+        assert code == 0 and d["type"] == "adapter" and d["n_matrices"] == 6, d

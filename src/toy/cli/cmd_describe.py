@@ -1,7 +1,8 @@
 """`toy describe FILE.gguf | DIR`: what a model holds, from its headers (nothing
 dequantized): a GGUF's or a transformers / MLX directory's architecture, size, tensor
 types, memory as a LoRA base and tokenizer, or a llama.cpp LoRA adapter's rank, alpha,
-target tensors and base architecture. A model toy cannot load (or an adapter llama.cpp
+target tensors and base architecture, or a PEFT or mlx-lm adapter directory's (read as
+infer and export read it). A model toy cannot load (or an adapter llama.cpp
 could not apply) is still described, then refused (exit 2) with the reason."""
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ def add_parser(sub) -> None:
     p.add_argument(
         "model",
         metavar="FILE.gguf|DIR",
-        help="a GGUF model, a LoRA adapter GGUF, or a transformers or MLX model directory",
+        help="a GGUF model, a LoRA adapter GGUF, a transformers or MLX model directory, or a "
+        "PEFT or mlx-lm adapter directory",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
@@ -58,6 +60,8 @@ def run(args) -> int:
     from toy.formats.gguf_describe import describe_gguf
 
     if Path(args.model).is_dir():
+        if (Path(args.model) / "adapter_config.json").is_file():
+            return _adapter_dir(args)
         return _directory(args)
     d = describe_gguf(Path(args.model))
     if d.get("type") == "adapter":
@@ -187,6 +191,75 @@ def _adapter(args) -> int:
     )
     print("\n".join(lines))
     return _adapter_verdict(a)
+
+
+def _adapter_dir(args) -> int:
+    """A PEFT (adapter_model.safetensors) or mlx-lm (adapters.safetensors) adapter directory:
+    read and checked as infer and export read it, then described."""
+    from collections import Counter
+
+    from toy.formats import mlx_adapter, peft
+
+    d = Path(args.model)
+    if (d / mlx_adapter.WEIGHTS_NAME).is_file():
+        first = _first_key(d / mlx_adapter.WEIGHTS_NAME)
+        prefix = first[: first.find("layers.")] if "layers." in first else mlx_adapter.PREFIX
+        sd, config = mlx_adapter.load_mlx_adapter(d, prefix)
+        kind, base, use = "mlx-lm", None, f"mlx_lm.generate --model MLX_BASE --adapter-path {d}"
+    else:
+        sd, config = peft.load_peft_adapter(d)
+        kind, base = "PEFT", config.get("base_model_name_or_path")
+        use = f"toy infer --model {base or 'BASE'} --adapter {d}"
+    rank, alpha = int(config["r"]), float(config["lora_alpha"])
+    modules = sorted({k.rsplit(".", 1)[0] for k in sd})
+    kinds = Counter(m.split(".", 2)[2] if m.startswith("layers.") else m for m in modules)
+    layers = {m.split(".")[1] for m in modules if m.startswith("layers.")}
+    a = {
+        "path": str(d),
+        "type": "adapter",
+        "adapter_format": kind,
+        "rank": rank,
+        "alpha": alpha,
+        "scale": alpha / rank,
+        "base": base,
+        "targets": dict(sorted(kinds.items())),
+        "n_matrices": len(modules),
+        "n_layers": len(layers),
+        "n_params": sum(t.numel() for t in sd.values()),
+    }
+    if args.json:
+        print(json.dumps({"format": "toy/describe-v1", **a}))
+        return 0
+    size = sum(f.stat().st_size for f in d.iterdir() if f.is_file())
+    lines = [f"{d}  ({human_size(size)}, {kind} adapter directory)"]
+    lines.append(
+        _row("adapter", f"LoRA: rank {rank}, alpha {alpha:g} (update scaled by {alpha / rank:g})")
+    )
+    targets = ", ".join(f"{k} x{n}" for k, n in a["targets"].items())
+    lines.append(
+        _row(
+            "targets",
+            f"{targets} ({plural(len(modules), 'matrix', 'matrices')} in "
+            f"{plural(len(layers), 'layer')})",
+        )
+    )
+    lines.append(_row("parameters", f"{a['n_params']:,} in {plural(len(sd), 'tensor')}"))
+    if base:
+        lines.append(_row("base", _text(base)))
+    lines.append(_row("use", use))
+    print("\n".join(lines))
+    return 0
+
+
+def _first_key(path: Path) -> str:
+    """The first tensor name of a safetensors file ("" when unreadable: the loader says why)."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return next(iter(f.keys()), "")
+    except (SafetensorError, OSError):
+        return ""
 
 
 def _adapter_verdict(a: dict) -> int:
