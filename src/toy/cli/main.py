@@ -17,7 +17,7 @@ from toy.errors import Interrupted, ToyError
 COMMANDS = {
     "new": ("cmd_new", "create a project directory"),
     "prep": ("cmd_prep", "tokenize text into a token file"),
-    "train": ("cmd_train", "train a model (from-scratch, warm-start, lora, vit-tiny)"),
+    "train": ("cmd_train", "train a model (from-scratch, warm-start, lora, dpo, orpo, vit-tiny)"),
     "infer": ("cmd_infer", "generate text from a trained model (or chat with it)"),
     "describe": (
         "cmd_describe",
