@@ -204,3 +204,43 @@ def test_optimizer_groups_must_match_by_their_parameters():
     )  # the same layout loads
     with pytest.raises(InputError, match="optimizer groups"):
         load_optimizer(plain, tensors, meta, names)
+
+
+@pytest.mark.parametrize("presses, save_every", [(1, 0), (2, 0), (2, 2)])
+def test_ctrl_c_says_what_is_saved(corpus, tmp_path, presses, save_every):
+    """Issue 35 item 5: a second Ctrl-C said "resume from the last checkpoint" when
+    --save-every 0 had left none. It now says what is saved and what is not; the first
+    Ctrl-C always writes a checkpoint, --save-every 0 or not."""
+    slow = ["--batch-size", "16", "--seq-len", "256"]  # steps long enough to press twice in one
+    p = start(corpus, tmp_path, "c", 100000, "--save-every", str(save_every), *slow)
+    try:
+        run_dir, events = tmp_path / "c", tmp_path / "c" / "events.jsonl"
+        t0 = time.time()
+        while '"step": 3,' not in (events.read_text() if events.is_file() else ""):
+            assert time.time() - t0 < 180 and p.poll() is None
+            time.sleep(0.02)
+        p.send_signal(signal.SIGINT)
+        said = []
+        while not any("finishing step" in line for line in said):
+            said.append(p.stderr.readline())
+            assert said[-1], "".join(said)
+        if presses == 2:
+            p.send_signal(signal.SIGINT)
+        _, err = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 130, err
+    last = err.strip().splitlines()[-1]
+    kept = sorted((run_dir / "checkpoints").glob("step-*"))
+    if presses == 1:  # the first Ctrl-C's checkpoint, whatever --save-every says
+        step = json.loads(events.read_text().splitlines()[-1])["step"]
+        assert [k.name for k in kept] == [f"step-{step:06d}"] and "saved in" in last, last
+        return
+    assert "second Ctrl-C" in last and "Traceback" not in err, err
+    if save_every == 0:
+        assert not kept and "nothing is saved" in last and "--resume" not in last, last
+    else:
+        step = int(kept[-1].name.removeprefix("step-"))
+        assert step % 2 == 0 and f"saved: the checkpoint of step {step} ({kept[-1]})" in last
+        assert f"toy train --resume {run_dir}" in last, last

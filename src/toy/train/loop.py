@@ -124,12 +124,13 @@ class _Signals:
 
     def _handle(self, signum, frame):
         if self.signum is not None and signum == signal.SIGINT:
-            raise KeyboardInterrupt  # the second Ctrl-C: stop now
+            raise KeyboardInterrupt(self.step)  # the second Ctrl-C: stop now (the step in flight)
         self.signum = signum
         if self._announce:
             print(
                 f"{signal.Signals(signum).name}: finishing step {self.step}, then checkpointing... "
-                "(Ctrl-C again stops at once, without that checkpoint)",
+                "(Ctrl-C again stops at once, without it: the steps since the last checkpoint "
+                "are lost)",
                 file=sys.stderr,
                 flush=True,
             )

@@ -99,6 +99,30 @@ def _toml_keys(project: Project, recipe: str) -> set[str]:
     return {k.replace("-", "_") for k in (*t, *own)}
 
 
+def _stopped_at_once(run_dir: Path, in_flight: int | None) -> str:
+    """What a second Ctrl-C left: the newest checkpoint and the steps after it, or that
+    nothing is saved (no checkpoint yet: --save-every 0, or before the first one)."""
+    head = "stopped at once by a second Ctrl-C" + (f" during step {in_flight}" if in_flight else "")
+    done = f"step {in_flight - 1}" if in_flight else "the last step"
+    kept = list_checkpoints(run_dir / "checkpoints")
+    if not kept:
+        return (
+            f"{head}: nothing is saved, no checkpoint was written (--save-every 0, or none "
+            f"due yet) and the steps up to {done} are lost; train again, and press Ctrl-C once "
+            "to stop with a checkpoint"
+        )
+    step = int(kept[-1].name.removeprefix("step-"))
+    lost = (
+        f"; not saved: steps {step + 1} to {in_flight - 1}"
+        if in_flight and in_flight - 1 > step
+        else ""
+    )
+    return (
+        f"{head}: saved: the checkpoint of step {step} ({kept[-1]}){lost}; resume from step "
+        f"{step} with `toy train --resume {run_dir}`"
+    )
+
+
 def fit_schedule(
     cfg: RunConfig, notes: list[str], default_lr: float | None = None, warmup_given: bool = True
 ) -> RunConfig:
@@ -404,13 +428,9 @@ def _execute(
     except Interrupted:
         close("")  # the loop recorded the interruption and its checkpoint
         raise
-    except KeyboardInterrupt:  # a second Ctrl-C: stop now, no checkpoint for the step in flight
+    except KeyboardInterrupt as e:  # a second Ctrl-C: stop now, the step in flight unsaved
         close("interrupted", signal="SIGINT", checkpoint=False)
-        raise Interrupted(
-            f"stopped at once by a second Ctrl-C; no checkpoint for the step in flight; resume "
-            f"from the last checkpoint with `toy train --resume {run_dir}`",
-            2,
-        )
+        raise Interrupted(_stopped_at_once(run_dir, e.args[0] if e.args else None), 2)
     except ToyError as e:
         close("run_failed", step=e.step if isinstance(e, RunFailed) else None, error=e.message)
         raise e if isinstance(e, RunFailed) else RunFailed(e.message)
