@@ -24,9 +24,9 @@ from toy.data.chat import (
 )
 from toy.data.tokens import Windows
 from toy.errors import InputError, UsageError
-from toy.formats.base import read_base
+from toy.formats.base_readers import read_base
 from toy.formats.checkpoint import atomic_dir
-from toy.formats.mlx_adapter import body_prefix, save_mlx_adapter
+from toy.formats.mlx_adapter import save_mlx_adapter
 from toy.formats.peft import save_peft_adapter
 from toy.lora import VALID_TARGETS, apply_lora, lora_state_dict
 from toy.models.quant import count_params, resident_bytes
@@ -243,7 +243,7 @@ def build(cfg: RunConfig, project: Project) -> Built:
     torch.manual_seed(cfg.seed)
     model = base.build_model()
     del base.state_dict  # the model holds the only copy of the base
-    base_layers, base_arch, base_kind = base.config.n_layer, base.arch, base.kind
+    base_layers, mlx_prefix = base.config.n_layer, base.mlx_prefix
     # Validation of rank/alpha/targets happens here, before any data work.
     wrapped = apply_lora(
         model, targets, int(cfg.rank), float(cfg.alpha), float(cfg.dropout), int(cfg.seed)
@@ -314,7 +314,7 @@ def build(cfg: RunConfig, project: Project) -> Built:
                     float(cfg.dropout),
                     n_layers=base_layers,
                     weights_name=dest.name,
-                    prefix=body_prefix(base_kind, base_arch),
+                    prefix=mlx_prefix,
                 )
             elif dest != out.resolve():
                 with atomic_dir(dest) as tmp:
