@@ -168,3 +168,22 @@ def test_no_probing_of_recipes_or_models_in_train():
                 if isinstance(attr, ast.Constant) and ast.unparse(target) != "os":
                     bad.append(f"train/{p.name}:{node.lineno} {ast.unparse(node)}")
     assert bad == []
+
+
+def test_base_readers_are_one_table_and_never_import_each_other():
+    """formats/base_readers.py is the one place that knows every base kind: base.py
+    imports no reader, a reader imports neither another reader nor the table, and nothing
+    outside formats/ imports a reader's module to choose a kind (the table chooses)."""
+    readers = {"toy.formats.gguf", "toy.formats.hf_dir"}
+    table = "toy.formats.base_readers"
+    for name in ("base", "gguf", "hf_dir"):
+        mod = f"toy.formats.{name}"
+        imported = {m for _, m in toy_imports(SRC / "formats" / f"{name}.py")}
+        assert not (imported & (readers | {table}) - {mod}), (mod, imported & readers)
+    from toy.formats import base_readers
+
+    assert base_readers.KINDS == ("gguf", "transformers", "mlx")
+    for path in SRC.rglob("*.py"):
+        text = path.read_text()
+        for old in ("base_kind", "read_base"):  # now only in the table's module
+            assert f"from toy.formats.base import {old}" not in text, path

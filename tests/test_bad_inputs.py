@@ -54,7 +54,7 @@ def gguf_wrong_magic(k, p):
 
 def _cut(frac_or_where):
     def build(k, p):
-        from toy.formats.gguf import read_gguf_header
+        from toy.formats.gguf_header import read_gguf_header
 
         data = k["good"].read_bytes()
         h = read_gguf_header(k["good"])

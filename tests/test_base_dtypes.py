@@ -21,7 +21,7 @@ from gguf_fixtures import tiny_model, write_llama_gguf  # noqa: E402
 
 from toy.data.dialogue import conversations, write_jsonl  # noqa: E402
 from toy.data.prep import bundled_text_paths  # noqa: E402
-from toy.formats.base import read_base  # noqa: E402
+from toy.formats.base_readers import read_base  # noqa: E402
 from toy.lora import LoRALinear, apply_lora  # noqa: E402
 
 KINDS = ("gguf", "transformers", "mlx")

@@ -77,7 +77,7 @@ def train(toy_cli, base: Path, chat: Path, out: Path, *extra) -> Path:
 
 def toy_adapted_logits(run: Path) -> torch.Tensor:
     """toy's own logits for IDS with the run's adapter on its base (float32)."""
-    from toy.formats.base import read_base
+    from toy.formats.base_readers import read_base
     from toy.formats.peft import load_peft_adapter
     from toy.lora import apply_lora, load_lora_state_dict
 

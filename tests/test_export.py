@@ -27,7 +27,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gguf_fixtures import tiny_model  # noqa: E402
 
-from toy.formats.gguf import _load_tensor, read_gguf, read_gguf_header, unpermute_qk  # noqa: E402
+from toy.formats.gguf import _load_tensor, read_gguf, unpermute_qk  # noqa: E402
+from toy.formats.gguf_header import read_gguf_header  # noqa: E402
 from toy.formats.gguf_write import (
     read_lora_gguf,
     tokenizer_metadata,

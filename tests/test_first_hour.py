@@ -70,7 +70,7 @@ def lora_run(toy_cli, base: Path, chat: Path, out: Path, lr: str = "2e-3") -> Pa
 
 def adapted_logits(run: Path) -> torch.Tensor:
     """toy's own logits for IDS with the run's adapter on its base (float32)."""
-    from toy.formats.base import read_base
+    from toy.formats.base_readers import read_base
     from toy.formats.peft import load_peft_adapter
     from toy.lora import apply_lora, load_lora_state_dict
 

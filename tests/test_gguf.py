@@ -16,19 +16,15 @@ import torch
 
 import toy.formats.gguf as gguf_mod
 from toy.errors import InputError
-from toy.formats.gguf import (
-    describe_gguf,
-    permute_qk,
-    read_gguf,
-    read_gguf_header,
-    read_gguf_tokenizer,
-    unpermute_qk,
-)
+from toy.formats.gguf import permute_qk, read_gguf, read_gguf_tokenizer, unpermute_qk
+from toy.formats.gguf_describe import describe_gguf
+from toy.formats.gguf_header import read_gguf_header
 from toy.tokenizer import from_gguf_metadata, gguf_special_ids, train_bpe
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # for gguf_fixtures under any import mode
 from gguf_fixtures import (
     converter_permute,
+    smollm2_gguf,  # noqa: F401 (a fixture)
     tiny_model,
     tokenizer_fields,  # noqa: E402,F401
     write_llama_gguf,

@@ -199,7 +199,7 @@ def valid_gguf(tmp_path_factory):
 @FUZZ
 @given(data=st.data())
 def test_fuzz_gguf_header(valid_gguf, tmp_path, data):
-    from toy.formats.gguf import read_gguf_header
+    from toy.formats.gguf_header import read_gguf_header
 
     blob = bytearray(valid_gguf)
     choice = data.draw(st.sampled_from(["flip", "truncate", "random", "counts"]))

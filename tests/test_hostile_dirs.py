@@ -28,7 +28,7 @@ from conftest import ROOT  # noqa: E402
 
 from toy.cli.main import main  # noqa: E402
 from toy.errors import InputError  # noqa: E402
-from toy.formats.base import read_base  # noqa: E402
+from toy.formats.base_readers import read_base  # noqa: E402
 
 
 @pytest.fixture(scope="module")

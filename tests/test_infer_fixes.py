@@ -160,8 +160,8 @@ def test_auto_counts_the_kv_cache_in_its_memory_check(kit, toy_cli, monkeypatch)
     """float32 weights that fit in 80% of memory, but not with the cache the generation
     needs: auto holds the model quantized and says why."""
     from toy.cli import cmd_infer
-    from toy.formats.gguf import read_gguf_header
     from toy.formats.gguf_describe import resident_size
+    from toy.formats.gguf_header import read_gguf_header
 
     weights = resident_size(read_gguf_header(kit["long"]), "float32")
     new = 300

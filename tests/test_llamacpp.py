@@ -445,7 +445,7 @@ def test_smollm2_with_adapter_greedy_text_matches(smol, smol_toy, case):
 
 @pytest.mark.slow
 def test_adapter_file_metadata_as_llamacpp_reads_it(smol):
-    from toy.formats.gguf import read_gguf_header
+    from toy.formats.gguf_header import read_gguf_header
 
     meta = read_gguf_header(smol["dir"] / "adapter.gguf").metadata
     assert (meta["general.type"], meta["adapter.type"], meta["general.architecture"]) == (

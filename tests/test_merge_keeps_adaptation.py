@@ -22,7 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gguf_fixtures import gguf_name, tiny_model, write_llama_gguf  # noqa: E402
 
 from toy.cli.main import main  # noqa: E402
-from toy.formats.gguf import read_gguf, read_gguf_header  # noqa: E402
+from toy.formats.gguf import read_gguf  # noqa: E402
+from toy.formats.gguf_header import read_gguf_header  # noqa: E402
 from toy.models.generate import generate  # noqa: E402
 
 TARGETS = "q_proj,v_proj,down_proj"  # k, o, gate and up stay the base's: untouched tensors to check

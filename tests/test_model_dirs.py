@@ -16,7 +16,7 @@ import model_dirs  # noqa: E402
 from model_dirs import TYPES, hf_model, mlx_dir, mlx_logits, tiny_dir  # noqa: E402
 
 from toy.errors import InputError  # noqa: E402
-from toy.formats.base import read_base  # noqa: E402
+from toy.formats.base_readers import read_base  # noqa: E402
 
 IDS = torch.randint(3, model_dirs.VOCAB, (2, 40), generator=torch.Generator().manual_seed(1))
 

@@ -23,7 +23,7 @@ from model_dirs import hf_model, tiny_dir  # noqa: E402
 from toy.data.chat import BUILTIN_TEMPLATES  # noqa: E402
 from toy.data.preference import encode_pair, pair_batch, parse_pair  # noqa: E402
 from toy.data.prep import bundled_text_paths  # noqa: E402
-from toy.formats.base import read_base  # noqa: E402
+from toy.formats.base_readers import read_base  # noqa: E402
 from toy.lora import apply_lora, disable_adapter  # noqa: E402
 from toy.tokenizer import train_bpe  # noqa: E402
 

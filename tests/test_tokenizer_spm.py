@@ -22,7 +22,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from gguf_fixtures import gemma3_gguf  # noqa: E402,F401
 
 from toy.errors import InputError  # noqa: E402
-from toy.formats.gguf import read_gguf_header, read_gguf_tokenizer  # noqa: E402
+from toy.formats.gguf import read_gguf_tokenizer  # noqa: E402
+from toy.formats.gguf_header import read_gguf_header  # noqa: E402
 from toy.tokenizer import from_gguf_metadata  # noqa: E402
 
 CONTROL, USER_DEFINED, BYTE, NORMAL, UNKNOWN = 3, 4, 6, 1, 2

@@ -431,7 +431,8 @@ def test_freeze_is_resume_safe(donor, toy_cli, tmp_path, shape):
 
 def test_read_gguf_tensor_reads_one_tensor(donor):
     from toy.errors import InputError
-    from toy.formats.gguf import read_gguf_header, read_gguf_tensor
+    from toy.formats.gguf import read_gguf_tensor
+    from toy.formats.gguf_header import read_gguf_header
 
     h = read_gguf_header(donor["gguf"])
     t = read_gguf_tensor(h, "token_embd.weight")

@@ -57,13 +57,14 @@ def _shape(arch: str, hp: dict) -> list[str]:
 
 
 def run(args) -> int:
-    from toy.formats.gguf_describe import describe_gguf
+    from toy.formats.base_readers import base_kind, describe_base
 
-    if Path(args.model).is_dir():
-        if (Path(args.model) / "adapter_config.json").is_file():
-            return _adapter_dir(args)
-        return _directory(args)
-    d = describe_gguf(Path(args.model))
+    if Path(args.model).is_dir() and (Path(args.model) / "adapter_config.json").is_file():
+        return _adapter_dir(args)
+    kind = base_kind(args.model)
+    d = describe_base(args.model)
+    if kind != "gguf":
+        return _directory(args, d)
     if d.get("type") == "adapter":
         return _adapter(args)
     if args.json:
@@ -104,10 +105,7 @@ def run(args) -> int:
     return _verdict(d)
 
 
-def _directory(args) -> int:
-    from toy.formats.hf_dir import describe_dir
-
-    d = describe_dir(Path(args.model))
+def _directory(args, d: dict) -> int:
     if args.json:
         print(json.dumps({"format": "toy/describe-v1", **d}))
         return _verdict(d)

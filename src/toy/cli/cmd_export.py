@@ -315,9 +315,9 @@ def _export_lora(r: _Run, args, dtype: str):
     sd, config = _load_adapter(r)
     base, notes = _resolve_base(r, args, config)
     out = _claim(r, args, _out_path(r, args, f"{r.name}-lora-{dtype}.gguf"), base)
-    if base.is_dir():  # the GGUF llama.cpp's converter makes of this directory
-        from toy.formats.base import read_base
+    from toy.formats.base_readers import base_kind, read_base
 
+    if base_kind(base) != "gguf":  # the GGUF llama.cpp's converter makes of this directory
         b = read_base(base, "quantized")
         cfg, arch = b.config, b.family.hf_types[b.arch].gguf
         if arch is None:
@@ -366,18 +366,13 @@ def _export_mlx(r: _Run, args) -> Path:
 
 
 def _mlx_prefix(base: Path) -> str:
-    from toy.formats.base import base_kind
-    from toy.formats.checkpoint import read_json
-    from toy.formats.mlx_adapter import body_prefix
+    from toy.formats.base_readers import read_base
 
-    kind = base_kind(base)
-    return body_prefix(
-        kind, read_json(base / "config.json").get("model_type", "") if kind != "gguf" else ""
-    )
+    return read_base(base, "quantized").mlx_prefix  # memory-mapped: nothing big is read
 
 
 def _export_merged_dir(r: _Run, args, dtype: str):
-    from toy.formats.base import read_base
+    from toy.formats.base_readers import read_base
     from toy.formats.hf_write import merge_into_dir
 
     sd, config = _load_adapter(r)

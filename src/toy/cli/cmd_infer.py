@@ -414,7 +414,7 @@ def load_base_lm(
     import torch
 
     from toy.data.chat import resolve_chat_template
-    from toy.formats.base import read_base
+    from toy.formats.base_readers import read_base
     from toy.formats.peft import load_peft_adapter
     from toy.lora import apply_lora, load_lora_state_dict, merge_lora
     from toy.models import decode

@@ -1,6 +1,7 @@
 """A frozen base model, whatever it was read from: a GGUF file (formats/gguf.py), a
-transformers directory or an MLX directory (formats/hf_dir.py). The LoRA recipe, `toy
-infer`, `toy export` and `toy describe` take any of them through `read_base`.
+transformers directory or an MLX directory (formats/hf_dir.py), each reader found through
+formats/base_readers.py's table. What every reader shares lives here, and this module
+imports none of them.
 
     base = read_base("model.gguf" | "Qwen3-0.6B/" | "SmolLM2-mlx-4bit/", "quantized")
     model = base.build_model()       # toy's module of the base's family, weights in place
@@ -15,7 +16,6 @@ that models.quant dequantizes per use; `float32` and `bfloat16` convert once at 
 from __future__ import annotations
 
 import contextlib
-import os
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,8 +29,6 @@ from toy.errors import InputError
 from toy.models.family import Family
 from toy.models.quant import MLXSpec, QuantEmbedding, QuantLinear, QuantSpec, parts_of
 from toy.models.quant_types import BF16
-
-KINDS = ("gguf", "transformers", "mlx")
 
 
 @dataclass
@@ -79,6 +77,9 @@ class Base:
     tensor_types: Counter = field(default_factory=Counter)  # type name -> tensor count
     base_dtype: str = "float32"
     notes: list[str] = field(default_factory=list)
+    # Where mlx-lm holds the model body (its adapters' tensor names): `model.`, or a
+    # multimodal Gemma 3 directory's `language_model.model.`.
+    mlx_prefix: str = "model."
 
     @property
     def default_targets(self) -> str:
@@ -186,32 +187,3 @@ def _no_init():
     finally:
         for n, f in saved.items():
             setattr(nn.init, n, f)
-
-
-def base_kind(path: str | os.PathLike) -> str:
-    """What a base path is: a GGUF file, a transformers directory or an MLX one (a
-    `quantization` in its config.json). Anything else is an InputError saying what is
-    supported."""
-    p = Path(path)
-    if p.is_file():
-        return "gguf"
-    if p.is_dir():
-        from toy.formats.hf_dir import dir_kind
-
-        return dir_kind(p)
-    raise InputError(
-        f"{p}: no such file or directory; give a GGUF file, a transformers directory or an MLX "
-        "directory (config.json + safetensors)"
-    )
-
-
-def read_base(path: str | os.PathLike, base_dtype: str = "float32") -> Base:
-    """The base at `path`, of any kind, its weights held as `base_dtype` asks."""
-    kind = base_kind(path)
-    if kind == "gguf":
-        from toy.formats.gguf import read_gguf
-
-        return read_gguf(path, base_dtype)
-    from toy.formats.hf_dir import read_model_dir
-
-    return read_model_dir(Path(path), base_dtype)

@@ -36,35 +36,13 @@ from gguf.quants import dequantize as gguf_dequantize
 from tokenizers import Tokenizer
 
 from toy.errors import InputError
-from toy.formats.base import Base, QuantTensor, Specials, stop_ids  # noqa: F401  (QuantTensor: importers take it)
-
-# Re-exported for importers (the facade goes with the base-reader table).
-from toy.formats.gguf_describe import (  # noqa: F401
-    BASE_DTYPES,
-    check_tensors,
-    config_from_header,
-    describe_gguf,
-    resident_size,
-    tensor_name_map,
-    tensor_plan,
-)
-from toy.formats.gguf_header import (  # noqa: F401
-    SUPPORTED_VERSIONS,
-    GGUFHeader,
-    TensorInfo,
-    _show,
-    read_gguf_header,
-)
-from toy.formats.gguf_plan import (  # noqa: F401
-    GGUFFamily,
-    Planned,
-    check_plan,
-    family_of,
-    gguf_families,
-    supported_archs,
-)
+from toy.formats.base import Base, QuantTensor, Specials, stop_ids
+from toy.formats.gguf_describe import check_tensors
+from toy.formats.gguf_header import GGUFHeader, TensorInfo, _show, read_gguf_header
+from toy.formats.gguf_plan import family_of
 from toy.models import quant
 from toy.models.quant import QuantSpec, half_split_rows
+from toy.models.quant_types import BASE_DTYPES
 from toy.tokenizer import from_gguf_metadata, gguf_special_ids
 
 
@@ -216,9 +194,6 @@ def read_gguf(source: str | os.PathLike | GGUFHeader, base_dtype: str = "float32
         base_dtype=base_dtype,
         notes=notes,
     )
-
-
-GGUFModel = Base  # what read_gguf returns (the name older code and scripts use)
 
 
 def read_gguf_tokenizer(path: str | os.PathLike) -> Tokenizer:

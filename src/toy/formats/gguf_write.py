@@ -59,22 +59,14 @@ from gguf.constants import (
 from tokenizers import Tokenizer
 
 from toy.errors import InputError, UsageError
+from toy.formats.base import Base
 from toy.formats.checkpoint import write_file_atomic
-from toy.formats.gguf import (
-    GGUFModel,
-    Planned,
-    _load_tensor,
-    _map,
-    check_tensors,
-    config_from_header,
-    family_of,
-    gguf_families,
-    permute_qk,
-    read_gguf_header,
-    tensor_name_map,
-    unpermute_qk,
-)
+from toy.formats.gguf import _load_tensor, _map, permute_qk, unpermute_qk
+from toy.formats.gguf_describe import check_tensors, config_from_header, tensor_name_map
+from toy.formats.gguf_header import read_gguf_header
+from toy.formats.gguf_plan import family_of, gguf_families
 from toy.formats.hf_write import update_note
+from toy.models.family import Planned
 from toy.models.gpt2 import GPT2, GPT2Config
 from toy.models.llama import Llama, LlamaConfig
 from toy.tokenizer import EOS_TOKEN, from_gguf_metadata
@@ -782,7 +774,7 @@ def _as_written(data: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
 
 def write_merged_gguf(
     path: str | os.PathLike,
-    base: GGUFModel | str | os.PathLike,
+    base: Base | str | os.PathLike,
     lora_sd: dict[str, torch.Tensor],
     *,
     rank: int,
@@ -804,7 +796,7 @@ def write_merged_gguf(
     The report's `update_kept` and `update_error` say what the written adapted tensors
     kept of the update (see WriteReport)."""
     _check_dtype(dtype, MERGED_DTYPES, "a merged model")
-    base_path = base.path if isinstance(base, GGUFModel) else Path(base)
+    base_path = base.path if isinstance(base, Base) else Path(base)
     h = read_gguf_header(base_path)
     fam = family_of(h)
     cfg = fam.config(h)

@@ -127,6 +127,14 @@ def dir_kind(d: Path) -> str:
     return "mlx" if isinstance(cfg.get("quantization"), dict) else "transformers"
 
 
+def is_transformers(d: Path) -> bool:
+    return d.is_dir() and dir_kind(d) == "transformers"
+
+
+def is_mlx(d: Path) -> bool:
+    return d.is_dir() and dir_kind(d) == "mlx"
+
+
 def _canonical(name: str) -> str | None:
     """A file's tensor name as the family's plan names it; None for one a text model ignores."""
     if name.startswith(VISION_PREFIXES) or name.endswith(IGNORED_SUFFIXES):
@@ -217,6 +225,7 @@ def read_model_dir(d: Path, base_dtype: str = "float32") -> Base:
         tensor_types=types_seen,
         base_dtype=base_dtype,
         notes=notes,
+        mlx_prefix="language_model.model." if model_type == "gemma3" else "model.",
     )
 
 

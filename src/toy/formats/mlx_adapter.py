@@ -26,13 +26,9 @@ from toy.runs import write_file_atomic
 
 WEIGHTS_NAME = "adapters.safetensors"
 CONFIG_NAME = "adapter_config.json"
-PREFIX = "model."  # mlx-lm's models hold the body under `model` (a multimodal Gemma 3: `language_model.model`)
-
-
-def body_prefix(base_kind: str, arch: str) -> str:
-    """Where mlx-lm holds the model body: `language_model.model.` in a multimodal Gemma 3
-    directory, `model.` in every other model (a GGUF base's MLX twin included)."""
-    return "language_model.model." if base_kind != "gguf" and arch == "gemma3" else PREFIX
+# mlx-lm's models hold the body under `model` (a multimodal Gemma 3 directory's under
+# `language_model.model`: its Base's mlx_prefix).
+PREFIX = "model."
 
 
 def _split(name: str) -> tuple[int, str]:

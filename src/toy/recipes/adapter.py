@@ -31,10 +31,11 @@ from toy.data.chat import (
     resolve_chat_template,
 )
 from toy.errors import InputError, UsageError
-from toy.formats.base import Base, read_base
+from toy.formats.base import Base
+from toy.formats.base_readers import read_base
 from toy.formats.checkpoint import atomic_dir
 from toy.formats.hf_dir import base_fingerprint
-from toy.formats.mlx_adapter import body_prefix, save_mlx_adapter
+from toy.formats.mlx_adapter import save_mlx_adapter
 from toy.formats.peft import save_peft_adapter
 from toy.lora import VALID_TARGETS, apply_lora, lora_state_dict
 from toy.models.quant import count_params, resident_bytes
@@ -331,7 +332,7 @@ def adapter_saver(cfg: RunConfig, a: Adapted) -> Callable[[Path], None]:
     """The job's save_final: the PEFT adapter and the tokenizer in final/ (what `toy infer
     --run` and `toy export` read), then --output's copy."""
     model, tok = a.model, a.base.tokenizer
-    n_layers, arch, kind = a.base.config.n_layer, a.base.arch, a.base.kind
+    n_layers, mlx_prefix = a.base.config.n_layer, a.base.mlx_prefix
 
     def save_final(out: Path) -> None:
         save_peft_adapter(
@@ -362,7 +363,7 @@ def adapter_saver(cfg: RunConfig, a: Adapted) -> Callable[[Path], None]:
                     float(cfg.dropout),
                     n_layers=n_layers,
                     weights_name=dest.name,
-                    prefix=body_prefix(kind, arch),
+                    prefix=mlx_prefix,
                 )
             elif dest != out.resolve():
                 with atomic_dir(dest) as tmp:

@@ -35,8 +35,11 @@ from tokenizers import Tokenizer
 
 from toy import tokenizer as toktools
 from toy.errors import InputError, UsageError
-from toy.formats.base import QuantTensor, read_base
-from toy.formats.gguf import read_gguf_header, read_gguf_tensor, supported_archs
+from toy.formats.base import QuantTensor
+from toy.formats.base_readers import base_kind, read_base
+from toy.formats.gguf import read_gguf_tensor
+from toy.formats.gguf_header import read_gguf_header
+from toy.formats.gguf_plan import supported_archs
 from toy.formats.hf_dir import base_fingerprint
 from toy.models import registry
 from toy.recipes.lm import fingerprint, lm_config, lm_derived, lm_job, open_token_data
@@ -155,7 +158,11 @@ def open_donor(path: Path) -> Donor:
         raise InputError(
             f"--donor {path} not found; pass a GGUF model or a model directory ({GET_DONOR})"
         )
-    if path.is_dir():
+    try:
+        kind = base_kind(path)
+    except InputError as e:
+        raise InputError(f"--donor {e.message}")
+    if kind != "gguf":  # a GGUF donor is read from its header and embedding alone
         return _open_dir_donor(path)
     h = read_gguf_header(path)
     arch = h.metadata.get("general.architecture")
