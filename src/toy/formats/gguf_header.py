@@ -38,9 +38,6 @@ _MAX_DIMS = 4
 _MAX_COUNT = 1 << 24
 _MAX_KEY_LEN = 1 << 16
 _MAX_ARRAY_DEPTH = 3
-# context_length sizes toy's rotary tables (max_seq_len x head_dim floats); it is the one
-# hyper-parameter not bounded by the tensors actually present in the file.
-_MAX_CONTEXT = 1 << 20
 
 _SCALAR_FORMATS: dict[GGUFValueType, str] = {
     GGUFValueType.UINT8: "B",
