@@ -78,7 +78,8 @@ def test_every_assistant_turn_supervised(tok, template):
     assert (
         ids == tok.encode(text, add_special_tokens=False).ids
     )  # one tokenization of the whole text
-    # Both turns, not only the last (ANCHORS pitfall 1), each with its end-of-turn token.
+    # Both turns, not only the last (earlier replies must be supervised too), each with its
+    # end-of-turn token.
     assert supervised_runs(tok, ids, mask) == ["Paris.<|im_end|>", " Rome, naturally 🙂<|im_end|>"]
     # The newline after <|im_end|> and the assistant header are not targets.
     im_end, im_start = tok.token_to_id("<|im_end|>"), tok.token_to_id("<|im_start|>")

@@ -19,10 +19,10 @@ Mask convention (what the loss code relies on):
     So the loss shifts: logits from ids[:-1] are scored against ids[1:] with mask[1:].
     mask[0] is 0 in practice (nothing predicts the first token).
 
-What is supervised: for EVERY assistant turn (not only the last one, unlike mlx-lm;
-ANCHORS pitfall 1) the tokens of its content and of the end-of-turn marker the template
-puts after it (ChatML: `<|im_end|>`), because the model must learn to stop. Not
-supervised: system and user turns, the assistant header (`<|im_start|>assistant\\n`),
+What is supervised: for EVERY assistant turn (not only the last one, unlike mlx-lm: the
+earlier replies are training signal too) the tokens of its content and of the end-of-turn
+marker the template puts after it (ChatML: `<|im_end|>`), because the model must learn to
+stop. Not supervised: system and user turns, the assistant header (`<|im_start|>assistant\\n`),
 and the whitespace the template writes *after* the end-of-turn marker (ChatML's `\\n`
 after `<|im_end|>`). That newline is glue before the next `<|im_start|>`: generation
 stops at `<|im_end|>`, so the model never has to produce it (the same span TRL's
