@@ -1,8 +1,8 @@
 """One benchmark child: one epoch of chat SFT, SmolLM2-135M (GGUF) + LoRA r=8 on q,v.
 
     python bench/chat_epoch.py --make-data chat.jsonl [--n 240]
-    python bench/chat_epoch.py --impl toy|hf --model SmolLM2.gguf --data chat.jsonl [--batch 4] [--seq 512]
-                               [--limit-steps N] [--compile]
+    python bench/chat_epoch.py --impl toy|hf --model SmolLM2.gguf --data chat.jsonl
+                               [--batch 4] [--seq 512] [--limit-steps N] [--compile]
 --make-data writes the fixed dataset: real dialogue from the bundled plays (seed 0, 1-3
 exchanges each, so lengths vary a lot). toy runs its real recipe and loop (packed rows,
 block-causal mask, loss on assistant turns) for the step count `--epochs 1` gives; the

@@ -1,6 +1,7 @@
 """One benchmark child: greedy generation on a GGUF, toy or llama.cpp (llama-cpp-python).
 
-    python bench/generate.py --impl toy --base-dtype float32|quantized --model FILE.gguf [--tokens 64]
+    python bench/generate.py --impl toy --base-dtype float32|quantized --model FILE.gguf
+                             [--tokens 64]
     python bench/generate.py --impl llamacpp --model FILE.gguf [--tokens 64]
 
 The same prompt, greedy, the same number of new tokens, as many threads as torch uses
@@ -20,7 +21,10 @@ import resource
 import time
 from pathlib import Path
 
-PROMPT = "Here is a short story about a lighthouse keeper who finds a message in a bottle. Once upon a time,"
+PROMPT = (
+    "Here is a short story about a lighthouse keeper who finds a message in a bottle. "
+    "Once upon a time,"
+)
 
 
 def run_toy(a) -> dict:

@@ -179,13 +179,14 @@ def main() -> None:
     if a.out:
         a.out.write_text(json.dumps(out, indent=1) + "\n")
     print(
-        "\n| step | epochs | train wall time | test accuracy | test loss |\n| ---: | ---: | ---: | ---: | ---: |"
+        "\n| step | epochs | train wall time | test accuracy | test loss |\n"
+        "| ---: | ---: | ---: | ---: | ---: |"
     )
     for r in timeline.rows:
         ep = r["step"] * a.batch_size / len(train_set)
         print(
-            f"| {r['step']} | {ep:.2f} | {r['train_s'] / 60:.1f} min | {100 * r['test_accuracy']:.2f}% "
-            f"| {r['test_loss']:.3f} |"
+            f"| {r['step']} | {ep:.2f} | {r['train_s'] / 60:.1f} min "
+            f"| {100 * r['test_accuracy']:.2f}% | {r['test_loss']:.3f} |"
         )
 
 

@@ -7,24 +7,26 @@ Real model directories for tests and benchmarks of transformers/MLX bases, made 
 Q4_1 GGUF that scripts/get-smollm2.sh fetches (no model hub):
 
 1. transformers (BF16): `AutoModelForCausalLM.from_pretrained(dir, gguf_file=...)` dequantizes the
-   GGUF, but a GGUF-loaded model will not `save_pretrained` (it carries a GGUF quantization config),
-   so its state dict is copied into a fresh model built from the same config (without that
-   quantization config), cast to bfloat16 and saved with the GGUF's tokenizer, chat template and
-   generation config (eos = <|im_end|>).
-2. MLX: `mlx_lm.convert(hf_dir, quantize=True)`: affine, 4 bits, group size 64 (mlx-lm's defaults;
-   --q-bits, --q-group-size for others), plus a top-level rope_theta in its config.json (see make_mlx).
-   Beware: this 135M model, already 4-bit in the GGUF, does not survive a second 4-bit rounding with
-   groups of 64: mlx_lm's greedy answer turns to nonsense (groups of 32, or 6 or 8 bits, answer well).
+   GGUF, but a GGUF-loaded model will not `save_pretrained` (it carries a GGUF quantization
+   config), so its state dict is copied into a fresh model built from the same config (without
+   that quantization config), cast to bfloat16 and saved with the GGUF's tokenizer, chat template
+   and generation config (eos = <|im_end|>).
+2. MLX: `mlx_lm.convert(hf_dir, quantize=True)`: affine, 4 bits, group size 64 (mlx-lm's
+   defaults; --q-bits, --q-group-size for others), plus a top-level rope_theta in its config.json
+   (see make_mlx). Beware: this 135M model, already 4-bit in the GGUF, does not survive a second
+   4-bit rounding with groups of 64: mlx_lm's greedy answer turns to nonsense (groups of 32, or 6
+   or 8 bits, answer well).
 
 Both are kept in ${XDG_CACHE_HOME:-~/.cache}/toy/models/, named after the GGUF's sha256, and made
 once: each is built in a temporary directory there and renamed into place when complete, so a
 directory that exists is whole. The two paths are printed on stdout (transformers first).
 
---check loads them again and prints greedy answers to a chat prompt on stderr: transformers from the
-directory must equal transformers from the GGUF loaded in the same dtype (bfloat16: the same weights),
-else exit 1; the float32 GGUF's answer and mlx_lm.generate's on the MLX directory are printed for
-comparison (a 4-bit requantization of a 4-bit model need not give the same text).
-Also the weights: every saved tensor must equal the GGUF's, dequantized by transformers, in bfloat16.
+--check loads them again and prints greedy answers to a chat prompt on stderr: transformers from
+the directory must equal transformers from the GGUF loaded in the same dtype (bfloat16: the same
+weights), else exit 1; the float32 GGUF's answer and mlx_lm.generate's on the MLX directory are
+printed for comparison (a 4-bit requantization of a 4-bit model need not give the same text).
+Also the weights: every saved tensor must equal the GGUF's, dequantized by transformers, in
+bfloat16.
 """
 
 from __future__ import annotations
@@ -114,9 +116,10 @@ def make_mlx(hf_dir: Path, out: Path, bits: int, group_size: int) -> None:
         q_group_size=group_size,
         q_mode="affine",
     )
-    # transformers 5 nests rope_theta under rope_parameters; mlx-lm 0.32's llama reads only a top-level
-    # rope_theta (default 10000, where SmolLM2 has 100000) and would give garbage. convert copies the
-    # config as is, so add the top-level key, as a config written by transformers 4 has it.
+    # transformers 5 nests rope_theta under rope_parameters; mlx-lm 0.32's llama reads only a
+    # top-level rope_theta (default 10000, where SmolLM2 has 100000) and would give garbage.
+    # convert copies the config as is, so add the top-level key, as a config written by
+    # transformers 4 has it.
     path = out / "config.json"
     config = json.loads(path.read_text())
     rope = config.get("rope_parameters") or {}
@@ -150,7 +153,8 @@ def check(gguf: Path, hf_dir: Path, mlx_dir: Path) -> bool:
     want = load_gguf(gguf, torch.float32)[0].state_dict()
     same = [k for k in saved if torch.equal(saved[k], want[k].to(torch.bfloat16))]
     log(
-        f"weights: {len(same)} of {len(saved)} saved tensors equal the GGUF's (dequantized, rounded to bf16); "
+        f"weights: {len(same)} of {len(saved)} saved tensors equal the GGUF's "
+        "(dequantized, rounded to bf16); "
         f"not saved (tied): {sorted(set(want) - set(saved))}"
     )
     if len(same) != len(saved):
@@ -175,9 +179,8 @@ def check(gguf: Path, hf_dir: Path, mlx_dir: Path) -> bool:
     prompt = mtok.apply_chat_template(
         [{"role": "user", "content": PROMPT}], add_generation_prompt=True
     )
-    log(
-        f"mlx_lm, {mlx_dir.name[-17:]}:  {generate(model, mtok, prompt=prompt, max_tokens=MAX_NEW)!r}"
-    )
+    answer = generate(model, mtok, prompt=prompt, max_tokens=MAX_NEW)
+    log(f"mlx_lm, {mlx_dir.name[-17:]}:  {answer!r}")
     if from_dir != from_gguf:
         log("FAIL: the transformers directory does not give the GGUF's greedy text")
         return False
@@ -215,7 +218,8 @@ def main() -> int:
     else:
         if not args.gguf.is_file():
             log(
-                f"error: --gguf {args.gguf}: no such file; give the SmolLM2 GGUF (scripts/get-smollm2.sh)"
+                f"error: --gguf {args.gguf}: no such file; "
+                "give the SmolLM2 GGUF (scripts/get-smollm2.sh)"
             )
             return 2
         gguf, digest = args.gguf.resolve(), sha256(args.gguf)

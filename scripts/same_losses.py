@@ -277,7 +277,8 @@ def main() -> int:
             what = "same losses" if same else f"DIFFER: {a.rev}: {b} / here: {n}"
             print(f"{name:28s} {what}")
         print(
-            f"{len(before) - bad} of {len(before)} cases give the same losses byte for byte as {a.rev}"
+            f"{len(before) - bad} of {len(before)} cases give the same losses byte for byte "
+            f"as {a.rev}"
         )
         return 1 if bad else 0
     finally:

@@ -17,7 +17,8 @@ end). The ablation flags change one thing each, from toy's current defaults:
     --norm standard   inputs standardised with the data set's mean/std instead of x/127.5 - 1
     --label-smoothing cross-entropy with label smoothing
 
-    OMP_NUM_THREADS=1 python scripts/vit_small_data_experiment.py --steps 200 --n-layer 4 --d-model 128 --n-head 4
+    OMP_NUM_THREADS=1 python scripts/vit_small_data_experiment.py --steps 200 --n-layer 4 \
+        --d-model 128 --n-head 4
 """
 
 from __future__ import annotations
@@ -53,7 +54,8 @@ class Losses(Reporter):
         self.losses.append(loss)
         if step % 50 == 0:
             print(
-                f"  step {step}: mean train loss of the last 50 steps {sum(self.losses[-50:]) / 50:.3f}",
+                f"  step {step}: mean train loss of the last 50 steps "
+                f"{sum(self.losses[-50:]) / 50:.3f}",
                 flush=True,
             )
 

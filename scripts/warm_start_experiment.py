@@ -3,7 +3,7 @@
 SmolLM2-135M's tokenizer, identical but for the embedding init (--init scratch | donor |
 pca), then the figures into docs/results.md ("Warm start" section) and a loss plot.
 
-    nice -n 10 .venv/bin/python scripts/warm_start_experiment.py            # ~20 min a run on 2 busy cores
+    nice -n 10 .venv/bin/python scripts/warm_start_experiment.py  # ~20 min a run on 2 busy cores
     .venv/bin/python scripts/warm_start_experiment.py --steps 20 --no-write  # a quick look
 
 Everything goes through the `toy` command line (prep, train --json, plot), so the
@@ -121,7 +121,8 @@ def main() -> None:
         )
     )
     print(
-        f"corpus: {prep['train_tokens']:,} train / {prep['val_tokens']:,} val tokens, vocab {prep['vocab_size']:,}",
+        f"corpus: {prep['train_tokens']:,} train / {prep['val_tokens']:,} val tokens, "
+        f"vocab {prep['vocab_size']:,}",
         flush=True,
     )
     runs = work / "runs"
@@ -225,7 +226,8 @@ def main() -> None:
         r = json.loads(out)
         probe = {"d_model": width["d_model"], "val0": r["val_losses"][0]["loss"]}
         print(
-            f"probe: equal-width copy (d_model {width['d_model']}) val loss at step 0 {probe['val0']:.3f}",
+            f"probe: equal-width copy (d_model {width['d_model']}) val loss at step 0 "
+            f"{probe['val0']:.3f}",
             flush=True,
         )
 
@@ -266,22 +268,32 @@ def report(
     full = results.get("scratch", any_r)["params"]
     lines = [
         BEGIN,
-        f"Measured {time.strftime('%Y-%m-%d')} with `scripts/warm_start_experiment.py` on {platform.machine()} CPU, "
-        f"{os.cpu_count()} cores shared with other jobs (`nice -n 10`; speed figures are indicative only).",
+        f"Measured {time.strftime('%Y-%m-%d')} with `scripts/warm_start_experiment.py` "
+        f"on {platform.machine()} CPU, "
+        f"{os.cpu_count()} cores shared with other jobs "
+        "(`nice -n 10`; speed figures are indicative only).",
         "",
-        f"- Donor: {Path(os.path.realpath(desc['path'])).name} (`general.name` {desc.get('name')!r}), width "
-        f"{desc['hyperparameters']['d_model']}, vocabulary {desc['hyperparameters']['vocab_size']:,} "
+        f"- Donor: {Path(os.path.realpath(desc['path'])).name} "
+        f"(`general.name` {desc.get('name')!r}), width "
+        f"{desc['hyperparameters']['d_model']}, "
+        f"vocabulary {desc['hyperparameters']['vocab_size']:,} "
         f"(tensor types: {', '.join(desc['tensor_types'])}).",
         f"- Corpus: {', '.join(p.stem for p in plays)}, tokenized with the donor's tokenizer: "
         f"{prep['train_tokens']:,} train / {prep['val_tokens']:,} validation tokens "
         f"(validation = the last 10% of the token stream).",
-        f"- Model: llama, {a.n_layer} layers, d_model {d}, {a.n_head} heads / {a.n_kv_head} kv heads, tied "
-        f"embedding; {full:,} parameters, of which the {vocab:,} x {d} embedding is {emb:,} ({emb / full:.0%}).",
-        f"- Training: {a.steps} steps of {a.batch_size} x {a.seq_len} tokens, AdamW lr {a.lr:g} (warmup 10, cosine "
-        f"to 1e-4, weight decay 0.1), seed {a.seed} for all three: same blocks, same batches; only the embedding "
+        f"- Model: llama, {a.n_layer} layers, d_model {d}, "
+        f"{a.n_head} heads / {a.n_kv_head} kv heads, tied "
+        f"embedding; {full:,} parameters, of which the {vocab:,} x {d} embedding is {emb:,} "
+        f"({emb / full:.0%}).",
+        f"- Training: {a.steps} steps of {a.batch_size} x {a.seq_len} tokens, "
+        f"AdamW lr {a.lr:g} (warmup 10, cosine "
+        f"to 1e-4, weight decay 0.1), seed {a.seed} for all three: same blocks, same batches; "
+        "only the embedding "
         "differs.",
-        f"- Validation: {a.eval_batches} batch(es) ({a.eval_batches * a.batch_size * a.seq_len:,} tokens), the same "
-        f"every time. A context-free unigram model scores {unigram:.3f}; a uniform guess ln({vocab}) = "
+        f"- Validation: {a.eval_batches} batch(es) "
+        f"({a.eval_batches * a.batch_size * a.seq_len:,} tokens), the same "
+        f"every time. A context-free unigram model scores {unigram:.3f}; "
+        f"a uniform guess ln({vocab}) = "
         f"{math.log(vocab):.3f}.",
         "",
         "Validation loss (nats/token) by step:",
@@ -296,7 +308,8 @@ def report(
         lines.append(f"| {s} | " + " | ".join(row) + " |")
     lines += [
         "",
-        "| init | trainable params | final train loss | final val loss | tokens/s | train wall time |",
+        "| init | trainable params | final train loss | final val loss | tokens/s "
+        "| train wall time |",
         "|---|---:|---:|---:|---:|---:|",
     ]
     for i, r in results.items():
@@ -307,7 +320,8 @@ def report(
     if probe is not None:
         lines += [
             "",
-            f"Probe: the exact copy at the donor's width (`--init donor --d-model {probe['d_model']}`, "
+            "Probe: the exact copy at the donor's width "
+            f"(`--init donor --d-model {probe['d_model']}`, "
             f"no rescale) starts at validation loss {probe['val0']:.3f}.",
         ]
     lines += ["", f"![validation and train loss]({Path(a.plot).name})", END]

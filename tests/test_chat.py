@@ -20,11 +20,14 @@ from toy.tokenizer import train_bpe
 
 CHATML = (
     "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
-    "'<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+    "'<|im_end|>' + '\n'}}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
-# SmolLM2-Instruct's template (ChatML plus a default system prompt).
-SMOLLM2 = """{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system
+# SmolLM2-Instruct's template (ChatML plus a default system prompt); the backslash at the end of
+# the first line only wraps it (Python drops it and the newline).
+SMOLLM2 = """{% for message in messages %}\
+{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system
 You are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>
 ' }}{% endif %}{{'<|im_start|>' + message['role'] + '
 ' + message['content'] + '<|im_end|>' + '
@@ -75,7 +78,8 @@ def test_every_assistant_turn_supervised(tok, template):
     assert (
         ids == tok.encode(text, add_special_tokens=False).ids
     )  # one tokenization of the whole text
-    # Both turns, not only the last (ANCHORS pitfall 1), each with its end-of-turn token.
+    # Both turns, not only the last (earlier replies must be supervised too), each with its
+    # end-of-turn token.
     assert supervised_runs(tok, ids, mask) == ["Paris.<|im_end|>", " Rome, naturally 🙂<|im_end|>"]
     # The newline after <|im_end|> and the assistant header are not targets.
     im_end, im_start = tok.token_to_id("<|im_end|>"), tok.token_to_id("<|im_start|>")
@@ -93,8 +97,9 @@ def test_every_assistant_turn_supervised(tok, template):
 def test_llama3_style_template(tok):
     # No newline after the end-of-turn token, a BOS from the template, a two-newline header.
     tpl = (
-        "{{ bos_token }}{% for m in messages %}{{ '<|start_header_id|>' + m['role'] + '<|end_header_id|>\n\n'"
-        " + m['content'] + '<|eot_id|>' }}{% endfor %}{% if add_generation_prompt %}"
+        "{{ bos_token }}{% for m in messages %}{{ '<|start_header_id|>' + m['role'] + "
+        "'<|end_header_id|>\n\n' + m['content'] + '<|eot_id|>' }}{% endfor %}"
+        "{% if add_generation_prompt %}"
         "{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
     )
     ids, mask = encode_chat(
@@ -130,7 +135,8 @@ def test_template_not_prefix_stable(tok):
 def test_bos_and_raise_exception():
     tpl = (
         "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'system' %}"
-        "{{ raise_exception('System role not supported') }}{% endif %}{{ m['content'] }}{% endfor %}"
+        "{{ raise_exception('System role not supported') }}{% endif %}{{ m['content'] }}"
+        "{% endfor %}"
     )
     assert (
         render_template(tpl, [{"role": "user", "content": "hi"}], False, "<s>", "</s>") == "<s>hi"
@@ -141,7 +147,10 @@ def test_bos_and_raise_exception():
 
 def test_trim_blocks_like_hf():
     # trim_blocks drops the newline after a block tag, lstrip_blocks the indent before one.
-    tpl = "{% for m in messages %}\n    {% if true %}{{ m['content'] }}\n    {% endif %}\n{% endfor %}"
+    tpl = (
+        "{% for m in messages %}\n    {% if true %}{{ m['content'] }}\n    {% endif %}\n"
+        "{% endfor %}"
+    )
     assert (
         render_template(tpl, CONV[:2], False, "", "")
         == "You are terse.\nWhat is the capital of France?\n"

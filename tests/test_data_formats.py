@@ -81,7 +81,8 @@ def test_prompt_completion_through_the_template(tok):
     ids, mask = encode_example(tok, CHATML, ex, 200, "", "", tok.token_to_id("<|im_end|>"))
     text = tok.decode(ids, skip_special_tokens=False)
     assert text == (
-        "<|im_start|>user\nWho is there?<|im_end|>\n<|im_start|>assistant\nNay, answer me.<|im_end|>\n"
+        "<|im_start|>user\nWho is there?<|im_end|>\n"
+        "<|im_start|>assistant\nNay, answer me.<|im_end|>\n"
     )
     assert (
         supervised(tok, ids, mask) == "Nay, answer me.<|im_end|>"

@@ -105,7 +105,8 @@ def test_chat_lora_end_to_end(base, toy_cli, tmp_path):
         "0",
     )
     assert code == 0, err
-    # --adapter takes the adapter directory, or the run directory (its final/), as `toy export` does.
+    # --adapter takes the adapter directory, or the run directory (its final/), as `toy export`
+    # does.
     for adapter in (final, tmp_path / "l1"):
         code, out2, err = toy_cli(
             "infer",

@@ -38,7 +38,8 @@ def to_torch(a) -> torch.Tensor:
 
 def weights(dtype: torch.dtype, group_size: int, seed: int) -> torch.Tensor:
     """A small matrix with the groups that test the corner cases: ordinary N(0, 0.02) rows, an
-    all-positive row, an all-negative row, a zero group, a constant group, and huge/tiny magnitudes."""
+    all-positive row, an all-negative row, a zero group, a constant group, and huge/tiny
+    magnitudes."""
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(8, 2 * group_size, generator=g) * 0.02
     w[1] = w[1].abs() + 0.5

@@ -110,8 +110,8 @@ def test_output_new_path_and_own_adapter_directory_are_written(base, toy_cli, tm
     assert (copy / "adapter_model.safetensors").is_file() and (
         copy / "adapter_config.json"
     ).is_file()
-    # A directory of toy's adapter files (a stale one here) is replaced by the new adapter, atomically:
-    # no temp directory is left beside it.
+    # A directory of toy's adapter files (a stale one here) is replaced by the new adapter,
+    # atomically: no temp directory is left beside it.
     (copy / "adapter_config.json").write_text("{}")
     code, _, err = train(
         toy_cli, base, tmp_path / "runs", copy, "--run-id", "b", "--json", "--seed", "3"

@@ -71,7 +71,8 @@ def test_raw_i32_conversion_refuses_to_overwrite(toy_cli, tmp_path):
 
 
 def test_a_new_projects_corpus_is_kept(toy_cli, tmp_path):
-    """`toy new` writes data/corpus.bin itself; a later `toy prep --out data/corpus.bin` is refused."""
+    """`toy new` writes data/corpus.bin itself; a later `toy prep --out data/corpus.bin` is
+    refused."""
     proj = tmp_path / "p"
     code, _, err = toy_cli("new", proj)
     assert code == 0, err

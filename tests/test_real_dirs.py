@@ -61,9 +61,11 @@ def smol_dirs(smollm2_gguf):
 def mlx_greedy(model_dir: Path, adapter: Path | None = None) -> str:
     """mlx_lm.generate's greedy answer to QUESTION, in a process of its own."""
     code = (
-        "import sys\nfrom mlx_lm import load, generate\nfrom mlx_lm.sample_utils import make_sampler\n"
+        "import sys\nfrom mlx_lm import load, generate\n"
+        "from mlx_lm.sample_utils import make_sampler\n"
         f"m, t = load({str(model_dir)!r}, adapter_path={str(adapter) if adapter else None!r})\n"
-        f"p = t.apply_chat_template([{{'role': 'user', 'content': {QUESTION!r}}}], add_generation_prompt=True)\n"
+        "p = t.apply_chat_template("
+        f"[{{'role': 'user', 'content': {QUESTION!r}}}], add_generation_prompt=True)\n"
         "print(generate(m, t, prompt=p, max_tokens=20, sampler=make_sampler(0.0)))\n"
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900)

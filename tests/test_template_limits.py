@@ -46,10 +46,10 @@ SIZE_ATTACKS = {
     "str.format repeated field": BIG + "{{ ('{0}' * 1000).format(s) }}",
     "huge power": "{{ 2 ** (10 ** 9) }}",  # jinja2 reads 2 ** 10 ** 9 as (2 ** 10) ** 9
     "huge product of integers": "{% set n = 10 ** 15000 %}{{ n * n * n * n }}",
-    "tilde doubling": "{% set ns = namespace(s='x') %}{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}"
-    "{% endfor %}{{ ns.s|length }}",
-    "plus doubling": "{% set ns = namespace(s='x') %}{% for i in range(40) %}{% set ns.s = ns.s + ns.s %}"
-    "{% endfor %}{{ ns.s|length }}",
+    "tilde doubling": "{% set ns = namespace(s='x') %}{% for i in range(40) %}"
+    "{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s|length }}",
+    "plus doubling": "{% set ns = namespace(s='x') %}{% for i in range(40) %}"
+    "{% set ns.s = ns.s + ns.s %}{% endfor %}{{ ns.s|length }}",
     "tilde chain": BIG + "{{ s ~ s ~ s ~ s ~ s ~ s ~ s ~ s ~ s ~ s }}",
     "printing a literal list": BIG + "{{ [s, s, s, s, s, s, s, s, s, s] }}",
     "join filter": BIG + "{{ [s, s, s, s, s, s, s, s, s, s]|join }}",
@@ -60,8 +60,8 @@ SIZE_ATTACKS = {
     "expandtabs": "{{ ('\t' * 1000).expandtabs(1000000) }}",
     "batch fill": "{{ [1]|batch(300000000, 'x')|list }}",
     "tojson indent": "{{ messages|tojson(indent=300000000) }}",
-    "macro output": "{% macro f(n) %}{% if n %}{{ f(n - 1) }}{{ f(n - 1) }}{% else %}{{ 'x' * 100000 }}{% endif %}"
-    "{% endmacro %}{{ f(30) }}",
+    "macro output": "{% macro f(n) %}{% if n %}{{ f(n - 1) }}{{ f(n - 1) }}"
+    "{% else %}{{ 'x' * 100000 }}{% endif %}{% endmacro %}{{ f(30) }}",
     "output accumulates": BIG + "{% for i in range(100) %}{{ s }}{% endfor %}",
     "a list of fresh strings": "{{ range(100000)|map('center', 3000000)|list|length }}",
     "sum of lists (quadratic)": "{{ ([[0] * 200] * 2000)|sum(start=[])|length }}",
@@ -71,12 +71,12 @@ SIZE_ATTACKS = {
     "split into many small strings": "{% set s = 'ab ' * 1300000 %}{{ s.split()|length }}",
 }
 TIME_ATTACKS = {
-    "nested loops without output": "{% set x = range(100000) %}{% for a in x %}{% for b in x %}{% endfor %}"
-    "{% endfor %}",
-    "exponential macro recursion": "{% macro f(n) %}{% if n > 0 %}{{ f(n - 1) }}{{ f(n - 1) }}{% endif %}"
-    "{% endmacro %}{{ f(60) }}",
-    "loop calling a filter": "{% set x = range(100000) %}{% for a in x %}{% for b in x %}{{ ''|trim }}{% endfor %}"
-    "{% endfor %}",
+    "nested loops without output": "{% set x = range(100000) %}"
+    "{% for a in x %}{% for b in x %}{% endfor %}{% endfor %}",
+    "exponential macro recursion": "{% macro f(n) %}{% if n > 0 %}{{ f(n - 1) }}{{ f(n - 1) }}"
+    "{% endif %}{% endmacro %}{{ f(60) }}",
+    "loop calling a filter": "{% set x = range(100000) %}"
+    "{% for a in x %}{% for b in x %}{{ ''|trim }}{% endfor %}{% endfor %}",
     # One call that runs long by itself (issue 32 item 6): no clock check between calls can
     # stop it; wordwrap over a megabyte took 13 s, at 4 MB minutes.
     "one wordwrap call": "{% set s = 'x' * 1000000 %}{{ s|wordwrap(1)|length }}",
@@ -178,19 +178,26 @@ def _plain(template: str, messages, add_generation_prompt: bool, bos: str, eos: 
 
 
 # Uses most of what real templates use: namespace, macros, loop variables, filters, string
-# methods and every operator, so each of toy's hooks is on the path of a normal render.
+# methods and every operator, so each of toy's hooks is on the path of a normal render. A
+# backslash at a line's end only wraps the line (Python drops it and the newline).
 BUSY = """{%- set ns = namespace(system='', n=0) -%}
-{%- macro header(role, i) -%}<|{{ role|upper }}|{{ '%02d'|format(i) }}|{{ '{:>4}'.format(i) }}>{%- endmacro -%}
+{%- macro header(role, i) -%}\
+<|{{ role|upper }}|{{ '%02d'|format(i) }}|{{ '{:>4}'.format(i) }}>{%- endmacro -%}
 {%- for m in messages -%}
-{%- if m.role == 'system' %}{% set ns.system = ns.system ~ m.content|trim %}{% continue %}{% endif -%}
+{%- if m.role == 'system' %}{% set ns.system = ns.system ~ m.content|trim %}\
+{% continue %}{% endif -%}
 {%- set ns.n = ns.n + 1 -%}
 {{ header(m.role, loop.index) }}{{ (ns.system + '\n') if ns.n == 1 and ns.system else '' }}
 {{- m.content.strip().replace('  ', ' ') }}{{ ' [%d words]' % (m.content.split()|length) }}
-{{- '' if loop.last else '\n' * 1 }}{{ '-' * (2 ** 2) }}{{ loop.cycle('a', 'b') }}{{ (ns.n * 3) // 2 }}
+{{- '' if loop.last else '\n' * 1 }}{{ '-' * (2 ** 2) }}{{ loop.cycle('a', 'b') }}\
+{{ (ns.n * 3) // 2 }}
 {%- endfor -%}
-{{ messages|map(attribute='role')|join(',') }}|{{ messages|selectattr('role', 'equalto', 'user')|list|length }}
-{{ messages[-1]|tojson }}{{ messages[:2]|tojson(indent=2) }}{{ ('x'|center(9)) ~ ('y'.ljust(3)) ~ ('7'.zfill(3)) }}
-{{ ['a', 'b'] + ['c'] }}{{ (1, 2) * 2 }}{{ {'k': 'v'}|dictsort }}{{ 'abc'|replace('b', 'B')|indent(2, true) }}
+{{ messages|map(attribute='role')|join(',') }}|\
+{{ messages|selectattr('role', 'equalto', 'user')|list|length }}
+{{ messages[-1]|tojson }}{{ messages[:2]|tojson(indent=2) }}\
+{{ ('x'|center(9)) ~ ('y'.ljust(3)) ~ ('7'.zfill(3)) }}
+{{ ['a', 'b'] + ['c'] }}{{ (1, 2) * 2 }}{{ {'k': 'v'}|dictsort }}\
+{{ 'abc'|replace('b', 'B')|indent(2, true) }}
 {%- if add_generation_prompt %}{{ header('assistant', 0) }}{{ eos_token }}{% endif %}"""
 
 

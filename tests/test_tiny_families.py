@@ -180,7 +180,8 @@ def transformers_gguf_overrides(family: str, meta: dict) -> dict:
     if family == "qwen3":  # it derives head_dim = hidden / heads, ignoring attention.key_length
         return {"head_dim": meta[f"{arch}.attention.key_length"]}
     if family in ("gemma2", "gemma3"):
-        # llama.cpp scales queries by 1/sqrt(key_length) (only the 27B models differ); the file has no scalar
+        # llama.cpp scales queries by 1/sqrt(key_length) (only the 27B models differ); the file
+        # has no scalar
         out = {
             "query_pre_attn_scalar": meta[f"{arch}.attention.key_length"],
             "final_logit_softcapping": meta[f"{arch}.final_logit_softcapping"],

@@ -50,19 +50,19 @@ GEMMA_VOCAB = 1024  # the SentencePiece model trained here
 # What each family's file does and does not carry (checked by tests/test_tiny_families.py).
 FAMILY_NOTES = {
     "llama": "arch llama; Q/K rows permuted for ggml's interleaved rope; tied output",
-    "mistral": "arch llama (MistralForCausalLM converts as llama): the sliding window is NOT written, "
-    "so the file equals the HF model only up to SLIDING_WINDOW tokens (and equals the same "
-    "weights with full attention at any length); untied output",
+    "mistral": "arch llama (MistralForCausalLM converts as llama): the sliding window is NOT "
+    "written, so the file equals the HF model only up to SLIDING_WINDOW tokens (and equals the "
+    "same weights with full attention at any length); untied output",
     "qwen3": "arch qwen3; q/k RMSNorm per head (attn_q_norm/attn_k_norm); Q/K not permuted; tied",
-    "phi3": "arch phi3; fused attn_qkv and fused ffn_up (gate then up); sliding_window written as 0 "
-    "(llama.cpp disables phi3 SWA anyway); untied",
+    "phi3": "arch phi3; fused attn_qkv and fused ffn_up (gate then up); "
+    "sliding_window written as 0 (llama.cpp disables phi3 SWA anyway); untied",
     "gemma3": "arch gemma3; every norm weight stored +1; no layer-type list in the file: llama.cpp "
     "takes every 6th layer as global (i % 6 == 5), hence 6 layers here (5 local, 1 global); "
-    "query_pre_attn_scalar not stored (llama.cpp uses head_dim, d_model / n_head for the 62-layer 27B: "
-    "tests/test_gemma_query_scale.py), so it is head_dim here",
-    "gemma2": "arch gemma2; every norm weight stored +1; layers alternate local/global (even = local); "
-    "soft-capping stored; query_pre_attn_scalar not stored (head_dim here, as llama.cpp for all but the "
-    "46-layer 27B)",
+    "query_pre_attn_scalar not stored (llama.cpp uses head_dim, d_model / n_head for the 62-layer "
+    "27B: tests/test_gemma_query_scale.py), so it is head_dim here",
+    "gemma2": "arch gemma2; every norm weight stored +1; "
+    "layers alternate local/global (even = local); soft-capping stored; "
+    "query_pre_attn_scalar not stored (head_dim here, as llama.cpp for all but the 46-layer 27B)",
 }
 
 
@@ -105,7 +105,8 @@ def converter_dir(dest: Path | None = None) -> Path:
     if r.returncode != 0:
         why = (r.stderr.strip().splitlines() or ["no output"])[-1]
         pytest.skip(
-            f"llama.cpp converter unavailable (no network to PyPI?): get-llama-converter.sh failed: {why}"
+            "llama.cpp converter unavailable (no network to PyPI?): "
+            f"get-llama-converter.sh failed: {why}"
         )
     path = Path(r.stdout.strip().splitlines()[-1])
     if not (path / "convert_hf_to_gguf.py").is_file():

@@ -61,7 +61,8 @@ def load(path: Path) -> Tokenizer:
         return Tokenizer.from_file(str(path))
     except FileNotFoundError:
         raise InputError(
-            f"tokenizer {path} not found; pass --tokenizer FILE or train one with `toy prep --vocab-size N`"
+            f"tokenizer {path} not found; "
+            "pass --tokenizer FILE or train one with `toy prep --vocab-size N`"
         )
     except Exception as e:  # tokenizers raises a bare Exception on malformed JSON
         raise InputError(f"{path}: not a valid tokenizer.json ({str(e).splitlines()[0]})")
@@ -449,7 +450,8 @@ def _byte_level_bpe(meta: dict, tokens: list[str], where: str) -> tuple[Tokenize
         )
     except Exception as e:  # tokenizers raises a bare Exception for a merge of unknown tokens
         raise InputError(
-            f"{where}GGUF merges do not match its tokens ({str(e).splitlines()[0]}); the file is damaged"
+            f"{where}GGUF merges do not match its tokens ({str(e).splitlines()[0]}); "
+            "the file is damaged"
         )
     tok = Tokenizer(bpe)
     tok.pre_tokenizer = _pre_tokenizer(pre)
@@ -508,7 +510,8 @@ def _sentencepiece(meta: dict, tokens: list[str], where: str) -> tuple[Tokenizer
     if merges is not None:  # rare; transformers then uses them as given
         if not isinstance(merges, list) or not all(isinstance(m, str) for m in merges):
             raise InputError(
-                f"{where}GGUF key tokenizer.ggml.merges is not a list of strings; the file is damaged"
+                f"{where}GGUF key tokenizer.ggml.merges is not a list of strings; "
+                "the file is damaged"
             )
         pairs = _split_merges(merges, where)
     else:
@@ -539,7 +542,8 @@ def _sentencepiece(meta: dict, tokens: list[str], where: str) -> tuple[Tokenizer
         )
     except Exception as e:  # tokenizers raises a bare Exception for a merge of unknown tokens
         raise InputError(
-            f"{where}GGUF merges do not match its tokens ({str(e).splitlines()[0]}); the file is damaged"
+            f"{where}GGUF merges do not match its tokens ({str(e).splitlines()[0]}); "
+            "the file is damaged"
         )
     tok = Tokenizer(bpe)
     steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]

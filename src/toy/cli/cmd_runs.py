@@ -14,7 +14,6 @@ from toy.errors import InputError
 from toy.runs import find_project, read_events
 
 FORMAT = "toy/runs-v1"
-COLUMNS = ("id", "recipe", "arch", "init", "steps", "loss", "val_loss", "speed", "wall", "status")
 HEADERS = (
     "id",
     "recipe",

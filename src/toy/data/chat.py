@@ -19,10 +19,10 @@ Mask convention (what the loss code relies on):
     So the loss shifts: logits from ids[:-1] are scored against ids[1:] with mask[1:].
     mask[0] is 0 in practice (nothing predicts the first token).
 
-What is supervised: for EVERY assistant turn (not only the last one, unlike mlx-lm;
-ANCHORS pitfall 1) the tokens of its content and of the end-of-turn marker the template
-puts after it (ChatML: `<|im_end|>`), because the model must learn to stop. Not
-supervised: system and user turns, the assistant header (`<|im_start|>assistant\\n`),
+What is supervised: for EVERY assistant turn (not only the last one, unlike mlx-lm: the
+earlier replies are training signal too) the tokens of its content and of the end-of-turn
+marker the template puts after it (ChatML: `<|im_end|>`), because the model must learn to
+stop. Not supervised: system and user turns, the assistant header (`<|im_start|>assistant\\n`),
 and the whitespace the template writes *after* the end-of-turn marker (ChatML's `\\n`
 after `<|im_end|>`). That newline is glue before the next `<|im_start|>`: generation
 stops at `<|im_end|>`, so the model never has to produce it (the same span TRL's
@@ -62,8 +62,9 @@ from toy.tokenizer import encode_prompt
 ROLES = ("system", "user", "assistant")
 IGNORE_INDEX = -100  # a target the loss skips (torch's cross_entropy default, models.losses.IGNORE)
 SCHEMA_HINT = (
-    'each line must be one of {"messages": [{"role": "system"|"user"|"assistant", "content": "..."}, '
-    '...], "tools": [...]} with a non-empty assistant turn, {"prompt": "...", "completion": "..."}, or '
+    'each line must be one of {"messages": [{"role": "system"|"user"|"assistant", "content": '
+    '"..."}, ...], "tools": [...]} with a non-empty assistant turn, {"prompt": "...", '
+    '"completion": "..."}, or '
     '{"text": "..."}; one format per file'
 )
 
@@ -296,7 +297,8 @@ def _check_conversation(msgs: Any) -> tuple[Conversation | None, str, str]:
         detail = (
             "no assistant turn (nothing to learn from)"
             if not replies
-            else "no assistant reply with content (an empty reply teaches only the end-of-turn marker)"
+            else "no assistant reply with content "
+            "(an empty reply teaches only the end-of-turn marker)"
         )
         return None, "no assistant reply with content", detail
     return out, "", ""
@@ -401,7 +403,8 @@ def read_chat_jsonl(
                 )
         if strict:
             raise InputError(
-                f"{path}:{lineno}: {detail}; {SCHEMA_HINT} (strict mode stops at the first bad line)"
+                f"{path}:{lineno}: {detail}; "
+                f"{SCHEMA_HINT} (strict mode stops at the first bad line)"
             )
         chat.skipped[kind] += 1
         first_bad = first_bad or f"line {lineno}: {detail}"
@@ -409,8 +412,8 @@ def read_chat_jsonl(
             warn(f"{path}:{lineno}: {detail}; line skipped")
         if chat.n_skipped >= GIVE_UP_AFTER and not chat.examples:
             raise InputError(
-                f"{path} does not look like training JSONL: none of its first {GIVE_UP_AFTER} lines "
-                f"is an example ({first_bad}); {SCHEMA_HINT}"
+                f"{path} does not look like training JSONL: none of its first {GIVE_UP_AFTER} "
+                f"lines is an example ({first_bad}); {SCHEMA_HINT}"
             )
     if not chat.examples:
         what = (
@@ -421,8 +424,8 @@ def read_chat_jsonl(
         raise InputError(f"no example to learn from in {path} ({what}); {SCHEMA_HINT}")
     if chat.n_skipped > SHOW_SKIPPED:
         warn(
-            f"{path}: ... and {chat.n_skipped - SHOW_SKIPPED} more invalid lines ({count_reasons(chat.skipped)} "
-            "in all); lines skipped"
+            f"{path}: ... and {chat.n_skipped - SHOW_SKIPPED} more invalid lines "
+            f"({count_reasons(chat.skipped)} in all); lines skipped"
         )
     return chat
 
@@ -493,9 +496,10 @@ def _assistant_char_spans(
         upto = render_template(template, messages[: i + 1], False, bos_token, eos_token, tools)
         if not upto.startswith(prompt) or not full.startswith(upto):
             raise ConversationError(
-                f"chat template is not prefix-stable at message {i} (assistant): rendering the conversation "
-                "up to a turn must be a prefix of rendering the whole of it, so the assistant spans cannot be "
-                "found; use a template that renders earlier turns the same way whatever follows"
+                f"chat template is not prefix-stable at message {i} (assistant): rendering the "
+                "conversation up to a turn must be a prefix of rendering the whole of it, so the "
+                "assistant spans cannot be found; "
+                "use a template that renders earlier turns the same way whatever follows"
             )
         start, end = len(prompt), len(upto)
         # Drop whitespace after the end-of-turn marker (template glue, see module doc),
@@ -786,8 +790,8 @@ def encode_all(items, path, source, encode, strict, warn) -> tuple[list, int, in
         warn(f"{path}:{line}: {why}; conversation skipped")
     if len(failed) > SHOW_SKIPPED:
         warn(
-            f"{path}: ... and {len(failed) - SHOW_SKIPPED} more conversations the chat template cannot render; "
-            "skipped"
+            f"{path}: ... and {len(failed) - SHOW_SKIPPED} more conversations the chat template "
+            "cannot render; skipped"
         )
     return samples, dropped, len(failed)
 
@@ -811,10 +815,12 @@ BUILTIN_TEMPLATES = {
         "{%- if messages[0]['role'] == 'system' -%}"
         "{%- set first_user_prefix = messages[0]['content'] + '\\n\\n' -%}"
         "{%- set loop_messages = messages[1:] -%}"
-        "{%- else -%}{%- set first_user_prefix = '' -%}{%- set loop_messages = messages -%}{%- endif -%}"
+        "{%- else -%}{%- set first_user_prefix = '' -%}"
+        "{%- set loop_messages = messages -%}{%- endif -%}"
         "{%- for message in loop_messages -%}"
         "{%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}"
-        "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+        "{{ raise_exception("
+        "'Conversation roles must alternate user/assistant/user/assistant/...') }}"
         "{%- endif -%}"
         "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}"
         "{{ '<start_of_turn>' + role + '\\n' + (first_user_prefix if loop.first else '') }}"

@@ -14,7 +14,10 @@ from pathlib import Path
 
 import numpy as np
 
-SYSTEM = "You are a player in a Shakespeare company. Answer in character, in verse or prose as the play does."
+SYSTEM = (
+    "You are a player in a Shakespeare company. "
+    "Answer in character, in verse or prose as the play does."
+)
 _SPEAKER = re.compile(r"^([A-Z][A-Za-z]*\.?( [A-Z][A-Za-z]*\.?)?)\.$")
 
 

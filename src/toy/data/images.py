@@ -148,8 +148,8 @@ def scan_folder(
         )
     if len(classes) < min_classes:
         raise InputError(
-            f"{flag} {root}: only one class folder ({classes[0]}); a classifier needs at least two, "
-            "add a subfolder of images per class"
+            f"{flag} {root}: only one class folder ({classes[0]}); a classifier needs at least "
+            "two, add a subfolder of images per class"
         )
     return classes, files, skipped
 
@@ -175,7 +175,8 @@ def split_holdout(
 
 
 def open_image(path: Path, skipped: Skipped, max_pixels: int):
-    """Open a file's header (no pixels decoded yet); None, counted in `skipped` by reason, when unusable."""
+    """Open a file's header (no pixels decoded yet); None, counted in `skipped` by reason, when
+    unusable."""
     from PIL import Image, UnidentifiedImageError
 
     try:

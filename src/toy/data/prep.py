@@ -101,8 +101,8 @@ def check_overwrite(out: Path, tokenizer_src: Path | None = None) -> None:
         ):
             continue
         raise UsageError(
-            f"--out {out}: {p} already exists (runs made on it would no longer resume once it changes); "
-            "choose another --out, or pass --force to overwrite it"
+            f"--out {out}: {p} already exists (runs made on it would no longer resume once it "
+            "changes); choose another --out, or pass --force to overwrite it"
         )
 
 

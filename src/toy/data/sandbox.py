@@ -69,7 +69,10 @@ MAX_TEMPLATE_DEPTH = 100  # lists and dicts nested in one value
 MAX_TEMPLATE_NESTING = 32  # brackets nested in the source (real templates: 0 to 3)
 MAX_TEMPLATE_TREE_DEPTH = 64  # the parsed template's depth (real templates: 8 to 21)
 
-FIX = "a chat template is untrusted input: fix this one, or use another (toy train --chat-template FILE.jinja)"
+FIX = (
+    "a chat template is untrusted input: fix this one, "
+    "or use another (toy train --chat-template FILE.jinja)"
+)
 
 
 class TemplateLimitError(InputError):
@@ -145,7 +148,9 @@ def _int(x: Any) -> int:
 _VIEWS = (type({}.keys()), type({}.values()), type({}.items()))
 
 
-MEMBER = 8  # what a list or dict member counts for besides its own size: its slot, and its separator when printed
+# What a list or dict member counts for besides its own size: its slot, and its separator when
+# printed.
+MEMBER = 8
 
 
 def size_of(x: Any, cap: float | None = None) -> int:

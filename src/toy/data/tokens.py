@@ -74,7 +74,8 @@ def read_tokens(
     path = Path(path)
     if not path.is_file():
         raise InputError(
-            f"corpus {path} not found; make one with `toy prep TEXT --out {path.name}` or `toy new DIR`"
+            f"corpus {path} not found; "
+            f"make one with `toy prep TEXT --out {path.name}` or `toy new DIR`"
         )
     size = path.stat().st_size
     if raw_i32:
@@ -89,7 +90,8 @@ def read_tokens(
     else:
         if size < HEADER.size:
             raise InputError(
-                f"{path}: {size} bytes, too short for a toy token file (64-byte header); re-run `toy prep`"
+                f"{path}: {size} bytes, too short for a toy token file (64-byte header); "
+                "re-run `toy prep`"
             )
         with open(path, "rb") as fh:
             magic, version, width, vocab, _, count, h = HEADER.unpack(fh.read(HEADER.size))
@@ -137,7 +139,8 @@ def _check_ids(tf: TokenFile) -> None:
             pos = i + int(np.argmax(part == bad))
             raise InputError(
                 f"{tf.path}: token id {bad} at position {pos} is outside the vocabulary "
-                f"(size {tf.vocab_size}); the file was made with another tokenizer, re-run `toy prep`"
+                f"(size {tf.vocab_size}); "
+                "the file was made with another tokenizer, re-run `toy prep`"
             )
 
 

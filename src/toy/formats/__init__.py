@@ -1,1 +1,2 @@
-"""Bytes on disk <-> tensors: GGUF, PEFT adapters, checkpoints. Strict: names, shapes, dtypes checked."""
+"""Bytes on disk <-> tensors: GGUF, PEFT adapters, checkpoints. Strict: names, shapes, dtypes
+checked."""

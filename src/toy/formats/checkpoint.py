@@ -160,8 +160,9 @@ def load_optimizer(
     ours = [{names[id(p)] for p in g["params"]} for g in opt.param_groups]
     if saved != ours:
         raise InputError(
-            f"checkpoint optimizer groups ({len(saved)}) do not match this run's ({len(ours)}): it was "
-            "made by another toy version or another run; resume it with that version or start a new run"
+            f"checkpoint optimizer groups ({len(saved)}) do not match this run's ({len(ours)}): "
+            "it was made by another toy version or another run; "
+            "resume it with that version or start a new run"
         )
     by_name = {names[id(p)]: p for g in opt.param_groups for p in g["params"]}
     for key, t in tensors.items():

@@ -18,10 +18,6 @@ from toy.formats.gguf_header import GGUFHeader, read_gguf_header
 _LAYER = re.compile(r"^blk\.(\d+)\.(.+)$")
 
 
-def is_adapter(h: GGUFHeader) -> bool:
-    return h.metadata.get("general.type") == "adapter"
-
-
 def describe_adapter(source: str | os.PathLike | GGUFHeader) -> dict[str, Any]:
     """Rank, alpha, the adapted tensors (by kind, e.g. `attn_q.weight` x 30 layers) and the
     base architecture of an adapter GGUF, plus `problems`: what would stop llama.cpp from

@@ -38,9 +38,6 @@ _MAX_DIMS = 4
 _MAX_COUNT = 1 << 24
 _MAX_KEY_LEN = 1 << 16
 _MAX_ARRAY_DEPTH = 3
-# context_length sizes toy's rotary tables (max_seq_len x head_dim floats); it is the one
-# hyper-parameter not bounded by the tensors actually present in the file.
-_MAX_CONTEXT = 1 << 20
 
 _SCALAR_FORMATS: dict[GGUFValueType, str] = {
     GGUFValueType.UINT8: "B",
@@ -160,8 +157,8 @@ class _Cursor:
             return str(raw, "utf-8")
         except UnicodeDecodeError:
             raise InputError(
-                f"{self.path}: corrupt GGUF header: {what} at byte {self.pos - n} is not valid UTF-8; "
-                "the file is damaged"
+                f"{self.path}: corrupt GGUF header: {what} at byte {self.pos - n} is not valid "
+                "UTF-8; the file is damaged"
             )
 
 
@@ -195,8 +192,8 @@ def _read_value(cur: _Cursor, vtype: GGUFValueType, key: str, depth: int = 0) ->
     )
     if count > _MAX_COUNT or count * min_item > cur.size - cur.pos:
         raise InputError(
-            f"{cur.path}: corrupt or truncated GGUF header: array {_show(key)} claims {count} items "
-            f"but only {cur.size - cur.pos} bytes are left; {_TRUNCATED_FIX}"
+            f"{cur.path}: corrupt or truncated GGUF header: array {_show(key)} claims {count} "
+            f"items but only {cur.size - cur.pos} bytes are left; {_TRUNCATED_FIX}"
         )
     if itype in _NUMPY_DTYPES:
         n = count * min_item
@@ -231,8 +228,8 @@ def _read_string_array(cur: _Cursor, count: int, key: str) -> list[str]:
         )
     if len(out) < count:
         raise InputError(
-            f"{cur.path}: truncated GGUF: array {_show(key)} ends after {len(out)} of {count} strings; "
-            f"{_TRUNCATED_FIX}"
+            f"{cur.path}: truncated GGUF: array {_show(key)} ends after {len(out)} of {count} "
+            f"strings; {_TRUNCATED_FIX}"
         )
     cur.pos = pos
     return out
@@ -246,7 +243,8 @@ def read_gguf_header(path: str | os.PathLike) -> GGUFHeader:
         size = path.stat().st_size
     except FileNotFoundError:
         raise InputError(
-            f"{path}: GGUF file not found; check the path (`toy fetch smollm2` fetches a small model)"
+            f"{path}: GGUF file not found; "
+            "check the path (`toy fetch smollm2` fetches a small model)"
         )
     except OSError as e:
         raise InputError(
@@ -271,7 +269,8 @@ def read_gguf_header(path: str | os.PathLike) -> GGUFHeader:
     if magic != GGUF_MAGIC:
         head = bytes(buf[:4])
         raise InputError(
-            f"{path}: not a GGUF file (starts with {head!r}, expected b'GGUF'); pass a .gguf model file"
+            f"{path}: not a GGUF file (starts with {head!r}, expected b'GGUF'); "
+            "pass a .gguf model file"
         )
     version = cur.u32("version")
     if version not in SUPPORTED_VERSIONS:
@@ -343,7 +342,8 @@ def read_gguf_header(path: str | os.PathLike) -> GGUFHeader:
     for name, ne, raw_type, offset in raw_infos:
         if name in tensors:
             raise InputError(
-                f"{path}: corrupt GGUF header: tensor {_show(name)} appears twice; the file is damaged"
+                f"{path}: corrupt GGUF header: tensor {_show(name)} appears twice; "
+                "the file is damaged"
             )
         try:
             qtype = GGMLQuantizationType(raw_type)
@@ -370,8 +370,8 @@ def read_gguf_header(path: str | os.PathLike) -> GGUFHeader:
             )
         if start + nbytes > size:
             raise InputError(
-                f"{path}: truncated GGUF: tensor {_show(name)} needs bytes {start}..{start + nbytes} "
-                f"but the file has {size}; {_TRUNCATED_FIX}"
+                f"{path}: truncated GGUF: tensor {_show(name)} needs bytes "
+                f"{start}..{start + nbytes} but the file has {size}; {_TRUNCATED_FIX}"
             )
         tensors[name] = TensorInfo(name, ne, qtype, start, nbytes)
     return GGUFHeader(path, version, size, metadata, tensors, alignment, data_start, kv_types)

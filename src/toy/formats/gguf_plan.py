@@ -95,19 +95,20 @@ def check_plan(h: GGUFHeader, plan: dict[str, Planned], arch: str, n_layer: int)
     if missing:
         more = f" ({len(missing)} missing in all)" if len(missing) > 1 else ""
         raise InputError(
-            f"{h.path}: missing tensor {missing[0]!r}{more}; the file is not a complete {arch} model "
-            f"with {n_layer} layers"
+            f"{h.path}: missing tensor {missing[0]!r}{more}; the file is not a complete {arch} "
+            f"model with {n_layer} layers"
         )
     extra = [n for n in h.tensors if n not in plan]
     if extra:
         raise InputError(
-            f"{h.path}: unexpected tensor {_show(extra[0])} ({len(extra)} in all); toy's {arch} has "
-            "no place for it (a different architecture or an unsupported variant)"
+            f"{h.path}: unexpected tensor {_show(extra[0])} ({len(extra)} in all); toy's {arch} "
+            "has no place for it (a different architecture or an unsupported variant)"
         )
     for gname, p in plan.items():
         found = h.tensors[gname].shape
         if found != p.shape:
             raise InputError(
-                f"{h.path}: misshapen tensor {gname!r}: expected {list(p.shape)}, found {list(found)} "
-                "(torch order, out x in); the header's hyper-parameters do not match the weights"
+                f"{h.path}: misshapen tensor {gname!r}: expected {list(p.shape)}, found "
+                f"{list(found)} (torch order, out x in); the header's hyper-parameters do not "
+                "match the weights"
             )

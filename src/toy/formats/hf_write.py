@@ -38,9 +38,6 @@ from toy.formats.safetensors_map import SafeFile, weight_files
 from toy.models import mlx_quant
 from toy.models.family import hf_name
 
-WEIGHT_PATTERNS = ("model.safetensors", "model-", "model.safetensors.index.json")
-
-
 MERGE_DTYPES = ("keep", "base")
 
 

@@ -89,7 +89,8 @@ def load_model_dir(
         res = model.load_state_dict(sd, strict=False)
     except RuntimeError as e:  # a shape mismatch
         raise InputError(
-            f"{d / 'model.safetensors'}: does not match config.json ({str(e).splitlines()[1].strip()})"
+            f"{d / 'model.safetensors'}: does not match config.json "
+            f"({str(e).splitlines()[1].strip()})"
         )
     tied = getattr(cfg, "tie_embeddings", False)
     missing = [k for k in res.missing_keys if not (tied and k == "lm_head.weight")]

@@ -139,7 +139,8 @@ def load_peft_adapter(adapter_dir: str | Path) -> tuple[dict[str, torch.Tensor],
     cfg_path, w_path = d / CONFIG_NAME, d / WEIGHTS_NAME
     if not d.is_dir():
         raise InputError(
-            f"{d}: no such adapter directory; pass the folder holding {CONFIG_NAME} and {WEIGHTS_NAME}"
+            f"{d}: no such adapter directory; "
+            f"pass the folder holding {CONFIG_NAME} and {WEIGHTS_NAME}"
         )
     if not cfg_path.is_file():
         raise InputError(f"{d}: no {CONFIG_NAME}; not a PEFT adapter directory")

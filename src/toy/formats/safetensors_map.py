@@ -95,7 +95,8 @@ class SafeFile:
         dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
         if dtype not in DTYPES:
             raise InputError(
-                f"{bad} has dtype {dtype!r}, which toy does not read; supported: {', '.join(DTYPES)}"
+                f"{bad} has dtype {dtype!r}, which toy does not read; "
+                f"supported: {', '.join(DTYPES)}"
             )
         if (
             not isinstance(shape, list)
@@ -123,7 +124,8 @@ class SafeFile:
                 raise InputError(f"{self.path}: cannot map ({e.strerror or e})")
             if self._buf.shape[0] != self.size:
                 raise InputError(
-                    f"{self.path}: the file changed size while being read; read it again once complete"
+                    f"{self.path}: the file changed size while being read; "
+                    "read it again once complete"
                 )
         return self._buf
 
@@ -171,7 +173,8 @@ def weight_files(d: Path) -> list[Path]:
         return found
     pickled = [p.name for p in d.glob("pytorch_model*.bin")]
     hint = (
-        f" (it has {pickled[0]}, a pickle toy never loads: save the model with safe_serialization=True)"
+        f" (it has {pickled[0]}, a pickle toy never loads: "
+        "save the model with safe_serialization=True)"
         if pickled
         else ""
     )

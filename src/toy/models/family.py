@@ -153,7 +153,8 @@ class Family:
     hf_types: dict[str, HFType] = field(
         default_factory=dict
     )  # transformers model_types read as this family
-    # config -> transformers tensor name -> where toy holds it (with `model.`, as HF's *ForCausalLM).
+    # config -> transformers tensor name -> where toy holds it (with `model.`, as HF's
+    # *ForCausalLM).
     hf_plan: Callable[[Any], dict[str, Planned]] | None = None
     # LoRA: the linear layers an adapter may target (their attribute names), and the default.
     targets: tuple[str, ...] = ()
@@ -337,8 +338,8 @@ def rope_theta_of(k: Keys, layer_type: str | None = None) -> float | None:
             and scaling.get("rope_type", scaling.get("type", "default")) != "default"
         ):
             raise BadConfig(
-                f"rope scaling ({scaling.get('rope_type', scaling.get('type'))}) is not supported by "
-                "toy; use a model without long-context rope scaling"
+                f"rope scaling ({scaling.get('rope_type', scaling.get('type'))}) is not supported "
+                "by toy; use a model without long-context rope scaling"
             )
     # A base below 1 makes 1 / theta^(2i/d) overflow: rotary angles of inf, NaN outputs.
     top = k.number("rope_theta", None, 1.0)

@@ -210,7 +210,8 @@ def gguf_config(k: Keys, arch: str) -> GemmaConfig:
     window = int(k.float_or(arch + ".attention.sliding_window", 0))
     if window < 1:
         raise BadConfig(
-            f"GGUF key '{arch}.attention.sliding_window' is missing or 0; {arch}'s local layers need it"
+            f"GGUF key '{arch}.attention.sliding_window' is missing or 0; "
+            f"{arch}'s local layers need it"
         )
     g3 = arch == "gemma3"
     theta = k.float(arch + ".rope.freq_base", 1_000_000.0 if g3 else 10000.0)
@@ -261,7 +262,7 @@ def gguf_plan(cfg: GemmaConfig) -> dict[str, Planned]:
     return m
 
 
-# ------------------------------------------------------------------ transformers: gemma2, gemma3_text, gemma3
+# ------------------------------------------------------ transformers: gemma2, gemma3_text, gemma3
 
 
 def hf_config(k: Keys, model_type: str) -> GemmaConfig:

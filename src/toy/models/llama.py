@@ -172,7 +172,8 @@ def gguf_config(k: Keys, arch: str = "llama") -> LlamaConfig:
     c = gguf_common(k, arch)
     if rope_dims(k, c) != c.head_dim:
         raise BadConfig(
-            f"partial rotary ({rope_dims(k, c)} of {c.head_dim} head dims) is not supported for {arch}"
+            f"partial rotary ({rope_dims(k, c)} of {c.head_dim} head dims) "
+            f"is not supported for {arch}"
         )
     return LlamaConfig(
         vocab_size=c.vocab,
@@ -214,7 +215,7 @@ def gguf_plan(cfg: LlamaConfig, interleaved: bool = True) -> dict[str, Planned]:
     return m
 
 
-# ------------------------------------------------------------------ transformers: llama, mistral, qwen2, qwen3
+# -------------------------------------------------- transformers: llama, mistral, qwen2, qwen3
 
 
 def hf_config(k: Keys, model_type: str) -> LlamaConfig:

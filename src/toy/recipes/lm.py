@@ -64,8 +64,8 @@ def open_token_data(
         path, bundled = bundled_corpus(), True
     else:
         raise UsageError(
-            f"{cfg.recipe} needs --corpus FILE.bin tokenized with {tokenizer_source}'s tokenizer; make it with "
-            f"`toy prep TEXT --tokenizer {tokenizer_source} --out FILE.bin`"
+            f"{cfg.recipe} needs --corpus FILE.bin tokenized with {tokenizer_source}'s tokenizer; "
+            f"make it with `toy prep TEXT --tokenizer {tokenizer_source} --out FILE.bin`"
         )
     tok_path: Path | None = None
     if tokenizer is None:
@@ -133,7 +133,8 @@ def lm_config(cfg: RunConfig, arch: str, train: TokenFile, notes: list[str] | No
     if arch not in registry.lm_archs():
         hint = "; train images with --recipe vit-tiny" if arch == "vit" else ""
         raise UsageError(
-            f"--arch {arch!r} is not a language model; valid: {', '.join(registry.lm_archs())}{hint}"
+            f"--arch {arch!r} is not a language model; "
+            f"valid: {', '.join(registry.lm_archs())}{hint}"
         )
     if arch == "gpt2" and cfg.n_kv_head:
         raise UsageError(
@@ -156,9 +157,11 @@ def lm_config(cfg: RunConfig, arch: str, train: TokenFile, notes: list[str] | No
     seq_len = cfg.seq_len or mcfg.max_seq_len
     if notes is not None and seq_len > mcfg.max_seq_len:
         notes.append(
-            f"warning: --seq-len {seq_len} is beyond the preset's context {mcfg.max_seq_len}: attention "
-            f"costs grow with its square ({(seq_len / mcfg.max_seq_len) ** 2:,.0f}x the preset's per "
-            "sequence), expect slow steps; a preset with a longer context (--preset) is the usual choice"
+            f"warning: --seq-len {seq_len} is beyond the preset's context {mcfg.max_seq_len}: "
+            "attention costs grow with its square "
+            f"({(seq_len / mcfg.max_seq_len) ** 2:,.0f}x the preset's per sequence), "
+            "expect slow steps; "
+            "a preset with a longer context (--preset) is the usual choice"
         )
     mcfg.max_seq_len = max(mcfg.max_seq_len, seq_len)
     problems = registry.check_config(mcfg)

@@ -303,8 +303,9 @@ def choose_augment(cfg: RunConfig, n_train: int) -> tuple[str, str]:
     other = "none" if mode == "crop-flip" else "crop-flip"
     times = f"{epochs:.1f}" if epochs >= 0.1 else f"{epochs:.2g}"  # a short run: 0.0053, not 0.0
     return mode, (
-        f"augment {mode} (auto: the run sees each of its {n_train:,} training images {times} times, "
-        f"{'at least' if mode == 'crop-flip' else 'under'} {AUGMENT_EPOCHS}; --augment {other} overrides)"
+        f"augment {mode} (auto: the run sees each of its {n_train:,} training images {times} "
+        f"times, {'at least' if mode == 'crop-flip' else 'under'} {AUGMENT_EPOCHS}; --augment "
+        f"{other} overrides)"
     )
 
 

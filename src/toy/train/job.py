@@ -71,8 +71,10 @@ class Job:
         return [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
 
     def trainable_state(self) -> dict[str, torch.Tensor]:
-        """The tensors a checkpoint must hold to resume: every trainable parameter
-        (tied tensors once, by their first name) plus non-trainable buffers that change."""
+        """The tensors a checkpoint must hold to resume: every trainable parameter (tied
+        tensors once, by their first name). No buffer: toy's never change in training (rotary
+        tables, a frozen base's quantized blocks, a donor's embedding table), so the resumed
+        run's rebuilt model already has them."""
         return {n: p.detach() for n, p in self.trainable()}
 
 
@@ -120,10 +122,11 @@ def lm_prepare(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 @dataclass
 class Built:
-    """What a recipe's `build(cfg, project)` returns to the CLI. `derived` holds what the
-    recipe worked out from the data (RunConfig field -> value: the step count of
-    --epochs, the sequence length a preset or a GGUF's context gives); the CLI folds it
-    into the resolved config once (the recipe never writes the config)."""
+    """What a recipe's `build(cfg, project)` returns to train/run.py. `derived` holds what
+    the recipe worked out from the data (RunConfig field -> value: the step count of
+    --epochs, the sequence length a preset or a GGUF's context gives); run.py folds it into
+    the resolved config with `RunConfig.with_derived` (new_run, and resume_run for the
+    rebuilt job); the recipe never writes the config."""
 
     job: Job
     arch: str

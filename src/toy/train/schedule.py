@@ -108,11 +108,6 @@ def _cosine(i: int, n: int, hi: float, lo: float) -> float:
     return lo + 0.5 * (hi - lo) * (1.0 + math.cos(math.pi * progress))
 
 
-def lr_at(step: int, total: int, lr: float, min_lr: float, warmup: int) -> float:
-    """The plain schedule's LR at `step` (0-based): Schedule(...).at(step)."""
-    return Schedule(lr, min_lr, warmup, total).at(step)
-
-
 def make_adamw(
     named_params,
     lr: float,
