@@ -248,7 +248,8 @@ CHAT_CASES = {
     "binary garbage": (b"\x00\xff\xfe\x81garbage\x00\n" * 5, "5 lines skipped: 5 not UTF-8"),
     "wrong schema": (b'{"txt": "not a chat"}\n[1, 2, 3]\n', NOTHING),
     "unknown roles": (
-        b'{"messages": [{"role": "wizard", "content": "hi"}, {"role": "assistant", "content": "x"}]}\n',
+        b'{"messages": [{"role": "wizard", "content": "hi"}, '
+        b'{"role": "assistant", "content": "x"}]}\n',
         "1 unknown role",
     ),
     "empty file": (b"", NOTHING),
@@ -259,7 +260,8 @@ CHAT_CASES = {
     # Before, this trained a step on the first line's lone end-of-turn token and exited 0.
     "nothing to learn": (
         b'{"messages": [{"role": "assistant", "content": ""}]}\n'
-        b'{"messages": [{"role": "wizard", "content": "hi"}, {"role": "assistant", "content": "x"}]}\n'
+        b'{"messages": [{"role": "wizard", "content": "hi"}, '
+        b'{"role": "assistant", "content": "x"}]}\n'
         b'{"messages": "hello"}\n',
         '(3 lines skipped: 1 no assistant reply with content, 1 unknown role, 1 "messages" not '
         "a list)",
@@ -323,7 +325,8 @@ def test_not_chat_jsonl_at_all_is_refused_in_few_lines(kit, toy_cli, tmp_path):
 # ---- chat templates: one conversation the template cannot render is skipped, as a bad line is
 
 REJECT_SYSTEM = (
-    "{% for m in messages %}{% if m.role == 'system' %}{{ raise_exception('no system role') }}{% endif %}"
+    "{% for m in messages %}{% if m.role == 'system' %}"
+    "{{ raise_exception('no system role') }}{% endif %}"
     "<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
@@ -351,7 +354,8 @@ def _chat_file(tmp_path, *convs) -> Path:
     "template,bad,needle",
     [
         (REJECT_SYSTEM, [SYSTEM, Q, A], "chat template rejected the conversation: no system role"),
-        # SmolLM2's default system prompt, before a chat that opens with the assistant: not prefix-stable.
+        # SmolLM2's default system prompt, before a chat that opens with the assistant: not
+        # prefix-stable.
         (SMOLLM2, [HELLO, Q, A], "chat template is not prefix-stable at message 0"),
     ],
     ids=["raise_exception", "smollm2 opening reply"],

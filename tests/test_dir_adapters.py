@@ -158,7 +158,8 @@ def test_mlx_adapter_and_fused_directory(chat, toy_cli, tmp_path):
     )
     fused = mlx_logits(tmp_path / "fused", IDS)
     plain = mlx_logits(base, IDS)
-    # Re-quantizing rounds the update: the fused model is far nearer the adapted one than the base is.
+    # Re-quantizing rounds the update: the fused model is far nearer the adapted one than the
+    # base is.
     assert (fused - ours).abs().mean() < 0.5 * (plain - ours).abs().mean()
 
 

@@ -373,7 +373,7 @@ def test_lora_gguf_refuses_what_llamacpp_cannot_take(tmp_path, model):
     bad = dict(lsd)
     bad["lm_head.lora_A"] = torch.zeros(4, 64)
     bad["lm_head.lora_B"] = torch.zeros(300, 4)
-    with pytest.raises(UsageError, match="pitfall 6"):
+    with pytest.raises(UsageError, match="mishandles an adapter on a tied output"):
         write_lora_gguf(tmp_path / "a.gguf", bad, alpha=8, base=model.cfg)
     wrong = tiny_model(vocab_size=300, d_model=32, n_head=2, n_kv_head=1)
     with pytest.raises(UsageError, match="do not fit"):
@@ -487,7 +487,8 @@ def test_cli_export_lora_run_all_formats(lora_run, toy_cli, tmp_path, tok):
     code, out, err = toy_cli("export", run, "--format", "gguf", "--merge", "--json")
     assert code == 0, err
     r = json.loads(out)
-    # --merge defaults to keep: the base's bytes, adapted tensors f32 on this f32 base (f16 on others)
+    # --merge defaults to keep: the base's bytes, adapted tensors f32 on this f32 base (f16 on
+    # others)
     assert r["format"] == "toy/export-v1" and r["dtype"] == "keep" and r["merged"]
     assert Path(r["path"]) == run / "export" / "l1-merged-keep.gguf" and r["tensor_types"] == {
         "F32": 20
@@ -548,7 +549,8 @@ def test_cli_lora_base_override_and_missing_base(lora_run, toy_cli, tmp_path):
     )
     code, out, err = toy_cli("export", run, "--format", "gguf-lora", "--model", lora_run["base"])
     assert code == 0, err
-    # A different file as the base: refused when it comes from the run, noted when forced with --model.
+    # A different file as the base: refused when it comes from the run, noted when forced with
+    # --model.
     other = tmp_path / "other.gguf"
     other.write_bytes(lora_run["base"].read_bytes()[:-4] + b"\0\0\0\1")
     cfg["base_model_name_or_path"] = str(other)
@@ -704,8 +706,8 @@ def test_describe_a_lora_adapter_gguf(tmp_path, model, tok, toy_cli):
     assert out.endswith("\n") and not out.endswith("\n\n")
     n = model.cfg.n_layer
     assert (
-        "adapter       LoRA adapter for a llama base: rank 4, alpha 8 (update scaled by alpha/rank = 2)"
-        in out
+        "adapter       LoRA adapter for a llama base: rank 4, alpha 8 "
+        "(update scaled by alpha/rank = 2)" in out
     )
     assert f"attn_q x{n}, attn_v x{n}" in out and f"({7 * n} matrices in {n} layers)" in out
     assert "name          mine" in out and "--lora" in out

@@ -3,9 +3,10 @@ llama-cpp-python) must give toy's greedy text -- same tokenizer ids, same tokens
 generated.
 
 Needs `pip install -e .[llamacpp]` (llama-cpp-python builds llama.cpp from source, ~5
-minutes on 2 cores, so it is not a test dependency; .ci/run installs it); skipped without it. Run with `-s`
-to see the texts compared. The SmolLM2 tests are also `slow` (a LoRA trained on the
-135M base for 6 steps, ~3-7 minutes on 2 cores) and skip when SmolLM2 cannot be fetched.
+minutes on 2 cores, so it is not a test dependency; .ci/run installs it); skipped without
+it. Run with `-s` to see the texts compared. The SmolLM2 tests are also `slow` (a LoRA
+trained on the 135M base for 6 steps, ~3-7 minutes on 2 cores) and skip when SmolLM2
+cannot be fetched.
 
 What is asserted, and how strictly:
 - f32 files (from-scratch llama and gpt2, SmolLM2 re-exported in f32 with toy's adapter

@@ -209,7 +209,7 @@ def test_describe_a_directory_toy_cannot_load(toy_cli, tmp_path):
     assert code == 2 and "model_type 'bert' is not supported" in err and "architecture  bert" in out
 
 
-# ------------------------------------------------------------------ a directory wherever a GGUF is taken
+# ----------------------------------------------------------- a directory wherever a GGUF is taken
 
 
 def test_prep_warm_start_and_infer_take_a_directory(toy_cli, tmp_path, capsys):

@@ -16,8 +16,7 @@ A is kaiming-uniform as in PEFT, drawn from a generator seeded by (seed, module 
 the same seed gives the same adapter whatever order the modules are visited in.
 
 The tied output head (`lm_head`, which *is* the token embedding in SmolLM2-style
-models) is never a target: PEFT and llama.cpp's converter both mishandle it
-(ANCHORS pitfall 6).
+models) is never a target: PEFT and llama.cpp's converter both mishandle it.
 """
 
 from __future__ import annotations

@@ -50,7 +50,8 @@ def _shape(arch: str, hp: dict) -> list[str]:
         ),
         _row(
             "",
-            f"context {hp['context_length']}, rope theta {hp['rope_theta']:g}, norm eps {hp['norm_eps']:g}, "
+            f"context {hp['context_length']}, rope theta {hp['rope_theta']:g}, "
+            f"norm eps {hp['norm_eps']:g}, "
             f"tied output: {'yes' if hp['tie_embeddings'] else 'no'}",
         ),
     ]
@@ -111,7 +112,8 @@ def _directory(args, d: dict) -> int:
         return _verdict(d)
     what = {"mlx": "MLX directory", "transformers": "transformers directory"}[d["kind"]]
     lines = [
-        f"{d['path']}  ({human_size(d['file_size'])} in {plural(d['n_files'], 'weight file')}, {what})"
+        f"{d['path']}  ({human_size(d['file_size'])} in "
+        f"{plural(d['n_files'], 'weight file')}, {what})"
     ]
     hp = d["hyperparameters"]
     if hp:
@@ -184,7 +186,8 @@ def _adapter(args) -> int:
     lines.append(
         _row(
             "use",
-            f"on its {_text(a['arch'])} base in llama.cpp: llama-cli -m BASE.gguf --lora {args.model}",
+            f"on its {_text(a['arch'])} base in llama.cpp: "
+            f"llama-cli -m BASE.gguf --lora {args.model}",
         )
     )
     print("\n".join(lines))
@@ -273,6 +276,7 @@ def _verdict(d: dict) -> int:
     # What is in the file is shown either way; a file toy cannot load must not exit 0.
     if d["load_error"]:
         raise InputError(
-            f"{d['load_error']} (toy infer and train refuse it; re-convert or re-download the model)"
+            f"{d['load_error']} (toy infer and train refuse it; "
+            "re-convert or re-download the model)"
         )
     return 0

@@ -30,9 +30,10 @@ def add_parser(sub) -> None:
         "--format",
         required=True,
         choices=FORMATS,
-        help="gguf: a full model (from-scratch runs; LoRA runs on a GGUF base with --merge); gguf-lora: a "
-        "LoRA run's adapter for llama.cpp (--lora); peft: a LoRA run's adapter for HF PEFT; mlx: a "
-        "LoRA run's adapter for mlx-lm (adapters.safetensors + adapter_config.json), or with --merge "
+        help="gguf: a full model (from-scratch runs; LoRA runs on a GGUF base with --merge); "
+        "gguf-lora: a LoRA run's adapter for llama.cpp (--lora); peft: a LoRA run's adapter for "
+        "HF PEFT; mlx: a LoRA run's adapter for mlx-lm (adapters.safetensors + "
+        "adapter_config.json), or with --merge "
         "the adapter fused into an MLX base; transformers: with --merge, the adapter merged into a "
         "transformers base (see --dtype for how the adapted tensors are written)",
     )
@@ -45,13 +46,14 @@ def add_parser(sub) -> None:
         "--dtype",
         choices=MERGED_DTYPES,
         help="tensor type for GGUF: f32 (lossless, the default for "
-        "models and adapters), f16 or q8_0 (norms and other 1-D tensors stay f32; q8_0 falls back to f16 "
-        "for rows not a multiple of 32). With --merge only: keep (its default) copies every tensor the "
-        "adapter does not change byte for byte and writes the changed ones as f16 (f32 on an f32 base), "
-        "which keeps the fine-tune, as llama.cpp's export-lora does; base requantizes the changed ones to "
-        "the base's own type (else q8_0): the smallest file, but lossy: a 4-bit base rounds most of a LoRA "
-        "update away and llama.cpp then answers much as the base model does (the export notes how much of "
-        "the update it kept). A merged MLX or transformers directory takes keep (the default: "
+        "models and adapters), f16 or q8_0 (norms and other 1-D tensors stay f32; q8_0 falls "
+        "back to f16 for rows not a multiple of 32). With --merge only: keep (its default) "
+        "copies every tensor the adapter does not change byte for byte and writes the changed "
+        "ones as f16 (f32 on an f32 base), which keeps the fine-tune, as llama.cpp's export-lora "
+        "does; base requantizes the changed ones to the base's own type (else q8_0): the "
+        "smallest file, but lossy: a 4-bit base rounds most of a LoRA update away and llama.cpp "
+        "then answers much as the base model does (the export notes how much of the update it "
+        "kept). A merged MLX or transformers directory takes keep (the default: "
         "MLX's adapted linears unquantized in float16, as mlx_lm.fuse --dequantize; a "
         "half-precision transformers base's in float32) or base (re-quantized as mlx_lm.fuse "
         "does, or the base's dtype: lossy)",
@@ -60,7 +62,8 @@ def add_parser(sub) -> None:
         "--merge",
         action="store_true",
         help="on a LoRA run: fold the adapter into its base and write the "
-        "full model, of the base's kind (--format gguf for a GGUF base, transformers or mlx for a directory)",
+        "full model, of the base's kind (--format gguf for a GGUF base, transformers or mlx "
+        "for a directory)",
     )
     p.add_argument(
         "--model",
@@ -97,8 +100,9 @@ class _Run:
         cfg_path = self.final / "config.json"
         if not cfg_path.is_file() or not (self.final / "model.safetensors").is_file():
             raise InputError(
-                f"{self.final}: neither a run's final/ model (config.json + model.safetensors) nor a "
-                "LoRA adapter (adapter_config.json); pass a finished run (`toy list` shows them)"
+                f"{self.final}: neither a run's final/ model (config.json + model.safetensors) "
+                "nor a LoRA adapter (adapter_config.json); pass a finished run (`toy list` shows "
+                "them)"
             )
         from toy.formats.checkpoint import read_json
 
@@ -114,8 +118,9 @@ def _check_request(r: _Run, args) -> str:
     fmt, where = args.format, str(r.dir)
     if r.arch == "vit":
         raise UsageError(
-            f"{where}: a vit image classifier cannot be exported as --format {fmt}: GGUF (llama.cpp) "
-            "holds language models and PEFT holds LoRA adapters; its final/model.safetensors is "
+            f"{where}: a vit image classifier cannot be exported as --format {fmt}: "
+            "GGUF (llama.cpp) holds language models and PEFT holds LoRA adapters; its "
+            "final/model.safetensors is "
             "already the portable form"
         )
     if r.kind == "model":
@@ -131,8 +136,8 @@ def _check_request(r: _Run, args) -> str:
             )
         if args.merge:
             raise UsageError(
-                f"{where}: --merge folds a LoRA adapter into its base; this is a full {r.arch} model "
-                "run: drop --merge"
+                f"{where}: --merge folds a LoRA adapter into its base; this is a full {r.arch} "
+                "model run: drop --merge"
             )
         if args.model:
             raise UsageError(
@@ -144,19 +149,20 @@ def _check_request(r: _Run, args) -> str:
             )
         if fmt in ("mlx", "transformers"):
             raise UsageError(
-                f"{where}: --format {fmt} writes a LoRA run's adapter or merged base; this is a full "
-                f"{r.arch} model: use --format gguf"
+                f"{where}: --format {fmt} writes a LoRA run's adapter or merged base; this is a "
+                f"full {r.arch} model: use --format gguf"
             )
     else:
         if fmt == "gguf" and not args.merge:
             raise UsageError(
-                f"{where}: a LoRA run's final/ is an adapter, not a model: use --format gguf-lora "
-                "(llama.cpp --lora), --format peft or mlx, or --merge for the full merged model"
+                f"{where}: a LoRA run's final/ is an adapter, not a model: use --format "
+                "gguf-lora (llama.cpp --lora), --format peft or mlx, or --merge for the full "
+                "merged model"
             )
         if fmt == "transformers" and not args.merge:
             raise UsageError(
-                f"{where}: --format transformers writes a merged model: add --merge (for the adapter "
-                "alone, --format peft)"
+                f"{where}: --format transformers writes a merged model: add --merge (for the "
+                "adapter alone, --format peft)"
             )
         if args.merge and fmt not in ("gguf", "mlx", "transformers"):
             raise UsageError(
@@ -322,7 +328,8 @@ def _export_lora(r: _Run, args, dtype: str):
         cfg, arch = b.config, b.family.hf_types[b.arch].gguf
         if arch is None:
             raise UsageError(
-                f"{base}: a {b.arch} model has no llama.cpp architecture toy knows; use --format peft"
+                f"{base}: a {b.arch} model has no llama.cpp architecture toy knows; "
+                "use --format peft"
             )
     else:
         cfg, arch, _ = base_config(base)
@@ -401,8 +408,8 @@ def _export_merged(r: _Run, args, dtype: str):
     base_path, notes = _resolve_base(r, args, config)
     if base_path.is_dir():
         raise UsageError(
-            f"--merge --format gguf: the run's base {base_path} is a model directory; merge into it with "
-            "--format transformers or mlx (its own kind)"
+            f"--merge --format gguf: the run's base {base_path} is a model directory; merge into "
+            "it with --format transformers or mlx (its own kind)"
         )
     out = _claim(r, args, _out_path(r, args, f"{r.name}-merged-{dtype}.gguf"), base_path)
     try:
@@ -525,7 +532,8 @@ def _report(args, r: _Run, rep, dtype: str) -> int:
     ]
     types = ", ".join(f"{k} x{v}" for k, v in rep.tensor_types.most_common())
     print(
-        f"wrote {rep.path} ({human_size(size)}, {rep.arch} {what}, {plural(rep.n_params, 'parameter')}; {types})"
+        f"wrote {rep.path} ({human_size(size)}, {rep.arch} {what}, "
+        f"{plural(rep.n_params, 'parameter')}; {types})"
     )
     for note in rep.notes:
         print(f"  {note}")

@@ -1,7 +1,8 @@
 """GGUF (llama.cpp, Ollama) -> toy: the model (its family's class, weights loaded), the
 tokenizer metadata and the chat template.
 
-    m = read_gguf("model.gguf")                  # a Base (formats/base.py): config, family, weights, tokenizer
+    m = read_gguf("model.gguf")                  # a Base (formats/base.py): config, family,
+                                                 # weights, tokenizer
     model = m.build_model()                      # toy's Llama / Phi3 / Gemma, weights in place
     m = read_gguf("model.gguf", "quantized")     # the same, the base kept in its GGUF blocks
     tok = read_gguf_tokenizer("model.gguf")      # or toy.tokenizer.from_gguf_metadata(m.metadata)
@@ -77,8 +78,8 @@ def _check_dequantizable(h: GGUFHeader, infos: list[TensorInfo]) -> None:
             gguf_dequantize(np.zeros((1, type_size), dtype=np.uint8), ti.qtype)
         except (NotImplementedError, ValueError, TypeError):
             raise InputError(
-                f"{h.path}: tensor {_show(ti.name)} has quant type {ti.qtype.name}, which the `gguf` "
-                "package cannot dequantize; re-quantize the model to F16, Q8_0 or a K-quant"
+                f"{h.path}: tensor {_show(ti.name)} has quant type {ti.qtype.name}, which the "
+                "`gguf` package cannot dequantize; re-quantize the model to F16, Q8_0 or a K-quant"
             )
         seen.add(ti.qtype)
 
@@ -90,11 +91,13 @@ def _map(h: GGUFHeader) -> np.ndarray:
         buf = np.memmap(h.path, dtype=np.uint8, mode="c")
     except OSError as e:
         raise InputError(
-            f"{h.path}: cannot read GGUF file ({e.strerror or e}); check the path and its permissions"
+            f"{h.path}: cannot read GGUF file ({e.strerror or e}); "
+            "check the path and its permissions"
         )
     if buf.shape[0] != h.file_size:
         raise InputError(
-            f"{h.path}: the file changed size since its header was read; read it again once it is complete"
+            f"{h.path}: the file changed size since its header was read; "
+            "read it again once it is complete"
         )
     return buf
 

@@ -7,7 +7,7 @@
 Files are written with `gguf.GGUFWriter` to a temp file beside the target, fsynced and
 renamed: a reader sees the old file or the whole new one.
 
-Layouts, at each point (the reason LoRA export is easy to get wrong, ANCHORS pitfall 5):
+Layouts, at each point (the reason LoRA export is easy to get wrong):
 
 - toy (and HF) keep Q/K rows of each head in "half-split" order: rotary pairs dim i
   with dim i + D/2. llama.cpp's `llama` architecture uses ggml's "normal" rope, which
@@ -281,8 +281,8 @@ def tokenizer_metadata(
     tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
     if [vocab[t] for t in tokens] != list(range(len(tokens))):
         raise UsageError(
-            f"{source}: token ids are not 0..{len(tokens) - 1} without gaps; llama.cpp needs a dense "
-            "vocabulary"
+            f"{source}: token ids are not 0..{len(tokens) - 1} without gaps; llama.cpp needs a "
+            "dense vocabulary"
         )
     if len(tokens) > n_vocab:
         raise UsageError(
@@ -521,7 +521,8 @@ def write_gpt2_gguf(
         tensors.append((gname, data, q))
     if zeros:
         notes.append(
-            f"the model has no biases; wrote {len(zeros)} zero biases, which llama.cpp's gpt2 requires"
+            f"the model has no biases; wrote {len(zeros)} zero biases, "
+            "which llama.cpp's gpt2 requires"
         )
     return _finish(Path(path), "gpt2", kv, tensors, notes)
 
@@ -599,7 +600,8 @@ def write_lora_gguf(
         ab = modules[module]
         if module.endswith(("lm_head", "embed_tokens")):
             problems.append(
-                f"{module}: adapters on the (tied) embedding/output are never exported (ANCHORS pitfall 6)"
+                f"{module}: adapters on the (tied) embedding/output are never exported "
+                "(llama.cpp's converter mishandles an adapter on a tied output)"
             )
             continue
         if module not in names:
@@ -712,8 +714,8 @@ def read_lora_gguf(path: str | os.PathLike, base) -> LoraGGUF:
         # GGUF ne: a [in, r], b [r, out]; torch order reverses them.
         if a.shape[1] != in_f or b.shape[0] != out_f or a.shape[0] != b.shape[1]:
             raise InputError(
-                f"{h.path}: {stem}: lora_a {tuple(a.shape)} / lora_b {tuple(b.shape)} do not fit the "
-                f"base ({out_f} x {in_f})"
+                f"{h.path}: {stem}: lora_a {tuple(a.shape)} / lora_b {tuple(b.shape)} do not fit "
+                f"the base ({out_f} x {in_f})"
             )
         ranks.add(a.shape[0])
         pairs[stem] = (a, b)
@@ -867,8 +869,8 @@ def write_merged_gguf(
         tensors.append((gname, data, q))
     if fallback:
         notes.append(
-            f"{sum(fallback.values())} adapted tensors of type {', '.join(fallback)} written as q8_0: "
-            "gguf cannot quantize that type (the others keep the base's bytes)"
+            f"{sum(fallback.values())} adapted tensors of type {', '.join(fallback)} written as "
+            "q8_0: gguf cannot quantize that type (the others keep the base's bytes)"
         )
     kv = {k: v for k, v in h.metadata.items() if k not in _OWN_KEYS}
     kv["general.name"] = name
@@ -895,8 +897,8 @@ def write_merged_gguf(
     if dtype == "base" and lossy:
         notes.insert(
             1,
-            f"--dtype base: the adapted tensors requantized to {', '.join(lossy)} keep {kept:.0%} of the "
-            "adapter's update (a 4-bit step is far above a LoRA update: llama.cpp may answer as the base "
-            "model does); the default --dtype keep writes them as f16",
+            f"--dtype base: the adapted tensors requantized to {', '.join(lossy)} keep {kept:.0%} "
+            "of the adapter's update (a 4-bit step is far above a LoRA update: llama.cpp may "
+            "answer as the base model does); the default --dtype keep writes them as f16",
         )
     return WriteReport(Path(path), fam.name, counts, n, notes, update_kept=kept, update_error=error)

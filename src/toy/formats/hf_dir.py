@@ -42,7 +42,8 @@ VISION_PREFIXES = (
     "model.vision_tower.",
     "model.multi_modal_projector.",
 )
-# A multimodal Gemma 3's text model, saved the legacy way or transformers 5's: both read as `model.`.
+# A multimodal Gemma 3's text model, saved the legacy way or transformers 5's: both read as
+# `model.`.
 TEXT_PREFIXES = (
     ("language_model.model.", "model."),
     ("model.language_model.", "model."),
@@ -149,8 +150,8 @@ def _mode_problem(q: dict, where: str) -> str | None:
     mode = q.get("mode", "affine")
     if mode != "affine":
         return (
-            f"{where}: MLX quantization mode {mode!r} is not supported; toy reads affine quantization "
-            "(`mlx_lm.convert -q --q-mode affine`, the default)"
+            f"{where}: MLX quantization mode {mode!r} is not supported; toy reads affine "
+            "quantization (`mlx_lm.convert -q --q-mode affine`, the default)"
         )
     return None
 
@@ -194,8 +195,8 @@ def read_model_dir(d: Path, base_dtype: str = "float32") -> Base:
     extra = sorted(set(names) - used)
     if extra:
         raise InputError(
-            f"{d}: unexpected tensor {names[extra[0]]!r} ({len(extra)} in all); toy's {model_type} has "
-            "no place for it (a different architecture or an unsupported variant)"
+            f"{d}: unexpected tensor {names[extra[0]]!r} ({len(extra)} in all); toy's "
+            f"{model_type} has no place for it (a different architecture or an unsupported variant)"
         )
     tok = _tokenizer(d)
     special, template = _specials(d, config, tok)
@@ -205,7 +206,9 @@ def read_model_dir(d: Path, base_dtype: str = "float32") -> Base:
     beyond = sorted(
         i for i in tok.get_vocab(with_added_tokens=True).values() if i >= cfg.vocab_size
     )
-    if beyond:  # tokens a converter added (mlx_lm.convert's <mask>, ...): text holding them cannot be embedded
+    # Tokens a converter added (mlx_lm.convert's <mask>, ...): text holding them cannot be
+    # embedded.
+    if beyond:
         notes.append(
             f"{len(beyond)} tokenizer ids beyond the model's {cfg.vocab_size} embedding rows (e.g. "
             f"{tok.id_to_token(beyond[0])!r}); text containing them is refused"
@@ -326,8 +329,8 @@ def _mlx_spec(
         )
     if s.dtype not in ("F16", "BF16", "F32"):
         raise InputError(
-            f"{d}: {file_module} has {s.dtype} scales: not affine quantization (mxfp4, nvfp4 and mxfp8 "
-            "are not supported)"
+            f"{d}: {file_module} has {s.dtype} scales: not affine quantization (mxfp4, nvfp4 and "
+            "mxfp8 are not supported)"
         )
     return MLXSpec(bits, group, p.shape)
 
@@ -336,7 +339,8 @@ def _tokenizer(d: Path) -> Tokenizer:
     path = d / "tokenizer.json"
     if not path.is_file():
         raise InputError(
-            f"{d}: no tokenizer.json; toy reads the fast tokenizer transformers saves with the model"
+            f"{d}: no tokenizer.json; toy reads the fast tokenizer transformers saves with the "
+            "model"
         )
     try:
         return Tokenizer.from_file(str(path))

@@ -68,8 +68,8 @@ def save_mlx_adapter(
         raise UsageError("no adapter tensors to write")
     if layers != set(range(n_layers)):
         raise UsageError(
-            f"the adapter covers layers {sorted(layers)[:5]}..., not all {n_layers}: mlx-lm adapts the "
-            "last num_layers blocks, a contiguous run"
+            f"the adapter covers layers {sorted(layers)[:5]}..., not all {n_layers}: mlx-lm "
+            "adapts the last num_layers blocks, a contiguous run"
         )
     config: dict[str, Any] = {
         "fine_tune_type": "lora",

@@ -68,8 +68,8 @@ def add_arguments(g) -> None:
         "--donor",
         metavar="DONOR",
         help="a GGUF model, or a transformers or MLX model directory, of any "
-        "supported family, whose token embedding warms the embedding and whose tokenizer the corpus must "
-        "use (`toy prep TEXT --tokenizer DONOR`) (no default: required)",
+        "supported family, whose token embedding warms the embedding and whose tokenizer the "
+        "corpus must use (`toy prep TEXT --tokenizer DONOR`) (no default: required)",
     )
     g.add_argument(
         "--init",
@@ -88,8 +88,8 @@ def add_arguments(g) -> None:
         "--embed-lr-scale",
         type=float,
         metavar="X",
-        help="the embedding (the lens, with a donor table) trains at X times --lr, with every --init, "
-        f"scratch included (default {EMBED_LR_SCALE:g})",
+        help="the embedding (the lens, with a donor table) trains at X times --lr, with every "
+        f"--init, scratch included (default {EMBED_LR_SCALE:g})",
     )
 
 
@@ -108,7 +108,8 @@ def check_opts(cfg: RunConfig) -> list[str]:
         p.append(f"--embed-lr-scale must be a number > 0, got {x!r}")
     if not cfg.donor:
         p.append(
-            f"--donor DONOR.gguf is required: it gives the embedding and the tokenizer ({GET_DONOR})"
+            f"--donor DONOR.gguf is required: it gives the embedding and the tokenizer "
+            f"({GET_DONOR})"
         )
     elif not Path(cfg.donor).exists():
         p.append(
@@ -121,12 +122,13 @@ def check_opts(cfg: RunConfig) -> list[str]:
         )
     if cfg.tokenizer:
         p.append(
-            "--tokenizer conflicts with --donor: warm-start uses the donor's tokenizer; drop --tokenizer"
+            "--tokenizer conflicts with --donor: warm-start uses the donor's tokenizer; "
+            "drop --tokenizer"
         )
     if cfg.raw_i32:
         p.append(
-            "--raw-i32: a headerless corpus cannot prove it uses the donor's tokenizer; convert it with "
-            "`toy prep FILE --raw-i32 --tokenizer DONOR.gguf --out FILE.bin`"
+            "--raw-i32: a headerless corpus cannot prove it uses the donor's tokenizer; convert it "
+            "with `toy prep FILE --raw-i32 --tokenizer DONOR.gguf --out FILE.bin`"
         )
     return p
 
@@ -373,16 +375,17 @@ def build(cfg: RunConfig, project: Project) -> Built:
     train = data.train
     if train.vocab_size > donor.rows:
         raise InputError(
-            f"--corpus {train.path}: vocabulary {train.vocab_size} is larger than --donor {donor.path}'s "
-            f"{EMBED} ({donor.rows} rows); the file is damaged"
+            f"--corpus {train.path}: vocabulary {train.vocab_size} is larger than "
+            f"--donor {donor.path}'s {EMBED} ({donor.rows} rows); the file is damaged"
         )
     vocab = train.vocab_size
     seq_notes: list[str] = []
     mcfg, seq_len = lm_config(cfg, "llama", train, seq_notes)
     if init == "pca" and mcfg.d_model > donor.width:
         raise UsageError(
-            f"--init pca: --d-model {mcfg.d_model} exceeds --donor {donor.path}'s width {donor.width}; "
-            f"PCA gives at most {donor.width} components: lower --d-model or use --init donor "
+            f"--init pca: --d-model {mcfg.d_model} exceeds --donor {donor.path}'s width "
+            f"{donor.width}; PCA gives at most {donor.width} components: lower --d-model or use "
+            "--init donor "
             "(a trainable lens)"
         )
     # The same seed and the same model class as --init scratch: only the embedding differs.
@@ -409,8 +412,9 @@ def build(cfg: RunConfig, project: Project) -> Built:
             if init == "donor":
                 install_lens(model, table, lens_init(table, mcfg.d_model, cfg.seed))
                 notes.append(
-                    f"embedding: {src}, centred (frozen) @ a trainable random lens {donor.width} -> "
-                    f"{mcfg.d_model} (product starts at RMS {INIT_STD}); the tied head uses the same product"
+                    f"embedding: {src}, centred (frozen) @ a trainable random lens "
+                    f"{donor.width} -> {mcfg.d_model} (product starts at RMS {INIT_STD}); "
+                    "the tied head uses the same product"
                 )
             else:
                 axes, var = principal_axes(table, mcfg.d_model)
@@ -419,9 +423,10 @@ def build(cfg: RunConfig, project: Project) -> Built:
                 )  # rows: the axes, largest variance first
                 share = float(var.sum()) / float(table.double().var(0, unbiased=False).sum())
                 notes.append(
-                    f"embedding: {src}, centred (frozen) @ a trainable lens {donor.width} -> {mcfg.d_model} "
-                    f"that starts on its top {mcfg.d_model} principal axes ({share:.1%} of its variance; "
-                    f"product at RMS {INIT_STD}); the tied head uses the same product"
+                    f"embedding: {src}, centred (frozen) @ a trainable lens {donor.width} -> "
+                    f"{mcfg.d_model} that starts on its top {mcfg.d_model} principal axes "
+                    f"({share:.1%} of its variance; product at RMS {INIT_STD}); the tied head uses "
+                    "the same product"
                 )
         del table
     else:
