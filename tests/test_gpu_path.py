@@ -284,3 +284,34 @@ def test_cpu_bf16_quantized_base_is_dequantized_straight_to_bf16():
         # B starts at zero: the output is the base's, a bf16 matmul on the bf16 weight
         ref = torch.nn.functional.linear(x.bfloat16(), base.dequantized().bfloat16())
         assert torch.equal(y, ref)
+
+
+class Matmuls(TorchDispatchMode):
+    """The dtypes of every matmul's inputs."""
+
+    def __init__(self):
+        super().__init__()
+        self.dtypes: Counter = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in (
+            torch.ops.aten.mm,
+            torch.ops.aten.addmm,
+            torch.ops.aten.addmm_,
+            torch.ops.aten.bmm,
+        ):
+            self.dtypes[args[-1].dtype] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_cpu_bf16_every_matmul_of_a_step_runs_in_bf16(monkeypatch):
+    """Forward and backward, the trained head's weight gradient included (a float32
+    matmul there was a third of the head's work on a CPU with bf16 units)."""
+    small_chunks(monkeypatch)
+    m = tiny()
+    b = lm_prepare(batch())
+    with Matmuls() as d:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss, _ = lm_loss(m, b)
+        loss.backward()
+    assert d.dtypes[torch.bfloat16] > 0 and d.dtypes[torch.float32] == 0, d.dtypes
