@@ -188,28 +188,37 @@ def _recipe_args(recipe: str, corpus: Path, lora_base: dict) -> list:
     return ["--recipe", "vit-tiny", "--preset", "tiny", "--batch-size", "16", "--steps", "200"]
 
 
+def test_the_same_seed_gives_the_same_loss_bytes_in_bf16(toy_cli, corpus, tmp_path, monkeypatch):
+    units(monkeypatch, "avx512_bf16")
+    runs = []
+    for _ in range(2):
+        code, out, err = scratch(toy_cli, corpus, tmp_path, "--steps", "4", "--json")
+        assert code == 0, err
+        r = json.loads(out)
+        assert r["precision"] == "bf16"
+        runs.append([x["loss"] for x in r["losses"]] + [v["loss"] for v in r["val_losses"]])
+    assert runs[0] == runs[1]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe", ["from-scratch", "warm-start", "lora", "vit-tiny"])
 def test_bf16_and_float32_reach_held_out_losses_within_1_percent(
     toy_cli, corpus, lora_base, tmp_path, monkeypatch, recipe
 ):
-    """The issue's step counts on tiny shapes; each precision run twice with one seed:
-    the same loss bytes within a precision."""
+    """The issue's step counts (from-scratch 150, warm-start 120, LoRA chat 30, ViT 200) on
+    tiny shapes: a minute or more each on 2 cores, hence slow."""
     units(monkeypatch, "avx512_bf16")
     args = _recipe_args(recipe, corpus, lora_base)
     val = {}
-    for precision in ("bf16", "float32", "bf16"):
+    for precision in ("bf16", "float32"):
         code, out, err = toy_cli(
             "train", *args, "--precision", precision, "--json", "--out", tmp_path
         )
         assert code == 0, err
         r = json.loads(out)
         assert r["precision"] == precision
-        losses = [x["loss"] for x in r["losses"]]
-        if precision in val:  # determinism within a precision: the same bytes
-            assert losses == val[precision][0]
-        val[precision] = (losses, r["val_losses"][-1]["loss"])
-    first = json.loads(out)["val_losses"][0]["loss"]
-    b, f = val["bf16"][1], val["float32"][1]
+        val[precision] = r["val_losses"][-1]["loss"]
+    first = r["val_losses"][0]["loss"]
+    b, f = val["bf16"], val["float32"]
     assert f < first * 0.95, (recipe, first, f)  # the run learned something to compare
     assert abs(b - f) <= 0.01 * f, (recipe, b, f)
