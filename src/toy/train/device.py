@@ -80,11 +80,10 @@ def cpu_bf16_units() -> str | None:
     then /proc/cpuinfo's flags ('amx_bf16', 'avx512_bf16'; 'bf16' on Arm), then macOS's
     sysctl (Apple M2+). Without them a bf16 matmul runs hundreds of times slower than
     float32 (pytorch #146508), so nothing here guesses: no flag, no bf16."""
-    cpu = getattr(torch, "cpu", None)
-    try:
-        if cpu is not None and cpu._is_amx_tile_supported():
+    try:  # torch's own cpuinfo (private helpers: absent in some builds)
+        if torch.cpu._is_amx_tile_supported():
             return "amx_bf16"
-        if cpu is not None and cpu._is_avx512_bf16_supported():
+        if torch.cpu._is_avx512_bf16_supported():
             return "avx512_bf16"
     except (AttributeError, RuntimeError):
         pass
