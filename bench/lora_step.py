@@ -3,6 +3,7 @@
 Each implementation runs in its own process so load time and peak RSS are its alone:
     python bench/lora_step.py --impl toy|hf --model SmolLM2.gguf --corpus tokens.bin [--steps 8] [--compile]
         [--base-dtype quantized|float32] [--checkpointing] [--batch 4] [--seq 256]
+        [--precision float32|bf16]
 toy runs its real recipe and loop (the figure `toy train --json` reports), its base held
 as --base-dtype says (toy's default on CPU: quantized, the GGUF's own blocks); the peer is
 transformers (GGUF load, dequantized to float32, SDPA) + peft with torch AdamW, fed the
@@ -52,6 +53,7 @@ def run_toy(a) -> tuple[float, float]:
         weight_decay=0.0,
         compile=a.compile,
         checkpointing=a.checkpointing,
+        precision=a.precision,
     )
     res = train(built.job, cfg, None, torch.device("cpu"), EventLog(None))
     return load_s, res.items_per_s  # measured after 3 warm-up steps, as `toy train` reports it
@@ -102,6 +104,13 @@ def peer(model_path: Path, corpus: Path, batch: int, seq: int):
 def run_hf(a) -> tuple[float, float]:
     t0 = time.perf_counter()
     _, step = peer(a.model, a.corpus, a.batch, a.seq)
+    if a.precision == "bf16":  # the one line a user adds: CPU bf16 autocast
+        plain = step
+
+        def step(k: int) -> int:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return plain(k)
+
     load_s = time.perf_counter() - t0
     times = []
     for k in range(3 + a.steps):
@@ -137,6 +146,13 @@ def main() -> None:
     )
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument(
+        "--precision",
+        choices=("float32", "bf16"),
+        default="float32",
+        help="toy: --precision; the peer: its step under torch.autocast('cpu', bfloat16) "
+        "(the one line a user adds)",
+    )
     a = ap.parse_args()
     torch.manual_seed(0)
     if a.impl == "toy" or a.tune_malloc:
@@ -148,6 +164,7 @@ def main() -> None:
         json.dumps(
             {
                 "impl": a.impl,
+                "precision": a.precision,
                 "load_s": round(load_s, 3),
                 "tokens_per_s": round(tps, 1),
                 "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),

@@ -1,6 +1,7 @@
 """Where a training step's time goes: torch.profiler over toy's real job, grouped.
 
     python bench/profile_step.py scratch-llama|scratch-gpt2|lora|chat [--steps 2] [--compile] [--top 15] [--peer]
+        [--precision float32|bf16]
 
 --peer profiles the bench's peer on the same shape instead (transformers, + peft for
 lora), so the two splits can be set side by side.
@@ -115,12 +116,25 @@ def main() -> None:
     ap.add_argument(
         "--peer", action="store_true", help="profile the peer (transformers) instead of toy"
     )
+    ap.add_argument(
+        "--precision",
+        choices=("float32", "bf16"),
+        default="float32",
+        help="bf16: the step under CPU bf16 autocast (toy's loop and the peer alike)",
+    )
     a = ap.parse_args()
 
     if a.peer:
         step = peer_step(a.what)
     else:
         step = toy_step(a.what, a.compile)
+    if a.precision == "bf16":
+        plain = step
+
+        def step(k: int) -> int:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return plain(k)
+
     for k in range(3):
         step(k)
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True, with_flops=True) as prof:
@@ -177,11 +191,15 @@ def report(prof, tokens: int, wall: float, a) -> None:
         by_kind[kind(e.key)] += e.self_cpu_time_total
     mm_us = sum(e.self_cpu_time_total for e in events if kind(e.key) == "matmul")
     mm_flops = sum(e.flops for e in events if kind(e.key) == "matmul" and e.flops)
-    ceiling = matmul_ceiling()
+    from toy.train.device import cpu_kind
+
+    dtype = torch.bfloat16 if a.precision == "bf16" else torch.float32
+    ceiling = matmul_ceiling(dtype=dtype)
     who = "peer" if a.peer else "toy"
     print(
-        f"{a.what} {who}{' --compile' if a.compile else ''}: {a.steps} steps, {tokens / wall:,.0f} tokens/s "
-        f"under the profiler; {torch.get_num_threads()} threads; CPU kind {torch.backends.cpu.get_cpu_capability()}"
+        f"{a.what} {who}{' --compile' if a.compile else ''} {a.precision}: {a.steps} steps, "
+        f"{tokens / wall:,.0f} tokens/s under the profiler; {torch.get_num_threads()} threads; "
+        f"CPU kind {cpu_kind()}"
     )
     for k, us in sorted(by_kind.items(), key=lambda kv: -kv[1]):
         print(f"  {k:26s} {us / 1e6 / a.steps:7.3f} s/step  {us / total:6.1%}")
@@ -195,7 +213,8 @@ def report(prof, tokens: int, wall: float, a) -> None:
         )
     if mm_us:
         print(
-            f"  matmuls run at {mm_flops / (mm_us / 1e6) / 1e9:,.1f} GFLOP/s; the fp32 matmul ceiling "
+            f"  matmuls run at {mm_flops / (mm_us / 1e6) / 1e9:,.1f} GFLOP/s; the {a.precision} "
+            "matmul ceiling "
             f"is {ceiling / 1e9:,.1f} GFLOP/s ({mm_flops / (mm_us / 1e6) / ceiling:.0%})"
         )
     print(events.table(sort_by="self_cpu_time_total", row_limit=a.top))

@@ -15,8 +15,16 @@ Section 6 ("generate"): greedy generation on SmolLM2's GGUF, toy float32 and qua
 (packed for generation, each block compiled for one token: models/decode.py) against llama.cpp (llama-cpp-python, when installed), decode tokens/s and peak RSS.
 Section 7 ("mlx"): LoRA on SmolLM2's MLX 4-bit twin (scripts/get-smollm2-dirs.sh), toy
 against mlx-lm's own trainer, and toy on the Q4_1 GGUF for the memory comparison.
-Every row is printed with the CPU's kind (torch's capability: AVX2, AVX512, ...): figures
-from machines of different kinds are never comparable.
+Every row is printed with the CPU's kind (AVX2, AVX-512, AVX-512+bf16, AMX: torch's
+capability and the CPU's bf16 units): figures from machines of different kinds are never
+comparable.
+
+Precision (issue 33): the matmul ceiling is measured in float32 and, where the CPU has bf16
+units, in bf16; each scratch row's share is of the ceiling of the precision it ran in. The
+peers (transformers; for gpt2 also nano_gpt, Karpathy's build-nanogpt GPT from PyPI's
+`nano-gpt`, fetched into build/ at bench time with pip and never committed; for LoRA
+transformers + PEFT) run in float32 and under `torch.autocast("cpu", bfloat16)`, toy in
+`--precision float32` and bf16; each toy row names its ratio to every peer row.
 
 `--isa avx2` runs the whole bench (this process and every child) with torch's own
 kernels, MKL and oneDNN held to AVX2 (ATEN_CPU_CAPABILITY, MKL_ENABLE_INSTRUCTIONS,
@@ -67,10 +75,11 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 
 
-def matmul_ceiling(n: int = 2048, reps: int = 10) -> float:
-    """FLOP/s of a large fp32 matmul on CPU (bf16 on CUDA): the machine's ceiling."""
+def matmul_ceiling(n: int = 2048, reps: int = 10, dtype: torch.dtype | None = None) -> float:
+    """FLOP/s of a large matmul in `dtype` (default: float32 on CPU, bf16 on CUDA): the
+    machine's ceiling for that precision."""
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    dt = torch.bfloat16 if dev == "cuda" else torch.float32
+    dt = dtype or (torch.bfloat16 if dev == "cuda" else torch.float32)
     a, b = torch.randn(n, n, device=dev, dtype=dt), torch.randn(n, n, device=dev, dtype=dt)
     for _ in range(2):
         a @ b
@@ -84,6 +93,43 @@ def matmul_ceiling(n: int = 2048, reps: int = 10) -> float:
             torch.cuda.synchronize()
         best = min(best, time.perf_counter() - t)
     return 2 * n**3 / best
+
+
+DTYPES = {"float32": torch.float32, "bf16": torch.bfloat16}
+
+
+def nanogpt_dir() -> Path | None:
+    """nano_gpt (PyPI `nano-gpt`: Karpathy's build-nanogpt GPT, packaged) unpacked under
+    build/bench/peers at bench time with pip's own client; never committed. None if pip
+    cannot get it (offline, gone)."""
+    d = ROOT / "build" / "bench" / "peers"
+    if (d / "nano_gpt" / "model.py").is_file():
+        return d
+    d.mkdir(parents=True, exist_ok=True)
+    r = subprocess.run(
+        [sys.executable, "-m", "pip", "download", "--no-deps", "nano-gpt", "-d", str(d)],
+        capture_output=True,
+        text=True,
+    )
+    wheels = sorted(d.glob("nano_gpt-*.whl"))
+    if r.returncode != 0 or not wheels:
+        return None
+    import zipfile
+
+    with zipfile.ZipFile(wheels[-1]) as z:
+        z.extractall(d)
+    return d if (d / "nano_gpt" / "model.py").is_file() else None
+
+
+def alternate_args(
+    script: str, args: list[str], repeats: int, variants: dict[str, list[str]]
+) -> dict[str, list[dict]]:
+    """Each variant (name -> its args) in turn, `repeats` rounds: drift hits all alike."""
+    out: dict[str, list[dict]] = {v: [] for v in variants}
+    for _ in range(repeats):
+        for v, extra in variants.items():
+            out[v].append(child(script, *extra, *args))
+    return out
 
 
 def child(script: str, *args: str) -> dict:
@@ -103,14 +149,6 @@ VARIANTS = {
     "toy --base-dtype float32": ["--impl", "toy", "--base-dtype", "float32"],
     "hf, toy's malloc setting": ["--impl", "hf", "--tune-malloc"],
 }
-LORA_VARIANTS = (
-    "hf",
-    "toy",
-    "toy --checkpointing",
-    "toy --base-dtype float32",
-    "toy --compile",
-    "hf, toy's malloc setting",
-)
 
 
 def alternate(
@@ -218,11 +256,16 @@ def main() -> None:
     a = ap.parse_args()
     only = set(a.only.split(","))
     steps = "2" if a.quick else "6"
+    from toy.train.device import cpu_bf16_units, cpu_kind
+
+    bf16_units = cpu_bf16_units() if not a.isa else None  # AVX2-restricted: no bf16 rows
     results: dict = {
         "machine": {
             "platform": platform.platform(),
             "processor": platform.processor(),
-            "cpu_kind": torch.backends.cpu.get_cpu_capability(),
+            "cpu_kind": cpu_kind(),
+            "torch_capability": torch.backends.cpu.get_cpu_capability(),
+            "bf16_units": bf16_units,
             "isa_restricted": a.isa,
             "cpus": os.cpu_count(),
             "torch": torch.__version__,
@@ -232,47 +275,62 @@ def main() -> None:
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
     rows: list[tuple[str, str, str, str]] = []
-    ceiling = None
-    if "matmul" in only or "scratch" in only:
-        ceiling = matmul_ceiling()
-        results["matmul_flops"] = ceiling
-        rows.append(("1 matmul ceiling (fp32 2048^3)", f"{ceiling / 1e9:.1f} GFLOP/s", "", ""))
-    if "scratch" in only:
-        for arch in ("gpt2", "llama"):
-            r = alternate(
-                "scratch_step.py",
-                ["--arch", arch, "--steps", steps],
-                a.repeats,
-                ("hf", "toy", "toy --compile"),
+    precisions = ["float32"] + (["bf16"] if bf16_units else [])
+    ceilings: dict[str, float] = {}
+    if {"matmul", "scratch", "lora"} & only:
+        for p in precisions:
+            ceilings[p] = matmul_ceiling(dtype=DTYPES[p])
+            rows.append(
+                (f"1 matmul ceiling ({p} 2048^3)", f"{ceilings[p] / 1e9:.1f} GFLOP/s", "", "")
             )
-            hf_tps = med(r["hf"], "tokens_per_s")
-            fpt = r["toy"][0]["flops_per_token"]
-            results[f"scratch_{arch}"] = {"peer": r["hf"], "flops_per_token": fpt}
-            for v in ("toy", "toy --compile"):
+        results["matmul_flops"] = ceilings
+        if not bf16_units:
+            rows.append(("1 bf16 rows", "skipped: this CPU has no bf16 units", "", ""))
+    if "scratch" in only:
+        nano = nanogpt_dir()
+        for arch in ("gpt2", "llama"):
+            variants = {}
+            for p in precisions:
+                variants[f"hf {p}"] = ["--impl", "hf", "--precision", p]
+                if arch == "gpt2" and nano is not None:
+                    variants[f"nanogpt {p}"] = ["--impl", "nanogpt", "--peer-dir", str(nano)]
+                    variants[f"nanogpt {p}"] += ["--precision", p]
+                variants[f"toy {p}"] = ["--impl", "toy", "--precision", p]
+            variants[f"toy {precisions[-1]} --compile"] = variants[f"toy {precisions[-1]}"] + [
+                "--compile"
+            ]
+            r = alternate_args(
+                "scratch_step.py", ["--arch", arch, "--steps", steps], a.repeats, variants
+            )
+            fpt = r[f"toy {precisions[0]}"][0]["flops_per_token"]
+            results[f"scratch_{arch}"] = {"runs": r, "flops_per_token": fpt}
+            peers = [v for v in variants if not v.startswith("toy")]
+            for v in variants:
                 tps = med(r[v], "tokens_per_s")
-                frac = tps * fpt / ceiling if ceiling else float("nan")
-                results[f"scratch_{arch}"][v] = {
-                    "runs": r[v],
-                    "ratio": tps / hf_tps,
-                    "flops_fraction": frac,
-                }
+                p = "bf16" if " bf16" in v else "float32"
+                frac = tps * fpt / ceilings[p]
+                vs = [
+                    f"{q} {med(r[q], 'tokens_per_s'):,.0f}: {tps / med(r[q], 'tokens_per_s'):.2f}x"
+                    for q in peers
+                    if v.startswith("toy")
+                ]
                 rows.append(
                     (
                         f"2 from-scratch {arch} 6x384 T256 B8, {v}",
-                        f"{tps:,.0f} tok/s ({frac:.0%} of matmul)",
-                        f"{hf_tps:,.0f} tok/s",
-                        f"{tps / hf_tps:.2f}x",
+                        f"{tps:,.0f} tok/s ({frac:.0%} of the {p} ceiling)",
+                        "; ".join(vs),
+                        "",
                     )
                 )
         cli = cli_tokens_per_s("llama", int(steps))
-        bench_tps = med(results["scratch_llama"]["toy"]["runs"], "tokens_per_s")
+        bench_tps = med(results["scratch_llama"]["runs"][f"toy {precisions[-1]}"], "tokens_per_s")
         results["scratch_llama"]["cli_tokens_per_s"] = cli
         rows.append(
             (
-                "  `toy train --json` tokens_per_s, same shape",
+                f"  `toy train --json` tokens_per_s, llama shape, default ({precisions[-1]})",
                 f"{cli:,.0f} tok/s",
                 "",
-                f"{cli / bench_tps:.2f}x of the toy row",
+                f"{cli / bench_tps:.2f}x of the toy {precisions[-1]} row",
             )
         )
     model = smollm2() if {"lora", "chat", "big", "generate", "mlx"} & only else None
@@ -299,33 +357,44 @@ def main() -> None:
                 check=True,
                 capture_output=True,
             )
-        r = alternate(
+        d = precisions[-1]  # toy's default here: bf16 where the CPU has the units
+        variants = {}
+        for p in precisions:
+            variants[f"hf {p}"] = ["--impl", "hf", "--precision", p]
+        for p in precisions:
+            variants[f"toy {p}"] = ["--impl", "toy", "--precision", p]
+        for extra in (["--compile"], ["--checkpointing"], ["--base-dtype", "float32"]):
+            variants[f"toy {d} {' '.join(extra)}"] = variants[f"toy {d}"] + extra
+        variants["hf float32, toy's malloc setting"] = variants["hf float32"] + ["--tune-malloc"]
+        r = alternate_args(
             "lora_step.py",
             ["--model", str(model), "--corpus", str(corpus), "--steps", steps],
             a.repeats,
-            LORA_VARIANTS,
+            variants,
         )
-        h = r["hf"]
-        results["lora"] = {"peer": h, **{v: r[v] for v in LORA_VARIANTS[1:]}}
-        for v in LORA_VARIANTS[1:]:
+        results["lora"] = r
+        peers = [v for v in variants if v.startswith("hf")]
+        toy32 = med(r["toy float32"], "peak_rss_mb")
+        for v in variants:
             t = r[v]
+            tps = med(t, "tokens_per_s")
+            vs = [
+                f"{q} {med(r[q], 'tokens_per_s'):,.0f}: {tps / med(r[q], 'tokens_per_s'):.2f}x"
+                for q in peers[: len(precisions)]
+                if v.startswith("toy")
+            ]
             rows.append(
-                (
-                    f"3 LoRA SmolLM2 r8 q,v B4 T256, {v}",
-                    f"{med(t, 'tokens_per_s'):,.0f} tok/s",
-                    f"{med(h, 'tokens_per_s'):,.0f} tok/s",
-                    f"{med(t, 'tokens_per_s') / med(h, 'tokens_per_s'):.2f}x",
-                )
+                (f"3 LoRA SmolLM2 r8 q,v B4 T256, {v}", f"{tps:,.0f} tok/s", "; ".join(vs), "")
             )
             rows.append(
                 (
                     "    peak RSS",
                     f"{med(t, 'peak_rss_mb'):,.0f} MB",
-                    f"{med(h, 'peak_rss_mb'):,.0f} MB",
-                    f"{med(t, 'peak_rss_mb') / med(h, 'peak_rss_mb'):.2f}x",
+                    f"toy float32 {toy32:,.0f} MB",
+                    f"{med(t, 'peak_rss_mb') / toy32:.2f}x",
                 )
             )
-        t = r["toy"]
+        t, h = r[f"toy {d}"], r["hf float32"]
         rows.append(
             (
                 "  model load (toy: quantized base)",

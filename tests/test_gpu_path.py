@@ -228,3 +228,99 @@ def test_a_cuda_head_takes_few_large_chunks():
     cpu, cuda = losses.chunk_rows(v), losses.chunk_rows(v, torch.device("cuda"))
     assert cpu * 4 * v <= losses.CHUNK_BYTES and -(-rows // cpu) > 100
     assert -(-rows // cuda) <= 8
+
+
+# ---------------------------------------------------------------- a CPU with bf16 units
+# toy's default there (issue 33): bf16 autocast, the same casts as on CUDA, and each one
+# is memory traffic on the CPU too.
+
+
+class ForwardCasts(TorchDispatchMode):
+    """Forward only (tensors alive, so a storage is one tensor): casts per source, and
+    the float32 tensors made, by element count."""
+
+    def __init__(self):
+        super().__init__()
+        self.casts: Counter = Counter()
+        self.made_f32: Counter = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.aten._to_copy.default:
+            self.casts[args[0].data_ptr()] += 1
+        out = func(*args, **kwargs)
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and t.dtype == torch.float32:
+                self.made_f32[t.numel()] += 1
+        return out
+
+
+def test_cpu_bf16_forward_casts_each_tensor_once():
+    """A norm's output feeds q, k and v (and gate, up): cast once in the norm, not once per
+    consumer; the rotary tables once per forward, not per layer."""
+    m = tiny()
+    b = lm_prepare(batch())
+    with ForwardCasts() as d:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            lm_loss(m, b)
+    assert d.casts and max(d.casts.values()) == 1, sorted(d.casts.values())
+
+
+def test_cpu_bf16_quantized_base_is_dequantized_straight_to_bf16():
+    """A LoRA layer over GGUF blocks under CPU bf16 autocast: no float32 weight is made
+    (dequantized straight into bf16), its input is cast once for the base and the adapter,
+    and the gradient still reaches the adapter."""
+    import gguf
+
+    from toy.lora import LoRALinear
+    from toy.models.quant import QuantLinear, QuantSpec
+
+    out_f, in_f = 48, 64
+    w = torch.randn(out_f, in_f, generator=torch.Generator().manual_seed(0))
+    for qtype in (gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q8_0):
+        raw = torch.from_numpy(gguf.quants.quantize(w.numpy(), qtype))
+        base = QuantLinear(raw, QuantSpec(int(qtype), (out_f, in_f)))
+        layer = LoRALinear.from_linear(base, 4, 8.0, 0.0, torch.Generator().manual_seed(0))
+        x = torch.randn(5, in_f)  # float32, as a residual stream is
+        with ForwardCasts() as d:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                y = layer(x)
+        assert y.dtype == torch.bfloat16
+        assert d.made_f32[out_f * in_f] == 0, "a float32 copy of the weight was made"
+        assert d.casts[x.data_ptr()] == 1, d.casts[x.data_ptr()]
+        y.float().sum().backward()
+        assert layer.lora_B.grad is not None and torch.isfinite(layer.lora_B.grad).all()
+        # B starts at zero: the output is the base's, a bf16 matmul on the bf16 weight
+        ref = torch.nn.functional.linear(x.bfloat16(), base.dequantized().bfloat16())
+        assert torch.equal(y, ref)
+
+
+class Matmuls(TorchDispatchMode):
+    """The dtypes of every matmul's inputs."""
+
+    def __init__(self):
+        super().__init__()
+        self.dtypes: Counter = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in (
+            torch.ops.aten.mm,
+            torch.ops.aten.addmm,
+            torch.ops.aten.addmm_,
+            torch.ops.aten.bmm,
+        ):
+            self.dtypes[args[-1].dtype] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_cpu_bf16_every_matmul_of_a_step_runs_in_bf16(monkeypatch):
+    """Forward and backward, the trained head's weight gradient included (a float32
+    matmul there was a third of the head's work on a CPU with bf16 units)."""
+    small_chunks(monkeypatch)
+    m = tiny()
+    b = lm_prepare(batch())
+    with Matmuls() as d:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss, _ = lm_loss(m, b)
+        loss.backward()
+    assert d.dtypes[torch.bfloat16] > 0 and d.dtypes[torch.float32] == 0, d.dtypes

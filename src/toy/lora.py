@@ -110,14 +110,16 @@ class LoRALinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         base = parts_of(self) if self.spec is not None else self.weight
+        if torch.is_autocast_enabled(x.device.type):
+            # The input in the compute dtype once, for the base and the adapter alike
+            # (each would cast it again); the matmuls then run in that dtype.
+            x = x.to(torch.get_autocast_dtype(x.device.type))
         y = frozen_linear(x, base, self.bias, self.spec)  # (..., out)
         if self.disabled:
             return y
         # Low rank first: (..., in) -> (..., r) -> (..., out). Never forms B @ A (out x in).
         h = self.dropout(x)
-        if not torch.is_autocast_enabled(
-            x.device.type
-        ):  # under autocast the matmuls pick their dtype
+        if not torch.is_autocast_enabled(x.device.type):
             h = h.to(self.lora_A.dtype)
         lora = F.linear(F.linear(h, self.lora_A), self.lora_B) * self.scaling
         return y + lora.to(y.dtype)

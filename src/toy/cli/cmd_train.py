@@ -14,7 +14,7 @@ from toy.recipes import load_recipe, recipe_names
 from toy.runs import find_project
 from toy.train import dist
 from toy.train.config import RunConfig
-from toy.train.device import DEVICES
+from toy.train.device import DEVICES, PRECISIONS
 from toy.train.progress import stdout_closed
 from toy.train.run import Outcome, new_run, resume_run
 
@@ -80,8 +80,14 @@ def add_parser(sub, recipes: bool = True) -> None:
         action="store_true",
         help="print one JSON object (format toy/train-v1) instead of step lines",
     )
+    g.add_argument("--device", choices=DEVICES, help="cpu (default), cuda or metal (macOS)")
     g.add_argument(
-        "--device", choices=DEVICES, help="cpu (default), cuda (bf16 autocast) or metal (macOS)"
+        "--precision",
+        choices=PRECISIONS,
+        help="what the matmuls compute in: auto (default: bf16 autocast on cuda and on a cpu "
+        "with bf16 units (avx512_bf16, amx_bf16), float32 elsewhere), float32, or bf16 (refused "
+        "on a cpu without the units). Norms, softmax, the loss, the weights and AdamW's state "
+        "stay float32; run.json records the choice and why",
     )
     g.add_argument(
         "--nproc",
@@ -369,6 +375,8 @@ def _print(o: Outcome, json_mode: bool) -> None:
             "recipe": o.cfg.recipe,
             "arch": o.built.arch,
             "device": o.device.type,
+            "precision": o.precision.name,
+            "precision_reason": o.precision.reason,
             "seed": o.cfg.seed,
             "steps": o.cfg.steps,
             "params": o.built.params,

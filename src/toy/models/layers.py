@@ -23,7 +23,16 @@ class RMSNorm(nn.Module):
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        y = self.weight * x.to(dtype)
+        # Under autocast the output goes to matmuls that take it in the compute dtype: cast
+        # here once, not once per consumer (q, k, v and LoRA's A each cast it again).
+        return y.to(compute_dtype(y))
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """autocast's dtype on x's device where autocast is on, else x's own."""
+    dev = x.device.type
+    return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
 
 
 class Rotary(nn.Module):
@@ -66,7 +75,9 @@ class Rotary(nn.Module):
             device = self.cos.device
             self._build(start + T)
             self.cos, self.sin = self.cos.to(device), self.sin.to(device)
-        return self.cos[start : start + T], self.sin[start : start + T]  # (T, D)
+        cos, sin = self.cos[start : start + T], self.sin[start : start + T]  # (T, D)
+        dt = compute_dtype(cos)  # bf16 under autocast: cast once here, not per layer
+        return cos.to(dt), sin.to(dt)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

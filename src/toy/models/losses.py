@@ -32,6 +32,9 @@ CHUNK_BYTES = 16 << 20  # float32 logits per chunk on a CPU: small enough to sta
 # On CUDA a chunk is a few kernel launches and their Python: 16 MB chunks made GPT-2 124M's
 # head (V 50304, 16k rows a step) 198 chunks, CPU-bound at 55k tokens/s on an H100.
 CUDA_CHUNK_BYTES = 1 << 30
+# Under autocast, the trained head's weight gradient in the compute dtype (bench/ab_levers.py
+# turns it off to measure what it gives).
+HEAD_GRAD_IN_COMPUTE_DTYPE = True
 
 
 def chunk_bytes(device: torch.device | None) -> int:
@@ -99,8 +102,15 @@ def _chunked(
                 g.mul_(dcap)
             if grad_h is not None:
                 grad_h[i : i + step] = (g.to(dt) @ w).to(h.dtype)
-            if grad_w is not None:
-                grad_w.addmm_(g.T, hc.to(acc))  # float32 (TF32 on CUDA): the head's own gradient
+            if grad_w is None:
+                continue
+            if dt != acc and HEAD_GRAD_IN_COMPUTE_DTYPE:
+                # Under autocast the head's gradient matmul runs in the compute dtype too
+                # (as autocast runs a peer's), summed into the float32 gradient per chunk:
+                # on a CPU with bf16 units a float32 matmul here was a third of the head.
+                grad_w.add_(g.T.to(dt) @ hc.to(dt))
+            else:
+                grad_w.addmm_(g.T, hc.to(acc))  # float32: the head's own gradient
     return loss, grad_h, grad_w
 
 

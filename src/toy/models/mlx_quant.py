@@ -89,9 +89,11 @@ def dequantize(
     biases: torch.Tensor,
     group_size: int = 64,
     bits: int = 4,
+    dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """W = scales * q + biases per group, in the scales' dtype, as mx.dequantize(mode="affine").
-    Defaults are MLX's (group size 64, 4 bits)."""
+    Defaults are MLX's (group size 64, 4 bits). `dtype`: the result written straight in
+    that dtype (the same bits as the scales' dtype's result cast to it, no copy between)."""
     _check(bits, group_size)
     if scales.shape != biases.shape or scales.dtype != biases.dtype:
         raise ValueError(
@@ -108,7 +110,12 @@ def dequantize(
     w = q * scales.unsqueeze(
         -1
     )  # rounded to the dtype, then the add rounds again: as MLX's CPU path
-    w = w + biases.unsqueeze(-1)
+    if dtype is None or dtype == w.dtype:
+        w = w + biases.unsqueeze(-1)
+    else:
+        w = torch.add(
+            w, biases.unsqueeze(-1), out=torch.empty(w.shape, dtype=dtype, device=w.device)
+        )
     return w.reshape(*weight.shape[:-1], n)
 
 

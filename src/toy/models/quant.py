@@ -104,10 +104,8 @@ def dequantize(
     if not torch.compiler.is_compiling() and raw.storage_offset() % 4:
         raw = raw.clone()  # the f16 / int32 views need an aligned start, as GGUF tensors have
     if block_size == 1:  # plain floats: reinterpret the bytes
-        x = raw.view(_FLOATS[qtype])
-    else:
-        x = _KERNELS[qtype](raw.view(-1, type_size))
-    return x.reshape(*lead, n_cols).to(dtype)
+        return raw.view(_FLOATS[qtype]).reshape(*lead, n_cols).to(dtype)
+    return _KERNELS[qtype](raw.view(-1, type_size), dtype).reshape(*lead, n_cols)
 
 
 _FLOATS = {F32: torch.float32, F16: torch.float16, BF16: torch.bfloat16}
@@ -302,15 +300,23 @@ def codes(raw: torch.Tensor, qtype: int):
 def _from_codes(qtype: int):
     block = QUANT_TYPES[qtype][0]
 
-    def kernel(b: torch.Tensor) -> torch.Tensor:
+    def kernel(b: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        # q * s (+ z) computed in float32 and written once, straight in `dtype` (bf16 under
+        # autocast: no float32 copy of the weight is made): the same bits as the float32
+        # weight cast to dtype, one pass over the codes instead of four.
         q, s, z = CODES[qtype](b)
-        x = q.float().mul_(s)
-        return (x if z is None else x.add_(z)).view(b.shape[0], block)
+        out = torch.empty(q.shape, dtype=dtype, device=b.device)
+        if z is None:
+            torch.mul(q, s, out=out)
+        else:
+            torch.addcmul(z, q, s, out=out)
+        return out.view(b.shape[0], block)
 
     return kernel
 
 
-_KERNELS = {t: _from_codes(t) for t in CODES}  # type -> blocks (n, type_size) -> floats (n, block)
+# type -> (blocks (n, type_size), dtype) -> floats (n, block)
+_KERNELS = {t: _from_codes(t) for t in CODES}
 
 
 # ---- frozen layers over the blocks ------------------------------------------------------
@@ -390,14 +396,14 @@ class MLXSpec:
     ) -> torch.Tensor:
         with torch.profiler.record_function("toy::dequantize"):
             w, s, b = parts if rows is None else (p[rows] for p in parts)
-            return mlx_quant.dequantize(w, s, b, self.group_size, self.bits).to(dtype)
+            return mlx_quant.dequantize(w, s, b, self.group_size, self.bits, dtype)
 
     def gather(
         self, parts: tuple[torch.Tensor, ...], idx: torch.Tensor, dtype: torch.dtype
     ) -> torch.Tensor:
         with torch.profiler.record_function("toy::dequantize"):
             w, s, b = (p[idx] for p in parts)
-            return mlx_quant.dequantize(w, s, b, self.group_size, self.bits).to(dtype)
+            return mlx_quant.dequantize(w, s, b, self.group_size, self.bits, dtype)
 
     def __repr__(self) -> str:
         return f"MLXSpec({self.bits} bits, group {self.group_size}, {self.shape})"

@@ -35,6 +35,9 @@ class RunConfig:
     fsdp: bool = False
     compile: bool = False
     checkpointing: bool = False
+    # auto | float32 | bf16 as given; run.json's config records what auto resolved to
+    # (bf16 or float32), so a resumed run keeps it (train/device.py: resolve_precision)
+    precision: str = "auto"
     # ---- data (token streams)
     corpus: str | None = None
     val_corpus: str | None = None

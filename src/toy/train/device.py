@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import platform
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,17 +52,64 @@ class Precision:
         return torch.bfloat16 if self.name == "bf16" else torch.float32
 
 
-def cpu_bf16_units() -> str | None:
-    """The CPU's bf16 units by /proc/cpuinfo's flags ('amx_bf16', 'avx512_bf16'), or None.
-    Without them a bf16 matmul runs hundreds of times slower than float32."""
+def _cpuinfo_flags() -> set[str]:
     try:
-        flags = Path("/proc/cpuinfo").read_text(errors="replace").split()
+        text = Path("/proc/cpuinfo").read_text(errors="replace")
     except OSError:
-        return None
+        return set()
+    return set(text.split())
+
+
+def _mac_bf16() -> bool:
+    """Apple M2 and later: the FEAT_BF16 instructions (sysctl says)."""
+    if sys.platform != "darwin" or platform.machine() != "arm64":
+        return False
+    import subprocess
+
+    try:
+        out = subprocess.run(
+            ["sysctl", "-n", "hw.optional.arm.FEAT_BF16"], capture_output=True, text=True, timeout=5
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return out.strip() == "1"
+
+
+def cpu_bf16_units() -> str | None:
+    """The CPU's bf16 units, or None: what torch's cpuinfo says (AMX tiles, avx512_bf16),
+    then /proc/cpuinfo's flags ('amx_bf16', 'avx512_bf16'; 'bf16' on Arm), then macOS's
+    sysctl (Apple M2+). Without them a bf16 matmul runs hundreds of times slower than
+    float32 (pytorch #146508), so nothing here guesses: no flag, no bf16."""
+    try:  # torch's own cpuinfo (private helpers: absent in some builds)
+        if torch.cpu._is_amx_tile_supported():
+            return "amx_bf16"
+        if torch.cpu._is_avx512_bf16_supported():
+            return "avx512_bf16"
+    except (AttributeError, RuntimeError):
+        pass
+    flags = _cpuinfo_flags()
     for unit in ("amx_bf16", "avx512_bf16"):
         if unit in flags:
             return unit
+    if platform.machine() in ("aarch64", "arm64") and "bf16" in flags:
+        return "arm bf16"
+    if _mac_bf16():
+        return "arm bf16"
     return None
+
+
+def cpu_kind() -> str:
+    """The CPU's kind as bench rows and docs name it: AMX, AVX-512+bf16, AVX-512, AVX2,
+    or torch's own word for anything else (NEON, SVE256, DEFAULT)."""
+    units = cpu_bf16_units()
+    if units == "amx_bf16":
+        return "AMX"
+    cap = torch.backends.cpu.get_cpu_capability()
+    if cap.startswith("AVX512"):
+        return "AVX-512+bf16" if units == "avx512_bf16" else "AVX-512"
+    if cap == "AVX2":
+        return "AVX2"
+    return f"{cap}+bf16" if units else cap
 
 
 def resolve_precision(name: str, device: torch.device, flag: str = "--precision") -> Precision:
@@ -76,13 +124,16 @@ def resolve_precision(name: str, device: torch.device, flag: str = "--precision"
     if device.type == "cpu":
         unit = cpu_bf16_units()
         if unit:
-            return Precision("bf16", f"this cpu has bf16 units ({unit})")
+            return Precision("bf16", f"this cpu ({cpu_kind()}) has bf16 units ({unit})")
         if name == "bf16":
             raise UsageError(
-                f"{flag} bf16: this cpu has no bf16 units (no avx512_bf16 or amx_bf16 in "
-                "/proc/cpuinfo), where bf16 runs hundreds of times slower; use --precision float32"
+                f"{flag} bf16: this cpu ({cpu_kind()}) has no bf16 units (avx512_bf16, amx_bf16), "
+                "where bf16 runs hundreds of times slower than float32; use --precision float32 "
+                "(or auto)"
             )
-        return Precision("float32", "this cpu has no bf16 units (avx512_bf16, amx_bf16)")
+        return Precision(
+            "float32", f"this cpu ({cpu_kind()}) has no bf16 units (avx512_bf16, amx_bf16)"
+        )
     if name == "bf16":
         raise UsageError(f"{flag} bf16: not supported on {device.type}; use --precision float32")
     return Precision("float32", f"{device.type}: float32")
@@ -101,6 +152,8 @@ def device_info(device: torch.device) -> dict:
     info = {"type": device.type, "torch_threads": torch.get_num_threads()}
     if device.type == "cuda":
         info["name"] = torch.cuda.get_device_name(device)
+    elif device.type == "cpu":
+        info["cpu_kind"] = cpu_kind()
     return info
 
 

@@ -23,7 +23,7 @@ from toy.models.decode import compile_unavailable
 from toy.runs import MMAP_THRESHOLD_LOW_MEMORY, EventLog, plural, tune_malloc
 from toy.train import dist
 from toy.train.config import RunConfig
-from toy.train.device import autocast, peak_memory
+from toy.train.device import Precision, autocast, peak_memory, resolve_precision
 from toy.train.job import Job
 from toy.train.progress import Reporter
 from toy.train.schedule import Schedule, make_adamw
@@ -188,8 +188,10 @@ class Trainer:
         device: torch.device,
         events: EventLog,
         reporter: Reporter,
+        precision: Precision | None = None,
     ):
         self.job, self.cfg, self.run_dir, self.device = job, cfg, run_dir, device
+        self.precision = precision or resolve_precision(cfg.precision, device)
         self.events, self.reporter = events, reporter
         self.d = dist.info()
         self.ckpt_root = run_dir / "checkpoints" if run_dir is not None else None
@@ -316,7 +318,7 @@ class Trainer:
             if self.fsdp is not None:
                 self.fsdp.set_requires_gradient_sync(last)
             with sync:
-                with autocast(self.device):
+                with autocast(self.device, self.precision):
                     ls, _ = forward(b) if forward is not None else job.loss(self.model, b)
                 # DDP averages gradients over ranks; the objective is the sum over the
                 # global batch divided by its supervised tokens, hence * world.
@@ -366,6 +368,7 @@ class Trainer:
             self.evals,
             self.device,
             self.fsdp,
+            precision=self.precision,
             progress=lambda i, n: self.reporter.eval_progress(step, i, n, time.perf_counter() - t0),
         )
         timer.eval_time += time.perf_counter() - t0
@@ -486,9 +489,12 @@ def train(
     events: EventLog,
     reporter: Reporter | None = None,
     resume: Path | None = None,
+    precision: Precision | None = None,
 ) -> TrainResult:
-    """Run the loop: `resume` is a checkpoint directory to continue from."""
-    return Trainer(job, cfg, run_dir, device, events, reporter or Reporter()).run(resume)
+    """Run the loop: `resume` is a checkpoint directory to continue from; `precision`
+    by default what cfg.precision resolves to on `device`."""
+    trainer = Trainer(job, cfg, run_dir, device, events, reporter or Reporter(), precision)
+    return trainer.run(resume)
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -549,6 +555,7 @@ def evaluate(
     device: torch.device,
     forward: torch.nn.Module | None = None,
     progress=None,
+    precision: Precision | None = None,
 ) -> dict[str, float]:
     """Validation loss (and the job's metrics) over `batches`; `progress(i, n)` after each."""
     model = job.model
@@ -561,7 +568,7 @@ def evaluate(
             progress(i, len(batches))
         count += job.count(b)  # on the host
         b = {k: v.to(device, non_blocking=True) for k, v in job.prepare(b).items()}
-        with autocast(device):
+        with autocast(device, precision):
             ls, _ = forward(b) if forward is not None else job.loss(model, b)
         total += ls.detach().double()
     out = {"val_loss": float(total) / max(1, count)}

@@ -40,7 +40,7 @@ from toy.runs import (
 )
 from toy.train import dist
 from toy.train.config import RESUME_MAY_CHANGE, RunConfig, problems, resolve
-from toy.train.device import device_info, resolve_device
+from toy.train.device import Precision, device_info, resolve_device, resolve_precision
 from toy.train.job import Built
 from toy.train.loop import TrainResult, train
 from toy.train.progress import Reporter, TextReporter
@@ -59,6 +59,7 @@ class Outcome:
     cfg: RunConfig
     built: Built
     device: torch.device
+    precision: Precision
     res: TrainResult
     main: bool  # rank 0: the process that speaks
 
@@ -185,6 +186,8 @@ def new_run(
     cfg = resolve_config(cli, project, recipes)
     recipe = recipes[cfg.recipe]
     device = resolve_device(cfg.device)  # before any work: metal off macOS exits 2 here
+    precision = resolve_precision(cfg.precision, device)  # bf16 on a cpu without units: exit 2
+    cfg = cfg.replace(precision=precision.name)  # run.json records what auto resolved to
     d = dist.init(device.type)
     runs_dir = Path(out) if out else project.runs_dir
     if run_id and d.is_main:
@@ -222,6 +225,7 @@ def new_run(
         "config": cfg.to_dict(),
         "job": built.job.config,
         "device": device_info(device),
+        "precision": {"name": precision.name, "reason": precision.reason},
         "versions": {
             "toy": __version__,
             "torch": torch.__version__,
@@ -247,10 +251,11 @@ def new_run(
         steps=cfg.steps,
         seed=cfg.seed,
         device=device.type,
+        precision=precision.name,
         world_size=d.world,
         global_batch=distributed["global_batch"],
     )
-    return _execute(cfg, built, run_dir, device, events, None, json_mode)
+    return _execute(cfg, built, run_dir, device, precision, events, None, json_mode)
 
 
 # ------------------------------------------------------------------ a resumed run
@@ -260,9 +265,14 @@ def _saved_config(info: dict, run_dir: Path) -> RunConfig:
     """The resolved config run.json recorded (runs made before it was recorded kept their
     flags under "flags")."""
     if "config" in info:
-        return RunConfig.from_record(info["config"], source=str(run_dir / "run.json"))
-    known = set(RunConfig.keys())
-    return RunConfig(**{k: v for k, v in info["flags"].items() if k in known})
+        cfg = RunConfig.from_record(info["config"], source=str(run_dir / "run.json"))
+        if "precision" in info["config"]:
+            return cfg
+    else:
+        known = set(RunConfig.keys())
+        cfg = RunConfig(**{k: v for k, v in info["flags"].items() if k in known})
+    # Recorded before --precision: such runs trained in float32 except on cuda (bf16 autocast).
+    return cfg.replace(precision="auto" if cfg.device == "cuda" else "float32")
 
 
 def _same_base(key: str, recorded, now) -> bool:
@@ -312,7 +322,7 @@ def resume_run(
     info = read_json(run_dir / "run.json")
     saved = _saved_config(info, run_dir)
     for k, v in cli.items():
-        if v is None or k in RESUME_MAY_CHANGE:
+        if v is None or k in RESUME_MAY_CHANGE or k == "precision":
             continue
         if getattr(saved, k) != v:
             flag = "--" + k.replace("_", "-")
@@ -343,6 +353,27 @@ def resume_run(
             "raise --steps to train further"
         )
     device = resolve_device(cfg.device)
+    try:  # the run's precision, checked on this machine
+        precision = resolve_precision(cfg.precision, device)
+    except UsageError as e:
+        why = e.message.split(": ", 1)[-1].split("; use ")[0]
+        raise UsageError(
+            f"--resume {run_dir}: the run trains in {cfg.precision} and a resumed run keeps its "
+            f"precision, but {why}; resume it on a machine with bf16 units or cuda"
+        )
+    precision = Precision(
+        precision.name,
+        "the run's recorded precision"
+        + (f" ({info['precision']['reason']})" if "precision" in info else ""),
+    )
+    if cli.get("precision") is not None:
+        asked = resolve_precision(cli["precision"], device)
+        if asked.name != precision.name:
+            raise UsageError(
+                f"--resume: --precision {cli['precision']} ({asked.name}) differs from the run's "
+                f"{precision.name}; a resumed run keeps its precision (drop --precision)"
+            )
+    cfg = cfg.replace(precision=precision.name)
     d = dist.init(device.type)
     saved_world = int(info.get("distributed", {}).get("world_size", 1))
     recipe = recipes[cfg.recipe]
@@ -365,6 +396,10 @@ def resume_run(
     run_cfg = run_cfg.with_derived(built.derived)
     if d.is_main:  # run.json tells the truth about the run as it now stands
         info["config"] = cfg.to_dict()
+        info["precision"] = {
+            "name": precision.name,
+            "reason": info.get("precision", {}).get("reason", "recorded before --precision"),
+        }
         info.setdefault("segments", []).append(
             {"from_step": done, "steps": cfg.steps, "world_size": d.world, "started": time.time()}
         )
@@ -377,7 +412,7 @@ def resume_run(
         checkpoint=str(last.relative_to(run_dir)),
         world_size=d.world,
     )
-    return _execute(run_cfg, built, run_dir, device, events, last, json_mode)
+    return _execute(run_cfg, built, run_dir, device, precision, events, last, json_mode)
 
 
 # ------------------------------------------------------------------ the loop, and closing the run
@@ -388,6 +423,7 @@ def _execute(
     built: Built,
     run_dir: Path,
     device: torch.device,
+    precision: Precision,
     events: EventLog,
     resume: Path | None,
     json_mode: bool,
@@ -403,10 +439,11 @@ def _execute(
         reporter.message(
             f"{what}: {cfg.recipe} {built.arch}, {plural(built.params, 'parameter')}, "
             f"{plural(cfg.steps, 'step')} on {device.type} "
-            f"({plural(torch.get_num_threads(), 'thread')})"
+            f"({plural(torch.get_num_threads(), 'thread')}, {precision.name})"
             + (f", {built.batch}" if built.batch else "")
             + f" -> {run_dir}"
         )
+        reporter.message(f"  precision {precision.name}: {precision.reason}")
         for note in built.notes:
             reporter.message(f"  {note}")
     elif main_rank:  # --json: stdout is the one object; warnings still reach the user
@@ -421,7 +458,9 @@ def _execute(
         events.close()
 
     try:
-        res = train(built.job, cfg, run_dir, device, events, reporter, resume=resume)
+        res = train(
+            built.job, cfg, run_dir, device, events, reporter, resume=resume, precision=precision
+        )
         if main_rank:
             built.job.save_final(run_dir / "final")
         dist.barrier()
@@ -450,7 +489,7 @@ def _execute(
         peak_mem_bytes=res.peak_mem_bytes,
         **{f"{built.job.items_name}_per_s": res.items_per_s},
     )
-    return Outcome(run_dir.name, run_dir, cfg, built, device, res, main_rank)
+    return Outcome(run_dir.name, run_dir, cfg, built, device, precision, res, main_rank)
 
 
 def _cpu_count() -> int:
