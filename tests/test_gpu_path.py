@@ -243,11 +243,13 @@ class ForwardCasts(TorchDispatchMode):
         super().__init__()
         self.casts: Counter = Counter()
         self.made_f32: Counter = Counter()
+        self.keep: list[torch.Tensor] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is torch.ops.aten._to_copy.default:
             self.casts[args[0].data_ptr()] += 1
+            self.keep.append(args[0])  # alive: a freed chunk's address is not reused
         out = func(*args, **kwargs)
         for t in out if isinstance(out, (tuple, list)) else (out,):
             if isinstance(t, torch.Tensor) and t.dtype == torch.float32:

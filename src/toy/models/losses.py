@@ -100,15 +100,16 @@ def _chunked(
             g.mul_(valid[:, None])
             if dcap is not None:
                 g.mul_(dcap)
+            gd = g.to(dt)  # once for both products (a no-op without autocast)
             if grad_h is not None:
-                grad_h[i : i + step] = (g.to(dt) @ w).to(h.dtype)
+                grad_h[i : i + step] = (gd @ w).to(h.dtype)
             if grad_w is None:
                 continue
             if dt != acc and HEAD_GRAD_IN_COMPUTE_DTYPE:
                 # Under autocast the head's gradient matmul runs in the compute dtype too
                 # (as autocast runs a peer's), summed into the float32 gradient per chunk:
                 # on a CPU with bf16 units a float32 matmul here was a third of the head.
-                grad_w.add_(g.T.to(dt) @ hc.to(dt))
+                grad_w.add_(gd.T @ hc.to(dt))
             else:
                 grad_w.addmm_(g.T, hc.to(acc))  # float32: the head's own gradient
     return loss, grad_h, grad_w

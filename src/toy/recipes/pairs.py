@@ -40,7 +40,7 @@ from toy.recipes.lm import fingerprint
 from toy.runs import Project, plural
 from toy.train import dist
 from toy.train.config import RunConfig
-from toy.train.device import autocast
+from toy.train.device import Precision, autocast, resolve_precision
 from toy.train.job import Built, Job
 
 PAIR_FLAGS = {**ADAPTER_FLAGS, "batch_size": 4, "lr": 5e-5, "min_lr": 5e-6}
@@ -105,8 +105,9 @@ class References:
     """The reference log-probs of every pair: the base alone (adapters off), computed the
     first time a pair is met and kept. `computed` counts the pairs that took a pass."""
 
-    def __init__(self, model, n: int):
+    def __init__(self, model, n: int, precision: Precision | None = None):
         self.model = model
+        self.precision = precision  # the policy's: at step 0 the two passes are the same
         self.logps = torch.zeros((n, 2), dtype=torch.float32)
         self.known = torch.zeros(n, dtype=torch.bool)
         self.computed = 0
@@ -119,7 +120,7 @@ class References:
             dev = next(self.model.parameters()).device
             keys = ("ids", "ans_pos", "ans_tgt")
             on = {k: b[k].to(dev) for k in keys}
-            with disable_adapter(self.model), autocast(dev):
+            with disable_adapter(self.model), autocast(dev, self.precision):
                 s, _ = answer_logps(self.model, on)
             s = s.float().cpu().view(2, -1).T  # (B, 2): chosen, rejected
             self.logps[idx[new]] = s[new]
@@ -200,7 +201,10 @@ def build_pairs(
     per = int(cfg.batch_size)
     val_items = [(len(train) + j, e) for j, e in enumerate(val)]
     evals = [pair_batch(val_items[i * per : (i + 1) * per], pad) for i in range(n_eval)]
-    refs = References(a.model, len(train) + len(val)) if reference else None
+    refs = None
+    if reference:  # in the run's precision, so a zero adapter's first loss is exactly log 2
+        dev = torch.device(cfg.device if cfg.device != "metal" else "mps")
+        refs = References(a.model, len(train) + len(val), resolve_precision(cfg.precision, dev))
     fill = refs.fill if refs is not None else (lambda b: b)
     figs = Figures()
     eval_ready: list = []
