@@ -186,6 +186,45 @@ def test_without_a_compiler_quantized_still_generates(quant_gguf, toy_cli, monke
     assert code == 0 and q == f32, err
 
 
+def _failing_compilers(d: Path, version_ok: bool) -> dict:
+    """An environment whose C++ compilers fail: every name inductor or a user might call, first
+    on PATH; `version_ok`: they answer --version (exit 0) and fail to build anything. A fresh
+    inductor cache, so that no kernel built before hides the failure."""
+    d.mkdir()
+    body = 'case "$1" in --version) exit 0;; esac\n' if version_ok else ""
+    for name in ("c++", "g++", "gcc", "cc", "clang++", "clang"):
+        (d / name).write_text(f"#!/bin/sh\n{body}echo 'broken compiler' >&2\nexit 1\n")
+        (d / name).chmod(0o755)
+    import os
+
+    env = {"PATH": f"{d}{os.pathsep}{os.environ['PATH']}"}
+    env["TORCHINDUCTOR_CACHE_DIR"] = str(d.parent / f"inductor-{d.name}")
+    env.pop("CXX", None)
+    return env
+
+
+@pytest.mark.parametrize("version_ok", [False, True], ids=["no-version", "builds-fail"])
+def test_infer_with_failing_compilers_falls_back_to_eager(quant_gguf, tmp_path, version_ok):
+    """Compiling is a speed lever, never a requirement (issue 32 item 8): with compilers that
+    fail, `toy infer` on a quantized GGUF, asked for packed codes or chosen by auto for a long
+    generation, gives the float32 text with one note line, exit 0, no traceback."""
+    from conftest import run_toy
+
+    env = _failing_compilers(tmp_path / "bin", version_ok)
+    args = ["infer", "--model", quant_gguf, "--prompt", "ROMEO. What", "--temperature", "0"]
+    ref = run_toy(*args, "--max-new-tokens", "30", "--base-dtype", "float32")
+    assert ref.returncode == 0, ref.stderr
+    ref = ref.stdout.rstrip("\n")
+    for extra in (["--base-dtype", "quantized"], ["--max-new-tokens", "300"]):  # asked; auto
+        r = run_toy(*args, "--max-new-tokens", "30", *extra, env=env)
+        assert r.returncode == 0, r.stderr
+        assert "Traceback" not in r.stderr and "InvalidCxxCompiler" not in r.stderr
+        notes = [line for line in r.stderr.splitlines() if "compil" in line]
+        assert len(notes) == 1 and notes[0].startswith("note: "), r.stderr
+        assert "without compiled kernels" in notes[0]
+        assert r.stdout.startswith(ref) and len(ref) > 20
+
+
 # ---------------------------------------------------------------- a block compiled for one token
 
 

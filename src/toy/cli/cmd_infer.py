@@ -449,6 +449,20 @@ def load_base_lm(
     # (a 7B Q4 file is 4 GB, its float32 copy 28 GB), the KV cache counted with them.
     cache = kv_cache_bytes(cfg, cache_tokens(lm)) if cache_tokens is not None else 0
     packed = decode.base_packed_bytes(probe.state_dict, torch.device(device))
+    why_not = decode.compile_unavailable(torch.device(device)) if packed is not None else None
+    if why_not:  # compiling is a speed lever, never a requirement
+        if long or base_dtype == "quantized":
+            held = (
+                "each layer dequantized as it runs"
+                if base_dtype == "quantized"
+                else "float32 where it fits"
+            )
+            print(
+                f"note: {why_not}; generating without compiled kernels ({held}: the same text, "
+                "slower per token)",
+                file=sys.stderr,
+            )
+        packed = None
     dtype, note = choose_base_dtype(
         base_dtype,
         torch.device(device).type,
