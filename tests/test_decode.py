@@ -219,10 +219,46 @@ def test_infer_with_failing_compilers_falls_back_to_eager(quant_gguf, tmp_path, 
         r = run_toy(*args, "--max-new-tokens", "30", *extra, env=env)
         assert r.returncode == 0, r.stderr
         assert "Traceback" not in r.stderr and "InvalidCxxCompiler" not in r.stderr
-        notes = [line for line in r.stderr.splitlines() if "compil" in line]
+        notes = [line for line in r.stderr.splitlines() if "without compiled kernels" in line]
         assert len(notes) == 1 and notes[0].startswith("note: "), r.stderr
-        assert "without compiled kernels" in notes[0]
+        others = [line for line in r.stderr.splitlines() if line not in notes]
+        # besides: the note said before a compile is tried, and the speed line
+        assert all(line.startswith(("note: compiling the one-token", "[")) for line in others)
         assert r.stdout.startswith(ref) and len(ref) > 20
+
+
+def test_compile_note_comes_before_the_reply_not_inside_it(quant_gguf):
+    """Issue 35 item 2: the compile note went out after the first token ("Ah" / note / "oy,
+    matey!"). With stdout and stderr on one pipe, as on a terminal, every note is a whole line
+    and comes before the text; the reply is the float32 one, and a last stderr line gives the
+    time to the first token and the tokens/s."""
+    import os
+    import subprocess
+
+    args = ["infer", "--model", quant_gguf, "--prompt", "ROMEO. What", "--temperature", "0"]
+    args += ["--max-new-tokens", "30"]
+    merged = {}
+    for dtype in ("float32", "quantized"):
+        r = subprocess.run(
+            [sys.executable, "-m", "toy", *args, "--base-dtype", dtype],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=dict(os.environ),
+            timeout=600,
+        )
+        assert r.returncode == 0, r.stdout
+        merged[dtype] = r.stdout
+    out = merged["quantized"]
+    assert "note: compiling the one-token step" in out
+    assert out.index("note: compiling") < out.index("ROMEO. What")
+    for line in out.splitlines():
+        assert "note:" not in line or line.startswith("note:"), line
+    text = [line for line in out.splitlines() if not line.startswith(("note:", "["))]
+    ref = [line for line in merged["float32"].splitlines() if not line.startswith(("note:", "["))]
+    assert text == ref and len("".join(ref)) > 20
+    speed = out.splitlines()[-1]
+    assert speed.startswith("[30 tokens: first after") and "tokens/s after it]" in speed
 
 
 # ---------------------------------------------------------------- a block compiled for one token

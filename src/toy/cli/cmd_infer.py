@@ -501,11 +501,34 @@ def load_base_lm(
     return lm
 
 
-def stream(lm: LM, ids: list[int], args, cache=None) -> list[int]:
-    """Generate and print token by token; returns the new ids."""
+def stream(lm: LM, ids: list[int], args, cache=None, echo: str = "") -> list[int]:
+    """Generate and print token by token (after `echo`, the text continued); returns the new
+    ids. With compiled steps the KV cache (made here when none is given) holds whole
+    CACHE_CHUNKs, so that a compiled step's shapes (models/decode.py)
+    are the same for every prompt of a chunk and come from inductor's cache; those steps are
+    built before the first token, so no note lands inside the reply. Ends with one stderr line:
+    the time to the first token and the tokens/s after it."""
+    import time
+
+    from toy.models import decode
+
     out = sys.stdout
     new: list[int] = []
     shown = ""
+    room = max(1, lm.limit - (cache.pos if cache is not None else 0))
+    fed = min(len(ids), room)
+    if cache is None and decode.has_steps(lm.model):  # else generate makes it, no larger
+        cache = lm.model.new_cache(
+            1, min(lm.limit, _round_up(fed + args.max_new_tokens, CACHE_CHUNK))
+        )
+    if cache is not None:
+        first = cache.pos + fed
+        decode.warm_steps(lm.model, cache.max_len, first, first + args.max_new_tokens - 1)
+    if echo:
+        out.write(echo)
+        out.flush()
+    t0 = time.perf_counter()
+    t1 = None
     for t in generate(
         lm.model,
         ids,
@@ -517,6 +540,8 @@ def stream(lm: LM, ids: list[int], args, cache=None) -> list[int]:
         lm.stop,
         cache=cache,
     ):
+        if t1 is None:
+            t1 = time.perf_counter()
         new.append(t)
         # Decode the whole continuation each time: a byte-level token may be half a
         # UTF-8 character, so print only the settled text.
@@ -525,9 +550,36 @@ def stream(lm: LM, ids: list[int], args, cache=None) -> list[int]:
             out.write(text[len(shown) :])
             out.flush()
             shown = text
+    end = time.perf_counter()
     out.write("\n")
     out.flush()
+    print(_speed_line(len(new), t0, t1, end), file=sys.stderr, flush=True)
     return new
+
+
+def _speed_line(n: int, t0: float, t1: float | None, end: float) -> str:
+    """'[N tokens: first after X s (Y s since the command), Z tokens/s after it]'."""
+    if t1 is None:
+        return "[no tokens generated]"
+    since = _process_age()
+    line = f"[{n} token{'s' if n != 1 else ''}: first after {t1 - t0:.2f} s"
+    if since is not None:
+        line += f" ({since - (end - t1):.2f} s since the command)"
+    if n > 1:
+        line += f", {(n - 1) / max(end - t1, 1e-9):.1f} tokens/s after it"
+    return line + "]"
+
+
+def _process_age() -> float | None:
+    """Seconds since this process started (Linux: /proc), or None where it cannot be read."""
+    import os
+
+    try:
+        start = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return uptime - start / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _prompt_ids(lm: LM, prompt: str) -> list[int]:
@@ -544,9 +596,7 @@ def _prompt_ids(lm: LM, prompt: str) -> list[int]:
 
 def continue_text(lm: LM, args) -> int:
     ids = _prompt_ids(lm, args.prompt)
-    sys.stdout.write(args.prompt)
-    sys.stdout.flush()
-    stream(lm, ids, args)
+    stream(lm, ids, args, echo=args.prompt)
     return 0
 
 

@@ -616,3 +616,29 @@ def compile_steps(model: torch.nn.Module, note=None) -> int:
         if not isinstance(block.__dict__.get("forward"), _StepForward):
             block.forward = _StepForward(block, block.forward, notes)
     return len(blocks)
+
+
+def has_steps(model: torch.nn.Module) -> bool:
+    """Whether compile_steps gave this model's blocks the compiled one-token step."""
+    blocks = getattr(model, "blocks", None)
+    return bool(blocks) and isinstance(blocks[0].__dict__.get("forward"), _StepForward)
+
+
+def warm_steps(model: torch.nn.Module, max_len: int, first: int, last: int) -> None:
+    """Build (or load from inductor's cache) every compiled one-token step a generation will
+    call before it starts: the steps for a cache of max_len positions at positions first..last.
+    Run on a scratch cache (the real one is not touched), so that a compile and its note come
+    before the reply's first token, never inside it. Nothing to do where compile_steps did not
+    wrap the blocks."""
+    if not has_steps(model):
+        return
+    from toy.models.generate import next_logits
+
+    seen = {}
+    for p in range(max(0, first), min(last, max_len - 1) + 1):
+        seen.setdefault(_span(p, max_len), p)
+    for p in seen.values():
+        scratch = model.new_cache(1, max_len)
+        scratch.pos = p
+        with torch.no_grad():
+            next_logits(model, torch.zeros((1, 1), dtype=torch.long), scratch)
