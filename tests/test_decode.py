@@ -145,7 +145,7 @@ def test_toy_infer_quantized_gives_the_float32_text(quant_gguf, toy_cli, monkeyp
     float32 base gives; auto packs for a long generation and keeps float32 for a short one."""
     packed, steps = [], []
     real, real_steps = decode.pack, decode.compile_steps
-    monkeypatch.setattr(decode, "pack", lambda m: packed.append(real(m)) or packed[-1])
+    monkeypatch.setattr(decode, "pack", lambda m, *a: packed.append(real(m, *a)) or packed[-1])
     monkeypatch.setattr(
         decode, "compile_steps", lambda m, note=None: steps.append(real_steps(m, note)) or steps[-1]
     )
@@ -259,6 +259,37 @@ def test_compile_note_comes_before_the_reply_not_inside_it(quant_gguf):
     assert text == ref and len("".join(ref)) > 20
     speed = out.splitlines()[-1]
     assert speed.startswith("[30 tokens: first after") and "tokens/s after it]" in speed
+
+
+def test_packed_codes_are_kept_in_the_cache_and_checked_on_read(
+    quant_gguf, toy_cli, monkeypatch, tmp_path
+):
+    """Issue 33 item 3: a GGUF is packed once; later runs read the packed codes from toy's
+    cache (no block is packed again) and give the same text; a damaged cache file is packed
+    again from the GGUF and rewritten, never used."""
+    from toy.formats import packed_cache
+
+    monkeypatch.setenv("TOY_CACHE", str(tmp_path / "cache"))
+    calls = []
+    real = decode.pack_parts
+    monkeypatch.setattr(decode, "pack_parts", lambda *a, **k: calls.append(1) or real(*a, **k))
+    args = ["infer", "--model", quant_gguf, "--prompt", "ROMEO. What", "--temperature", "0"]
+    args += ["--max-new-tokens", "20", "--base-dtype", "quantized"]
+    code, first, err = toy_cli(*args)
+    assert code == 0, err
+    path = packed_cache.path_for(Path(quant_gguf))
+    assert path.is_file() and len(calls) == 2 * 7 + 1
+    assert not list(path.parent.glob(".tmp-*"))  # written atomically: no leftovers
+    code, again, err = toy_cli(*args)
+    assert code == 0 and again == first, err
+    assert len(calls) == 2 * 7 + 1  # read from the cache: nothing packed
+    raw = bytearray(path.read_bytes())
+    raw[-7] ^= 0xFF  # a flipped bit in the last tensor's data
+    path.write_bytes(bytes(raw))
+    code, damaged, err = toy_cli(*args)
+    assert code == 0 and damaged == first, err
+    assert len(calls) == 2 * (2 * 7 + 1)  # packed again from the file
+    assert packed_cache.read(path) is not None  # and the cache rewritten whole
 
 
 # ---------------------------------------------------------------- a block compiled for one token

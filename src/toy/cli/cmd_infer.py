@@ -487,7 +487,12 @@ def load_base_lm(
     ):  # asked for, or chosen by auto (see choose_base_dtype)
         # The products on the codes and each block's step for one token are compiled on first
         # use: about 20 s the first time on a machine, a few seconds once inductor has them cached.
-        decode.pack(model)
+        from toy.formats import packed_cache
+
+        if model_path.is_file():  # a GGUF: packed once, then read from toy's cache
+            packed_cache.pack(model, model_path)
+        else:
+            decode.pack(model)
         decode.compile_steps(
             model,
             lambda: print(

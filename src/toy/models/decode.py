@@ -421,23 +421,49 @@ def base_packed_bytes(state_dict: dict, device: torch.device) -> int | None:
     return total if quantized else None
 
 
-def pack(model: torch.nn.Module) -> int:
+def pack(model: torch.nn.Module, stored: dict | None = None, out: dict | None = None) -> int:
     """Pack every GGUF-quantized linear and embedding of a model for generation, in place
-    (a tied head shares its embedding's packed parts). Returns how many tensors were packed."""
+    (a tied head shares its embedding's packed parts). Returns how many tensors were packed.
+    `stored`: module name -> parts packed before (formats/packed_cache.py reads them from
+    toy's cache, checked against the spec's shapes); `out`, when given, receives module name
+    -> parts for every tensor packed (one name for tied modules)."""
     done: dict[int, tuple[PackedSpec, tuple]] = {}
-    for m in list(model.modules()):
+    for name, m in list(model.named_modules()):
         if not packable(m):
             continue
         blocks = m.weight
         key = blocks.data_ptr()
         if key not in done:
             spec = PackedSpec(m.spec.qtype, m.spec.shape)
-            done[key] = (spec, pack_parts(blocks, m.spec))
+            parts = (stored or {}).get(name)
+            if parts is None or not _fits(parts, m.spec):
+                parts = pack_parts(blocks, m.spec)
+            done[key] = (spec, parts)
+            if out is not None:
+                out[name] = parts
         spec, parts = done[key]
         del m.weight
         m.spec = spec
         register_parts(m, spec, parts)
     return len(done)
+
+
+def _fits(parts: tuple, spec: QuantSpec) -> bool:
+    """Whether stored parts have the shapes and dtypes pack_parts gives for this spec."""
+    N, K = spec.shape
+    L = 16 if spec.qtype in _SUB_16 else 32
+    q, s, z = parts
+    words = L // (8 if spec.qtype in FOUR_BIT else 4)
+    return (
+        q.dtype == torch.float32
+        and tuple(q.shape) == (K // L, words, N)
+        and tuple(s.shape) == (K // L, N)
+        and s.dtype in (torch.float16, torch.float32)
+        and (
+            z.numel() == 0
+            or (tuple(z.shape) == (K // L, N) and z.dtype in (torch.float16, torch.float32))
+        )
+    )
 
 
 def _page_out(t: torch.Tensor) -> None:
