@@ -292,6 +292,30 @@ def test_packed_codes_are_kept_in_the_cache_and_checked_on_read(
     assert packed_cache.read(path) is not None  # and the cache rewritten whole
 
 
+def test_infer_precision_flag(quant_gguf, toy_cli, monkeypatch):
+    """Issue 33 item 1 (infer): --precision bf16 holds the dequantized base in bfloat16 where
+    the cpu has bf16 units, exits 2 saying why where it has none or where --base-dtype
+    float32 conflicts; auto keeps float32 on a cpu."""
+    from toy.formats import base as base_mod
+    from toy.train import device as device_mod
+
+    held = []
+    real = base_mod.read_base
+    monkeypatch.setattr(base_mod, "read_base", lambda p, d="float32": held.append(d) or real(p, d))
+    args = ["infer", "--model", quant_gguf, "--prompt", "ROMEO. What", "--temperature", "0"]
+    args += ["--max-new-tokens", "10"]
+    monkeypatch.setattr(device_mod, "cpu_bf16_units", lambda: "avx512_bf16")
+    code, out, err = toy_cli(*args, "--precision", "bf16")
+    assert code == 0 and held[-1] == "bfloat16" and len(out.strip()) > 11, err
+    code, out, err = toy_cli(*args)  # auto
+    assert code == 0 and held[-1] == "float32", err
+    code, out, err = toy_cli(*args, "--precision", "bf16", "--base-dtype", "float32")
+    assert code == 2 and "conflicts" in err and "Traceback" not in err
+    monkeypatch.setattr(device_mod, "cpu_bf16_units", lambda: None)
+    code, out, err = toy_cli(*args, "--precision", "bf16")
+    assert code == 2 and "no bf16 units" in err and "Traceback" not in err
+
+
 # ---------------------------------------------------------------- a block compiled for one token
 
 

@@ -121,6 +121,15 @@ def add_parser(sub) -> None:
         "cgroup memory limit leaves), else quantized)",
     )  # %%: argparse formats help
     p.add_argument(
+        "--precision",
+        choices=("auto", "float32", "bf16"),
+        default="auto",
+        help="what the products compute in: bf16 holds a dequantized base in bfloat16 (half the "
+        "bytes read per token; on a cpu it needs bf16 units, avx512_bf16 or amx_bf16, else exit 2); "
+        "packed codes always compute in float32 (default auto: bf16 on cuda, float32 on a cpu, "
+        "where bf16 changed SmolLM2's greedy text from its 15th token)",
+    )
+    p.add_argument(
         "--image",
         metavar="PATH",
         help="classify this PNG/JPEG with an image-classifier run "
@@ -149,6 +158,7 @@ def run(args) -> int:
     if args.adapter and not (args.model or args.run):
         raise UsageError("--adapter needs --model BASE.gguf")
     device = resolve_device(args.device)
+    args.precision = infer_precision(args, device)
     lm = load_lm(args, device)
     if args.prompt is not None:
         return continue_text(lm, args)
@@ -161,6 +171,29 @@ def run(args) -> int:
         chat_turn(lm, args, [*_system(args), {"role": "user", "content": args.chat}])
         return 0
     return interactive(lm, args)
+
+
+def infer_precision(args, device) -> str:
+    """--precision resolved for generation: 'bf16' or 'float32'. auto keeps float32 on a cpu
+    even with bf16 units: measured on an AMD Zen 4 (avx512_bf16), a bf16 SmolLM2-135M's greedy
+    reply left the float32 one at its 15th token (a greedy text is only as stable as its
+    closest logits). bf16 asked for needs the units (resolve_precision says why not) and a
+    dequantized base: --base-dtype float32 conflicts."""
+    from toy.train.device import resolve_precision
+
+    name = getattr(args, "precision", "auto")
+    if name == "auto" and device.type != "cuda":
+        return "float32"
+    prec = resolve_precision(name, device).name
+    base = getattr(args, "base_dtype", "auto")
+    if prec == "bf16" and base == "float32":
+        raise UsageError(
+            "--precision bf16 conflicts with --base-dtype float32: drop one (bf16 holds a "
+            "dequantized base in bfloat16)"
+        )
+    if prec == "bf16" and device.type == "cpu" and base == "quantized":
+        print("note: --precision bf16: packed codes compute in float32", file=sys.stderr)
+    return prec
 
 
 class LM:
@@ -208,7 +241,13 @@ def load_lm(args, device) -> LM:
             for note in notes:
                 print(f"note: {note}", file=sys.stderr)
             return load_base_lm(
-                base, d, device, getattr(args, "base_dtype", "auto"), plan, _long(args)
+                base,
+                d,
+                device,
+                getattr(args, "base_dtype", "auto"),
+                plan,
+                _long(args),
+                getattr(args, "precision", "float32"),
             )
         if args.model:
             raise UsageError(
@@ -229,7 +268,13 @@ def load_lm(args, device) -> LM:
         for note in notes:
             print(f"note: {note}", file=sys.stderr)
     return load_base_lm(
-        model_path, adapter, device, getattr(args, "base_dtype", "auto"), plan, _long(args)
+        model_path,
+        adapter,
+        device,
+        getattr(args, "base_dtype", "auto"),
+        plan,
+        _long(args),
+        getattr(args, "precision", "float32"),
     )
 
 
@@ -400,6 +445,7 @@ def load_base_lm(
     base_dtype: str = "auto",
     cache_tokens=None,
     long: bool = False,
+    precision: str = "float32",
 ) -> LM:
     """A base (a GGUF, a transformers or MLX directory) and adapter, ready to generate.
     `cache_tokens(lm)`, given the LM before its weights load (tokenizer and template ready,
@@ -473,6 +519,8 @@ def load_base_lm(
     )
     if note:
         print(f"note: {note}", file=sys.stderr)
+    if dtype == "float32" and precision == "bf16":
+        dtype = "bfloat16"
     base = probe if dtype == "quantized" else read_base(model_path, dtype)
     model = base.build_model(device)
     if adapter is not None:
