@@ -125,7 +125,8 @@ def add_parser(sub) -> None:
         choices=("auto", "float32", "bf16"),
         default="auto",
         help="what the products compute in: bf16 holds a dequantized base in bfloat16 (half the "
-        "bytes read per token; on a cpu it needs bf16 units, avx512_bf16 or amx_bf16, else exit 2); "
+        "bytes read per token; on a cpu it needs bf16 units, avx512_bf16 or amx_bf16, else "
+        "exit 2); "
         "packed codes always compute in float32 (default auto: bf16 on cuda, float32 on a cpu, "
         "where bf16 changed SmolLM2's greedy text from its 15th token)",
     )
