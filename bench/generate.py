@@ -11,6 +11,14 @@ first decode step (where toy's packed kernels compile, `--base-dtype quantized`)
 timed apart as prefill_s and first_decode_s; end_to_end_s is load to last token.
 Prints one JSON line: load_s, prefill_s, first_decode_s, tokens_per_s, end_to_end_s,
 peak_rss_mb, text.
+
+    python bench/generate.py --reply --model FILE.gguf [--tokens 100] [--repeats 3]
+
+The wait a user feels: a whole chat reply of --tokens greedy tokens, each from a fresh
+process (`python -m toy infer --chat ...` against llama-cpp-python's own process start,
+load and create_chat_completion, both on 2 threads), toy and llama.cpp alternating,
+wall-clock medians; the CPU kind is named. Run it a few times first so that toy's caches
+(packed codes, inductor's kernels) are warm, as the issue's target says.
 """
 
 from __future__ import annotations
@@ -82,13 +90,65 @@ def _rates(load_s: float, times: list[float]) -> dict:
     }
 
 
+LLAMA_REPLY = """
+import sys
+from llama_cpp import Llama
+llm = Llama(model_path=sys.argv[1], n_ctx=512, n_threads=2, verbose=False, seed=0)
+out = llm.create_chat_completion(
+    [{"role": "user", "content": sys.argv[2]}], max_tokens=int(sys.argv[3]), temperature=0,
+    top_k=1)
+print(out["usage"]["completion_tokens"])
+"""
+QUESTION = "Tell me about the sea."
+
+
+def reply_times(a) -> dict:
+    """Median wall seconds of a whole reply from a fresh process, toy and llama.cpp
+    alternating (`--repeats` each)."""
+    import os
+    import statistics
+    import subprocess
+    import sys
+
+    import torch
+
+    env = dict(os.environ, OMP_NUM_THREADS="2")
+    toy = [sys.executable, "-m", "toy", "infer", "--model", str(a.model), "--chat", QUESTION]
+    toy += ["--max-new-tokens", str(a.tokens), "--temperature", "0"]
+    peer = [sys.executable, "-c", LLAMA_REPLY, str(a.model), QUESTION, str(a.tokens)]
+    times: dict[str, list[float]] = {"toy": [], "llamacpp": []}
+    for _ in range(a.repeats):
+        for name, cmd in (("llamacpp", peer), ("toy", toy)):
+            t = time.perf_counter()
+            r = subprocess.run(cmd, capture_output=True, text=True, env=env)
+            times[name].append(time.perf_counter() - t)
+            if r.returncode:
+                raise SystemExit(f"{name} failed: {r.stderr[-2000:]}")
+            if name == "toy":
+                times.setdefault("toy_speed_line", []).append(r.stderr.strip().splitlines()[-1])
+    med = {k: statistics.median(v) for k, v in times.items() if k != "toy_speed_line"}
+    return {
+        "cpu_kind": torch.backends.cpu.get_cpu_capability(),
+        "tokens": a.tokens,
+        "toy_reply_s": med["toy"],
+        "llamacpp_reply_s": med["llamacpp"],
+        "toy_over_llamacpp": med["toy"] / med["llamacpp"],
+        "runs": times,
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--impl", choices=("toy", "llamacpp"), required=True)
+    ap.add_argument("--impl", choices=("toy", "llamacpp"), default="toy")
     ap.add_argument("--model", type=Path, required=True)
     ap.add_argument("--base-dtype", default="float32", choices=("float32", "quantized"))
     ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--reply", action="store_true", help="a whole reply from a fresh process")
+    ap.add_argument("--repeats", type=int, default=3)
     a = ap.parse_args()
+    if a.reply:
+        print(json.dumps(reply_times(a)))
+        return
     out = run_toy(a) if a.impl == "toy" else run_llamacpp(a)
     out["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(json.dumps(out))

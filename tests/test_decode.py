@@ -145,7 +145,7 @@ def test_toy_infer_quantized_gives_the_float32_text(quant_gguf, toy_cli, monkeyp
     float32 base gives; auto packs for a long generation and keeps float32 for a short one."""
     packed, steps = [], []
     real, real_steps = decode.pack, decode.compile_steps
-    monkeypatch.setattr(decode, "pack", lambda m: packed.append(real(m)) or packed[-1])
+    monkeypatch.setattr(decode, "pack", lambda m, *a: packed.append(real(m, *a)) or packed[-1])
     monkeypatch.setattr(
         decode, "compile_steps", lambda m, note=None: steps.append(real_steps(m, note)) or steps[-1]
     )
@@ -184,6 +184,136 @@ def test_without_a_compiler_quantized_still_generates(quant_gguf, toy_cli, monke
     assert code == 0, err
     code, f32, err = toy_cli(*args, "--base-dtype", "float32")
     assert code == 0 and q == f32, err
+
+
+def _failing_compilers(d: Path, version_ok: bool) -> dict:
+    """An environment whose C++ compilers fail: every name inductor or a user might call, first
+    on PATH; `version_ok`: they answer --version (exit 0) and fail to build anything. A fresh
+    inductor cache, so that no kernel built before hides the failure."""
+    d.mkdir()
+    body = 'case "$1" in --version) exit 0;; esac\n' if version_ok else ""
+    for name in ("c++", "g++", "gcc", "cc", "clang++", "clang"):
+        (d / name).write_text(f"#!/bin/sh\n{body}echo 'broken compiler' >&2\nexit 1\n")
+        (d / name).chmod(0o755)
+    import os
+
+    env = {"PATH": f"{d}{os.pathsep}{os.environ['PATH']}"}
+    env["TORCHINDUCTOR_CACHE_DIR"] = str(d.parent / f"inductor-{d.name}")
+    env.pop("CXX", None)
+    return env
+
+
+@pytest.mark.parametrize("version_ok", [False, True], ids=["no-version", "builds-fail"])
+def test_infer_with_failing_compilers_falls_back_to_eager(quant_gguf, tmp_path, version_ok):
+    """Compiling is a speed lever, never a requirement (issue 32 item 8): with compilers that
+    fail, `toy infer` on a quantized GGUF, asked for packed codes or chosen by auto for a long
+    generation, gives the float32 text with one note line, exit 0, no traceback."""
+    from conftest import run_toy
+
+    env = _failing_compilers(tmp_path / "bin", version_ok)
+    args = ["infer", "--model", quant_gguf, "--prompt", "ROMEO. What", "--temperature", "0"]
+    ref = run_toy(*args, "--max-new-tokens", "30", "--base-dtype", "float32")
+    assert ref.returncode == 0, ref.stderr
+    ref = ref.stdout.rstrip("\n")
+    for extra in (["--base-dtype", "quantized"], ["--max-new-tokens", "300"]):  # asked; auto
+        r = run_toy(*args, "--max-new-tokens", "30", *extra, env=env)
+        assert r.returncode == 0, r.stderr
+        assert "Traceback" not in r.stderr and "InvalidCxxCompiler" not in r.stderr
+        notes = [line for line in r.stderr.splitlines() if "without compiled kernels" in line]
+        assert len(notes) == 1 and notes[0].startswith("note: "), r.stderr
+        others = [line for line in r.stderr.splitlines() if line not in notes]
+        # besides: the note said before a compile is tried, and the speed line
+        assert all(line.startswith(("note: compiling the one-token", "[")) for line in others)
+        assert r.stdout.startswith(ref) and len(ref) > 20
+
+
+def test_compile_note_comes_before_the_reply_not_inside_it(quant_gguf):
+    """Issue 35 item 2: the compile note went out after the first token ("Ah" / note / "oy,
+    matey!"). With stdout and stderr on one pipe, as on a terminal, every note is a whole line
+    and comes before the text; the reply is the float32 one, and a last stderr line gives the
+    time to the first token and the tokens/s."""
+    import os
+    import subprocess
+
+    args = ["infer", "--model", quant_gguf, "--prompt", "ROMEO. What", "--temperature", "0"]
+    args += ["--max-new-tokens", "30"]
+    merged = {}
+    for dtype in ("float32", "quantized"):
+        r = subprocess.run(
+            [sys.executable, "-m", "toy", *args, "--base-dtype", dtype],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=dict(os.environ),
+            timeout=600,
+        )
+        assert r.returncode == 0, r.stdout
+        merged[dtype] = r.stdout
+    out = merged["quantized"]
+    assert "note: compiling the one-token step" in out
+    assert out.index("note: compiling") < out.index("ROMEO. What")
+    for line in out.splitlines():
+        assert "note:" not in line or line.startswith("note:"), line
+    text = [line for line in out.splitlines() if not line.startswith(("note:", "["))]
+    ref = [line for line in merged["float32"].splitlines() if not line.startswith(("note:", "["))]
+    assert text == ref and len("".join(ref)) > 20
+    speed = out.splitlines()[-1]
+    assert speed.startswith("[30 tokens: first after") and "tokens/s after it]" in speed
+
+
+def test_packed_codes_are_kept_in_the_cache_and_checked_on_read(
+    quant_gguf, toy_cli, monkeypatch, tmp_path
+):
+    """Issue 33 item 3: a GGUF is packed once; later runs read the packed codes from toy's
+    cache (no block is packed again) and give the same text; a damaged cache file is packed
+    again from the GGUF and rewritten, never used."""
+    from toy.formats import packed_cache
+
+    monkeypatch.setenv("TOY_CACHE", str(tmp_path / "cache"))
+    calls = []
+    real = decode.pack_parts
+    monkeypatch.setattr(decode, "pack_parts", lambda *a, **k: calls.append(1) or real(*a, **k))
+    args = ["infer", "--model", quant_gguf, "--prompt", "ROMEO. What", "--temperature", "0"]
+    args += ["--max-new-tokens", "20", "--base-dtype", "quantized"]
+    code, first, err = toy_cli(*args)
+    assert code == 0, err
+    path = packed_cache.path_for(Path(quant_gguf))
+    assert path.is_file() and len(calls) == 2 * 7 + 1
+    assert not list(path.parent.glob(".tmp-*"))  # written atomically: no leftovers
+    code, again, err = toy_cli(*args)
+    assert code == 0 and again == first, err
+    assert len(calls) == 2 * 7 + 1  # read from the cache: nothing packed
+    raw = bytearray(path.read_bytes())
+    raw[-7] ^= 0xFF  # a flipped bit in the last tensor's data
+    path.write_bytes(bytes(raw))
+    code, damaged, err = toy_cli(*args)
+    assert code == 0 and damaged == first, err
+    assert len(calls) == 2 * (2 * 7 + 1)  # packed again from the file
+    assert packed_cache.read(path) is not None  # and the cache rewritten whole
+
+
+def test_infer_precision_flag(quant_gguf, toy_cli, monkeypatch):
+    """Issue 33 item 1 (infer): --precision bf16 holds the dequantized base in bfloat16 where
+    the cpu has bf16 units, exits 2 saying why where it has none or where --base-dtype
+    float32 conflicts; auto keeps float32 on a cpu."""
+    from toy.formats import base as base_mod
+    from toy.train import device as device_mod
+
+    held = []
+    real = base_mod.read_base
+    monkeypatch.setattr(base_mod, "read_base", lambda p, d="float32": held.append(d) or real(p, d))
+    args = ["infer", "--model", quant_gguf, "--prompt", "ROMEO. What", "--temperature", "0"]
+    args += ["--max-new-tokens", "10"]
+    monkeypatch.setattr(device_mod, "cpu_bf16_units", lambda: "avx512_bf16")
+    code, out, err = toy_cli(*args, "--precision", "bf16")
+    assert code == 0 and held[-1] == "bfloat16" and len(out.strip()) > 11, err
+    code, out, err = toy_cli(*args)  # auto
+    assert code == 0 and held[-1] == "float32", err
+    code, out, err = toy_cli(*args, "--precision", "bf16", "--base-dtype", "float32")
+    assert code == 2 and "conflicts" in err and "Traceback" not in err
+    monkeypatch.setattr(device_mod, "cpu_bf16_units", lambda: None)
+    code, out, err = toy_cli(*args, "--precision", "bf16")
+    assert code == 2 and "no bf16 units" in err and "Traceback" not in err
 
 
 # ---------------------------------------------------------------- a block compiled for one token

@@ -122,6 +122,16 @@ def add_parser(sub) -> None:
         "cgroup memory limit leaves), else quantized)",
     )  # %%: argparse formats help
     p.add_argument(
+        "--precision",
+        choices=("auto", "float32", "bf16"),
+        default="auto",
+        help="what the products compute in: bf16 holds a dequantized base in bfloat16 (half the "
+        "bytes read per token; on a cpu it needs bf16 units, avx512_bf16 or amx_bf16, else "
+        "exit 2); "
+        "packed codes always compute in float32 (default auto: bf16 on cuda, float32 on a cpu, "
+        "where bf16 changed SmolLM2's greedy text from its 15th token)",
+    )
+    p.add_argument(
         "--image",
         metavar="PATH",
         help="classify this PNG/JPEG with an image-classifier run "
@@ -154,6 +164,7 @@ def run(args) -> int:
     if args.adapter and not (args.model or args.run):
         raise UsageError("--adapter needs --model BASE.gguf")
     device = resolve_device(args.device)
+    args.precision = infer_precision(args, device)
     lm = load_lm(args, device)
     if args.prompt is not None:
         return continue_text(lm, args)
@@ -166,6 +177,29 @@ def run(args) -> int:
         chat_turn(lm, args, [*_system(args), {"role": "user", "content": args.chat}])
         return 0
     return interactive(lm, args)
+
+
+def infer_precision(args, device) -> str:
+    """--precision resolved for generation: 'bf16' or 'float32'. auto keeps float32 on a cpu
+    even with bf16 units: measured on an AMD Zen 4 (avx512_bf16), a bf16 SmolLM2-135M's greedy
+    reply left the float32 one at its 15th token (a greedy text is only as stable as its
+    closest logits). bf16 asked for needs the units (resolve_precision says why not) and a
+    dequantized base: --base-dtype float32 conflicts."""
+    from toy.train.device import resolve_precision
+
+    name = getattr(args, "precision", "auto")
+    if name == "auto" and device.type != "cuda":
+        return "float32"
+    prec = resolve_precision(name, device).name
+    base = getattr(args, "base_dtype", "auto")
+    if prec == "bf16" and base == "float32":
+        raise UsageError(
+            "--precision bf16 conflicts with --base-dtype float32: drop one (bf16 holds a "
+            "dequantized base in bfloat16)"
+        )
+    if prec == "bf16" and device.type == "cpu" and base == "quantized":
+        print("note: --precision bf16: packed codes compute in float32", file=sys.stderr)
+    return prec
 
 
 class LM:
@@ -213,7 +247,13 @@ def load_lm(args, device) -> LM:
             for note in notes:
                 print(f"note: {note}", file=sys.stderr)
             return load_base_lm(
-                base, d, device, getattr(args, "base_dtype", "auto"), plan, _long(args)
+                base,
+                d,
+                device,
+                getattr(args, "base_dtype", "auto"),
+                plan,
+                _long(args),
+                getattr(args, "precision", "float32"),
             )
         if args.model:
             raise UsageError(
@@ -234,7 +274,13 @@ def load_lm(args, device) -> LM:
         for note in notes:
             print(f"note: {note}", file=sys.stderr)
     return load_base_lm(
-        model_path, adapter, device, getattr(args, "base_dtype", "auto"), plan, _long(args)
+        model_path,
+        adapter,
+        device,
+        getattr(args, "base_dtype", "auto"),
+        plan,
+        _long(args),
+        getattr(args, "precision", "float32"),
     )
 
 
@@ -405,6 +451,7 @@ def load_base_lm(
     base_dtype: str = "auto",
     cache_tokens=None,
     long: bool = False,
+    precision: str = "float32",
 ) -> LM:
     """A base (a GGUF, a transformers or MLX directory) and adapter, ready to generate.
     `cache_tokens(lm)`, given the LM before its weights load (tokenizer and template ready,
@@ -454,6 +501,20 @@ def load_base_lm(
     # (a 7B Q4 file is 4 GB, its float32 copy 28 GB), the KV cache counted with them.
     cache = kv_cache_bytes(cfg, cache_tokens(lm)) if cache_tokens is not None else 0
     packed = decode.base_packed_bytes(probe.state_dict, torch.device(device))
+    why_not = decode.compile_unavailable(torch.device(device)) if packed is not None else None
+    if why_not:  # compiling is a speed lever, never a requirement
+        if long or base_dtype == "quantized":
+            held = (
+                "each layer dequantized as it runs"
+                if base_dtype == "quantized"
+                else "float32 where it fits"
+            )
+            print(
+                f"note: {why_not}; generating without compiled kernels ({held}: the same text, "
+                "slower per token)",
+                file=sys.stderr,
+            )
+        packed = None
     dtype, note = choose_base_dtype(
         base_dtype,
         torch.device(device).type,
@@ -464,6 +525,8 @@ def load_base_lm(
     )
     if note:
         print(f"note: {note}", file=sys.stderr)
+    if dtype == "float32" and precision == "bf16":
+        dtype = "bfloat16"
     base = probe if dtype == "quantized" else read_base(model_path, dtype)
     model = base.build_model(device)
     if adapter is not None:
@@ -478,7 +541,12 @@ def load_base_lm(
     ):  # asked for, or chosen by auto (see choose_base_dtype)
         # The products on the codes and each block's step for one token are compiled on first
         # use: about 20 s the first time on a machine, a few seconds once inductor has them cached.
-        decode.pack(model)
+        from toy.formats import packed_cache
+
+        if model_path.is_file():  # a GGUF: packed once, then read from toy's cache
+            packed_cache.pack(model, model_path)
+        else:
+            decode.pack(model)
         decode.compile_steps(
             model,
             lambda: print(
@@ -492,11 +560,34 @@ def load_base_lm(
     return lm
 
 
-def stream(lm: LM, ids: list[int], args, cache=None) -> list[int]:
-    """Generate and print token by token; returns the new ids."""
+def stream(lm: LM, ids: list[int], args, cache=None, echo: str = "") -> list[int]:
+    """Generate and print token by token (after `echo`, the text continued); returns the new
+    ids. With compiled steps the KV cache (made here when none is given) holds whole
+    CACHE_CHUNKs, so that a compiled step's shapes (models/decode.py)
+    are the same for every prompt of a chunk and come from inductor's cache; those steps are
+    built before the first token, so no note lands inside the reply. Ends with one stderr line:
+    the time to the first token and the tokens/s after it."""
+    import time
+
+    from toy.models import decode
+
     out = sys.stdout
     new: list[int] = []
     shown = ""
+    room = max(1, lm.limit - (cache.pos if cache is not None else 0))
+    fed = min(len(ids), room)
+    if cache is None and decode.has_steps(lm.model):  # else generate makes it, no larger
+        cache = lm.model.new_cache(
+            1, min(lm.limit, _round_up(fed + args.max_new_tokens, CACHE_CHUNK))
+        )
+    if cache is not None:
+        first = cache.pos + fed
+        decode.warm_steps(lm.model, cache.max_len, first, first + args.max_new_tokens - 1)
+    if echo:
+        out.write(echo)
+        out.flush()
+    t0 = time.perf_counter()
+    t1 = None
     for t in generate(
         lm.model,
         ids,
@@ -508,6 +599,8 @@ def stream(lm: LM, ids: list[int], args, cache=None) -> list[int]:
         lm.stop,
         cache=cache,
     ):
+        if t1 is None:
+            t1 = time.perf_counter()
         new.append(t)
         held = min(len(ids), lm.limit) + len(new) - 1  # positions fed so far
         # Decode the whole continuation each time: a byte-level token may be half a
@@ -517,6 +610,7 @@ def stream(lm: LM, ids: list[int], args, cache=None) -> list[int]:
             out.write(text[len(shown) :])
             out.flush()
             shown = text
+    end = time.perf_counter()
     out.write("\n")
     out.flush()
     if cache is None and new and len(new) < args.max_new_tokens and held >= lm.limit:
@@ -525,7 +619,33 @@ def stream(lm: LM, ids: list[int], args, cache=None) -> list[int]:
             f"(--max-new-tokens {args.max_new_tokens} asked for more)]",
             file=sys.stderr,
         )
+    print(_speed_line(len(new), t0, t1, end), file=sys.stderr, flush=True)
     return new
+
+
+def _speed_line(n: int, t0: float, t1: float | None, end: float) -> str:
+    """'[N tokens: first after X s (Y s since the command), Z tokens/s after it]'."""
+    if t1 is None:
+        return "[no tokens generated]"
+    since = _process_age()
+    line = f"[{n} token{'s' if n != 1 else ''}: first after {t1 - t0:.2f} s"
+    if since is not None:
+        line += f" ({since - (end - t1):.2f} s since the command)"
+    if n > 1:
+        line += f", {(n - 1) / max(end - t1, 1e-9):.1f} tokens/s after it"
+    return line + "]"
+
+
+def _process_age() -> float | None:
+    """Seconds since this process started (Linux: /proc), or None where it cannot be read."""
+    import os
+
+    try:
+        start = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return uptime - start / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _prompt_ids(lm: LM, prompt: str) -> list[int]:
@@ -542,9 +662,7 @@ def _prompt_ids(lm: LM, prompt: str) -> list[int]:
 
 def continue_text(lm: LM, args) -> int:
     ids = _prompt_ids(lm, args.prompt)
-    sys.stdout.write(args.prompt)
-    sys.stdout.flush()
-    stream(lm, ids, args)
+    stream(lm, ids, args, echo=args.prompt)
     return 0
 
 

@@ -62,16 +62,62 @@ _SUB_16 = (Q2_K, Q3_K, Q6_K)  # K-quants whose sub-blocks are 16 long (the other
 
 
 def compile_unavailable(device: torch.device) -> str | None:
-    """Why inductor cannot build kernels here, or None."""
+    """Why inductor cannot build kernels here, or None. On a cpu: the C++ compiler inductor
+    calls (CXX, else g++; clang++ on macOS) must be on PATH and answer `--version`, as
+    inductor's own check asks; a compiler that is there but fails is caught when it builds
+    (compile_failed)."""
     if device.type == "mps":
         return "torch.compile stays off on Apple MPS (inductor fails there)"
     if not torch._dynamo.is_dynamo_supported():
         return f"torch.compile does not support this Python/torch ({torch.__version__})"
-    if device.type == "cpu" and not any(
-        shutil.which(c) for c in (os.environ.get("CXX") or "g++", "c++", "clang++")
-    ):
-        return "no C++ compiler (g++, c++ or clang++) on PATH for inductor's CPU kernels; install one (e.g. gcc)"
+    if device.type == "cpu":
+        return _cxx_unavailable(
+            os.environ.get("CXX") or ("clang++" if sys.platform == "darwin" else "g++")
+        )
     return None
+
+
+_CXX_CHECKED: dict[str, str | None] = {}
+
+
+def _cxx_unavailable(cxx: str) -> str | None:
+    """None where `cxx --version` runs and exits 0 (checked once a process), else why not."""
+    path = shutil.which(cxx)
+    if path is None:
+        return (
+            f"no C++ compiler ({cxx}) on PATH for inductor's CPU kernels; install one "
+            "(e.g. gcc), or set CXX to one"
+        )
+    if path not in _CXX_CHECKED:
+        import subprocess
+
+        try:
+            done = subprocess.run([path, "--version"], capture_output=True, timeout=30)
+            why = None if done.returncode == 0 else f"exits {done.returncode}"
+        except (OSError, subprocess.SubprocessError) as e:
+            why = f"fails ({e.__class__.__name__})"
+        _CXX_CHECKED[path] = why and (
+            f"the C++ compiler {path} {why} on `--version`; inductor cannot build its CPU "
+            "kernels (install a working one, e.g. gcc, or set CXX to one)"
+        )
+    return _CXX_CHECKED[path]
+
+
+# Set when inductor failed to build a kernel or step in this process (a compiler that answers
+# --version and then fails, a missing header): everything after runs eagerly.
+compile_failed: str | None = None
+
+
+def _fell_back(e: Exception) -> None:
+    global compile_failed
+    if compile_failed is None:
+        compile_failed = f"{e.__class__.__name__}: {str(e).strip().splitlines()[0][:200]}"
+        print(
+            f"note: compiling failed ({compile_failed}); generating without compiled kernels "
+            "(the same text, slower per token)",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 # ---- the kernels: a few torch lines each, compiled by inductor per shape --------------------
@@ -170,7 +216,15 @@ def _kernel(four_bit: bool, parts: tuple[torch.Tensor, ...]):
         body = _matvec4 if four_bit else _matvec8
         K = parts[0].shape[0] * parts[0].shape[1] * (8 if four_bit else 4)
         example = (torch.zeros(K, device=parts[0].device), *parts)
-        fn = _KERNELS[key] = _compile(make_fx(body, tracing_mode="fake")(*example), list(example))
+        try:
+            fn = _compile(make_fx(body, tracing_mode="fake")(*example), list(example))
+        except Exception as e:  # inductor could not build it: the same torch lines, eagerly
+            _fell_back(e)
+
+            def fn(args, body=body):
+                return (body(*args),)
+
+        _KERNELS[key] = fn
     return fn
 
 
@@ -349,10 +403,10 @@ _PACKED_TYPES = set(QUANT_TYPES) - {0, 1, 30}  # the block types (F32, F16, BF16
 
 def base_packed_bytes(state_dict: dict, device: torch.device) -> int | None:
     """What a base's weights take once packed (its float tensors as they are), or None where
-    they cannot be packed: not the cpu, no compiler for the kernels, or a quantized tensor
+    they cannot be packed: not the cpu, or a quantized tensor
     of a kind pack leaves alone (MLX, or no quantized tensor at all). `state_dict` is a
     formats.base.Base's, held quantized: tensors and QuantTensors (parts, spec)."""
-    if device.type != "cpu" or sys.byteorder != "little" or compile_unavailable(device):
+    if device.type != "cpu" or sys.byteorder != "little":
         return None
     total, quantized = 0, 0
     for t in state_dict.values():
@@ -367,23 +421,49 @@ def base_packed_bytes(state_dict: dict, device: torch.device) -> int | None:
     return total if quantized else None
 
 
-def pack(model: torch.nn.Module) -> int:
+def pack(model: torch.nn.Module, stored: dict | None = None, out: dict | None = None) -> int:
     """Pack every GGUF-quantized linear and embedding of a model for generation, in place
-    (a tied head shares its embedding's packed parts). Returns how many tensors were packed."""
+    (a tied head shares its embedding's packed parts). Returns how many tensors were packed.
+    `stored`: module name -> parts packed before (formats/packed_cache.py reads them from
+    toy's cache, checked against the spec's shapes); `out`, when given, receives module name
+    -> parts for every tensor packed (one name for tied modules)."""
     done: dict[int, tuple[PackedSpec, tuple]] = {}
-    for m in list(model.modules()):
+    for name, m in list(model.named_modules()):
         if not packable(m):
             continue
         blocks = m.weight
         key = blocks.data_ptr()
         if key not in done:
             spec = PackedSpec(m.spec.qtype, m.spec.shape)
-            done[key] = (spec, pack_parts(blocks, m.spec))
+            parts = (stored or {}).get(name)
+            if parts is None or not _fits(parts, m.spec):
+                parts = pack_parts(blocks, m.spec)
+            done[key] = (spec, parts)
+            if out is not None:
+                out[name] = parts
         spec, parts = done[key]
         del m.weight
         m.spec = spec
         register_parts(m, spec, parts)
     return len(done)
+
+
+def _fits(parts: tuple, spec: QuantSpec) -> bool:
+    """Whether stored parts have the shapes and dtypes pack_parts gives for this spec."""
+    N, K = spec.shape
+    L = 16 if spec.qtype in _SUB_16 else 32
+    q, s, z = parts
+    words = L // (8 if spec.qtype in FOUR_BIT else 4)
+    return (
+        q.dtype == torch.float32
+        and tuple(q.shape) == (K // L, words, N)
+        and tuple(s.shape) == (K // L, N)
+        and s.dtype in (torch.float16, torch.float32)
+        and (
+            z.numel() == 0
+            or (tuple(z.shape) == (K // L, N) and z.dtype in (torch.float16, torch.float32))
+        )
+    )
 
 
 def _page_out(t: torch.Tensor) -> None:
@@ -505,9 +585,15 @@ class _StepForward:
             )
             step = _STEPS.get(key)
             if step is None:
+                if compile_failed:
+                    return self.eager(*args)
                 while self.notes:
                     self.notes.pop()()
-                step = _STEPS[key] = self._compile(args, list(self.state), inputs)
+                try:
+                    step = _STEPS[key] = self._compile(args, list(self.state), inputs)
+                except Exception as e:  # inductor could not build it: this block stays eager
+                    _fell_back(e)
+                    return self.eager(*args)
             self.spans[(span, cache.max_len)] = step
         return step(inputs)[0]
 
@@ -556,3 +642,29 @@ def compile_steps(model: torch.nn.Module, note=None) -> int:
         if not isinstance(block.__dict__.get("forward"), _StepForward):
             block.forward = _StepForward(block, block.forward, notes)
     return len(blocks)
+
+
+def has_steps(model: torch.nn.Module) -> bool:
+    """Whether compile_steps gave this model's blocks the compiled one-token step."""
+    blocks = getattr(model, "blocks", None)
+    return bool(blocks) and isinstance(blocks[0].__dict__.get("forward"), _StepForward)
+
+
+def warm_steps(model: torch.nn.Module, max_len: int, first: int, last: int) -> None:
+    """Build (or load from inductor's cache) every compiled one-token step a generation will
+    call before it starts: the steps for a cache of max_len positions at positions first..last.
+    Run on a scratch cache (the real one is not touched), so that a compile and its note come
+    before the reply's first token, never inside it. Nothing to do where compile_steps did not
+    wrap the blocks."""
+    if not has_steps(model):
+        return
+    from toy.models.generate import next_logits
+
+    seen = {}
+    for p in range(max(0, first), min(last, max_len - 1) + 1):
+        seen.setdefault(_span(p, max_len), p)
+    for p in seen.values():
+        scratch = model.new_cache(1, max_len)
+        scratch.pos = p
+        with torch.no_grad():
+            next_logits(model, torch.zeros((1, 1), dtype=torch.long), scratch)
