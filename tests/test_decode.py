@@ -296,7 +296,7 @@ def test_infer_precision_flag(quant_gguf, toy_cli, monkeypatch):
     """Issue 33 item 1 (infer): --precision bf16 holds the dequantized base in bfloat16 where
     the cpu has bf16 units, exits 2 saying why where it has none or where --base-dtype
     float32 conflicts; auto keeps float32 on a cpu."""
-    from toy.formats import base as base_mod
+    from toy.formats import base_readers as base_mod
     from toy.train import device as device_mod
 
     held = []
