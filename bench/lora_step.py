@@ -1,9 +1,9 @@
 """One benchmark child: a GGUF base (SmolLM2-135M) + LoRA r=8 on q,v; time training steps.
 
 Each implementation runs in its own process so load time and peak RSS are its alone:
-    python bench/lora_step.py --impl toy|hf --model SmolLM2.gguf --corpus tokens.bin [--steps 8] [--compile]
-        [--base-dtype quantized|float32] [--checkpointing] [--batch 4] [--seq 256]
-        [--precision float32|bf16]
+    python bench/lora_step.py --impl toy|hf --model SmolLM2.gguf --corpus tokens.bin
+        [--steps 8] [--compile] [--base-dtype quantized|float32] [--checkpointing]
+        [--batch 4] [--seq 256] [--precision float32|bf16]
 toy runs its real recipe and loop (the figure `toy train --json` reports), its base held
 as --base-dtype says (toy's default on CPU: quantized, the GGUF's own blocks); the peer is
 transformers (GGUF load, dequantized to float32, SDPA) + peft with torch AdamW, fed the
@@ -60,7 +60,8 @@ def run_toy(a) -> tuple[float, float]:
 
 
 def peer(model_path: Path, corpus: Path, batch: int, seq: int):
-    """transformers (GGUF dequantized to float32) + peft, and its training step: step(k) -> tokens."""
+    """transformers (GGUF dequantized to float32) + peft, and its training step:
+    step(k) -> tokens."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 

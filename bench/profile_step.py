@@ -1,7 +1,7 @@
 """Where a training step's time goes: torch.profiler over toy's real job, grouped.
 
-    python bench/profile_step.py scratch-llama|scratch-gpt2|lora|chat [--steps 2] [--compile] [--top 15] [--peer]
-        [--precision float32|bf16]
+    python bench/profile_step.py scratch-llama|scratch-gpt2|lora|chat [--steps 2] [--compile]
+        [--top 15] [--peer] [--precision float32|bf16]
 
 --peer profiles the bench's peer on the same shape instead (transformers, + peft for
 lora), so the two splits can be set side by side.
@@ -207,9 +207,10 @@ def report(prof, tokens: int, wall: float, a) -> None:
     if deq:
         us = sum(e.cpu_time_total for e in deq)
         print(
-            f"  {'of which: GGUF dequantization':26s} {us / 1e6 / a.steps:7.3f} s/step  {us / total:6.1%}  "
-            f"({sum(e.count for e in deq) // a.steps} calls a step: each quantized layer in forward and again in "
-            "backward, the head's vocabulary chunks twice)"
+            f"  {'of which: GGUF dequantization':26s} {us / 1e6 / a.steps:7.3f} s/step  "
+            f"{us / total:6.1%}  "
+            f"({sum(e.count for e in deq) // a.steps} calls a step: each quantized layer in "
+            "forward and again in backward, the head's vocabulary chunks twice)"
         )
     if mm_us:
         print(

@@ -12,7 +12,8 @@ LoRA rows: toy's default on CPU holds the base quantized (its GGUF blocks); the
 Section 5 ("big") trains LoRA on a 1.07B-parameter Q4_0 llama that
 bench/make_big_llama.py writes (600 MB), quantized and float32, for peak memory.
 Section 6 ("generate"): greedy generation on SmolLM2's GGUF, toy float32 and quantized
-(packed for generation, each block compiled for one token: models/decode.py) against llama.cpp (llama-cpp-python, when installed), decode tokens/s and peak RSS.
+(packed for generation, each block compiled for one token: models/decode.py) against
+llama.cpp (llama-cpp-python, when installed), decode tokens/s and peak RSS.
 Section 7 ("mlx"): LoRA on SmolLM2's MLX 4-bit twin (scripts/get-smollm2-dirs.sh), toy
 against mlx-lm's own trainer, and toy on the Q4_1 GGUF for the memory comparison.
 Every row is printed with the CPU's kind (AVX2, AVX-512, AVX-512+bf16, AMX: torch's
@@ -524,13 +525,12 @@ def main() -> None:
                     ratio,
                 )
             )
+            first = ("load_s", "prefill_s", "first_decode_s")  # summed in this order
             rows.append(
                 (
                     "    load + prefill + first decode step",
-                    f"{med(g, 'load_s') + med(g, 'prefill_s') + med(g, 'first_decode_s'):,.2f} s",
-                    f"{med(peer, 'load_s') + med(peer, 'prefill_s') + med(peer, 'first_decode_s'):,.2f} s"
-                    if peer
-                    else "",
+                    f"{sum(med(g, k) for k in first):,.2f} s",
+                    f"{sum(med(peer, k) for k in first):,.2f} s" if peer else "",
                     "",
                 )
             )

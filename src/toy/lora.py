@@ -282,7 +282,8 @@ def load_lora_state_dict(
     own = lora_state_dict(model)
     if not own:
         raise UsageError(
-            f"{source}: the model has no LoRA modules; call apply_lora with the adapter's targets first"
+            f"{source}: the model has no LoRA modules; call apply_lora with the adapter's "
+            "targets first"
         )
     missing = sorted(set(own) - set(sd))
     unexpected = sorted(set(sd) - set(own))

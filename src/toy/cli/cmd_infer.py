@@ -17,11 +17,15 @@ from toy.models.generate import generate
 from toy.tokenizer import encode_prompt, eos_id
 
 INFER_BASE_DTYPES = ("auto", "quantized", "bfloat16", "float32")
-# New tokens after which the packed kernels' and steps' compile (a few seconds once cached) has paid.
+# New tokens after which the packed kernels' and steps' compile (a few seconds once cached)
+# has paid.
 PACK_PAYS = 256
-FIT = 0.8  # auto holds a float32 copy (and the KV cache) only where they take at most this share of free memory
+# auto holds a float32 copy (and the KV cache) only where they take at most this share of
+# free memory
+FIT = 0.8
 CACHE_CHUNK = 256  # an interactive chat's KV cache grows by this many positions at a time
-# Where the memory limits of a container are read (module constants, so a test can point them elsewhere).
+# Where the memory limits of a container are read (module constants, so a test can point
+# them elsewhere).
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 SELF_CGROUP = Path("/proc/self/cgroup")
 MEMINFO = Path("/proc/meminfo")
@@ -36,17 +40,17 @@ def add_parser(sub) -> None:
         "--run",
         metavar="RUN_DIR",
         help="run directory (or its final/) of a trained model: a full model "
-        "run brings its weights and tokenizer (--model and --adapter are refused); a LoRA run brings its "
-        "adapter (--adapter is refused) and its base, found at the absolute path it recorded (older runs: "
-        "as given, then against the project root) and refused if the file changed since training (no "
-        "default: give --run or --model)",
+        "run brings its weights and tokenizer (--model and --adapter are refused); a LoRA run "
+        "brings its adapter (--adapter is refused) and its base, found at the absolute path it "
+        "recorded (older runs: as given, then against the project root) and refused if the file "
+        "changed since training (no default: give --run or --model)",
     )
     p.add_argument(
         "--model",
         metavar="BASE",
         help="a model to generate with: a GGUF file, or a transformers or MLX "
-        "model directory (without --run; no default: give --run or --model); with --run on a LoRA run: "
-        "its base (default: the one it trained on)",
+        "model directory (without --run; no default: give --run or --model); with --run on a "
+        "LoRA run: its base (default: the one it trained on)",
     )
     p.add_argument(
         "--adapter",
@@ -74,8 +78,8 @@ def add_parser(sub) -> None:
         default=100,
         metavar="N",
         help="tokens to generate at most; the KV cache holds the prompt plus N tokens (at most the "
-        f"model's context), and an interactive chat's grows {CACHE_CHUNK} tokens at a time; a reply cut "
-        "at N says so on stderr in an interactive chat (default 100)",
+        f"model's context), and an interactive chat's grows {CACHE_CHUNK} tokens at a time; a "
+        "reply cut at N says so on stderr in an interactive chat (default 100)",
     )
     p.add_argument(
         "--temperature",
@@ -112,14 +116,14 @@ def add_parser(sub) -> None:
         help="how the base (a GGUF file or a model directory) is held: float32 or bfloat16 "
         "(dequantized once) or quantized (the "
         "file's own blocks; on cpu with a C++ compiler they are packed for generation, one token's "
-        "products computed on the 4- or 8-bit codes and each block compiled for one token: the fastest "
-        "and smallest there, after a compile on first use (~20 s the first time on a machine, a few "
-        "seconds once cached); else each layer "
+        "products computed on the 4- or 8-bit codes and each block compiled for one token: the "
+        "fastest and smallest there, after a compile on first use (~20 s the first time on a "
+        "machine, a few seconds once cached); else each layer "
         "is dequantized as it runs: the least memory, slower per token) (default auto: bfloat16 on "
         "cuda; on cpu quantized where the blocks pack and the generation is long (--chat, or "
         f"--max-new-tokens {PACK_PAYS} or more), else float32 where it and the KV cache fit in "
-        f"{FIT * 100:.0f}%% of the available memory (the smaller of MemAvailable and what a container's "
-        "cgroup memory limit leaves), else quantized)",
+        f"{FIT * 100:.0f}%% of the available memory (the smaller of MemAvailable and what a "
+        "container's cgroup memory limit leaves), else quantized)",
     )  # %%: argparse formats help
     p.add_argument(
         "--precision",
@@ -170,8 +174,8 @@ def run(args) -> int:
         return continue_text(lm, args)
     if lm.template is None:
         raise UsageError(
-            f"{lm.source}: {lm.no_template or 'has no chat template'}; use --prompt TEXT to continue "
-            "raw text"
+            f"{lm.source}: {lm.no_template or 'has no chat template'}; use --prompt TEXT to "
+            "continue raw text"
         )
     if args.chat is not None:
         chat_turn(lm, args, [*_system(args), {"role": "user", "content": args.chat}])
@@ -439,8 +443,8 @@ def _refuse_image_classifier(d: Path, run: str) -> None:
     model = meta.get("model") if isinstance(meta, dict) else None
     if isinstance(model, dict) and model.get("arch") == "vit":
         raise UsageError(
-            f"--run {run}: an image classifier (vit-tiny), not a language model; it takes no --prompt "
-            f"or --chat: classify an image with `toy infer --run {run} --image PATH`"
+            f"--run {run}: an image classifier (vit-tiny), not a language model; it takes no "
+            f"--prompt or --chat: classify an image with `toy infer --run {run} --image PATH`"
         )
 
 
@@ -469,8 +473,8 @@ def load_base_lm(
 
     if not model_path.exists():
         raise InputError(
-            f"--model {model_path} not found; get SmolLM2 with `toy fetch smollm2` or pass a GGUF file or "
-            "a transformers or MLX model directory"
+            f"--model {model_path} not found; get SmolLM2 with `toy fetch smollm2` or pass a GGUF "
+            "file or a transformers or MLX model directory"
         )
     # Held as stored first: memory-mapped, nothing big is read, and a model toy cannot load
     # is refused before any work; its tokenizer, template and size decide the rest.
@@ -550,8 +554,8 @@ def load_base_lm(
         decode.compile_steps(
             model,
             lambda: print(
-                "note: compiling the one-token step for this model's blocks (about 20 s the first time on this machine, "
-                "a few seconds once cached)",
+                "note: compiling the one-token step for this model's blocks (about 20 s the first "
+                "time on this machine, a few seconds once cached)",
                 file=sys.stderr,
                 flush=True,
             ),

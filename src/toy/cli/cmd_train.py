@@ -64,8 +64,8 @@ def add_parser(sub, recipes: bool = True) -> None:
     g.add_argument(
         "--epochs",
         type=positive_int("--epochs"),
-        help="passes over the training data (token windows, images or chat batches); sets --steps from "
-        "the data, conflicts with --steps (default: none, --steps counts)",
+        help="passes over the training data (token windows, images or chat batches); sets --steps "
+        "from the data, conflicts with --steps (default: none, --steps counts)",
     )
     g.add_argument("--seed", type=int, help="seed for init, data order and sampling (default 0)")
     g.add_argument(
@@ -115,10 +115,10 @@ def add_parser(sub, recipes: bool = True) -> None:
         "--checkpointing",
         action="store_true",
         default=None,
-        help="activation checkpointing, the low-memory mode: keep only each block's input and recompute "
-        "the block in backward, and give freed memory back to the OS at once. Measured on SmolLM2 "
-        "LoRA (docs/performance.md): peak memory 0.59 GB instead of 2.1 GB, steps about 2.3x slower. "
-        "Every recipe",
+        help="activation checkpointing, the low-memory mode: keep only each block's input and "
+        "recompute the block in backward, and give freed memory back to the OS at once. Measured "
+        "on SmolLM2 LoRA (docs/performance.md): peak memory 0.59 GB instead of 2.1 GB, steps about "
+        "2.3x slower. Every recipe",
     )
     g.add_argument(
         "--resume",
@@ -217,7 +217,8 @@ def add_parser(sub, recipes: bool = True) -> None:
     o.add_argument(
         "--eval-every",
         type=nonneg_int,
-        help="validation every N steps; it also runs before step 1 and at the end (default 0: only those)",
+        help="validation every N steps; it also runs before step 1 and at the end "
+        "(default 0: only those)",
     )
     o.add_argument(
         "--eval-batches",
@@ -270,10 +271,6 @@ def recipe_groups() -> list[tuple[str, list[tuple[tuple, dict]]]]:
         title = f"{', '.join(names)} recipe" + ("s" if len(names) > 1 else "")
         groups.setdefault(title, []).append(call[flag])
     return list(groups.items())
-
-
-def flag_keys() -> list[str]:
-    return RunConfig.keys()
 
 
 def own_flags() -> dict[str, dict[str, str]]:
@@ -407,6 +404,7 @@ def _print(o: Outcome, json_mode: bool) -> None:
             val += f", held-out preference accuracy {prefs[-1]['pref_accuracy']:.4f}"
         mem = f", peak memory {res.peak_mem_bytes / 1e9:.2f} GB" if res.peak_mem_bytes else ""
         print(
-            f"done: loss {last:.4f}{val}{speed}{mem}, {res.wall_s:.1f}s; model in {o.run_dir / 'final'}"
+            f"done: loss {last:.4f}{val}{speed}{mem}, {res.wall_s:.1f}s; "
+            f"model in {o.run_dir / 'final'}"
         )
     sys.stdout.flush()

@@ -21,8 +21,9 @@ with G groups of the input, N output rows. A decode step computes
 
 in one pass over the codes: inductor generates the loop (vectorised over n) from the
 few torch lines of `_matvec4` / `_matvec8`; the kernels are compiled once per shape
-(a few seconds each the first time on a machine, then loaded from inductor's disk cache). Every product and sum is float32:
-the result equals the dequantized float32 matmul within float32 rounding (the sums are
+(a few seconds each the first time on a machine, then loaded from inductor's disk cache).
+Every product and sum is float32: the result equals the dequantized float32 matmul within
+float32 rounding (the sums are
 only reordered, multiply-adds fused; tests/test_decode.py holds it to 1e-5).
 
 More than one row (a prompt's prefill) dequantizes the packed codes and multiplies, as
@@ -148,7 +149,8 @@ BYTE_BIAS = 128
 def _matvec(
     x: torch.Tensor, words: torch.Tensor, s: torch.Tensor, z: torch.Tensor, bits: int
 ) -> torch.Tensor:
-    """W x from words (G, W, N): code j of a group is code j % (32 // bits) of word j // (32 // bits)."""
+    """W x from words (G, W, N): code j of a group is code j % (32 // bits) of word
+    j // (32 // bits)."""
     from torch._inductor import inductor_prims
 
     per_word = 32 // bits
@@ -171,7 +173,8 @@ def _matvec(
             (1, 2)
         )  # (G, N)
     else:  # bytes: the 4 of a word unrolled, the words reduced (measured 2.5x faster than one
-        # reduction over the codes, 1.2-1.7x faster than unrolling all 32, and a graph of 52 nodes, not 262)
+        # reduction over the codes, 1.2-1.7x faster than unrolling all 32, and a graph of 52
+        # nodes, not 262)
         acc = None
         for j in range(per_word):
             code = _item(p, j, bits) if j == per_word - 1 else _in_place(p, j, bits)

@@ -215,7 +215,8 @@ def attend(
             k, v = cache.update(layer, k, v)  # (B, K, past+T, D)
         S = past + T  # keys
         if (past == 0 or T == 1) and not softcap and (window <= 0 or S <= window):
-            # Every key is seen: a whole prompt causally, or one new token (a decode step) all of them.
+            # Every key is seen: a whole prompt causally, or one new token (a decode step) all
+            # of them.
             return F.scaled_dot_product_attention(
                 q, k, v, is_causal=T > 1, enable_gqa=gqa, scale=scale
             )

@@ -45,7 +45,8 @@ def _check(bits: int, group_size: int) -> None:
 
 
 def unpack(weight: torch.Tensor, bits: int) -> torch.Tensor:
-    """The integers q (int32, shape (..., n)) of a packed uint32 (or int32) tensor (..., n * bits / 32)."""
+    """The integers q (int32, shape (..., n)) of a packed uint32 (or int32) tensor
+    (..., n * bits / 32)."""
     if weight.dtype not in (torch.uint32, torch.int32):
         raise ValueError(f"packed MLX weights are uint32, not {weight.dtype}")
     lead = weight.shape[:-1]
@@ -68,7 +69,8 @@ def unpack(weight: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def pack(q: torch.Tensor, bits: int) -> torch.Tensor:
-    """The inverse of `unpack`: integers in [0, 2^bits) of shape (..., n), n a multiple of 32, to uint32."""
+    """The inverse of `unpack`: integers in [0, 2^bits) of shape (..., n), n a multiple of
+    32, to uint32."""
     lead = q.shape[:-1]
     if q.shape[-1] % 32:
         raise ValueError(

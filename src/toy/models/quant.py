@@ -429,7 +429,8 @@ def dequantize_weight(
         if rows is not None:
             if spec.qk_heads:
                 raise ValueError(
-                    "row slices of Q/K weights are not supported (their rows are interleaved per head)"
+                    "row slices of Q/K weights are not supported "
+                    "(their rows are interleaved per head)"
                 )
             return dequantize(blocks[rows], spec.qtype, spec.shape[1], dtype)
         w = dequantize(blocks, spec.qtype, spec.shape[1], dtype)

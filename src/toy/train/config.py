@@ -5,9 +5,10 @@
 `toy train` resolves the flags into a `RunConfig` before any work. A recipe reads it and
 never writes it: what a recipe works out from the data (the step count of `--epochs`,
 a `--seq-len` that defaults to the preset's context or is clamped to a GGUF's) comes
-back in `Built.derived`, and the CLI applies it once with `RunConfig.with_derived`. The
-result is the resolved config that `run.json` records under "config" and that
-`--resume` reads back: a resumed run rebuilds its job from exactly that record.
+back in `Built.derived`, and train/run.py applies it with `RunConfig.with_derived`: in
+`new_run`, and again in `resume_run` for the rebuilt job. The result is the resolved
+config that `run.json` records under "config" and that `--resume` reads back: a resumed
+run rebuilds its job from exactly that record.
 
 Every flag of every recipe is a field here (a recipe's FLAGS only changes defaults), so
 a typo in code is an AttributeError at once, not a silent `opts.get(...)` of None.
@@ -115,8 +116,8 @@ class RunConfig:
         unknown = sorted(set(record) - set(cls.keys()))
         if unknown:
             raise InputError(
-                f"{source}: unknown config key(s) {', '.join(unknown)}; the run was made by another "
-                "toy version: resume it with that version or start a new run"
+                f"{source}: unknown config key(s) {', '.join(unknown)}; the run was made by "
+                "another toy version: resume it with that version or start a new run"
             )
         return cls(**record)
 

@@ -69,7 +69,10 @@ def compile_blocks(model: torch.nn.Module, device: torch.device) -> str:
     torch._dynamo.config.suppress_errors = True  # a graph inductor cannot build runs eagerly
     for b in found:
         b.compile(dynamic=False)
-    return f"--compile: {plural(len(found), 'block')} compiled with inductor (the first steps include compile time)"
+    return (
+        f"--compile: {plural(len(found), 'block')} compiled with inductor "
+        "(the first steps include compile time)"
+    )
 
 
 def _no_buffer_sync() -> dict:
@@ -407,8 +410,8 @@ class Trainer:
             # The temp directory is gone (atomic_dir removed it): no partial checkpoint
             # can pass for a valid one, and the previous checkpoint is untouched.
             raise RunFailed(
-                f"cannot write the step-{step} checkpoint under {self.ckpt_root}: {e.strerror or e}; "
-                "free disk space or train with another --out",
+                f"cannot write the step-{step} checkpoint under {self.ckpt_root}: "
+                f"{e.strerror or e}; free disk space or train with another --out",
                 step=step,
             )
         ckpt.prune_checkpoints(self.ckpt_root, self.cfg.keep_last)
@@ -461,7 +464,8 @@ class Trainer:
             # `--resume RUN --steps N`, and a resumed one keeps its newest state.
             self.save(cfg.steps)
         if self.fsdp is not None:
-            self.fsdp.reshard()  # the root keeps its gathered weights after backward: shard them back first
+            # the root keeps its gathered weights after backward: shard them back first
+            self.fsdp.reshard()
             materialize(self.model)  # whole tensors on every rank, so rank 0 saves a plain model
         self.reporter.close()
         self.res.wall_s = time.perf_counter() - t_start

@@ -141,8 +141,8 @@ def fit_schedule(
         cfg = cfg.replace(warmup=cap)
     if cfg.steps < SHORT_RUN and (default_lr is None or cfg.lr <= default_lr):
         notes.append(
-            f"warning: {plural(cfg.steps, 'optimizer step')} is too short for the loss to move much; "
-            "raise --steps or --epochs (or --lr) to see learning"
+            f"warning: {plural(cfg.steps, 'optimizer step')} is too short for the loss to move "
+            "much; raise --steps or --epochs (or --lr) to see learning"
         )
     return cfg
 
@@ -157,8 +157,8 @@ def rescale_for_world(cfg: RunConfig, saved_world: int, world: int, unit: str) -
         units = cfg.grad_accum * saved_world
         if units % world:
             raise UsageError(
-                f"--resume: each step of the run takes {units} chat batches, which do not split over "
-                f"{world} processes; resume on a number of processes that divides {units}"
+                f"--resume: each step of the run takes {units} chat batches, which do not split "
+                f"over {world} processes; resume on a number of processes that divides {units}"
             )
         return cfg.replace(grad_accum=units // world)
     rows = cfg.batch_size * saved_world
