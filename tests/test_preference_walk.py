@@ -123,6 +123,7 @@ def test_dpo_on_smollm2_learns_the_chosen_style_and_every_client_answers_in_it(
     res = json.loads(r.stdout.strip().splitlines()[-1])
     acc = [(v["step"], v["accuracy"]) for v in res["val_pref_accuracies"]]
     record_property("val_pref_accuracies", acc)
+    record_property("val_losses", [(v["step"], round(v["loss"], 4)) for v in res["val_losses"]])
     record_property("train_s", round(train_s, 1))
     # Before the first step every margin is 0 (the adapter starts at zero): a tie.
     assert acc[0] == (0, 0.0) and res["val_losses"][0]["loss"] == pytest.approx(0.693147, abs=1e-6)
