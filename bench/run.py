@@ -2,7 +2,8 @@
 same run, alternating peer and toy, medians of the repeats. Prints a table and writes
 bench/out/results.json with the machine's details.
 
-    python bench/run.py [--only matmul,scratch,lora,chat,big,generate,mlx] [--repeats 3] [--quick]
+    python bench/run.py [--only matmul,scratch,lora,chat,big,generate,mlx,dpo] [--repeats 3]
+        [--quick]
 
 toy's rows are its real recipes and training loop, timed after their warm-up steps:
 the same `tokens_per_s` `toy train --json` prints (the scratch section checks that by
@@ -16,6 +17,9 @@ Section 6 ("generate"): greedy generation on SmolLM2's GGUF, toy float32 and qua
 llama.cpp (llama-cpp-python, when installed), decode tokens/s and peak RSS.
 Section 7 ("mlx"): LoRA on SmolLM2's MLX 4-bit twin (scripts/get-smollm2-dirs.sh), toy
 against mlx-lm's own trainer, and toy on the Q4_1 GGUF for the memory comparison.
+Section 8 ("dpo"): DPO on SmolLM2 (bench/dpo_step.py), its peak RSS against a LoRA SFT
+run over the same tokens, and toy against TRL's DPOTrainer + PEFT on the transformers
+directory: pairs/s and peak RSS.
 Every row is printed with the CPU's kind (AVX2, AVX-512, AVX-512+bf16, AMX: torch's
 capability and the CPU's bf16 units): figures from machines of different kinds are never
 comparable.
@@ -149,6 +153,9 @@ VARIANTS = {
     "toy --checkpointing": ["--impl", "toy", "--checkpointing"],
     "toy --base-dtype float32": ["--impl", "toy", "--base-dtype", "float32"],
     "hf, toy's malloc setting": ["--impl", "hf", "--tune-malloc"],
+    "dpo toy": ["--impl", "toy"],
+    "dpo toy-sft": ["--impl", "toy-sft"],
+    "dpo trl": ["--impl", "trl"],
 }
 
 
@@ -224,6 +231,17 @@ def smollm2() -> Path | None:
     return Path(r.stdout.strip().splitlines()[-1]) if r.returncode == 0 else None
 
 
+def smollm2_hf() -> Path | None:
+    """SmolLM2's transformers directory (BF16), made once from the GGUF."""
+    r = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "get-smollm2-dirs.sh"), "--q-group-size", "32"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHON": sys.executable},
+    )
+    return Path(r.stdout.strip().splitlines()[-2]) if r.returncode == 0 else None
+
+
 def smollm2_mlx() -> Path | None:
     """SmolLM2's MLX 4-bit twin (groups of 32), made once from the GGUF."""
     r = subprocess.run(
@@ -244,9 +262,56 @@ def make_text_data(d: Path, n: int = 64) -> None:
             f.write(json.dumps({"text": text[i * 1400 : (i + 1) * 1400]}) + "\n")
 
 
+def dpo_section(model: Path, repeats: int, quick: bool, results: dict, rows: list) -> None:
+    """Section 8: DPO (bench/dpo_step.py), pairs of scripts/make_pref_pairs.py, r8 q,v B4
+    T128. Its peak RSS against a LoRA SFT run over the same tokens (both on the GGUF), and
+    toy against TRL's DPOTrainer + PEFT on the transformers directory (both reference
+    models: the base with the adapter off)."""
+    data = ROOT / "build" / "bench" / "pref"
+    if not (data / "train.jsonl").is_file():
+        child("dpo_step.py", "--make-data", str(data), "--pairs", "64")
+    # --quick: 2 steps, both timed (a smoke run); else 6 after 3 untimed.
+    args = ["--data", str(data), *(["--steps", "2", "--warm", "0"] if quick else ["--steps", "6"])]
+    n = max(1, min(repeats, 2))  # a DPO step is slow on CPU: at most 2 repeats
+    r = alternate("dpo_step.py", ["--model", str(model), *args], n, ("dpo toy-sft", "dpo toy"))
+    d, s = r["dpo toy"], r["dpo toy-sft"]
+    results["dpo"] = {"toy_gguf": d, "toy_sft_gguf": s}
+    rows.append(
+        (
+            "8 DPO SmolLM2 Q4_1 r8 q,v B4 pairs T128: peak RSS vs LoRA SFT, same tokens",
+            f"{med(d, 'peak_rss_mb'):,.0f} MB",
+            f"{med(s, 'peak_rss_mb'):,.0f} MB (toy SFT)",
+            f"{med(d, 'peak_rss_mb') / med(s, 'peak_rss_mb'):.2f}x (goal <= 1.3x)",
+        )
+    )
+    hf_dir = smollm2_hf()
+    if hf_dir is None or importlib.util.find_spec("trl") is None:
+        rows.append(("8 DPO vs TRL", "skipped: no transformers directory or no trl", "", ""))
+        return
+    r = alternate("dpo_step.py", ["--model", str(hf_dir), *args], n, ("dpo trl", "dpo toy"))
+    t, p = r["dpo toy"], r["dpo trl"]
+    results["dpo"].update(toy_hf=t, trl_hf=p)
+    rows.append(
+        (
+            "8 DPO SmolLM2 transformers dir r8 q,v B4 T128, toy vs TRL DPOTrainer+PEFT",
+            f"{med(t, 'pairs_per_s'):,.2f} pairs/s",
+            f"{med(p, 'pairs_per_s'):,.2f} pairs/s",
+            f"{med(t, 'pairs_per_s') / med(p, 'pairs_per_s'):.2f}x (goal >= 1.5x)",
+        )
+    )
+    rows.append(
+        (
+            "    peak RSS",
+            f"{med(t, 'peak_rss_mb'):,.0f} MB",
+            f"{med(p, 'peak_rss_mb'):,.0f} MB",
+            f"{med(t, 'peak_rss_mb') / med(p, 'peak_rss_mb'):.2f}x (goal <= 0.6x)",
+        )
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--only", default="matmul,scratch,lora,chat,big,generate,mlx")
+    ap.add_argument("--only", default="matmul,scratch,lora,chat,big,generate,mlx,dpo")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument(
         "--quick", action="store_true", help="fewer steps (a smoke run, not for the record)"
@@ -334,7 +399,7 @@ def main() -> None:
                 f"{cli / bench_tps:.2f}x of the toy {precisions[-1]} row",
             )
         )
-    model = smollm2() if {"lora", "chat", "big", "generate", "mlx"} & only else None
+    model = smollm2() if {"lora", "chat", "big", "generate", "mlx", "dpo"} & only else None
     if {"lora", "chat"} & only and model is None:
         rows.append(("3, 4 SmolLM2", "skipped: SmolLM2 not available", "", ""))
     if "lora" in only and model is not None:
@@ -647,6 +712,8 @@ def main() -> None:
                     f"{tps / med(toy_gguf, 'tokens_per_s'):.2f}x",
                 )
             )
+    if "dpo" in only and model is not None:
+        dpo_section(model, a.repeats, a.quick, results, rows)
     out = ROOT / "bench" / "out"
     out.mkdir(parents=True, exist_ok=True)
     name = (

@@ -427,3 +427,24 @@ def test_orpo_logprobs_and_loss_equal_trls():
         assert float(ours[j]) == pytest.approx(float(theirs), abs=1e-4)
         assert float(rc[j]) == pytest.approx(float(crew), abs=1e-4)
         assert float(rr[j]) == pytest.approx(float(rrew), abs=1e-4)
+
+
+def test_make_pref_pairs_is_deterministic_and_holds_out_15_percent(tmp_path):
+    """scripts/make_pref_pairs.py (the walk's pair set): the same seed, the same bytes;
+    15% held out; the chosen answer is the rejected one opened by "Verily,"."""
+    import subprocess
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "make_pref_pairs.py"
+
+    def make(out, seed):
+        argv = [sys.executable, str(script), "--out", str(out), "--pairs", "40", "--seed", seed]
+        assert subprocess.run(argv, capture_output=True).returncode == 0
+        return [(out / n).read_bytes() for n in ("train.jsonl", "valid.jsonl")]
+
+    a, b, c = make(tmp_path / "a", "1"), make(tmp_path / "b", "1"), make(tmp_path / "c", "2")
+    assert a == b and a != c
+    train, valid = ([json.loads(x) for x in f.splitlines()] for f in a)
+    assert (len(train), len(valid)) == (34, 6)
+    for p in train + valid:
+        assert p["chosen"].startswith("Verily, ") and not p["rejected"].startswith("Verily")
+        assert p["chosen"][8:].lower() == p["rejected"].lower()
