@@ -82,6 +82,14 @@ TIME_ATTACKS = {
     "one wordwrap call": "{% set s = 'x' * 1000000 %}{{ s|wordwrap(1)|length }}",
     "one urlize call": "{% set s = 'a ' * 900000 %}{{ s|urlize|length }}",
 }
+# A sort runs in one C call the clock cannot interrupt (4M characters: 6.6 s): refused by
+# its number of items before it starts.
+SORTS = {
+    "sort of a string": "{% set s = 'ab' * 2000000 %}{{ s|sort|length }}",
+    "sort of a list": "{{ (range(90000)|list + range(90000)|list)|sort|length }}",
+    "sort of a generator": "{{ ('ab' * 200000)|map('upper')|sort|length }}",
+    "groupby": "{% set s = 'ab' * 2000000 %}{{ s|groupby('x')|length }}",
+}
 # Nested deeper than jinja2's parser and code generator (one Python frame a level or more)
 # or Python's compiler (100 nested blocks) can take: a RecursionError or IndentationError
 # traceback before (issue 32 item 6).
@@ -134,6 +142,19 @@ def test_a_template_cannot_hang(template, monkeypatch):
     timed = "MAX_TEMPLATE_SECONDS" in err.message and "0.5 s" in err.message
     assert timed or "MAX_TEMPLATE_CHARS" in err.message, err.message
     assert took < 0.5 + 1.5, f"took {took:.1f} s"
+
+
+@pytest.mark.parametrize("template", SORTS.values(), ids=SORTS.keys())
+def test_a_sort_too_long_for_the_clock_is_refused_before_it_starts(template):
+    err, took = _refused(template)
+    assert "MAX_TEMPLATE_SORT_ITEMS" in err.message, err.message
+    assert took < 1.0, f"took {took:.1f} s"
+
+
+def test_a_sort_of_real_size_renders_as_jinja2_does():
+    t = "{{ (messages|map(attribute='content')|list * 10)|sort|join(',') }}"
+    plain = jinja2.Environment().from_string(t).render(messages=CONV)
+    assert render_template(t, CONV, True, "<s>", "</s>") == plain
 
 
 @pytest.mark.parametrize("template", DEEP.values(), ids=DEEP.keys())

@@ -22,10 +22,11 @@ from modifying its inputs, and caps `range()`; it does not stop `{{ 'x' * 300000
 - time: MAX_TEMPLATE_SECONDS. The clock is checked at the start of every block body the
   template runs (each loop iteration, each macro call, each `if` branch: compiled in, see
   _CodeGenerator) and in every hook above, so loops with no output and no calls stop too.
-  Inside one call (a filter such as wordwrap, urlize, sort or groupby over a few
-  megabytes runs for minutes in Python), a timer (SIGALRM, in the main thread of a
-  POSIX process: toy's CLI) ends the render at the deadline; a call in C over values
-  the size limit holds (str methods, json, re-free joins) takes milliseconds.
+  Inside one call (a filter such as wordwrap or urlize over a few megabytes runs for
+  minutes in Python), a timer (SIGALRM, in the main thread of a POSIX process: toy's
+  CLI) ends the render at the deadline; a call in C over values the size limit holds
+  (str methods, json, re-free joins) takes milliseconds, except a sort, which the timer
+  cannot interrupt: sort, dictsort and groupby order at most MAX_TEMPLATE_SORT_ITEMS.
 - nesting (`compile_bounded`, before jinja2 compiles): brackets nested more than
   MAX_TEMPLATE_NESTING deep in the token stream, or a parsed tree deeper than
   MAX_TEMPLATE_TREE_DEPTH (`1+1+...`, `x|f|f|...`, blocks in blocks): jinja2's parser and
@@ -39,6 +40,7 @@ the conversation. A normal template renders the same text as in plain jinja2.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import re
 import signal
@@ -68,6 +70,10 @@ MAX_TEMPLATE_SECONDS = (
 MAX_TEMPLATE_DEPTH = 100  # lists and dicts nested in one value
 MAX_TEMPLATE_NESTING = 32  # brackets nested in the source (real templates: 0 to 3)
 MAX_TEMPLATE_TREE_DEPTH = 64  # the parsed template's depth (real templates: 8 to 21)
+# Items one sort may order: sort, dictsort and groupby order their input in one C call the
+# render's clock cannot interrupt (4M characters took 6.6 s); 100,000 take milliseconds.
+MAX_TEMPLATE_SORT_ITEMS = 100_000
+SORTING_FILTERS = frozenset({"sort", "dictsort", "groupby"})
 
 FIX = (
     "a chat template is untrusted input: fix this one, "
@@ -493,6 +499,8 @@ def bounded_filter(name: str, f: Callable) -> Callable:
         head, real = args[:lead], args[lead:]
         for v in (*real, *kwargs.values()):
             b.check(size_of(v), f"the input of {what}")
+        if name in SORTING_FILTERS and real:
+            real = (_sortable(real[0], what), *real[1:])
         if estimate is not None:
             size, real = estimate(*real, **kwargs)
             b.check(size, what)
@@ -508,6 +516,22 @@ def bounded_filter(name: str, f: Callable) -> Callable:
 
     bounded.toy_bounded = True  # type: ignore[attr-defined]
     return bounded
+
+
+def _sortable(items: Any, what: str) -> Any:
+    """The input of a sorting filter, refused past MAX_TEMPLATE_SORT_ITEMS before the sort
+    starts (an iterator is drawn up to one past the limit first)."""
+    sized = hasattr(items, "__len__")
+    if not sized:
+        items = list(itertools.islice(iter(items), MAX_TEMPLATE_SORT_ITEMS + 1))
+    if len(items) > MAX_TEMPLATE_SORT_ITEMS:
+        n = f"{len(items):,}" if sized else "more"
+        raise TemplateLimitError(
+            f"chat template exceeds toy's limit: {what} over {n} items, more than the "
+            f"{MAX_TEMPLATE_SORT_ITEMS:,} one sort may order "
+            f"(MAX_TEMPLATE_SORT_ITEMS); {FIX}"
+        )
+    return items
 
 
 class _Drawn:
