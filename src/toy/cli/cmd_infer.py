@@ -55,8 +55,9 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--adapter",
         metavar="DIR",
-        help="a LoRA adapter directory (PEFT layout), or a lora run directory "
-        "(its final/ is used), to apply on --model (not with --run) (default: none)",
+        help="a LoRA adapter to apply on --model (not with --run): a PEFT adapter directory, a "
+        "lora run directory (its final/ is used), or a LoRA adapter GGUF (llama.cpp's --lora "
+        "layout, as `toy export --format gguf-lora` writes) (default: none)",
     )
     p.add_argument(
         "--prompt",
@@ -232,7 +233,7 @@ def load_lm(args, device) -> LM:
     from toy.cli.lora_base import resolve_base, run_dir_of
     from toy.formats.checkpoint import read_json
 
-    adapter = final_dir(args.adapter, "--adapter") if args.adapter else None
+    adapter = _adapter_path(args.adapter) if args.adapter else None
     model_path = Path(args.model) if args.model else None
     plan = _planned_cache(args)
     if args.run:
@@ -272,7 +273,7 @@ def load_lm(args, device) -> LM:
                 f"beside it); copy that corpus's tokenizer into {d / 'tokenizer.json'}"
             )
         return LM(model, tok, stop={eos_id(tok)} - {None}, source=str(d))
-    if adapter is not None and model_path is not None and model_path.exists():
+    if adapter is not None and adapter.is_dir() and model_path is not None and model_path.exists():
         # An adapter from a run: say so when --model is not the file it trained on.
         _, notes = resolve_base(adapter, run_dir_of(args.adapter, adapter), model_path, {})
         for note in notes:
@@ -448,6 +449,51 @@ def _refuse_image_classifier(d: Path, run: str) -> None:
         )
 
 
+def _adapter_path(arg: str) -> Path:
+    """--adapter: a LoRA adapter GGUF as it is; a directory (a PEFT adapter, a run) as
+    final_dir finds it."""
+    p = Path(arg)
+    if p.is_file():
+        from toy.formats.gguf_header import read_gguf_header
+
+        with open(p, "rb") as fh:
+            magic = fh.read(4)
+        if magic != b"GGUF":
+            raise InputError(
+                f"--adapter {p}: neither a GGUF file nor a directory; pass a PEFT adapter "
+                "directory, a lora run directory or a LoRA adapter GGUF"
+            )
+        if read_gguf_header(p).metadata.get("general.type") != "adapter":
+            raise InputError(
+                f"--adapter {p}: is a model GGUF, not a LoRA adapter; pass it as --model, or "
+                "give --adapter an adapter (`toy export --format gguf-lora` writes one)"
+            )
+        return p
+    return final_dir(arg, "--adapter")
+
+
+def _gguf_adapter(path: Path, base, model_path: Path):
+    """(lora_sd, {"r", "lora_alpha"}) of a llama.cpp LoRA adapter GGUF, checked against the
+    base it is applied to: its architecture and every A/B shape; one line where it does not
+    fit."""
+    from toy.formats.gguf_write import read_lora_gguf
+
+    arch = base.arch if base.kind == "gguf" else base.family.hf_types[base.arch].gguf
+    try:
+        ad = read_lora_gguf(path, base.config)
+    except InputError as e:
+        raise InputError(
+            f"--adapter {path} does not fit --model {model_path}: "
+            f"{e.message.removeprefix(f'{path}: ')}; pass the base it was trained on"
+        )
+    if ad.arch != arch:
+        raise InputError(
+            f"--adapter {path} is an adapter for a {ad.arch} model and --model {model_path} is "
+            f"{arch}; pass the base it was trained on"
+        )
+    return ad.lora_sd, {"r": ad.rank, "lora_alpha": ad.alpha}
+
+
 def load_base_lm(
     model_path: Path,
     adapter: Path | None,
@@ -534,7 +580,11 @@ def load_base_lm(
     base = probe if dtype == "quantized" else read_base(model_path, dtype)
     model = base.build_model(device)
     if adapter is not None:
-        sd, acfg = load_peft_adapter(adapter)
+        sd, acfg = (
+            _gguf_adapter(adapter, probe, model_path)
+            if adapter.is_file()
+            else load_peft_adapter(adapter)
+        )
         # The adapter's own tensors say which projections it adapts (target_modules may be a regex).
         targets = sorted({k.rsplit(".", 2)[-2] for k in sd})
         apply_lora(model, targets, int(acfg["r"]), float(acfg["lora_alpha"]), 0.0, seed=0)

@@ -1,7 +1,9 @@
-"""`toy list [DIR...]`: the GGUF models under the project's data/, the runs' exports
-(runs/*/export/) and any DIR given, with architecture, parameter count and size (an
-adapter's rank and alpha), and the runs under runs/ with their recipe and status.
-Headers only: nothing is dequantized, no weight is loaded."""
+"""`toy list [DIR...]`: the models under the project's data/, the runs' exports
+(runs/*/export/) and any DIR given -- GGUF files, transformers and MLX model directories
+(merged ones too), PEFT and mlx-lm adapter directories, LoRA adapter GGUFs -- with kind,
+architecture, parameter count and size (an adapter's rank and alpha), and the runs under
+runs/ with their recipe and status. Headers only: nothing is dequantized, no weight is
+loaded."""
 
 from __future__ import annotations
 
@@ -16,14 +18,15 @@ from toy.errors import ToyError, UsageError
 def add_parser(sub) -> None:
     p = sub.add_parser(
         "list",
-        help="list GGUF models (data/, runs' exports, DIRs) and runs (runs/)",
+        help="list models and adapters (GGUF files, model and adapter directories in data/, "
+        "runs' exports, DIRs) and runs (runs/)",
         description=__doc__,
     )
     p.add_argument(
         "dirs",
         nargs="*",
         metavar="DIR",
-        help="more directories (or .gguf files) to list models from "
+        help="more directories (or .gguf files) to list models and adapters from "
         "(default: none; data/ and runs/*/export/ are always listed)",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -106,6 +109,111 @@ def describe_model(path: Path) -> dict[str, Any]:
         }
         return {**row, "note": "; ".join(a["problems"])} if a["problems"] else row
     return {**row, "kind": "model", **base, "note": why.removeprefix(f"{path}: ")}
+
+
+def _dirs(paths: list[Path]) -> list[Path]:
+    """The model directories (config.json) and adapter directories (adapter_config.json)
+    at or under `paths`, links followed, each once; hidden folders (an export or a fetch
+    in progress) skipped."""
+    seen: set[Path] = set()
+    out: list[Path] = []
+
+    def walk(d: Path, depth: int) -> None:
+        key = d.resolve()
+        if key in seen or depth > 8:
+            return
+        seen.add(key)
+        if (d / "config.json").is_file() or (d / "adapter_config.json").is_file():
+            out.append(d)
+            return
+        try:
+            children = sorted(c for c in d.iterdir() if c.is_dir() and not c.name.startswith("."))
+        except OSError:
+            return
+        for c in children:
+            walk(c, depth + 1)
+
+    for p in paths:
+        if p.is_dir():
+            walk(p, 0)
+    return out
+
+
+def _files_size(d: Path) -> int:
+    return sum(f.stat().st_size for f in d.iterdir() if f.is_file())
+
+
+def describe_directory(d: Path) -> dict[str, Any]:
+    """A model or adapter directory as a row, from config files and safetensors headers
+    (a broken one is listed with its error, never a crash)."""
+    row: dict[str, Any] = {"path": str(d)}
+    try:
+        if (d / "adapter_config.json").is_file():
+            return {**row, **_describe_adapter_dir(d)}
+        from toy.formats.hf_dir import describe_dir
+
+        info = describe_dir(d)
+    except ToyError as e:
+        return {**row, "file_size": _files_size(d), "error": e.message}
+    except OSError as e:
+        return {**row, "error": f"cannot read ({e.strerror or e})"}
+    row.update(
+        kind=f"{info['kind']} model",
+        arch=info["arch"],
+        n_params=info.get("n_params"),
+        file_size=_files_size(d),
+    )
+    hp = info.get("hyperparameters") or {}
+    row.update(n_layer=hp.get("n_layer"), d_model=hp.get("d_model"))
+    if info.get("tensor_types"):
+        row["tensor_types"] = info["tensor_types"]
+    if info["load_error"]:
+        row["note"] = info["load_error"].removeprefix(f"{d}: ")
+    return row
+
+
+def _describe_adapter_dir(d: Path) -> dict[str, Any]:
+    """A PEFT adapter (adapter_model.safetensors) or an mlx-lm one (adapters.safetensors)."""
+    from toy.formats.hf_dir import _json
+    from toy.formats.safetensors_map import SafeFile
+
+    cfg = _json(d / "adapter_config.json", "")
+    if not isinstance(cfg, dict):
+        raise ToyError(f"{d / 'adapter_config.json'}: expected a JSON object")
+    row: dict[str, Any] = {"file_size": _files_size(d)}
+    if (d / "adapters.safetensors").is_file():
+        lp = cfg.get("lora_parameters") if isinstance(cfg.get("lora_parameters"), dict) else {}
+        rank, scale = lp.get("rank"), lp.get("scale")
+        alpha = scale * rank if isinstance(scale, (int, float)) and isinstance(rank, int) else None
+        weights, kind = d / "adapters.safetensors", "mlx adapter"
+        row["note"] = f"mlx-lm: --adapter-path; scale {scale}" if scale is not None else "mlx-lm"
+    elif (d / "adapter_model.safetensors").is_file():
+        rank, alpha = cfg.get("r"), cfg.get("lora_alpha")
+        weights, kind = d / "adapter_model.safetensors", "peft adapter"
+        base = cfg.get("base_model_name_or_path")
+        if isinstance(base, str) and base:
+            row["base"] = base
+            row["note"] = f"base {_shown(base)}"
+    else:
+        raise ToyError(
+            f"{d}: adapter_config.json without adapters.safetensors (mlx-lm) or "
+            "adapter_model.safetensors (PEFT)"
+        )
+    sf = SafeFile(weights)
+    n = 0
+    for e in sf.entries.values():
+        k = 1
+        for x in e.shape:
+            k *= x
+        n += k
+    return {
+        **row,
+        "kind": kind,
+        "arch": cfg.get("model_type"),
+        "n_params": n,
+        "rank": rank,
+        "alpha": alpha,
+    }
 
 
 def describe_run(d: Path) -> dict[str, Any]:
@@ -208,10 +316,12 @@ def run(args) -> int:
         p = Path(a)
         if not p.exists():
             raise UsageError(
-                f"{p}: no such directory or file; pass directories holding .gguf files"
+                f"{p}: no such directory or file; pass directories holding models (.gguf "
+                "files, model or adapter directories)"
             )
         model_dirs.append(p)
     models = [describe_model(f) for f in _gguf_files(model_dirs)]
+    models += [describe_directory(d) for d in _dirs(model_dirs)]
     runs = _runs(project.runs_dir)
     if args.json:
         print(
@@ -248,8 +358,8 @@ def run(args) -> int:
         kind = m["kind"] + (f" r{m['rank']}" if m.get("rank") else "")
         table.append(
             [
-                _shown(m["path"]),
-                str(m["arch"]),
+                _shown(m["path"]) + ("/" if Path(m["path"]).is_dir() else ""),
+                str(m["arch"]) if m.get("arch") else "?",
                 kind,
                 _params(m["n_params"]),
                 human_size(m["file_size"]),

@@ -156,6 +156,9 @@ class Family:
     # config -> transformers tensor name -> where toy holds it (with `model.`, as HF's
     # *ForCausalLM).
     hf_plan: Callable[[Any], dict[str, Planned]] | None = None
+    # (config, GGUF architecture) -> a transformers config.json for it (None: toy cannot
+    # write this family as a model directory; formats/dir_write.py asks).
+    hf_config_out: Callable[[Any, str], dict[str, Any]] | None = None
     # LoRA: the linear layers an adapter may target (their attribute names), and the default.
     targets: tuple[str, ...] = ()
     default_targets: str = ""

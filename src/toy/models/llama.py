@@ -256,6 +256,39 @@ def hf_plan(cfg: LlamaConfig) -> dict[str, Planned]:
     return hf_from_plan(gguf_plan(cfg, interleaved=False))
 
 
+def hf_config_out(cfg: LlamaConfig, arch: str) -> dict:
+    """A transformers config.json for a GGUF `llama` model (what hf_config reads back).
+    Top-level rope_theta, as transformers 4 writes it and mlx-lm reads it."""
+    if arch != "llama" or cfg.sliding_window or cfg.qkv_bias or cfg.qk_norm:
+        raise BadConfig(
+            f"a {arch} model{' with a sliding window' if cfg.sliding_window else ''} cannot be "
+            "written as a model directory yet (toy writes plain llama models)"
+        )
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.d_model,
+        "intermediate_size": cfg.d_ff,
+        "num_hidden_layers": cfg.n_layer,
+        "num_attention_heads": cfg.n_head,
+        "num_key_value_heads": cfg.n_kv_head,
+        "head_dim": cfg.head_dim,
+        "max_position_embeddings": cfg.max_seq_len,
+        "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": None,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "mlp_bias": False,
+        "initializer_range": 0.02,
+        "pretraining_tp": 1,
+        "use_cache": True,
+    }
+
+
 FAMILY = Family(
     "llama",
     LlamaConfig,
@@ -270,6 +303,7 @@ FAMILY = Family(
         for t in ("llama", "mistral", "qwen2", "qwen3")
     },
     hf_plan=hf_plan,
+    hf_config_out=hf_config_out,
     archs={
         "llama": Arch("llama", gguf_config, gguf_plan),  # also Mistral
         "qwen2": Arch(
