@@ -67,12 +67,18 @@ def batches_unit(cfg: RunConfig) -> str:
     return "batches"
 
 
-def figures(rc: torch.Tensor, rr: torch.Tensor) -> dict[str, float]:
+def figures(rc: torch.Tensor, rr: torch.Tensor, across: bool = False) -> dict[str, float]:
     """The preference figures of the pairs seen: mean rewards, margin and accuracy (the
-    share whose chosen reward is above the rejected one's)."""
+    share whose chosen reward is above the rejected one's). `across`: over the pairs every
+    process saw (a DDP step's global batch: each process holds its own pairs' rewards)."""
     rc, rr = rc.double(), rr.double()
     m = rc - rr
-    vals = torch.stack([rc.mean(), rr.mean(), m.mean(), (m > 0).double().mean()]).tolist()
+    if across and dist.info().enabled:  # sums and the count, added over the processes
+        n = torch.tensor(float(m.numel()), dtype=torch.float64, device=m.device)
+        s = dist.all_sum(torch.stack([rc.sum(), rr.sum(), m.sum(), (m > 0).double().sum(), n]))
+        vals = (s[:4] / s[4].clamp_min(1.0)).tolist()
+    else:
+        vals = torch.stack([rc.mean(), rr.mean(), m.mean(), (m > 0).double().mean()]).tolist()
     return dict(zip(("reward_chosen", "reward_rejected", "margin", "pref_accuracy"), vals))
 
 
@@ -87,10 +93,15 @@ class Figures:
         self.seen[training].append((rc, rr))
 
     def take(self, training: bool) -> dict[str, float]:
+        """The figures gathered since the last take. A training step's are summed over the
+        processes (each saw its own pairs; every process takes them, as the loop calls
+        step_metrics on every rank); an evaluation's are every process's own (each
+        evaluates all the held-out batches)."""
         got, self.seen[training] = self.seen[training], []
         if not got:
             return {}
-        return figures(torch.cat([a for a, _ in got]), torch.cat([b for _, b in got]))
+        rc, rr = torch.cat([a for a, _ in got]), torch.cat([b for _, b in got])
+        return figures(rc, rr, across=training)
 
 
 def answer_logps(model, b: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

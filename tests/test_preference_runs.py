@@ -1,0 +1,136 @@
+"""The preference recipes (dpo, orpo) beyond a GGUF base on one process (issue 34): on a
+transformers directory and an MLX 4-bit directory, trained, resumed and exported through
+the command line, their adapters run by PEFT and by mlx-lm as toy runs them; --compile
+(pair lengths bucketed, so the compiled blocks meet a handful of shapes); DDP on 2
+processes giving one process's losses and figures over the same global batch."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import model_dirs  # noqa: E402
+from conftest import run_toy  # noqa: E402
+from gguf_fixtures import tiny_model, write_llama_gguf  # noqa: E402
+
+from toy.data.prep import bundled_text_paths  # noqa: E402
+
+LINES = [
+    ln.strip() for ln in bundled_text_paths()[0].read_text()[:40000].splitlines() if len(ln) > 24
+]
+IDS = torch.randint(3, model_dirs.VOCAB, (1, 30), generator=torch.Generator().manual_seed(2))
+# float32: toy, PEFT and mlx-lm compute alike; 6 steps with checkpoints at 3 (resume).
+TRAIN = [
+    "--precision",
+    "float32",
+    "--seq-len",
+    "96",
+    "--batch-size",
+    "4",
+    "--lr",
+    "1e-2",
+    "--warmup",
+    "0",
+    "--steps",
+    "6",
+    "--eval-every",
+    "3",
+    "--save-every",
+    "3",
+    "--json",
+]
+needs_mlx = pytest.mark.skipif(
+    importlib.util.find_spec("mlx_lm") is None,
+    reason="mlx-lm (a test-only dependency) is the MLX reference",
+)
+
+
+def write_pairs(path: Path, n: int) -> Path:
+    """n pairs whose chosen answers open with "Verily," (the style a user would see)."""
+    path.write_text(
+        "".join(
+            json.dumps(
+                {"prompt": LINES[i], "chosen": "Verily, " + LINES[i + 1], "rejected": LINES[i + 1]}
+            )
+            + "\n"
+            for i in range(0, 2 * n, 2)
+        )
+    )
+    return path
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pref-runs")
+    model_dirs.set_root(root / "models")
+    (root / "models").mkdir()
+    return write_pairs(root / "pairs.jsonl", 40)
+
+
+def result(out: str) -> dict:
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def step_losses(run: Path) -> list[float]:
+    events = map(json.loads, (run / "events.jsonl").read_text().splitlines())
+    return [e["loss"] for e in events if e["event"] == "step"]
+
+
+# ---------------------------------------------------------------- DDP
+
+
+@pytest.fixture(scope="module")
+def gguf(tmp_path_factory):
+    """A tiny llama GGUF with ChatML markers."""
+    from toy.tokenizer import train_bpe
+
+    d = tmp_path_factory.mktemp("pref-gguf")
+    text = bundled_text_paths()[0].read_text()[:40000]
+    tok = train_bpe([text[i : i + 400] for i in range(0, len(text), 400)], vocab_size=400)
+    tok.add_special_tokens(["<|im_start|>", "<|im_end|>"])
+    model = tiny_model(vocab_size=tok.get_vocab_size(with_added_tokens=True), max_seq_len=256)
+    return write_llama_gguf(d / "base.gguf", model, tok)
+
+
+def test_ddp_two_processes_give_one_process_losses_and_figures(gguf, pairs, tmp_path):
+    """DPO on 2 gloo processes of 2 pairs a batch: the losses, the steps' preference
+    figures (they were rank 0's half of the batch alone) and the held-out ones of 1
+    process of 4 pairs (the same global batches, in float32). ORPO shares the figures."""
+    from test_distributed import close, torchrun
+
+    argv = [
+        "--recipe",
+        "dpo",
+        "--model",
+        gguf,
+        "--data",
+        pairs,
+        *TRAIN,
+        "--dropout",
+        "0",
+        "--out",
+        tmp_path,
+    ]
+    argv[argv.index("--steps") + 1] = "4"
+    argv[argv.index("--batch-size") + 1] = "2"
+    r = torchrun("train", *argv, "--run-id", "two")
+    assert r.returncode == 0, r.stderr[-3000:]
+    two = result(r.stdout)
+    argv[argv.index("--batch-size") + 1] = "4"
+    s = run_toy("train", *argv, "--run-id", "one", env={"OMP_NUM_THREADS": "1"})
+    assert s.returncode == 0, s.stderr[-3000:]
+    one = result(s.stdout)
+    assert two["losses"][0]["loss"] == pytest.approx(math.log(2), abs=1e-6)
+    assert len(two["losses"]) == 4 and two["losses"][-1]["pref_accuracy"] > 0
+    for key in ("losses", "val_losses"):
+        for a, b in zip(two[key], one[key], strict=True):
+            assert a["step"] == b["step"]
+            figs = sorted(k for k in b if k != "step")
+            close([a[k] for k in figs], [b[k] for k in figs], rel=1e-4)
