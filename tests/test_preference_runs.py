@@ -134,3 +134,71 @@ def test_ddp_two_processes_give_one_process_losses_and_figures(gguf, pairs, tmp_
             assert a["step"] == b["step"]
             figs = sorted(k for k in b if k != "step")
             close([a[k] for k in figs], [b[k] for k in figs], rel=1e-4)
+
+
+# ---------------------------------------------------------------- --compile
+
+
+def test_bucketed_pair_batches_give_the_same_answer_logprobs(gguf, pairs):
+    """--compile pads a pair batch's length up to a multiple of 64 (at most the budget):
+    the padding sits after every real token, so the answers' log-probs are unchanged."""
+    from toy.data.preference import encode_pair, pair_batch, parse_pair
+    from toy.formats.base_readers import read_base
+    from toy.recipes.pairs import answer_logps
+
+    b = read_base(gguf, "float32")
+    s = b.special
+    lines = pairs.read_text().splitlines()[:3]
+    enc = [
+        encode_pair(
+            b.tokenizer,
+            b.chat_template,
+            parse_pair(json.loads(ln))[0],
+            97,
+            b.token(s.bos),
+            b.token(s.eos),
+            s.eos,
+        )
+        for ln in lines
+    ]
+    items = list(enumerate(enc))
+    plain, padded = pair_batch(items, 0), pair_batch(items, 0, 64, 257)
+    T = plain["ids"].shape[1]
+    assert T % 64 and padded["ids"].shape[1] == -(-T // 64) * 64
+    assert pair_batch(items, 0, 64, T + 2)["ids"].shape[1] == T + 1  # at most the budget
+    model = b.build_model().eval()
+    with torch.no_grad():
+        want, _ = answer_logps(model, plain)
+        got, _ = answer_logps(model, padded)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-6)  # float32 sums of ~200
+
+
+def test_compile_trains_dpo_to_the_eager_losses_within_dynamos_limit(
+    gguf, pairs, toy_cli, tmp_path
+):
+    """The blocks are compiled per shape and grad mode; the adapter switched off for the
+    reference pass is one more. Unbucketed pair lengths (one a batch) passed dynamo's
+    recompile limit within 3 steps, and the rest ran eagerly after minutes of compiling."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from toy.models.decode import compile_unavailable
+
+    if why := compile_unavailable(torch.device("cpu")):
+        pytest.skip(why)
+    argv = ["train", "--recipe", "dpo", "--model", gguf, "--data", pairs, *TRAIN]
+    argv[argv.index("--steps") + 1] = "3"
+    code, out, err = toy_cli(*argv, "--out", tmp_path, "--run-id", "eager")
+    assert code == 0, err
+    eager = result(out)
+    torch._dynamo.reset()
+    counters.clear()
+    code, out, err = toy_cli(*argv, "--out", tmp_path, "--run-id", "compiled", "--compile")
+    assert code == 0, err
+    frames, graphs = counters["frames"], counters["stats"]["unique_graphs"]
+    assert frames["total"] == frames["ok"]  # no frame given up to eager
+    assert 0 < graphs < torch._dynamo.config.recompile_limit
+    got = result(out)
+    for key in ("losses", "val_losses"):
+        for a, b in zip(got[key], eager[key], strict=True):
+            assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-6)

@@ -26,6 +26,7 @@ from toy.lora import disable_adapter
 from toy.models.losses import sequence_logprobs
 from toy.recipes.adapter import (
     ADAPTER_FLAGS,
+    CHAT_BUCKET,
     adapter_saver,
     add_adapter_arguments,
     check_adapter_opts,
@@ -140,9 +141,12 @@ class References:
         return {**b, "ref": self.logps[idx]}
 
 
-def pair_micro_batches(encoded: list[Encoded], per: int, seed: int, pad: int, world, rank):
+def pair_micro_batches(
+    encoded: list[Encoded], per: int, seed: int, pad: int, world, rank, bucket=1, budget=None
+):
     """micro_batch(k): global batch k of `per` pairs; each epoch a fresh order from
-    (seed, epoch), each of `world` processes taking its own batches."""
+    (seed, epoch), each of `world` processes taking its own batches (padded as
+    pair_batch's `bucket` and `budget` say)."""
     n = max(1, math.ceil(len(encoded) / per))
     orders: dict[int, np.ndarray] = {}
 
@@ -152,7 +156,7 @@ def pair_micro_batches(encoded: list[Encoded], per: int, seed: int, pad: int, wo
             orders.clear()
             orders[epoch] = np.random.default_rng([seed, epoch, 13]).permutation(len(encoded))
         members = orders[epoch][i * per : (i + 1) * per].tolist()
-        return pair_batch([(j, encoded[j]) for j in members], pad)
+        return pair_batch([(j, encoded[j]) for j in members], pad, bucket, budget)
 
     return batch, n
 
@@ -203,15 +207,18 @@ def build_pairs(
         train, val = hold_out(train, cfg.seed, notes, "pair")
     d = dist.info()
     pad = pad_id(base)
+    bucket = CHAT_BUCKET if cfg.compile else 1  # few shapes for the compiled blocks
     micro, n_batches = pair_micro_batches(
-        train, int(cfg.batch_size), cfg.seed, pad, d.world, d.rank
+        train, int(cfg.batch_size), cfg.seed, pad, d.world, d.rank, bucket, budget
     )
     # Held-out batches: every held-out pair, in order (the same at every evaluation), up
     # to --eval-batches of them. Their pair indices follow the training pairs'.
     n_eval = min(cfg.eval_batches, math.ceil(len(val) / cfg.batch_size)) if val else 0
     per = int(cfg.batch_size)
     val_items = [(len(train) + j, e) for j, e in enumerate(val)]
-    evals = [pair_batch(val_items[i * per : (i + 1) * per], pad) for i in range(n_eval)]
+    evals = [
+        pair_batch(val_items[i * per : (i + 1) * per], pad, bucket, budget) for i in range(n_eval)
+    ]
     refs = None
     if reference:  # in the run's precision, so a zero adapter's first loss is exactly log 2
         dev = torch.device(cfg.device if cfg.device != "metal" else "mps")
