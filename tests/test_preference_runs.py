@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import shutil
 import sys
 from pathlib import Path
 
@@ -19,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import model_dirs  # noqa: E402
 from conftest import run_toy  # noqa: E402
 from gguf_fixtures import tiny_model, write_llama_gguf  # noqa: E402
+from model_dirs import hf_model, mlx_dir, tiny_dir  # noqa: E402
 
 from toy.data.prep import bundled_text_paths  # noqa: E402
 
@@ -81,6 +83,114 @@ def result(out: str) -> dict:
 def step_losses(run: Path) -> list[float]:
     events = map(json.loads, (run / "events.jsonl").read_text().splitlines())
     return [e["loss"] for e in events if e["event"] == "step"]
+
+
+# ---------------------------------------------------------------- directory bases
+
+
+def train_resume(toy_cli, recipe: str, base: Path, pairs: Path, out: Path) -> Path:
+    """`toy train --recipe RECIPE` on `base`, checked as a user would read it (DPO's first
+    loss log 2, the held-out preference accuracy at every evaluation), then resumed from
+    its step-3 checkpoint in a copy: the same losses."""
+    code, out_, err = toy_cli(
+        "train", "--recipe", recipe, "--model-path", base, "--data", pairs, "--out", out, *TRAIN
+    )
+    assert code == 0, err
+    res = result(out_)
+    run = Path(res["run_dir"])
+    if recipe == "dpo":
+        assert res["losses"][0]["loss"] == pytest.approx(math.log(2), abs=1e-6)
+    acc = res["val_pref_accuracies"]
+    assert [a["step"] for a in acc] == [0, 3, 6] and acc[-1]["accuracy"] > 0
+    cut = out / "cut"
+    shutil.copytree(run, cut)
+    shutil.rmtree(cut / "checkpoints" / "step-000006")
+    shutil.rmtree(cut / "final")
+    code, _, err = toy_cli("train", "--resume", cut, "--json")
+    assert code == 0, err
+    full = [x["loss"] for x in res["losses"]]
+    assert step_losses(cut)[-3:] == full[3:]  # the resumed steps, to the byte
+    return run
+
+
+@pytest.mark.parametrize("recipe", ["dpo", "orpo"])
+def test_a_transformers_directory_base_trains_resumes_and_runs_in_peft(
+    recipe, pairs, toy_cli, tmp_path
+):
+    from peft import PeftModel
+    from test_dir_adapters import toy_adapted_logits
+
+    base = tiny_dir("llama")
+    run = train_resume(toy_cli, recipe, base, pairs, tmp_path)
+    ours = toy_adapted_logits(run)
+    code, _, err = toy_cli("export", run, "--format", "peft", "--out", tmp_path / "peft")
+    assert code == 0, err
+    with torch.no_grad():
+        plain = hf_model(base)(IDS).logits
+        theirs = PeftModel.from_pretrained(hf_model(base), tmp_path / "peft").eval()(IDS).logits
+    assert (ours - plain).abs().max() > 1e-2  # the adapter changes the model
+    torch.testing.assert_close(theirs, ours, atol=1e-4, rtol=0)
+
+
+def mlx_greedy(base: Path, adapter: Path, message: str, n: int) -> str:
+    """mlx-lm's greedy reply to one chat message with `adapter` loaded by mlx_lm.load, its
+    tokens decoded as toy prints them (special tokens left out)."""
+    from mlx_lm import load, stream_generate
+    from mlx_lm.sample_utils import make_sampler
+
+    model, tok = load(str(base), adapter_path=str(adapter))
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": message}], add_generation_prompt=True
+    )
+    ids = [
+        r.token
+        for r in stream_generate(model, tok, prompt, max_tokens=n, sampler=make_sampler(0.0))
+    ]
+    return tok._tokenizer.decode(ids, skip_special_tokens=True)
+
+
+@needs_mlx
+@pytest.mark.parametrize("recipe", ["dpo", "orpo"])
+def test_an_mlx_4bit_directory_base_trains_resumes_and_runs_in_mlx_lm(
+    recipe, pairs, toy_cli, tmp_path
+):
+    """The reference pass (DPO) runs on the base's 4-bit QuantLinear layers with the adapter
+    off; the exported adapter, loaded by mlx-lm itself, gives toy's greedy reply."""
+    import mlx.core as mx
+    import numpy as np
+    from mlx_lm.tuner.utils import load_adapters
+    from mlx_lm.utils import load_model
+    from test_dir_adapters import toy_adapted_logits
+
+    base = mlx_dir("llama", 4, 32)
+    run = train_resume(toy_cli, recipe, base, pairs, tmp_path)
+    code, _, err = toy_cli("export", run, "--format", "mlx", "--out", tmp_path / "mlx")
+    assert code == 0, err
+    model, _ = load_model(base)
+    plain = torch.from_numpy(np.array(model(mx.array(IDS.numpy())).astype(mx.float32)))
+    load_adapters(model, str(tmp_path / "mlx"))
+    theirs = torch.from_numpy(np.array(model(mx.array(IDS.numpy())).astype(mx.float32)))
+    assert (theirs - plain).abs().max() > 1e-2  # the adapter changes the model
+    torch.testing.assert_close(theirs, toy_adapted_logits(run), atol=1e-3, rtol=0)
+    message, n = "What news?", 20
+    code, out, err = toy_cli(
+        "infer",
+        "--run",
+        run,
+        "--chat",
+        message,
+        "--temperature",
+        "0",
+        "--max-new-tokens",
+        n,
+        "--base-dtype",
+        "float32",
+        "--precision",
+        "float32",
+    )
+    assert code == 0, err
+    ours = out.strip()
+    assert ours and mlx_greedy(base, tmp_path / "mlx", message, n).strip() == ours
 
 
 # ---------------------------------------------------------------- DDP
