@@ -257,16 +257,25 @@ def cut_note(cuts: Counter, budget: int) -> str | None:
 # ------------------------------------------------------------------ batches
 
 
-def pair_batch(items: Sequence[tuple[int, Encoded]], pad: int) -> dict[str, torch.Tensor]:
+def pair_batch(
+    items: Sequence[tuple[int, Encoded]], pad: int, bucket: int = 1, budget: int | None = None
+) -> dict[str, torch.Tensor]:
     """One batch of B pairs: rows 0..B-1 the chosen sequences, B..2B-1 the rejected, right
     padded (causal attention needs no mask then); position t predicts token t+1.
 
     ids (2B, T); ans_pos / ans_tgt (2B, A): where each answer's targets are and what they
     are, n_ans their count; `full` (2B, T): every real next token (ORPO's NLL reads the
     chosen rows'), n_full their count; `pair` (B,): the pairs' indices, which the
-    reference log-probs are kept by."""
+    reference log-probs are kept by.
+
+    `bucket` > 1 (under --compile) pads T up to a multiple of it (at most `budget` - 1,
+    the sequences' longest), as data/chat.py's to_batch: the compiled blocks meet a
+    handful of shapes, not one a batch (each a recompile; past dynamo's limit, eager)."""
     seqs = [e.chosen for _, e in items] + [e.rejected for _, e in items]
     T = max(len(ids) for ids, _ in seqs)
+    if bucket > 1:
+        width = -(-(T - 1) // bucket) * bucket + 1  # inputs are width - 1 long
+        T = min(width, max(T, budget)) if budget is not None else width
     ids = torch.full((len(seqs), T), pad, dtype=torch.long)
     mask = torch.zeros((len(seqs), T), dtype=torch.long)
     real = torch.zeros((len(seqs), T), dtype=torch.bool)

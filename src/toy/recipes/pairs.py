@@ -26,6 +26,7 @@ from toy.lora import disable_adapter
 from toy.models.losses import sequence_logprobs
 from toy.recipes.adapter import (
     ADAPTER_FLAGS,
+    CHAT_BUCKET,
     adapter_saver,
     add_adapter_arguments,
     check_adapter_opts,
@@ -67,12 +68,18 @@ def batches_unit(cfg: RunConfig) -> str:
     return "batches"
 
 
-def figures(rc: torch.Tensor, rr: torch.Tensor) -> dict[str, float]:
+def figures(rc: torch.Tensor, rr: torch.Tensor, across: bool = False) -> dict[str, float]:
     """The preference figures of the pairs seen: mean rewards, margin and accuracy (the
-    share whose chosen reward is above the rejected one's)."""
+    share whose chosen reward is above the rejected one's). `across`: over the pairs every
+    process saw (a DDP step's global batch: each process holds its own pairs' rewards)."""
     rc, rr = rc.double(), rr.double()
     m = rc - rr
-    vals = torch.stack([rc.mean(), rr.mean(), m.mean(), (m > 0).double().mean()]).tolist()
+    if across and dist.info().enabled:  # sums and the count, added over the processes
+        n = torch.tensor(float(m.numel()), dtype=torch.float64, device=m.device)
+        s = dist.all_sum(torch.stack([rc.sum(), rr.sum(), m.sum(), (m > 0).double().sum(), n]))
+        vals = (s[:4] / s[4].clamp_min(1.0)).tolist()
+    else:
+        vals = torch.stack([rc.mean(), rr.mean(), m.mean(), (m > 0).double().mean()]).tolist()
     return dict(zip(("reward_chosen", "reward_rejected", "margin", "pref_accuracy"), vals))
 
 
@@ -87,10 +94,15 @@ class Figures:
         self.seen[training].append((rc, rr))
 
     def take(self, training: bool) -> dict[str, float]:
+        """The figures gathered since the last take. A training step's are summed over the
+        processes (each saw its own pairs; every process takes them, as the loop calls
+        step_metrics on every rank); an evaluation's are every process's own (each
+        evaluates all the held-out batches)."""
         got, self.seen[training] = self.seen[training], []
         if not got:
             return {}
-        return figures(torch.cat([a for a, _ in got]), torch.cat([b for _, b in got]))
+        rc, rr = torch.cat([a for a, _ in got]), torch.cat([b for _, b in got])
+        return figures(rc, rr, across=training)
 
 
 def answer_logps(model, b: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -129,9 +141,12 @@ class References:
         return {**b, "ref": self.logps[idx]}
 
 
-def pair_micro_batches(encoded: list[Encoded], per: int, seed: int, pad: int, world, rank):
+def pair_micro_batches(
+    encoded: list[Encoded], per: int, seed: int, pad: int, world, rank, bucket=1, budget=None
+):
     """micro_batch(k): global batch k of `per` pairs; each epoch a fresh order from
-    (seed, epoch), each of `world` processes taking its own batches."""
+    (seed, epoch), each of `world` processes taking its own batches (padded as
+    pair_batch's `bucket` and `budget` say)."""
     n = max(1, math.ceil(len(encoded) / per))
     orders: dict[int, np.ndarray] = {}
 
@@ -141,7 +156,7 @@ def pair_micro_batches(encoded: list[Encoded], per: int, seed: int, pad: int, wo
             orders.clear()
             orders[epoch] = np.random.default_rng([seed, epoch, 13]).permutation(len(encoded))
         members = orders[epoch][i * per : (i + 1) * per].tolist()
-        return pair_batch([(j, encoded[j]) for j in members], pad)
+        return pair_batch([(j, encoded[j]) for j in members], pad, bucket, budget)
 
     return batch, n
 
@@ -192,15 +207,18 @@ def build_pairs(
         train, val = hold_out(train, cfg.seed, notes, "pair")
     d = dist.info()
     pad = pad_id(base)
+    bucket = CHAT_BUCKET if cfg.compile else 1  # few shapes for the compiled blocks
     micro, n_batches = pair_micro_batches(
-        train, int(cfg.batch_size), cfg.seed, pad, d.world, d.rank
+        train, int(cfg.batch_size), cfg.seed, pad, d.world, d.rank, bucket, budget
     )
     # Held-out batches: every held-out pair, in order (the same at every evaluation), up
     # to --eval-batches of them. Their pair indices follow the training pairs'.
     n_eval = min(cfg.eval_batches, math.ceil(len(val) / cfg.batch_size)) if val else 0
     per = int(cfg.batch_size)
     val_items = [(len(train) + j, e) for j, e in enumerate(val)]
-    evals = [pair_batch(val_items[i * per : (i + 1) * per], pad) for i in range(n_eval)]
+    evals = [
+        pair_batch(val_items[i * per : (i + 1) * per], pad, bucket, budget) for i in range(n_eval)
+    ]
     refs = None
     if reference:  # in the run's precision, so a zero adapter's first loss is exactly log 2
         dev = torch.device(cfg.device if cfg.device != "metal" else "mps")
