@@ -19,12 +19,14 @@ demo: $(STAMP)
 	bash scripts/demo.sh
 
 # Two workers of one torch thread each (tests/conftest.py): on 2 cores the suite takes
-# about 10 minutes instead of 13, every test as it is.
+# about 10 minutes instead of 13, every test as it is. --dist loadscope: a module's tests
+# run on one worker, so its module-scoped fixtures (a real model's LoRA run, a transformers
+# load) are made once, not once a worker as under the default --dist load.
 test: $(STAMP)
-	$(VPY) -m pytest -n 2
+	$(VPY) -m pytest -n 2 --dist loadscope
 
 test-fast: $(STAMP)
-	$(VPY) -m pytest -n 2 -m "not slow"
+	$(VPY) -m pytest -n 2 --dist loadscope -m "not slow"
 
 smollm2: $(STAMP)
 	PYTHON=$(VPY) bash scripts/get-smollm2.sh .

@@ -62,3 +62,22 @@ def assert_every_parameter_learns(model) -> None:
         assert p.grad is not None, name
         assert torch.isfinite(p.grad).all(), name
         assert p.grad.abs().sum() > 0, name
+
+
+# The modules of the longest single tests (minutes each on 2 cores), started first.
+LONGEST = ("test_newcomer.py", "test_preference_walk.py", "test_real_dirs.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    """The longest tests first, then the other modules holding slow (real-model) tests, each
+    module's tests kept together and in order: under `make test`'s two workers a long test
+    begun last would leave one worker idle at the end while the other finishes it."""
+    slow = {i.nodeid.split("::")[0] for i in items if i.get_closest_marker("slow")}
+
+    def rank(item) -> tuple[int, int]:
+        module = item.nodeid.split("::")[0]
+        name = module.rsplit("/", 1)[-1]
+        first = LONGEST.index(name) if name in LONGEST else len(LONGEST)
+        return (0 if module in slow else 1, first)
+
+    items.sort(key=rank)

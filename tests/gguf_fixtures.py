@@ -12,6 +12,7 @@ Import a fixture into a test module with `from gguf_fixtures import smollm2_gguf
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -69,6 +70,27 @@ def smollm2_gguf(tmp_path_factory) -> Path:
 def gemma3_gguf(tmp_path_factory) -> Path:
     """Path to gemma-3-270m.gguf, Q4_K_M (a link into the user's cache)."""
     return _fetch("get-gemma3.sh", "Gemma-3-270M", tmp_path_factory.mktemp("gemma3"))
+
+
+@functools.cache
+def hf_gguf_model(path: Path):
+    """transformers' own float32 load of a GGUF (eval mode), once per test process: a
+    SmolLM2 load dequantizes 135M weights (15-50 s). Shared: never modify it (wrap a
+    copy.deepcopy, e.g. for PEFT)."""
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    ).eval()
+
+
+@functools.cache
+def hf_gguf_tokenizer(path: Path):
+    """transformers' tokenizer rebuilt from a GGUF's vocabulary, once per test process
+    (SmolLM2's 49,152 ids: several seconds; Gemma's 262,144: half a minute)."""
+    import transformers
+
+    return transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
 
 
 def converter_permute(w: np.ndarray, n_head: int) -> np.ndarray:

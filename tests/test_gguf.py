@@ -24,6 +24,8 @@ from toy.tokenizer import from_gguf_metadata, gguf_special_ids, train_bpe
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # for gguf_fixtures under any import mode
 from gguf_fixtures import (
     converter_permute,
+    hf_gguf_model,
+    hf_gguf_tokenizer,
     smollm2_gguf,  # noqa: F401 (a fixture)
     tiny_model,
     tokenizer_fields,  # noqa: E402,F401
@@ -525,13 +527,8 @@ def smol(smollm2_gguf):
 
 @pytest.fixture(scope="module")
 def hf_smol(smollm2_gguf):
-    transformers = pytest.importorskip("transformers")
-    d, name = str(smollm2_gguf.parent), smollm2_gguf.name
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        d, gguf_file=name, dtype=torch.float32
-    ).eval()
-    tok = transformers.AutoTokenizer.from_pretrained(d, gguf_file=name)
-    return model, tok
+    pytest.importorskip("transformers")
+    return hf_gguf_model(smollm2_gguf), hf_gguf_tokenizer(smollm2_gguf)
 
 
 @pytest.mark.slow

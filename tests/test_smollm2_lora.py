@@ -4,6 +4,7 @@ the same file and gives toy's logits."""
 
 from __future__ import annotations
 
+import copy
 import json
 import sys
 from pathlib import Path
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gguf_fixtures import smollm2_gguf  # noqa: E402,F401
+from gguf_fixtures import hf_gguf_model, hf_gguf_tokenizer, smollm2_gguf  # noqa: E402,F401
 
 from toy.data.dialogue import conversations, write_jsonl  # noqa: E402
 from toy.data.prep import bundled_text_paths  # noqa: E402
@@ -73,7 +74,7 @@ def test_training_lowers_held_out_assistant_loss(lora_run, record_property):
 
 def test_adapter_loads_in_peft_with_toy_logits(lora_run, smollm2_gguf):
     peft = pytest.importorskip("peft")
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     from toy.formats.gguf import read_gguf
     from toy.formats.peft import load_peft_adapter
     from toy.lora import apply_lora, load_lora_state_dict
@@ -86,9 +87,7 @@ def test_adapter_loads_in_peft_with_toy_logits(lora_run, smollm2_gguf):
     base.state_dict.clear()
     apply_lora(model, cfg["target_modules"], cfg["r"], cfg["lora_alpha"], 0.0, seed=0)
     load_lora_state_dict(model, sd)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(
-        str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name, dtype=torch.float32
-    )
+    hf = copy.deepcopy(hf_gguf_model(smollm2_gguf))  # PEFT wraps its base in place
     hf = peft.PeftModel.from_pretrained(hf, str(run_dir / "final")).eval()
     ids = torch.tensor(
         [[1, 9690, 198, 2683, 359, 253, 5356, 2, 198, 1, 4093, 198, 17535, 30, 2, 198]]
@@ -160,7 +159,7 @@ def test_quantized_base_trains_as_the_float32_base(smollm2_gguf, tmp_path):
 def test_chat_greedy_equals_transformers(smollm2_gguf, system):
     """`toy infer --chat` on SmolLM2: the same prompt ids as transformers' own chat
     template (system prompt, BOS, special tokens) and the same greedy reply."""
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     from toy.cli.cmd_infer import load_base_lm
     from toy.data.chat import render_template
     from toy.models.generate import generate
@@ -172,9 +171,7 @@ def test_chat_greedy_equals_transformers(smollm2_gguf, system):
     ids = lm.tok.encode(
         render_template(lm.template, msgs, True, lm.bos, lm.eos), add_special_tokens=False
     ).ids
-    tok = transformers.AutoTokenizer.from_pretrained(
-        str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name
-    )
+    tok = hf_gguf_tokenizer(smollm2_gguf)
     want_ids = tok.apply_chat_template(msgs, add_generation_prompt=True)
     want_ids = list(want_ids["input_ids"] if hasattr(want_ids, "keys") else want_ids)
     assert ids == want_ids
@@ -190,14 +187,5 @@ def test_chat_greedy_equals_transformers(smollm2_gguf, system):
     )
 
 
-_HF = {}
-
-
 def _hf(path):
-    import transformers
-
-    if path not in _HF:
-        _HF[path] = transformers.AutoModelForCausalLM.from_pretrained(
-            str(path.parent), gguf_file=path.name, dtype=torch.float32
-        ).eval()
-    return _HF[path]
+    return hf_gguf_model(path)
