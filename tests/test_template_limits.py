@@ -148,7 +148,7 @@ def test_a_template_cannot_hang(template, monkeypatch):
 def test_a_sort_too_long_for_the_clock_is_refused_before_it_starts(template):
     err, took = _refused(template)
     assert "MAX_TEMPLATE_SORT_ITEMS" in err.message, err.message
-    assert took < 1.0, f"took {took:.1f} s"
+    assert took < 1.5, f"took {took:.1f} s"  # the sort itself: 6.6 s
 
 
 def test_a_sort_of_real_size_renders_as_jinja2_does():

@@ -26,7 +26,11 @@ COMMANDS = {
     ),
     "runs": ("cmd_runs", "list runs with their losses, speed and status"),
     "plot": ("cmd_plot", "plot runs' train and validation loss curves to an image"),
-    "list": ("cmd_list", "list GGUF models (data/, runs' exports, DIRs) and runs (runs/)"),
+    "list": (
+        "cmd_list",
+        "list models and adapters (GGUF files, model and adapter directories in data/, "
+        "runs' exports, DIRs) and runs (runs/)",
+    ),
     "export": (
         "cmd_export",
         "export a run as GGUF (model or LoRA adapter), PEFT or mlx-lm adapter, or merged model",
