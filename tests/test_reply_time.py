@@ -2,9 +2,18 @@
 on one thread, `auto` picks float32 or packed by the expected work, and `toy infer`
 reports the time to its first token and its tokens/s."""
 
+import json
+import sys
+from pathlib import Path
+
+import pytest
 import torch
 
-from toy.models import layers
+sys.path.insert(0, str(Path(__file__).parent))
+from test_decode import quant_gguf  # noqa: E402,F401
+
+from toy.cli import cmd_infer  # noqa: E402
+from toy.models import decode, layers  # noqa: E402
 
 
 def test_one_tokens_attention_runs_on_one_thread_and_restores_the_count(monkeypatch):
@@ -33,3 +42,115 @@ def test_one_tokens_attention_runs_on_one_thread_and_restores_the_count(monkeypa
         assert torch.equal(got, want)
     finally:
         torch.set_num_threads(before)
+
+
+# ---------------------------------------------------------------- auto: float32 or packed
+
+SMOL = 538_000_000  # SmolLM2-135M's float32 bytes
+GB = 10**9
+
+
+@pytest.mark.parametrize(
+    "float32_bytes, tokens, cached, pays",
+    [
+        (SMOL, 43, True, False),  # the lead's 43-token reply: float32 is sooner
+        (SMOL, 100, True, True),  # 100 asked, compile cached: packed
+        (SMOL, 100, False, False),  # ... not cached: the compile does not pay
+        (SMOL, 600, False, True),  # long enough to repay the compile too
+        (SMOL, None, False, True),  # an interactive chat: many replies on one load
+        (10**6, 10_000, True, False),  # a tiny model: float32 tokens are already cheap
+        (28 * GB, 10, False, True),  # a 7B float32 copy: 2.4 s a token more
+        (28 * GB, 1, True, False),  # ... one token does not repay the start
+    ],
+)
+def test_pack_pays_by_the_expected_work(float32_bytes, tokens, cached, pays):
+    assert cmd_infer.pack_pays(float32_bytes, tokens, cached) is pays
+
+
+@pytest.mark.parametrize(
+    "requested, device, packed, tokens, cached, available, want",
+    [
+        ("auto", "cpu", SMOL // 6, 100, True, 8 * GB, "quantized"),
+        ("auto", "cpu", SMOL // 6, 40, True, 8 * GB, "float32"),
+        ("auto", "cpu", SMOL // 6, 100, False, 8 * GB, "float32"),
+        ("auto", "cpu", None, 1000, True, 8 * GB, "float32"),  # does not pack here
+        ("auto", "cpu", SMOL // 6, 40, True, SMOL // 2, "quantized"),  # float32 does not fit
+        ("auto", "cuda", SMOL // 6, 1000, True, 8 * GB, "bfloat16"),
+        ("float32", "cpu", SMOL // 6, 1000, True, 8 * GB, "float32"),  # asked: as asked
+        ("quantized", "cpu", SMOL // 6, 1, False, 8 * GB, "quantized"),
+    ],
+)
+def test_choose_base_dtype_weighs_packing(
+    requested, device, packed, tokens, cached, available, want
+):
+    got, note = cmd_infer.choose_base_dtype(
+        requested, device, SMOL, available, 0, packed, tokens, cached
+    )
+    assert got == want
+    assert bool(note) == (available < SMOL)  # a note only where memory decided
+
+
+def _report(out: str) -> dict:
+    lines = out.strip().splitlines()
+    assert len(lines) == 1, out  # one JSON object, the text inside it
+    return json.loads(lines[0])
+
+
+def test_infer_json_and_stderr_report_first_token_and_speed(
+    quant_gguf, toy_cli, monkeypatch, tmp_path
+):
+    """`--json` prints one object: the text, the tokens, the time to the first token and the
+    tokens/s after it, how the base was held and why; stderr ends with the same figures. The
+    compile is counted as cached once a packed run has built the steps (a marker beside
+    inductor's cache): with costs where only a cached compile pays, auto keeps float32 before
+    and packs after, with the same text."""
+    monkeypatch.setattr(decode, "_STEPS", {})  # this process's steps stay as other tests left them
+    monkeypatch.setattr(decode, "_KERNELS", {})
+    marker = tmp_path / "steps-marker"
+    monkeypatch.setattr(decode, "steps_marker", lambda key: marker)
+    monkeypatch.setattr(cmd_infer, "PACKED_EXTRA_S", 0.0)
+    monkeypatch.setattr(cmd_infer, "COMPILE_S", 1e9)
+    args = ["infer", "--model", quant_gguf, "--prompt", "ROMEO. What", "--temperature", "0"]
+    args += ["--max-new-tokens", "12"]
+    code, plain, err = toy_cli(*args)
+    assert code == 0, err
+    code, out, err = toy_cli(*args, "--json")
+    assert code == 0, err
+    r = _report(out)
+    assert r["text"] == plain.rstrip("\n") and r["text"].startswith("ROMEO. What")
+    assert r["tokens"] == 12
+    assert r["first_token_s"] > 0 and r["tokens_per_s"] > 0
+    assert r["base_dtype"] == "float32" and "not cached" in r["why"], r
+    speed = err.strip().splitlines()[-1]
+    assert speed.startswith("[12 tokens: first after ") and speed.endswith("tokens/s after it]")
+    assert not marker.exists()
+    code, out, err = toy_cli(*args, "--json", "--base-dtype", "quantized")  # builds the steps
+    assert code == 0 and marker.is_file(), err
+    assert _report(out)["base_dtype"] == "quantized (packed)"
+    code, out, err = toy_cli(*args, "--json")  # auto, the compile cached now
+    assert code == 0, err
+    r2 = _report(out)
+    assert r2["base_dtype"] == "quantized (packed)" and r2["why"].startswith("auto: packed")
+    assert r2["text"] == r["text"]
+
+
+def test_auto_choosing_packed_without_a_compiler_generates_in_float32(
+    quant_gguf, toy_cli, monkeypatch
+):
+    monkeypatch.setattr(cmd_infer, "pack_pays", lambda size, tokens, cached: True)
+    monkeypatch.setattr(decode, "compile_unavailable", lambda device: "no C++ compiler (test)")
+    args = ["infer", "--model", quant_gguf, "--prompt", "ROMEO. What", "--temperature", "0"]
+    args += ["--max-new-tokens", "12", "--json"]
+    code, out, err = toy_cli(*args)
+    assert code == 0, err
+    notes = [line for line in err.splitlines() if line.startswith("note:")]
+    assert len(notes) == 1 and "no C++ compiler (test)" in notes[0], err
+    r = _report(out)
+    assert r["base_dtype"] == "float32"
+    code, out, err = toy_cli(*args, "--base-dtype", "float32")
+    assert code == 0 and _report(out)["text"] == r["text"], err
+
+
+def test_json_needs_a_prompt_or_a_chat(quant_gguf, toy_cli):
+    code, out, err = toy_cli("infer", "--model", quant_gguf, "--json")
+    assert code == 2 and "--json needs --prompt" in err and not out

@@ -36,8 +36,10 @@ from __future__ import annotations
 
 import mmap
 import os
+import re
 import shutil
 import sys
+from pathlib import Path
 
 import torch
 
@@ -645,6 +647,35 @@ def compile_steps(model: torch.nn.Module, note=None) -> int:
         if not isinstance(block.__dict__.get("forward"), _StepForward):
             block.forward = _StepForward(block, block.forward, notes)
     return len(blocks)
+
+
+def steps_marker(key: str) -> Path:
+    """A file that says this machine has compiled the steps of the model `key` names (a GGUF's
+    packed-cache key): kept in inductor's own cache folder (found as inductor finds it, without
+    importing it), so that it goes when that cache goes. `toy infer`'s auto reads it to know
+    whether packing costs a compile (~20 s) or a load from the cache (a few seconds)."""
+    import getpass
+    import tempfile
+
+    root = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if not root:
+        try:
+            user = getpass.getuser()
+        except (KeyError, ModuleNotFoundError, OSError):
+            user = f"uid_{os.getuid()}" if hasattr(os, "getuid") else "unknown_user"
+        root = os.path.join(
+            tempfile.gettempdir(), "torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", user)
+        )
+    return Path(root) / "toy-steps" / f"{key}-torch-{torch.__version__}"
+
+
+def mark_steps(marker: Path) -> None:
+    """Write the marker of steps_marker; best effort (a read-only folder is left alone)."""
+    try:
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.touch()
+    except OSError:
+        pass
 
 
 def has_steps(model: torch.nn.Module) -> bool:
