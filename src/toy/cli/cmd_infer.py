@@ -609,6 +609,8 @@ def load_base_lm(
         # The products on the codes and each block's step for one token are compiled on first
         # use: about 20 s the first time on a machine, a few seconds once inductor has them cached.
         lm.held, lm.steps_marker = "quantized (packed)", marker
+        if marker is not None and marker.is_file():
+            decode.trust_isa()  # built here before: inductor's per-process ISA probe is skipped
         if model_path.is_file():  # a GGUF: packed once, then read from toy's cache
             packed_cache.pack(model, model_path)
         else:

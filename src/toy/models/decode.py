@@ -204,6 +204,18 @@ def _matvec8(x, words, s, z):
 # where mul + add round twice: still the same sums, tests hold them to 1e-5); no size asserts
 # on every call (each kernel and step is looked up by its inputs' exact shapes and strides).
 _INDUCTOR = {"cpp.enable_floating_point_contract_flag": "fast", "size_asserts": False}
+# Inductor checks which vector instruction sets the compiler can build and load, in every
+# process, by building a probe and loading it in a child Python per set: 1.85 s of a 7.9 s
+# warm-up on the loaded 2-core Zen 4, most of it waiting for the children. Where this
+# machine has built these steps before (steps_marker), the check has passed here: trust_isa()
+# skips it (cpp.vec_isa_ok; a compiler changed since fails to build and falls back, as any).
+_TRUST_ISA = False
+_ISA_OK = {False: {}, True: {"cpp.vec_isa_ok": True}}
+
+
+def trust_isa() -> None:
+    global _TRUST_ISA
+    _TRUST_ISA = True
 
 
 _KERNELS: dict[tuple, object] = {}
@@ -243,7 +255,7 @@ def _compile(graph, inputs: list[torch.Tensor]):
     # Under a tracing context with a shape environment, as torch.compile's own calls are:
     # without one inductor bypasses its on-disk cache and compiles again in every process.
     with (
-        torch._inductor.config.patch(_INDUCTOR),
+        torch._inductor.config.patch({**_INDUCTOR, **_ISA_OK[_TRUST_ISA]}),
         tracing(TracingContext(FakeTensorMode(shape_env=ShapeEnv()))),
     ):
         compiled = torch._inductor.compile(graph, inputs)
