@@ -154,3 +154,35 @@ def test_auto_choosing_packed_without_a_compiler_generates_in_float32(
 def test_json_needs_a_prompt_or_a_chat(quant_gguf, toy_cli):
     code, out, err = toy_cli("infer", "--model", quant_gguf, "--json")
     assert code == 2 and "--json needs --prompt" in err and not out
+
+
+# ---------------------------------------------------------------- float32 without a second read
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_gguf_dequantized_from_its_probe_is_the_files_float_read(quant_gguf, dtype):
+    """held_as dequantizes the probe (read as stored) instead of reading the file again: the
+    same tensors, bit for bit and dtype for dtype, as read_base(path, dtype)."""
+    from toy.formats.base_readers import read_base
+
+    probe = read_base(quant_gguf, "quantized")
+    got = cmd_infer.held_as(probe, Path(quant_gguf), dtype)
+    want = read_base(quant_gguf, dtype)
+    assert got.base_dtype == dtype and sorted(got.state_dict) == sorted(want.state_dict)
+    for name, t in want.state_dict.items():
+        assert got.state_dict[name].dtype == t.dtype, name
+        assert torch.equal(got.state_dict[name], t), name
+    assert got.tokenizer is probe.tokenizer  # built once
+
+
+def test_float32_infer_parses_the_gguf_header_once(quant_gguf, toy_cli, monkeypatch):
+    from toy.formats import gguf
+
+    calls = []
+    real = gguf.read_gguf_header
+    monkeypatch.setattr(gguf, "read_gguf_header", lambda *a: calls.append(a) or real(*a))
+    args = ["infer", "--model", quant_gguf, "--prompt", "ROMEO. What", "--temperature", "0"]
+    code, out, err = toy_cli(*args, "--max-new-tokens", "8", "--base-dtype", "float32")
+    assert code == 0, err
+    assert len(calls) == 1
+    assert out.startswith("ROMEO. What") and len(out) > len("ROMEO. What")
