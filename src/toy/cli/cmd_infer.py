@@ -17,9 +17,18 @@ from toy.models.generate import generate
 from toy.tokenizer import encode_prompt, eos_id
 
 INFER_BASE_DTYPES = ("auto", "quantized", "bfloat16", "float32")
-# New tokens after which the packed kernels' and steps' compile (a few seconds once cached)
-# has paid.
-PACK_PAYS = 256
+# auto on a cpu holds a packed GGUF (models/decode.py) or a float32 copy by the expected wait
+# of this run (pack_pays). Measured on a 2-core AMD Zen 4 (avx512_bf16), SmolLM2-135M Q4_1,
+# 2 threads, quiet (the lead, 2026-11-25): a float32 token reads every weight, 14-16 tokens/s
+# for its 0.54 GB (0.124 s a token per GB of float32 weights); the packed codes give 46-48
+# tokens/s (3.1x); before the first token the packed path waits about 3 s longer than float32
+# (first token 6.0-7.3 s against 3.2-3.7 s: inductor imported, the compiled steps traced and
+# loaded from its cache, a prefill on dequantized codes; float32 dequantizes once instead),
+# and about 20 s longer the first time on a machine (the compile itself, docs/performance.md).
+F32_TOKEN_S_PER_GB = 0.124
+PACKED_SPEEDUP = 3.1
+PACKED_EXTRA_S = 3.0
+COMPILE_S = 20.0
 # auto holds a float32 copy (and the KV cache) only where they take at most this share of
 # free memory
 FIT = 0.8
@@ -121,8 +130,10 @@ def add_parser(sub) -> None:
         "fastest and smallest there, after a compile on first use (~20 s the first time on a "
         "machine, a few seconds once cached); else each layer "
         "is dequantized as it runs: the least memory, slower per token) (default auto: bfloat16 on "
-        "cuda; on cpu quantized where the blocks pack and the generation is long (--chat, or "
-        f"--max-new-tokens {PACK_PAYS} or more), else float32 where it and the KV cache fit in "
+        "cuda; on cpu quantized where the blocks pack and the expected wait is shorter packed "
+        "(the tokens asked for, whether the compile is cached on this machine, measured costs: "
+        "SmolLM2-135M packs from about 70 new tokens once compiled, from about 510 before; an "
+        "interactive chat always), else float32 where it and the KV cache fit in "
         f"{FIT * 100:.0f}%% of the available memory (the smaller of MemAvailable and what a "
         "container's cgroup memory limit leaves), else quantized)",
     )  # %%: argparse formats help
@@ -135,6 +146,13 @@ def add_parser(sub) -> None:
         "exit 2); "
         "packed codes always compute in float32 (default auto: bf16 on cuda, float32 on a cpu, "
         "where bf16 changed SmolLM2's greedy text from its 15th token)",
+    )
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="with --prompt or --chat: print one JSON object at the end (the text, the tokens, "
+        "the time to the first token and the tokens/s after it, how the base was held and why) "
+        "instead of streaming the text",
     )
     p.add_argument(
         "--image",
@@ -168,20 +186,28 @@ def run(args) -> int:
             raise UsageError("--chat -: stdin held no message; pipe the message in, or give it")
     if args.adapter and not (args.model or args.run):
         raise UsageError("--adapter needs --model BASE.gguf")
+    if getattr(args, "json", False) and args.prompt is None and args.chat is None:
+        raise UsageError("--json needs --prompt TEXT or --chat MESSAGE (not an interactive chat)")
     device = resolve_device(args.device)
     args.precision = infer_precision(args, device)
     lm = load_lm(args, device)
     if args.prompt is not None:
-        return continue_text(lm, args)
-    if lm.template is None:
+        code = continue_text(lm, args)
+    elif lm.template is None:
         raise UsageError(
             f"{lm.source}: {lm.no_template or 'has no chat template'}; use --prompt TEXT to "
             "continue raw text"
         )
-    if args.chat is not None:
+    elif args.chat is not None:
         chat_turn(lm, args, [*_system(args), {"role": "user", "content": args.chat}])
-        return 0
-    return interactive(lm, args)
+        code = 0
+    else:
+        return interactive(lm, args)
+    if getattr(args, "json", False):
+        import json
+
+        print(json.dumps(lm.report))
+    return code
 
 
 def infer_precision(args, device) -> str:
@@ -226,6 +252,9 @@ class LM:
         self.model, self.tok, self.template, self.bos, self.eos = model, tok, template, bos, eos
         self.stop, self.source, self.no_template = set(stop), source, no_template
         self.limit = limit or getattr(getattr(model, "cfg", None), "max_seq_len", 2048)
+        self.held, self.why = "", ""  # how the base is held for generation, and why (auto)
+        self.steps_marker = None  # a file written once the compiled steps are built (decode)
+        self.report: dict = {}  # the last reply: its text, tokens and times (--json)
 
 
 def load_lm(args, device) -> LM:
@@ -257,7 +286,7 @@ def load_lm(args, device) -> LM:
                 device,
                 getattr(args, "base_dtype", "auto"),
                 plan,
-                _long(args),
+                _tokens(args),
                 getattr(args, "precision", "float32"),
             )
         if args.model:
@@ -284,14 +313,17 @@ def load_lm(args, device) -> LM:
         device,
         getattr(args, "base_dtype", "auto"),
         plan,
-        _long(args),
+        _tokens(args),
         getattr(args, "precision", "float32"),
     )
 
 
-def _long(args) -> bool:
-    """A generation long enough for auto to pack a quantized base: a chat, or many tokens."""
-    return args.chat is not None or args.max_new_tokens >= PACK_PAYS
+def _tokens(args) -> int | None:
+    """The new tokens this run asks for (what auto weighs packing against); None for an
+    interactive chat (many replies share one load)."""
+    if args.prompt is None and args.chat is None:
+        return None
+    return args.max_new_tokens
 
 
 def _round_up(n: int, chunk: int) -> int:
@@ -400,6 +432,18 @@ def _headroom(limit_file: Path, usage_file: Path) -> int | None:
     return max(0, limit - usage)
 
 
+def pack_pays(float32_bytes: int, tokens: int | None, steps_cached: bool) -> bool:
+    """Whether generating `tokens` new tokens packed (models/decode.py) ends sooner than in
+    float32: the seconds a packed token saves (float32 reads all of its weights every token,
+    the codes 3.1x faster) against what the packed path costs more before its first token
+    (and its compile, where this machine has not compiled it yet). The measured costs: see
+    PACKED_EXTRA_S. None tokens: an interactive chat, many replies on one load: it pays."""
+    if tokens is None:
+        return True
+    per_token = F32_TOKEN_S_PER_GB * float32_bytes / 1e9 * (1 - 1 / PACKED_SPEEDUP)
+    return tokens * per_token > PACKED_EXTRA_S + (0.0 if steps_cached else COMPILE_S)
+
+
 def choose_base_dtype(
     requested: str,
     device_type: str,
@@ -407,21 +451,24 @@ def choose_base_dtype(
     available: int | None,
     cache_bytes: int = 0,
     packed_bytes: int | None = None,
+    tokens: int | None = None,
+    steps_cached: bool = True,
 ) -> tuple[str, str]:
     """The --base-dtype to load a GGUF with, and a note when auto chose to save memory.
     `cache_bytes`: the KV cache the generation needs, counted beside the weights;
     `packed_bytes`: what the weights take packed for generation (models/decode.py), None
-    where they cannot be (not a block type it packs, no compiler, not the cpu) or where the
-    generation is too short for the kernels' compile to pay (see _long)."""
+    where they cannot be (not a block type it packs, no compiler, not the cpu); packed is
+    chosen where it is smaller and pack_pays(tokens, steps_cached) says it ends sooner."""
     if requested != "auto":
         return requested, ""
     if device_type == "cuda":
         return "bfloat16", ""
-    if packed_bytes is not None and packed_bytes < float32_bytes:
-        return (
-            "quantized",
-            "",
-        )  # packed: about twice float32's speed per token on a cpu, and smaller
+    if (
+        packed_bytes is not None
+        and packed_bytes < float32_bytes
+        and pack_pays(float32_bytes, tokens, steps_cached)
+    ):
+        return "quantized", ""
     if available is None or float32_bytes + cache_bytes <= FIT * available:
         return "float32", ""
     what = f"a float32 copy ({human_size(float32_bytes)})"
@@ -500,17 +547,18 @@ def load_base_lm(
     device,
     base_dtype: str = "auto",
     cache_tokens=None,
-    long: bool = False,
+    tokens: int | None = 0,
     precision: str = "float32",
 ) -> LM:
     """A base (a GGUF, a transformers or MLX directory) and adapter, ready to generate.
     `cache_tokens(lm)`, given the LM before its weights load (tokenizer and template ready,
     model None), says how many KV cache positions the generation needs: --base-dtype auto
-    counts them beside the weights. `long`: a chat or a long generation, where auto packs
-    a quantized base (models/decode.py) rather than dequantizing it to float32."""
+    counts them beside the weights. `tokens`: the new tokens asked for (None: an interactive
+    chat), what auto weighs packing a quantized base (models/decode.py) against."""
     import torch
 
     from toy.data.chat import resolve_chat_template
+    from toy.formats import packed_cache
     from toy.formats.base_readers import read_base
     from toy.formats.peft import load_peft_adapter
     from toy.lora import apply_lora, load_lora_state_dict, merge_lora
@@ -551,33 +599,48 @@ def load_base_lm(
     # (a 7B Q4 file is 4 GB, its float32 copy 28 GB), the KV cache counted with them.
     cache = kv_cache_bytes(cfg, cache_tokens(lm)) if cache_tokens is not None else 0
     packed = decode.base_packed_bytes(probe.state_dict, torch.device(device))
-    why_not = decode.compile_unavailable(torch.device(device)) if packed is not None else None
-    if why_not:  # compiling is a speed lever, never a requirement
-        if long or base_dtype == "quantized":
-            held = (
-                "each layer dequantized as it runs"
-                if base_dtype == "quantized"
-                else "float32 where it fits"
-            )
-            print(
-                f"note: {why_not}; generating without compiled kernels ({held}: the same text, "
-                "slower per token)",
-                file=sys.stderr,
-            )
-        packed = None
-    dtype, note = choose_base_dtype(
-        base_dtype,
-        torch.device(device).type,
-        probe.float32_bytes(),
-        available_memory(),
-        cache,
-        packed if long else None,
-    )
+    marker = None
+    if packed is not None and model_path.is_file():  # a GGUF: its compiled steps are marked
+        marker = decode.steps_marker(packed_cache.path_for(model_path).stem)
+    cached = marker is None or marker.is_file()
+    want = [base_dtype, torch.device(device).type, probe.float32_bytes(), available_memory()]
+    want += [cache, packed, tokens, cached]
+    dtype, note = choose_base_dtype(*want)
+    # The compiler is looked for only where the packed form is to be used (the look imports
+    # torch's compiler stack, about a second a float32 reply does not need).
+    why_not = decode.compile_unavailable(torch.device(device)) if dtype == "quantized" else None
+    if why_not and packed is not None:  # compiling is a speed lever, never a requirement
+        held = (
+            "each layer dequantized as it runs"
+            if base_dtype == "quantized"
+            else "float32 where it fits"
+        )
+        print(
+            f"note: {why_not}; generating without compiled kernels ({held}: the same text, "
+            "slower per token)",
+            file=sys.stderr,
+        )
+        packed = want[5] = None
+        dtype, note = choose_base_dtype(*want)
     if note:
         print(f"note: {note}", file=sys.stderr)
     if dtype == "float32" and precision == "bf16":
         dtype = "bfloat16"
-    base = probe if dtype == "quantized" else read_base(model_path, dtype)
+    lm.held, lm.why = dtype, note
+    if not note and base_dtype == "auto" and torch.device(device).type == "cpu":
+        if packed is None:
+            lm.why = "auto: float32, the base does not pack for generation here"
+        elif dtype == "quantized":
+            lm.why = (
+                "auto: packed, an interactive chat"
+                if tokens is None
+                else f"auto: packed, shorter expected wait for {tokens} new tokens"
+            )
+        else:
+            lm.why = f"auto: float32, {tokens} new tokens do not repay packing" + (
+                "" if cached else " (its compile is not cached on this machine yet)"
+            )
+    base = held_as(probe, model_path, dtype)
     model = base.build_model(device)
     if adapter is not None:
         sd, acfg = (
@@ -595,8 +658,9 @@ def load_base_lm(
     ):  # asked for, or chosen by auto (see choose_base_dtype)
         # The products on the codes and each block's step for one token are compiled on first
         # use: about 20 s the first time on a machine, a few seconds once inductor has them cached.
-        from toy.formats import packed_cache
-
+        lm.held, lm.steps_marker = "quantized (packed)", marker
+        if marker is not None and marker.is_file():
+            decode.trust_isa()  # built here before: inductor's per-process ISA probe is skipped
         if model_path.is_file():  # a GGUF: packed once, then read from toy's cache
             packed_cache.pack(model, model_path)
         else:
@@ -612,6 +676,36 @@ def load_base_lm(
         )
     lm.model = model.eval()
     return lm
+
+
+def held_as(probe, model_path: Path, dtype: str):
+    """The base `probe` (read as stored) held as `dtype` asks. A GGUF's blocks are dequantized
+    from the probe, with the dequantization and row order read_gguf's float path uses (the
+    same bits, tested), rather than read again: its header parsed and its tokenizer built
+    from 49k merges a second time took ~0.25 s of a float32 reply (loaded 2-core Zen 4)."""
+    import dataclasses
+
+    import torch
+
+    from toy.formats.base import QuantTensor
+    from toy.formats.base_readers import read_base
+    from toy.models.quant import QuantSpec
+
+    if dtype == "quantized":
+        return probe
+    quant = [t for t in probe.state_dict.values() if isinstance(t, QuantTensor)]
+    if probe.kind != "gguf" or dtype not in ("float32", "bfloat16"):
+        return read_base(model_path, dtype)
+    if any(not isinstance(t.spec, QuantSpec) for t in quant):
+        return read_base(model_path, dtype)
+    sd = {}
+    for name, t in probe.state_dict.items():
+        if isinstance(t, QuantTensor):
+            t = t.spec.dequantize(t.parts)
+        if dtype == "bfloat16" and t.dim() == 2:  # the norms stay float32, as read_gguf's
+            t = t.to(torch.bfloat16)
+        sd[name] = t.contiguous()
+    return dataclasses.replace(probe, state_dict=sd, base_dtype=dtype, notes=[])
 
 
 def stream(lm: LM, ids: list[int], args, cache=None, echo: str = "") -> list[int]:
@@ -637,7 +731,10 @@ def stream(lm: LM, ids: list[int], args, cache=None, echo: str = "") -> list[int
     if cache is not None:
         first = cache.pos + fed
         decode.warm_steps(lm.model, cache.max_len, first, first + args.max_new_tokens - 1)
-    if echo:
+        if lm.steps_marker is not None and decode.compile_failed is None:
+            decode.mark_steps(lm.steps_marker)  # auto may count on the cached compile now
+    quiet = getattr(args, "json", False)  # the text goes into the JSON object instead
+    if echo and not quiet:
         out.write(echo)
         out.flush()
     t0 = time.perf_counter()
@@ -660,13 +757,14 @@ def stream(lm: LM, ids: list[int], args, cache=None, echo: str = "") -> list[int
         # Decode the whole continuation each time: a byte-level token may be half a
         # UTF-8 character, so print only the settled text.
         text = lm.tok.decode(new)
-        if not text.endswith("\ufffd"):
+        if not text.endswith("\ufffd") and not quiet:
             out.write(text[len(shown) :])
             out.flush()
             shown = text
     end = time.perf_counter()
-    out.write("\n")
-    out.flush()
+    if not quiet:
+        out.write("\n")
+        out.flush()
     if cache is None and new and len(new) < args.max_new_tokens and held >= lm.limit:
         print(
             f"[cut at {len(new)} new tokens: the model's context of {lm.limit} tokens is full "
@@ -674,6 +772,20 @@ def stream(lm: LM, ids: list[int], args, cache=None, echo: str = "") -> list[int
             file=sys.stderr,
         )
     print(_speed_line(len(new), t0, t1, end), file=sys.stderr, flush=True)
+    since = _process_age()
+    lm.report = {
+        "text": echo + lm.tok.decode(new),
+        "tokens": len(new),
+        "first_token_s": None if t1 is None else round(t1 - t0, 4),
+        "first_token_since_command_s": (
+            None if t1 is None or since is None else round(since - (end - t1), 4)
+        ),
+        "tokens_per_s": (
+            round((len(new) - 1) / max(end - t1, 1e-9), 2) if t1 is not None and new[1:] else None
+        ),
+        "base_dtype": lm.held,
+        "why": lm.why,
+    }
     return new
 
 

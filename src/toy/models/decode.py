@@ -36,8 +36,10 @@ from __future__ import annotations
 
 import mmap
 import os
+import re
 import shutil
 import sys
+from pathlib import Path
 
 import torch
 
@@ -202,6 +204,18 @@ def _matvec8(x, words, s, z):
 # where mul + add round twice: still the same sums, tests hold them to 1e-5); no size asserts
 # on every call (each kernel and step is looked up by its inputs' exact shapes and strides).
 _INDUCTOR = {"cpp.enable_floating_point_contract_flag": "fast", "size_asserts": False}
+# Inductor checks which vector instruction sets the compiler can build and load, in every
+# process, by building a probe and loading it in a child Python per set: 1.85 s of a 7.9 s
+# warm-up on the loaded 2-core Zen 4, most of it waiting for the children. Where this
+# machine has built these steps before (steps_marker), the check has passed here: trust_isa()
+# skips it (cpp.vec_isa_ok; a compiler changed since fails to build and falls back, as any).
+_TRUST_ISA = False
+_ISA_OK = {False: {}, True: {"cpp.vec_isa_ok": True}}
+
+
+def trust_isa() -> None:
+    global _TRUST_ISA
+    _TRUST_ISA = True
 
 
 _KERNELS: dict[tuple, object] = {}
@@ -241,7 +255,7 @@ def _compile(graph, inputs: list[torch.Tensor]):
     # Under a tracing context with a shape environment, as torch.compile's own calls are:
     # without one inductor bypasses its on-disk cache and compiles again in every process.
     with (
-        torch._inductor.config.patch(_INDUCTOR),
+        torch._inductor.config.patch({**_INDUCTOR, **_ISA_OK[_TRUST_ISA]}),
         tracing(TracingContext(FakeTensorMode(shape_env=ShapeEnv()))),
     ):
         compiled = torch._inductor.compile(graph, inputs)
@@ -645,6 +659,35 @@ def compile_steps(model: torch.nn.Module, note=None) -> int:
         if not isinstance(block.__dict__.get("forward"), _StepForward):
             block.forward = _StepForward(block, block.forward, notes)
     return len(blocks)
+
+
+def steps_marker(key: str) -> Path:
+    """A file that says this machine has compiled the steps of the model `key` names (a GGUF's
+    packed-cache key): kept in inductor's own cache folder (found as inductor finds it, without
+    importing it), so that it goes when that cache goes. `toy infer`'s auto reads it to know
+    whether packing costs a compile (~20 s) or a load from the cache (a few seconds)."""
+    import getpass
+    import tempfile
+
+    root = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if not root:
+        try:
+            user = getpass.getuser()
+        except (KeyError, ModuleNotFoundError, OSError):
+            user = f"uid_{os.getuid()}" if hasattr(os, "getuid") else "unknown_user"
+        root = os.path.join(
+            tempfile.gettempdir(), "torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", user)
+        )
+    return Path(root) / "toy-steps" / f"{key}-torch-{torch.__version__}"
+
+
+def mark_steps(marker: Path) -> None:
+    """Write the marker of steps_marker; best effort (a read-only folder is left alone)."""
+    try:
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.touch()
+    except OSError:
+        pass
 
 
 def has_steps(model: torch.nn.Module) -> bool:
