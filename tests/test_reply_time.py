@@ -59,7 +59,7 @@ GB = 10**9
         (SMOL, 600, False, True),  # long enough to repay the compile too
         (SMOL, None, False, True),  # an interactive chat: many replies on one load
         (10**6, 10_000, True, False),  # a tiny model: float32 tokens are already cheap
-        (28 * GB, 10, False, True),  # a 7B float32 copy: 2.4 s a token more
+        (28 * GB, 12, False, True),  # a 7B float32 copy: 2.2 s a token more
         (28 * GB, 1, True, False),  # ... one token does not repay the start
     ],
 )

@@ -19,15 +19,17 @@ from toy.tokenizer import encode_prompt, eos_id
 INFER_BASE_DTYPES = ("auto", "quantized", "bfloat16", "float32")
 # auto on a cpu holds a packed GGUF (models/decode.py) or a float32 copy by the expected wait
 # of this run (pack_pays). Measured on a 2-core AMD Zen 4 (avx512_bf16), SmolLM2-135M Q4_1,
-# 2 threads, quiet (the lead, 2026-11-25): a float32 token reads every weight, 14-16 tokens/s
-# for its 0.54 GB (0.124 s a token per GB of float32 weights); the packed codes give 46-48
-# tokens/s (3.1x); before the first token the packed path waits about 3 s longer than float32
-# (first token 6.0-7.3 s against 3.2-3.7 s: inductor imported, the compiled steps traced and
+# 2 threads, quiet (the lead, 2026-11-25, after the reply-time cuts; SmolLM2 Q4_1, a chat
+# of 43 tokens, two runs each): a float32 token reads every weight, 15.1-15.3 tokens/s for
+# its 0.54 GB (0.122 s a token per GB of float32 weights); the packed codes give 43.7-44.1
+# tokens/s (2.9x); before the first token the packed path waits 3.3-4.4 s longer than float32
+# (first token 5.4-6.9 s against 2.2-2.5 s: inductor imported, the compiled steps traced and
 # loaded from its cache, a prefill on dequantized codes; float32 dequantizes once instead),
 # and about 20 s longer the first time on a machine (the compile itself, docs/performance.md).
-F32_TOKEN_S_PER_GB = 0.124
-PACKED_SPEEDUP = 3.1
-PACKED_EXTRA_S = 3.0
+# For SmolLM2 packing pays from about 90 new tokens asked for.
+F32_TOKEN_S_PER_GB = 0.122
+PACKED_SPEEDUP = 2.9
+PACKED_EXTRA_S = 3.8
 COMPILE_S = 20.0
 # auto holds a float32 copy (and the KV cache) only where they take at most this share of
 # free memory
@@ -132,7 +134,7 @@ def add_parser(sub) -> None:
         "is dequantized as it runs: the least memory, slower per token) (default auto: bfloat16 on "
         "cuda; on cpu quantized where the blocks pack and the expected wait is shorter packed "
         "(the tokens asked for, whether the compile is cached on this machine, measured costs: "
-        "SmolLM2-135M packs from about 70 new tokens once compiled, from about 510 before; an "
+        "SmolLM2-135M packs from about 90 new tokens once compiled, from about 550 before; an "
         "interactive chat always), else float32 where it and the KV cache fit in "
         f"{FIT * 100:.0f}%% of the available memory (the smaller of MemAvailable and what a "
         "container's cgroup memory limit leaves), else quantized)",
@@ -435,7 +437,7 @@ def _headroom(limit_file: Path, usage_file: Path) -> int | None:
 def pack_pays(float32_bytes: int, tokens: int | None, steps_cached: bool) -> bool:
     """Whether generating `tokens` new tokens packed (models/decode.py) ends sooner than in
     float32: the seconds a packed token saves (float32 reads all of its weights every token,
-    the codes 3.1x faster) against what the packed path costs more before its first token
+    the codes PACKED_SPEEDUP faster) against what the packed path costs more before its first token
     (and its compile, where this machine has not compiled it yet). The measured costs: see
     PACKED_EXTRA_S. None tokens: an interactive chat, many replies on one load: it pays."""
     if tokens is None:
