@@ -15,7 +15,7 @@ ROOT=$(cd "$(dirname "$0")/.." && pwd)
 TOY=${TOY:-$ROOT/.venv/bin/toy}
 PY=${PY:-$ROOT/.venv/bin/python}
 STEPS=${NEWCOMER_STEPS:-12}
-LORA_STEPS=${NEWCOMER_LORA_STEPS:-6}
+LORA_STEPS=${NEWCOMER_LORA_STEPS:-4}
 DIR_STEPS=${NEWCOMER_DIR_STEPS:-2}
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/toy-newcomer.XXXXXX")
 [ -n "${NEWCOMER_KEEP:-}" ] || trap 'rm -rf "$WORK"' EXIT
