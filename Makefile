@@ -21,12 +21,16 @@ demo: $(STAMP)
 # Two workers of one torch thread each (tests/conftest.py): on 2 cores the suite takes
 # about 10 minutes instead of 13, every test as it is. --dist loadscope: a module's tests
 # run on one worker, so its module-scoped fixtures (a real model's LoRA run, a transformers
-# load) are made once, not once a worker as under the default --dist load.
+# load) are made once, not once a worker as under the default --dist load;
+# --no-loadscope-reorder keeps the collection order (tests/conftest.py puts the longest
+# tests first) where xdist would sort modules by their number of tests and start the
+# one-test walks last.
+XDIST   := -n 2 --dist loadscope --no-loadscope-reorder
 test: $(STAMP)
-	$(VPY) -m pytest -n 2 --dist loadscope
+	$(VPY) -m pytest $(XDIST)
 
 test-fast: $(STAMP)
-	$(VPY) -m pytest -n 2 --dist loadscope -m "not slow"
+	$(VPY) -m pytest $(XDIST) -m "not slow"
 
 smollm2: $(STAMP)
 	PYTHON=$(VPY) bash scripts/get-smollm2.sh .
