@@ -14,7 +14,7 @@ set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 TOY=${TOY:-$ROOT/.venv/bin/toy}
 PY=${PY:-$ROOT/.venv/bin/python}
-STEPS=${NEWCOMER_STEPS:-12}
+STEPS=${NEWCOMER_STEPS:-10}
 LORA_STEPS=${NEWCOMER_LORA_STEPS:-4}
 DIR_STEPS=${NEWCOMER_DIR_STEPS:-2}
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/toy-newcomer.XXXXXX")

@@ -102,7 +102,7 @@ def lora_run(gemma3_gguf, tmp_path_factory):
             "--val-data",
             str(d / "val.jsonl"),
             "--steps",
-            "8",
+            "5",
             "--seq-len",
             "160",
             "--batch-size",

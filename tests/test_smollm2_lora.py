@@ -41,7 +41,7 @@ def lora_run(smollm2_gguf, tmp_path_factory):
             "--val-data",
             str(d / "val.jsonl"),
             "--steps",
-            "10",
+            "6",
             "--seq-len",
             "192",
             "--batch-size",
