@@ -227,7 +227,7 @@ def fetch(m: Known, out_dir: Path) -> tuple[Path, str]:
     if _in_the_way(target, m):  # refused before any download
         raise UsageError(f"{target} exists and is not {m.cached}; move it away or pass --out DIR")
     cached, how = _cached(m)
-    _link(cached, target, m)
+    _link(cached, target)
     return target, how
 
 
@@ -267,19 +267,7 @@ def fetch_dir(m: Known, kind: str, out_dir: Path) -> tuple[Path, Path, str]:
         how += f"; {kind} directory made from it"
     else:
         how += f"; {kind} directory already made"
-    if not target.exists():
-        if target.is_symlink():
-            target.unlink()  # dangling
-        try:
-            target.parent.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise UsageError(
-                f"--out {target.parent}: cannot create it ({e.strerror}); pass a writable --out DIR"
-            )
-        try:
-            target.symlink_to(made.resolve(), target_is_directory=True)
-        except OSError:
-            shutil.copytree(made, target)
+    _link(made, target)
     return target, made, how
 
 
@@ -415,9 +403,9 @@ def _in_the_way(target: Path, m: Known) -> bool:
     return not (target.is_file() and target.stat().st_size == m.size and sha256(target) == m.sha256)
 
 
-def _link(cached: Path, target: Path, m: Known) -> None:
-    """target -> cached as a symlink (a copy where links cannot be made); a copy of the
-    model already at `target` is kept as it is."""
+def _link(cached: Path, target: Path) -> None:
+    """target -> cached (a GGUF file or a made directory) as a symlink, a copy where links
+    cannot be made; a copy of the model already at `target` is kept as it is."""
     want = cached.resolve()
     if target.is_symlink():
         if target.resolve() == want:
@@ -432,9 +420,9 @@ def _link(cached: Path, target: Path, m: Known) -> None:
             f"--out {target.parent}: cannot create it ({e.strerror}); pass a writable --out DIR"
         )
     try:
-        target.symlink_to(want)
+        target.symlink_to(want, target_is_directory=want.is_dir())
     except OSError:
-        shutil.copyfile(want, target)
+        (shutil.copytree if want.is_dir() else shutil.copyfile)(want, target)
 
 
 def main(argv: list[str] | None = None) -> int:
