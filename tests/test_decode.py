@@ -311,6 +311,8 @@ def test_infer_precision_flag(quant_gguf, toy_cli, monkeypatch):
     args = ["infer", "--model", quant_gguf, "--prompt", "ROMEO. What", "--temperature", "0"]
     args += ["--max-new-tokens", "10"]
     monkeypatch.setattr(device_mod, "cpu_bf16_units", lambda: "avx512_bf16")
+    for var in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA"):  # a cap would refuse bf16
+        monkeypatch.delenv(var, raising=False)
     code, out, err = toy_cli(*args, "--precision", "bf16")
     assert code == 0 and held[-1] == "bfloat16" and len(out.strip()) > 11, err
     code, out, err = toy_cli(*args)  # auto

@@ -13,12 +13,14 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gguf_fixtures import tiny_model, write_llama_gguf  # noqa: E402
 
 from toy.data.dialogue import conversations, write_jsonl  # noqa: E402
 from toy.data.prep import bundled_text_paths  # noqa: E402
+from toy.errors import UsageError  # noqa: E402
 from toy.tokenizer import train_bpe  # noqa: E402
 from toy.train import device as device_mod  # noqa: E402
 
@@ -36,7 +38,11 @@ def corpus(tmp_path_factory):
 
 
 def units(monkeypatch, unit: str | None) -> None:
+    """Pretend the CPU has (or lacks) these bf16 units; a cap on the kernels in the
+    environment (bench --isa avx2's variables) would override the pretence: dropped."""
     monkeypatch.setattr(device_mod, "cpu_bf16_units", lambda: unit)
+    for var in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA"):
+        monkeypatch.delenv(var, raising=False)
 
 
 def scratch(toy_cli, corpus, out, *extra):
@@ -222,3 +228,31 @@ def test_bf16_and_float32_reach_held_out_losses_within_1_percent(
     b, f = val["bf16"], val["float32"]
     assert f < first * 0.95, (recipe, first, f)  # the run learned something to compare
     assert abs(b - f) <= 0.01 * f, (recipe, b, f)
+
+
+@pytest.mark.parametrize(
+    "var, value",
+    [
+        ("ATEN_CPU_CAPABILITY", "avx2"),
+        ("ONEDNN_MAX_CPU_ISA", "AVX2"),
+        ("ONEDNN_MAX_CPU_ISA", "AVX512_CORE"),
+    ],
+)
+def test_kernels_held_below_bf16_count_as_no_units(monkeypatch, var, value):
+    """bench --isa avx2 and a user's own cap: the units are there, their code is not run."""
+    for v in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA"):
+        monkeypatch.delenv(v, raising=False)
+    monkeypatch.setenv(var, value)
+    assert device_mod.cpu_bf16_units() is None
+    p = device_mod.resolve_precision("auto", torch.device("cpu"))
+    assert (
+        p.name == "float32" and f"{var}={value.upper() if 'ONEDNN' in var else value}" in p.reason
+    )
+    with pytest.raises(UsageError, match=f"{var}=.*--precision float32"):
+        device_mod.resolve_precision("bf16", torch.device("cpu"))
+
+
+def test_a_cap_that_keeps_bf16_leaves_the_units(monkeypatch):
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
+    assert device_mod._isa_capped() is None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import platform
 import sys
 from dataclasses import dataclass
@@ -75,11 +76,30 @@ def _mac_bf16() -> bool:
     return out.strip() == "1"
 
 
+def _isa_capped() -> str | None:
+    """The environment setting that holds this process's kernels below bf16, or None.
+    ATEN_CPU_CAPABILITY=avx2|default (torch's own kernels) or ONEDNN_MAX_CPU_ISA below
+    AVX512_CORE_BF16 (oneDNN's matmuls): the units are there, but the code that uses them
+    is not run, so bf16 would be as slow as on a CPU without them."""
+    aten = os.environ.get("ATEN_CPU_CAPABILITY", "").strip().lower()
+    if aten in ("avx2", "default"):
+        return f"ATEN_CPU_CAPABILITY={aten}"
+    onednn = os.environ.get("ONEDNN_MAX_CPU_ISA", "").strip().upper()
+    if onednn and onednn not in ("ALL", "DEFAULT"):
+        if not any(w in onednn for w in ("BF16", "AMX", "AVX10", "FP16")):
+            return f"ONEDNN_MAX_CPU_ISA={onednn}"
+    return None
+
+
 def cpu_bf16_units() -> str | None:
     """The CPU's bf16 units, or None: what torch's cpuinfo says (AMX tiles, avx512_bf16),
     then /proc/cpuinfo's flags ('amx_bf16', 'avx512_bf16'; 'bf16' on Arm), then macOS's
     sysctl (Apple M2+). Without them a bf16 matmul runs hundreds of times slower than
-    float32 (pytorch #146508), so nothing here guesses: no flag, no bf16."""
+    float32 (pytorch #146508), so nothing here guesses: no flag, no bf16. Units that the
+    environment holds the kernels below (_isa_capped: an AVX2 machine's code paths on
+    this CPU) count as absent."""
+    if _isa_capped():
+        return None
     try:  # torch's own cpuinfo (private helpers: absent in some builds)
         if torch.cpu._is_amx_tile_supported():
             return "amx_bf16"
@@ -123,6 +143,15 @@ def resolve_precision(name: str, device: torch.device, flag: str = "--precision"
         return Precision("bf16", "cuda computes bf16 on its tensor cores")
     if device.type == "cpu":
         unit = cpu_bf16_units()
+        held = _isa_capped()
+        if held:
+            if name == "bf16":
+                raise UsageError(
+                    f"{flag} bf16: {held} holds this process's kernels below bf16, where bf16 "
+                    f"runs hundreds of times slower than float32; unset {held.split('=')[0]} "
+                    "or use --precision float32"
+                )
+            return Precision("float32", f"{held} holds the kernels below bf16")
         if unit:
             return Precision("bf16", f"this cpu ({cpu_kind()}) has bf16 units ({unit})")
         if name == "bf16":
