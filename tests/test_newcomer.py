@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.slow
-def test_the_readme_walk_passes(tmp_path):
+def test_the_readme_walk_passes(tmp_path, record_property):
     bindir = Path(sys.executable).parent
     env = {**os.environ, "TOY": str(bindir / "toy"), "PY": sys.executable, "TMPDIR": str(tmp_path)}
     r = subprocess.run(
@@ -28,5 +28,6 @@ def test_the_readme_walk_passes(tmp_path):
         env=env,
         timeout=1500,
     )
+    record_property("steps", [x for x in r.stdout.splitlines() if x.startswith("== [")])
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "done: the README walk passed" in r.stdout

@@ -20,7 +20,20 @@ from conftest import run_toy  # noqa: E402
 from gguf_fixtures import smollm2_gguf  # noqa: E402,F401
 
 ROOT = Path(__file__).resolve().parents[1]
-QUESTION = "What is the capital of France? Answer in one sentence."
+# Short prompts with a system message of our own: SmolLM2's template otherwise inserts its
+# 30-token default, and mlx-lm on this Linux CPU takes ~0.8 s a token of a 4-bit group-32
+# model, prompt included (42 tokens: 44 s a greedy answer; 24-26 tokens: ~28 s). Such short
+# answers can be near ties between "Paris." and "Paris, France." (4-bit mlx against toy's
+# float32; a wording was seen to flip it): the base is asked one wording, the adapted models
+# another, each checked to agree with the client.
+BASE_Q = ("You are a helpful assistant.", "Name the capital of France.")
+ADAPTED_Q = ("Be brief.", "What is the capital of France?")
+
+
+def messages(q: tuple[str, str]) -> list[dict]:
+    return [{"role": "system", "content": q[0]}, {"role": "user", "content": q[1]}]
+
+
 GREEDY = ["--temperature", "0", "--max-new-tokens", "20"]
 
 pytestmark = [
@@ -58,14 +71,14 @@ def smol_dirs(smollm2_gguf):
     return hf, mlx
 
 
-def mlx_greedy(model_dir: Path, adapter: Path | None = None) -> str:
-    """mlx_lm.generate's greedy answer to QUESTION, in a process of its own."""
+def mlx_greedy(q: tuple[str, str], model_dir: Path, adapter: Path | None = None) -> str:
+    """mlx_lm.generate's greedy answer to the question q (system, user), in a process of its
+    own."""
     code = (
         "import sys\nfrom mlx_lm import load, generate\n"
         "from mlx_lm.sample_utils import make_sampler\n"
         f"m, t = load({str(model_dir)!r}, adapter_path={str(adapter) if adapter else None!r})\n"
-        "p = t.apply_chat_template("
-        f"[{{'role': 'user', 'content': {QUESTION!r}}}], add_generation_prompt=True)\n"
+        f"p = t.apply_chat_template({messages(q)!r}, add_generation_prompt=True)\n"
         "print(generate(m, t, prompt=p, max_tokens=20, sampler=make_sampler(0.0)))\n"
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900)
@@ -76,14 +89,14 @@ def mlx_greedy(model_dir: Path, adapter: Path | None = None) -> str:
 _GREEDY: dict[tuple, str] = {}
 
 
-def toy_greedy(*argv) -> str:
-    """`toy infer ... --chat QUESTION`'s greedy answer, once per argv in this process (the
-    base's answer serves two tests)."""
-    if argv not in _GREEDY:
-        r = run_toy("infer", *argv, "--chat", QUESTION, *GREEDY)
+def toy_greedy(q: tuple[str, str], *argv) -> str:
+    """`toy infer ... --system S --chat Q`'s greedy answer, once per (q, argv) in this process
+    (the base's answer serves two tests)."""
+    if (q, argv) not in _GREEDY:
+        r = run_toy("infer", *argv, "--system", q[0], "--chat", q[1], *GREEDY)
         assert r.returncode == 0, r.stderr
-        _GREEDY[argv] = r.stdout.strip()
-    return _GREEDY[argv]
+        _GREEDY[q, argv] = r.stdout.strip()
+    return _GREEDY[q, argv]
 
 
 def test_greedy_text_equals_transformers_on_the_directory(smol_dirs):
@@ -94,19 +107,19 @@ def test_greedy_text_equals_transformers_on_the_directory(smol_dirs):
     tok = AutoTokenizer.from_pretrained(hf_dir)
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     ids = tok.apply_chat_template(
-        [{"role": "user", "content": QUESTION}],
+        messages(BASE_Q),
         add_generation_prompt=True,
         return_tensors="pt",
         return_dict=True,
     )["input_ids"]
     out = model.generate(ids, max_new_tokens=20, do_sample=False)
     want = tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True).strip()
-    assert toy_greedy("--model", hf_dir) == want
+    assert toy_greedy(BASE_Q, "--model", hf_dir) == want
 
 
 def test_greedy_text_equals_mlx_lm_on_the_mlx_twin(smol_dirs):
     _, mlx_dir = smol_dirs
-    assert toy_greedy("--model", mlx_dir) == mlx_greedy(mlx_dir)
+    assert toy_greedy(BASE_Q, "--model", mlx_dir) == mlx_greedy(BASE_Q, mlx_dir)
 
 
 def _chat(tmp_path: Path) -> Path:
@@ -121,7 +134,7 @@ def _chat(tmp_path: Path) -> Path:
     return d
 
 
-def _lora(base: Path, data: Path, out: Path, steps: int = 8) -> dict:
+def _lora(base: Path, data: Path, out: Path, steps: int = 5, *extra) -> dict:
     r = run_toy(
         "train",
         "--recipe",
@@ -137,7 +150,7 @@ def _lora(base: Path, data: Path, out: Path, steps: int = 8) -> dict:
         "--steps",
         steps,
         "--lr",
-        "3e-3",
+        "4e-3",
         "--warmup",
         "0",
         "--batch-size",
@@ -149,6 +162,7 @@ def _lora(base: Path, data: Path, out: Path, steps: int = 8) -> dict:
         "--alpha",
         "16",
         "--json",
+        *extra,
         timeout=1800,
     )
     assert r.returncode == 0, r.stderr
@@ -163,9 +177,9 @@ def test_lora_on_the_mlx_twin_learns_and_mlx_lm_runs_its_adapter(smol_dirs, tmp_
     run = tmp_path / "runs" / "r"
     r = run_toy("export", run, "--format", "mlx", "--out", tmp_path / "adapter")
     assert r.returncode == 0, r.stderr
-    adapted = toy_greedy("--run", run)
-    assert adapted != toy_greedy("--model", mlx_dir)  # the adapter changes the answer
-    assert mlx_greedy(mlx_dir, tmp_path / "adapter") == adapted
+    adapted = toy_greedy(ADAPTED_Q, "--run", run)
+    assert adapted != toy_greedy(ADAPTED_Q, "--model", mlx_dir)  # the adapter changes the answer
+    assert mlx_greedy(ADAPTED_Q, mlx_dir, tmp_path / "adapter") == adapted
 
 
 def test_an_adapter_trained_on_the_gguf_runs_in_mlx_lm(smol_dirs, smollm2_gguf, tmp_path):
@@ -184,8 +198,9 @@ def test_an_adapter_trained_on_the_gguf_runs_in_mlx_lm(smol_dirs, smollm2_gguf, 
     cfg["rope_theta"] = (cfg.get("rope_parameters") or {}).get("rope_theta", cfg.get("rope_theta"))
     (fixed / "config.json").write_text(json.dumps(cfg))
     convert(str(fixed), str(mlx_f32), dtype="float32")
-    _lora(smollm2_gguf, _chat(tmp_path), tmp_path / "runs", steps=4)  # an adapter, not learning
+    # an adapter, not learning: two steps move it off zero; its held-out loss is not read
+    _lora(smollm2_gguf, _chat(tmp_path), tmp_path / "runs", 2, "--eval-batches", "1")
     run = tmp_path / "runs" / "r"
     assert run_toy("export", run, "--format", "mlx", "--out", tmp_path / "adapter").returncode == 0
-    ours = toy_greedy("--model", mlx_f32, "--adapter", run)
-    assert mlx_greedy(mlx_f32, tmp_path / "adapter") == ours
+    ours = toy_greedy(ADAPTED_Q, "--model", mlx_f32, "--adapter", run)
+    assert mlx_greedy(ADAPTED_Q, mlx_f32, tmp_path / "adapter") == ours
