@@ -20,18 +20,20 @@ from conftest import run_toy  # noqa: E402
 from gguf_fixtures import smollm2_gguf  # noqa: E402,F401
 
 ROOT = Path(__file__).resolve().parents[1]
-# Short prompts with a system message of our own: SmolLM2's template otherwise inserts its
-# 30-token default, and mlx-lm on this Linux CPU takes ~0.8 s a token of a 4-bit group-32
-# model, prompt included (42 tokens: 44 s a greedy answer; 24-26 tokens: ~28 s). Such short
+# The base is asked a short question with a system message of our own: SmolLM2's template
+# otherwise inserts its 30-token default, and mlx-lm on this Linux CPU takes ~0.8 s a token of
+# a 4-bit group-32 model, prompt included (42 tokens: 44 s a greedy answer; 26: ~28 s). Short
 # answers can be near ties between "Paris." and "Paris, France." (4-bit mlx against toy's
-# float32; a wording was seen to flip it): the base is asked one wording, the adapted models
-# another, each checked to agree with the client.
+# float32): with an adapter, both short wordings tried flipped with the thread count, so the
+# adapted models are asked the long question under the template's own system message (system
+# None), which has held on every machine and thread count so far.
 BASE_Q = ("You are a helpful assistant.", "Name the capital of France.")
-ADAPTED_Q = ("Be brief.", "What is the capital of France?")
+ADAPTED_Q = (None, "What is the capital of France? Answer in one sentence.")
 
 
-def messages(q: tuple[str, str]) -> list[dict]:
-    return [{"role": "system", "content": q[0]}, {"role": "user", "content": q[1]}]
+def messages(q: tuple) -> list[dict]:
+    system = [{"role": "system", "content": q[0]}] if q[0] is not None else []
+    return [*system, {"role": "user", "content": q[1]}]
 
 
 GREEDY = ["--temperature", "0", "--max-new-tokens", "20"]
@@ -71,7 +73,7 @@ def smol_dirs(smollm2_gguf):
     return hf, mlx
 
 
-def mlx_greedy(q: tuple[str, str], model_dir: Path, adapter: Path | None = None) -> str:
+def mlx_greedy(q: tuple, model_dir: Path, adapter: Path | None = None) -> str:
     """mlx_lm.generate's greedy answer to the question q (system, user), in a process of its
     own."""
     code = (
@@ -89,11 +91,12 @@ def mlx_greedy(q: tuple[str, str], model_dir: Path, adapter: Path | None = None)
 _GREEDY: dict[tuple, str] = {}
 
 
-def toy_greedy(q: tuple[str, str], *argv) -> str:
+def toy_greedy(q: tuple, *argv) -> str:
     """`toy infer ... --system S --chat Q`'s greedy answer, once per (q, argv) in this process
     (the base's answer serves two tests)."""
     if (q, argv) not in _GREEDY:
-        r = run_toy("infer", *argv, "--system", q[0], "--chat", q[1], *GREEDY)
+        system = ["--system", q[0]] if q[0] is not None else []
+        r = run_toy("infer", *argv, *system, "--chat", q[1], *GREEDY)
         assert r.returncode == 0, r.stderr
         _GREEDY[q, argv] = r.stdout.strip()
     return _GREEDY[q, argv]
