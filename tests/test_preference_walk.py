@@ -62,12 +62,16 @@ for t in llm.generate(ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penal
 print(llm.detokenize(out).decode(errors="replace").strip())
 """
 
+# mlx-lm's answer computed in float32 (the twin's bf16 tensors cast after loading, exactly):
+# bf16 on this Linux CPU runs ~0.8 s a token (test_real_dirs.py says more).
 MLX_LM = """
 import sys
+import mlx.core as mx
 from mlx_lm import generate, load
 from mlx_lm.sample_utils import make_sampler
 model_dir, adapter, prompt, n = sys.argv[1:5]
 m, t = load(model_dir, adapter_path=adapter)
+m.set_dtype(mx.float32)
 p = t.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
 print(generate(m, t, prompt=p, max_tokens=int(n), sampler=make_sampler(0.0)).strip())
 """

@@ -20,22 +20,7 @@ from conftest import run_toy  # noqa: E402
 from gguf_fixtures import smollm2_gguf  # noqa: E402,F401
 
 ROOT = Path(__file__).resolve().parents[1]
-# The base is asked a short question with a system message of our own: SmolLM2's template
-# otherwise inserts its 30-token default, and mlx-lm on this Linux CPU takes ~0.8 s a token of
-# a 4-bit group-32 model, prompt included (42 tokens: 44 s a greedy answer; 26: ~28 s). Short
-# answers can be near ties between "Paris." and "Paris, France." (4-bit mlx against toy's
-# float32): with an adapter, both short wordings tried flipped with the thread count, so the
-# adapted models are asked the long question under the template's own system message (system
-# None), which has held on every machine and thread count so far.
-BASE_Q = ("You are a helpful assistant.", "Name the capital of France.")
-ADAPTED_Q = (None, "What is the capital of France? Answer in one sentence.")
-
-
-def messages(q: tuple) -> list[dict]:
-    system = [{"role": "system", "content": q[0]}] if q[0] is not None else []
-    return [*system, {"role": "user", "content": q[1]}]
-
-
+QUESTION = "What is the capital of France? Answer in one sentence."
 GREEDY = ["--temperature", "0", "--max-new-tokens", "20"]
 
 pytestmark = [
@@ -73,14 +58,22 @@ def smol_dirs(smollm2_gguf):
     return hf, mlx
 
 
-def mlx_greedy(q: tuple, model_dir: Path, adapter: Path | None = None) -> str:
-    """mlx_lm.generate's greedy answer to the question q (system, user), in a process of its
-    own."""
+# mlx-lm computes in the dtype of the model's float tensors: bfloat16 for the MLX twin (made
+# from SmolLM2's bf16 weights), which mlx runs at ~0.8 s a token on this Linux CPU (44 s a
+# greedy answer here) and whose rounding splits near ties ("Paris." / "Paris, France.") from
+# toy's float32 by the thread count. The reference casts its float tensors (scales, biases,
+# norms, the adapter; bf16 -> float32 is exact) to float32 after loading: the same files and
+# the same codes, computed as toy computes them, 5 s a greedy answer.
+def mlx_greedy(model_dir: Path, adapter: Path | None = None) -> str:
+    """mlx_lm.generate's greedy answer to QUESTION, in a process of its own, computed in
+    float32 (MLX_F32)."""
     code = (
-        "import sys\nfrom mlx_lm import load, generate\n"
+        "import sys\nimport mlx.core as mx\nfrom mlx_lm import load, generate\n"
         "from mlx_lm.sample_utils import make_sampler\n"
         f"m, t = load({str(model_dir)!r}, adapter_path={str(adapter) if adapter else None!r})\n"
-        f"p = t.apply_chat_template({messages(q)!r}, add_generation_prompt=True)\n"
+        "m.set_dtype(mx.float32)\n"
+        "p = t.apply_chat_template("
+        f"[{{'role': 'user', 'content': {QUESTION!r}}}], add_generation_prompt=True)\n"
         "print(generate(m, t, prompt=p, max_tokens=20, sampler=make_sampler(0.0)))\n"
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900)
@@ -91,15 +84,14 @@ def mlx_greedy(q: tuple, model_dir: Path, adapter: Path | None = None) -> str:
 _GREEDY: dict[tuple, str] = {}
 
 
-def toy_greedy(q: tuple, *argv) -> str:
-    """`toy infer ... --system S --chat Q`'s greedy answer, once per (q, argv) in this process
-    (the base's answer serves two tests)."""
-    if (q, argv) not in _GREEDY:
-        system = ["--system", q[0]] if q[0] is not None else []
-        r = run_toy("infer", *argv, *system, "--chat", q[1], *GREEDY)
+def toy_greedy(*argv) -> str:
+    """`toy infer ... --chat QUESTION`'s greedy answer, once per argv in this process (the
+    base's answer serves two tests)."""
+    if argv not in _GREEDY:
+        r = run_toy("infer", *argv, "--chat", QUESTION, *GREEDY)
         assert r.returncode == 0, r.stderr
-        _GREEDY[q, argv] = r.stdout.strip()
-    return _GREEDY[q, argv]
+        _GREEDY[argv] = r.stdout.strip()
+    return _GREEDY[argv]
 
 
 def test_greedy_text_equals_transformers_on_the_directory(smol_dirs):
@@ -110,19 +102,19 @@ def test_greedy_text_equals_transformers_on_the_directory(smol_dirs):
     tok = AutoTokenizer.from_pretrained(hf_dir)
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     ids = tok.apply_chat_template(
-        messages(BASE_Q),
+        [{"role": "user", "content": QUESTION}],
         add_generation_prompt=True,
         return_tensors="pt",
         return_dict=True,
     )["input_ids"]
     out = model.generate(ids, max_new_tokens=20, do_sample=False)
     want = tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True).strip()
-    assert toy_greedy(BASE_Q, "--model", hf_dir) == want
+    assert toy_greedy("--model", hf_dir) == want
 
 
 def test_greedy_text_equals_mlx_lm_on_the_mlx_twin(smol_dirs):
     _, mlx_dir = smol_dirs
-    assert toy_greedy(BASE_Q, "--model", mlx_dir) == mlx_greedy(BASE_Q, mlx_dir)
+    assert toy_greedy("--model", mlx_dir) == mlx_greedy(mlx_dir)
 
 
 def _chat(tmp_path: Path) -> Path:
@@ -180,9 +172,9 @@ def test_lora_on_the_mlx_twin_learns_and_mlx_lm_runs_its_adapter(smol_dirs, tmp_
     run = tmp_path / "runs" / "r"
     r = run_toy("export", run, "--format", "mlx", "--out", tmp_path / "adapter")
     assert r.returncode == 0, r.stderr
-    adapted = toy_greedy(ADAPTED_Q, "--run", run)
-    assert adapted != toy_greedy(ADAPTED_Q, "--model", mlx_dir)  # the adapter changes the answer
-    assert mlx_greedy(ADAPTED_Q, mlx_dir, tmp_path / "adapter") == adapted
+    adapted = toy_greedy("--run", run)
+    assert adapted != toy_greedy("--model", mlx_dir)  # the adapter changes the answer
+    assert mlx_greedy(mlx_dir, tmp_path / "adapter") == adapted
 
 
 def test_an_adapter_trained_on_the_gguf_runs_in_mlx_lm(smol_dirs, smollm2_gguf, tmp_path):
@@ -205,5 +197,5 @@ def test_an_adapter_trained_on_the_gguf_runs_in_mlx_lm(smol_dirs, smollm2_gguf, 
     _lora(smollm2_gguf, _chat(tmp_path), tmp_path / "runs", 2, "--eval-batches", "1")
     run = tmp_path / "runs" / "r"
     assert run_toy("export", run, "--format", "mlx", "--out", tmp_path / "adapter").returncode == 0
-    ours = toy_greedy(ADAPTED_Q, "--model", mlx_f32, "--adapter", run)
-    assert mlx_greedy(ADAPTED_Q, mlx_f32, tmp_path / "adapter") == ours
+    ours = toy_greedy("--model", mlx_f32, "--adapter", run)
+    assert mlx_greedy(mlx_f32, tmp_path / "adapter") == ours
