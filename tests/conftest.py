@@ -1,3 +1,4 @@
+import importlib.util
 import os
 import sys
 from pathlib import Path
@@ -10,6 +11,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 ROOT = Path(__file__).resolve().parents[1]
+
+# mlx-lm (a test-only dependency) makes MLX directories and is the MLX reference.
+needs_mlx = pytest.mark.skipif(
+    importlib.util.find_spec("mlx_lm") is None,
+    reason="mlx-lm (a test-only dependency) makes MLX directories and is the MLX reference",
+)
 
 # Under pytest-xdist (`make test` runs two workers on a 2-core machine) each worker and the
 # processes it starts use one thread: two workers of two threads each would oversubscribe

@@ -30,10 +30,6 @@ MERGED = {"gguf": ("gguf", "merged.gguf"), "transformers": ("transformers", "mer
           "mlx": ("mlx", "merged")}  # fmt: skip
 TRAIN = ["--seq-len", "128", "--batch-size", "2", "--eval-batches", "1", "--steps", "2"]
 TRAIN += ["--warmup", "0", "--lr", "1e-2", "--json"]
-needs_mlx = pytest.mark.skipif(
-    importlib.util.find_spec("mlx_lm") is None,
-    reason="mlx-lm (a test-only dependency) makes the MLX directory",
-)
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,6 @@ transformers and mlx-lm, each against toy's own adapted logits."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -14,6 +13,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import model_dirs  # noqa: E402
+from conftest import needs_mlx  # noqa: E402
 from model_dirs import hf_model, mlx_dir, mlx_logits, tiny_dir  # noqa: E402
 
 from toy.data.dialogue import conversations, write_jsonl  # noqa: E402
@@ -37,10 +37,6 @@ TRAIN = [
     "q_proj,v_proj,down_proj",
     "--json",
 ]
-needs_mlx = pytest.mark.skipif(
-    importlib.util.find_spec("mlx_lm") is None,
-    reason="mlx-lm (a test-only dependency) is the MLX reference",
-)
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -12,16 +11,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import model_dirs  # noqa: E402
+from conftest import needs_mlx  # noqa: E402
 from model_dirs import hf_model, mlx_dir, mlx_logits, tiny_dir  # noqa: E402
 
 from toy.data.dialogue import conversations, write_jsonl  # noqa: E402
 from toy.data.prep import bundled_text_paths  # noqa: E402
 
 IDS = torch.randint(3, model_dirs.VOCAB, (1, 30), generator=torch.Generator().manual_seed(2))
-needs_mlx = pytest.mark.skipif(
-    importlib.util.find_spec("mlx_lm") is None,
-    reason="mlx-lm (a test-only dependency) is the MLX reference",
-)
 
 
 @pytest.fixture(scope="module")

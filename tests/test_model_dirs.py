@@ -13,6 +13,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import model_dirs  # noqa: E402
+from conftest import needs_mlx  # noqa: E402
 from model_dirs import TYPES, hf_model, mlx_dir, mlx_logits, tiny_dir  # noqa: E402
 
 from toy.errors import InputError  # noqa: E402
@@ -79,12 +80,6 @@ def test_tokenizer_specials_and_template_come_from_the_directory():
         tok.token_to_id("<|im_end|>"),
     }  # generation_config's list, and EOS
     assert base.chat_template == model_dirs.CHATML and base.chat_format == "chatml"
-
-
-needs_mlx = pytest.mark.skipif(
-    importlib.util.find_spec("mlx_lm") is None,
-    reason="mlx-lm (a test-only dependency) is the MLX reference",
-)
 
 
 @needs_mlx

@@ -6,7 +6,6 @@ processes giving one process's losses and figures over the same global batch."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import shutil
@@ -18,7 +17,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import model_dirs  # noqa: E402
-from conftest import run_toy  # noqa: E402
+from conftest import needs_mlx, run_toy  # noqa: E402
 from gguf_fixtures import tiny_model, write_llama_gguf  # noqa: E402
 from model_dirs import hf_model, mlx_dir, tiny_dir  # noqa: E402
 
@@ -48,10 +47,6 @@ TRAIN = [
     "3",
     "--json",
 ]
-needs_mlx = pytest.mark.skipif(
-    importlib.util.find_spec("mlx_lm") is None,
-    reason="mlx-lm (a test-only dependency) is the MLX reference",
-)
 
 
 def write_pairs(path: Path, n: int) -> Path:
