@@ -2,10 +2,11 @@
 
 Each implementation runs in its own process so load time and peak RSS are its alone:
     python bench/lora_step.py --impl toy|hf --model SmolLM2.gguf --corpus tokens.bin
-        [--steps 8] [--compile] [--base-dtype quantized|float32] [--checkpointing]
+        [--steps 8] [--compile] [--base-dtype auto|quantized|bfloat16|float32] [--checkpointing]
         [--batch 4] [--seq 256] [--precision float32|bf16]
 toy runs its real recipe and loop (the figure `toy train --json` reports), its base held
-as --base-dtype says (toy's default on CPU: quantized, the GGUF's own blocks); the peer is
+as --base-dtype says (auto, toy's default: a bf16 copy under bf16 on a CPU with the units,
+the GGUF's own blocks otherwise: recipes/adapter.base_dtype); the peer is
 transformers (GGUF load, dequantized to float32, SDPA) + peft with torch AdamW, fed the
 same token windows. Prints one JSON line: load_s, tokens_per_s, peak_rss_mb.
 """
@@ -38,7 +39,9 @@ def run_toy(a) -> tuple[float, float]:
         seq_len=a.seq,
         batch_size=a.batch,
         eval_batches=1,
-        base_dtype=a.base_dtype,
+        base_dtype=None if a.base_dtype == "auto" else a.base_dtype,
+        device="cpu",
+        precision=a.precision,  # resolved, as `toy train` passes it to the recipe
     )
     t0 = time.perf_counter()
     built = lora.build(opts, Project(root=None))
@@ -141,8 +144,8 @@ def main() -> None:
     )
     ap.add_argument(
         "--base-dtype",
-        default="quantized",
-        choices=("quantized", "float32"),
+        default="auto",
+        choices=("auto", "quantized", "bfloat16", "float32"),
         help="toy: the base's form",
     )
     ap.add_argument("--batch", type=int, default=4)

@@ -8,8 +8,9 @@ bench/out/results.json with the machine's details.
 toy's rows are its real recipes and training loop, timed after their warm-up steps:
 the same `tokens_per_s` `toy train --json` prints (the scratch section checks that by
 running the CLI on the same shape). "toy --compile" is the same with `--compile`.
-LoRA rows: toy's default on CPU holds the base quantized (its GGUF blocks); the
-`--checkpointing` and `--base-dtype float32` rows are the same run with those flags.
+LoRA rows: toy's default on CPU holds the base as a bf16 copy where it trains in bf16 (a
+CPU with bf16 units) and as its GGUF blocks in float32; the `--checkpointing` and
+`--base-dtype quantized` rows are the same run with those flags.
 Section 5 ("big") trains LoRA on a 1.07B-parameter Q4_0 llama that
 bench/make_big_llama.py writes (600 MB), quantized and float32, for peak memory.
 Section 6 ("generate"): greedy generation on SmolLM2's GGUF, toy float32 and quantized
@@ -429,7 +430,7 @@ def main() -> None:
             variants[f"hf {p}"] = ["--impl", "hf", "--precision", p]
         for p in precisions:
             variants[f"toy {p}"] = ["--impl", "toy", "--precision", p]
-        for extra in (["--compile"], ["--checkpointing"], ["--base-dtype", "float32"]):
+        for extra in (["--compile"], ["--checkpointing"], ["--base-dtype", "quantized"]):
             variants[f"toy {d} {' '.join(extra)}"] = variants[f"toy {d}"] + extra
         variants["hf float32, toy's malloc setting"] = variants["hf float32"] + ["--tune-malloc"]
         r = alternate_args(
@@ -463,7 +464,7 @@ def main() -> None:
         t, h = r[f"toy {d}"], r["hf float32"]
         rows.append(
             (
-                "  model load (toy: quantized base)",
+                "  model load (toy: its default base form)",
                 f"{med(t, 'load_s'):.2f} s",
                 f"{med(h, 'load_s'):.1f} s",
                 f"{med(t, 'load_s') / med(h, 'load_s'):.3f}x",

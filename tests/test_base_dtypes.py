@@ -126,3 +126,68 @@ def test_a_bfloat16_base_runs_with_autocast_on_or_off(kind, autocast, work):
     loss.backward()
     assert torch.isfinite(loss)
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in lora)
+
+
+def test_auto_base_dtype_holds_a_small_base_in_bf16_where_training_is_bf16(monkeypatch):
+    """--base-dtype auto (the default): bfloat16 on cuda; on a cpu under bf16 autocast a
+    quantized base whose bf16 copy is small (at most 1 GB and a quarter of the available
+    memory) in bf16, else its blocks; in float32, its blocks."""
+    from toy.recipes import adapter
+    from toy.train.config import RunConfig
+
+    monkeypatch.setattr(adapter, "available_memory", lambda: 16 * 10**9)
+    cfg = RunConfig.for_recipe("lora", adapter.ADAPTER_FLAGS)
+    cpu_bf16 = cfg.replace(device="cpu", precision="bf16")
+    dtype, why = adapter.base_dtype(cpu_bf16, 270 * 10**6)
+    assert dtype == "bfloat16" and "0.27 GB" in why, why
+    dtype, why = adapter.base_dtype(cpu_bf16, 2 * 10**9)  # a 1B base keeps its blocks
+    assert dtype == "quantized" and "2.00 GB" in why and "--base-dtype bfloat16" in why, why
+    monkeypatch.setattr(adapter, "available_memory", lambda: 10**9)
+    dtype, why = adapter.base_dtype(cpu_bf16, 270 * 10**6)  # over a quarter of what is free
+    assert dtype == "quantized" and "25%" in why, why
+    assert adapter.base_dtype(cpu_bf16.replace(precision="float32"), 10**6) == ("quantized", "")
+    assert adapter.base_dtype(cpu_bf16.replace(device="metal"), 10**6) == ("quantized", "")
+    assert adapter.base_dtype(cfg.replace(device="cuda"), None) == ("bfloat16", "")
+    assert adapter.base_dtype(cpu_bf16.replace(base_dtype="float32"), 10**6) == ("float32", "")
+
+
+@pytest.fixture(scope="module")
+def q8_gguf(work) -> Path:
+    path = work / "tiny-q8.gguf"
+    model = tiny_model(vocab_size=model_dirs.VOCAB, max_seq_len=256)
+    tok = Tokenizer.from_str(model_dirs.tokenizer_json())
+    names = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+    q8 = {f"blk.{i}.{n}.weight": "Q8_0" for i in range(2) for n in names}
+    q8["token_embd.weight"] = "Q8_0"  # every matrix in blocks, as in SmolLM2's and Gemma's files
+    return write_llama_gguf(path, model, tok, qtypes=q8)
+
+
+def test_the_default_base_dtype_follows_the_precision_with_the_same_losses(
+    q8_gguf, chat, toy_cli, tmp_path
+):
+    """Through the command line on a Q8_0 GGUF: in float32 the default holds the blocks; in
+    bf16 (a cpu with bf16 units) it holds a bf16 copy, says so, and trains to exactly the
+    losses of the blocks dequantized to bf16 at every use (each block is dequantized in
+    float32 and rounded to bf16 once, either way; a matrix stored in float32, such as an
+    F32 embedding table, would be rounded in the copy and not in the blocks' run)."""
+    from toy.train.device import cpu_bf16_units
+
+    def train(name: str, *flags: str) -> tuple[list, str, str]:
+        code, out, err = toy_cli(
+            "train", "--recipe", "lora", "--model-path", q8_gguf, "--data", chat,
+            "--out", tmp_path, "--run-id", name, *TRAIN[:-1], *flags,
+        )  # fmt: skip
+        assert code == 0, err
+        run = tmp_path / name
+        events = [json.loads(x) for x in (run / "events.jsonl").read_text().splitlines()]
+        losses = [(e["event"], e["loss"]) for e in events if "loss" in e]
+        return losses, json.loads((run / "run.json").read_text())["job"]["base_dtype"], out
+
+    losses, dtype, _ = train("f32", "--precision", "float32")
+    assert dtype == "quantized" and losses, losses
+    if cpu_bf16_units() is None:
+        pytest.skip("no bf16 units on this cpu: the default trains in float32 (checked above)")
+    auto, dtype, out = train("auto")
+    assert dtype == "bfloat16" and "--base-dtype auto: bfloat16" in out, out
+    blocks, dtype, _ = train("blocks", "--base-dtype", "quantized")
+    assert dtype == "quantized" and auto == blocks, (auto, blocks)

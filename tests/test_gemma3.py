@@ -102,7 +102,7 @@ def lora_run(gemma3_gguf, tmp_path_factory):
             "--val-data",
             str(d / "val.jsonl"),
             "--steps",
-            "5",
+            "3",
             "--seq-len",
             "160",
             "--batch-size",
@@ -126,8 +126,13 @@ def lora_run(gemma3_gguf, tmp_path_factory):
 def test_lora_chat_lowers_the_held_out_loss(lora_run, record_property):
     run, evals = lora_run
     info = json.loads((run / "run.json").read_text())
-    assert info["job"]["base_dtype"] == "quantized" and info["arch"] == "gemma3"
-    assert info["job"]["base_resident_bytes"] < 300e6  # the blocks, not 1 GB of float32
+    assert info["arch"] == "gemma3"
+    if info["precision"]["name"] == "bf16":  # auto holds the 0.54 GB bf16 copy: faster
+        assert info["job"]["base_dtype"] == "bfloat16", info["job"]
+        assert info["job"]["base_resident_bytes"] < 600e6
+    else:  # the blocks, not 1 GB of float32
+        assert info["job"]["base_dtype"] == "quantized", info["job"]
+        assert info["job"]["base_resident_bytes"] < 300e6
     first, last = evals[0]["val_loss"], evals[-1]["val_loss"]
     record_property("val_loss_before", first)
     record_property("val_loss_after", last)

@@ -333,7 +333,7 @@ def _files(root: Path, files: dict[str, str]) -> Path:
     ],
 )
 def test_available_memory_takes_the_container_limit(tmp_path, tree, self_cgroup, want_gb):
-    from toy.cli.cmd_infer import available_memory
+    from toy.train.memory import available_memory
 
     root = _files(tmp_path / "cgroup", tree)
     root.mkdir(exist_ok=True)
@@ -345,12 +345,12 @@ def test_available_memory_takes_the_container_limit(tmp_path, tree, self_cgroup,
 
 
 def test_auto_holds_quantized_inside_a_small_container(kit, toy_cli, monkeypatch, tmp_path):
-    from toy.cli import cmd_infer
+    from toy.train import memory
 
     root = _files(tmp_path / "cgroup", {"memory.max": str(GIB), "memory.current": str(GIB - 1000)})
     (tmp_path / "self").write_text("0::/\n")
-    monkeypatch.setattr(cmd_infer, "CGROUP_ROOT", root)
-    monkeypatch.setattr(cmd_infer, "SELF_CGROUP", tmp_path / "self")
+    monkeypatch.setattr(memory, "CGROUP_ROOT", root)
+    monkeypatch.setattr(memory, "SELF_CGROUP", tmp_path / "self")
     code, out, err = toy_cli(
         "infer",
         "--model",

@@ -44,6 +44,7 @@ from toy.recipes.lm import fingerprint
 from toy.runs import Project, plural
 from toy.train import dist
 from toy.train.config import RunConfig
+from toy.train.memory import available_memory
 
 DEFAULT_MODEL = "data/smollm2-135m.gguf"
 GET_MODEL = (
@@ -54,7 +55,7 @@ CHAT_BUCKET = 64  # --compile: chat batch lengths are padded up to a multiple of
 
 # The adapter recipes' defaults for their own flags and the general flags whose default
 # differs for them. targets None: the family's default (q_proj,v_proj; Phi-3's fused
-# qkv_proj); base_dtype None: the device's (quantized on cpu and mps, bfloat16 on cuda).
+# qkv_proj); base_dtype None: auto (base_dtype() below).
 ADAPTER_FLAGS = dict(
     model=None,
     data=None,
@@ -106,7 +107,8 @@ def add_adapter_arguments(g, data_help: str) -> None:
         choices=BASE_DTYPES,
         help="how the frozen base is held: quantized (the GGUF's own blocks, memory-mapped, "
         "dequantized per layer in forward and backward: the least memory), bfloat16 or float32 "
-        "(dequantized once at load) (default quantized on cpu and metal, bfloat16 on cuda)",
+        "(dequantized once at load) (default bfloat16 on cuda, and on a cpu training in bf16 "
+        "where the copy takes at most 1 GB and a quarter of the free memory; quantized elsewhere)",
     )
     g.add_argument(
         "--chat-template",
@@ -150,10 +152,42 @@ def resolve_model(cfg: RunConfig, project: Project) -> Path:
     return p
 
 
-def base_dtype(cfg: RunConfig) -> str:
+# Under bf16 autocast on a cpu with bf16 units, a base held as bfloat16 skips dequantizing
+# its blocks at every use (forward and backward) for the same losses: the blocks are
+# dequantized straight to bf16 either way (docs/performance.md). It costs the copy's memory
+# (SmolLM2-135M: 0.27 GB against 0.10 GB of Q4_1 blocks), so auto takes it for a base whose
+# copy is at most BF16_BASE_MAX and BF16_FIT of the available memory; larger bases keep
+# their blocks, the least memory (a 1B Q4_0 base trains in ~1.6 GB that way).
+BF16_BASE_MAX = 10**9
+BF16_FIT = 0.25
+
+
+def base_dtype(cfg: RunConfig, bf16_bytes: int | None = None) -> tuple[str, str]:
+    """How the frozen base is held, and why where auto chose: --base-dtype as given;
+    bfloat16 on cuda; on a cpu under bf16 autocast (cfg.precision, resolved), bfloat16
+    where the copy (`bf16_bytes`) is small enough (above), else the quantized blocks."""
     if cfg.base_dtype:
-        return cfg.base_dtype
-    return "bfloat16" if cfg.device == "cuda" else "quantized"
+        return cfg.base_dtype, ""
+    if cfg.device == "cuda":
+        return "bfloat16", ""
+    if cfg.device != "cpu" or cfg.precision != "bf16" or bf16_bytes is None:
+        return "quantized", ""
+    avail = available_memory()
+    size = f"{bf16_bytes / 1e9:.2f} GB"
+    if bf16_bytes > BF16_BASE_MAX:
+        return "quantized", (
+            f"--base-dtype auto: quantized, the least memory (a bfloat16 copy would take {size}; "
+            "--base-dtype bfloat16 trains faster under bf16 where memory allows)"
+        )
+    if avail is not None and bf16_bytes > BF16_FIT * avail:
+        return "quantized", (
+            f"--base-dtype auto: quantized, a bfloat16 copy ({size}) would take over "
+            f"{BF16_FIT:.0%} of the available memory ({avail / 1e9:.1f} GB)"
+        )
+    return "bfloat16", (
+        f"--base-dtype auto: bfloat16 under bf16 autocast, faster than dequantizing the blocks "
+        f"at every use (the copy takes {size}; --base-dtype quantized holds the least memory)"
+    )
 
 
 def check_adapter_opts(cfg: RunConfig) -> list[str]:
@@ -284,8 +318,13 @@ def load_adapted(cfg: RunConfig, project: Project, recipe: str) -> Adapted:
     # Absolute: run.json, adapter_config.json and `toy infer --run` / `toy export` find the
     # base from any folder (model_sha256 below notices a file changed since).
     model_path = resolve_model(cfg, project).resolve()
-    dtype = base_dtype(cfg)
+    dtype, why = base_dtype(cfg)
     base = read_base(model_path, dtype)
+    blocks = any(t not in ("F32", "F16", "BF16") for t in base.tensor_types)
+    if blocks and cfg.base_dtype is None and dtype == "quantized":  # auto may hold it in bf16
+        dtype, why = base_dtype(cfg, base.float32_bytes() // 2)
+        if dtype != "quantized":
+            base = read_base(model_path, dtype)
     targets = cfg.target_list or base.default_targets.split(",")
     # The adapters' dropout draws from torch's generator: seeded here so --seed decides it
     # (the loop then gives each process its own stream from (seed, rank)).
@@ -297,10 +336,10 @@ def load_adapted(cfg: RunConfig, project: Project, recipe: str) -> Adapted:
         model, targets, int(cfg.rank), float(cfg.alpha), float(cfg.dropout), int(cfg.seed)
     )
     seq_len = int(cfg.seq_len)
-    notes: list[str] = list(base.notes)
+    notes: list[str] = list(base.notes) + ([why] if why else [])
     resident = resident_bytes(model)
     held = f"held {dtype}"
-    if dtype == "quantized" and not any(t not in ("F32", "F16", "BF16") for t in base.tensor_types):
+    if dtype == "quantized" and not blocks:
         # --base-dtype quantized on a float base keeps its own dtype: nothing is quantized.
         own = [t.lower() for t in base.tensor_types if t in ("F16", "BF16")] or ["float32"]
         held = f"kept in {', '.join(own)} (its own dtype)"
