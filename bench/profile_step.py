@@ -6,8 +6,9 @@
 --peer profiles the bench's peer on the same shape instead (transformers, + peft for
 lora), so the two splits can be set side by side.
 
-LoRA jobs hold SmolLM2 quantized (toy's default on CPU); the line "of which: GGUF
-dequantization" is the time spent turning its blocks into floats inside the step.
+LoRA jobs hold SmolLM2 as toy's default does for --precision (float32: its quantized
+blocks; bf16: a bf16 copy); the line "of which: GGUF dequantization" is the time spent
+turning blocks into floats inside the step.
 
 Builds the same jobs as the bench children (scratch 6x384 T256 B8 V8192; SmolLM2 LoRA
 r8 q,v on a token stream B4 T256, or on the bench's chat JSONL), runs warm-up steps,
@@ -50,8 +51,9 @@ def kind(name: str) -> str:
     return "elementwise and the rest"
 
 
-def build(what: str):
-    """The Job the bench child for `what` trains."""
+def build(what: str, precision: str = "float32"):
+    """The Job the bench child for `what` trains (a LoRA base held as toy's default holds it
+    for `precision`: a bf16 copy of SmolLM2 under bf16 on a CPU with the units)."""
     from toy.runs import Project
     from toy.train.config import RunConfig
 
@@ -90,6 +92,8 @@ def build(what: str):
             seq_len=256,
             batch_size=4,
             eval_batches=1,
+            device="cpu",
+            precision=precision,
         )
     else:
         data = ROOT / "build" / "bench" / "chat.jsonl"
@@ -103,6 +107,8 @@ def build(what: str):
             seq_len=512,
             batch_size=4,
             eval_batches=1,
+            device="cpu",
+            precision=precision,
         )
     return lora.build(opts, Project(root=None)).job
 
@@ -127,7 +133,7 @@ def main() -> None:
     if a.peer:
         step = peer_step(a.what)
     else:
-        step = toy_step(a.what, a.compile)
+        step = toy_step(a.what, a.compile, a.precision)
     if a.precision == "bf16":
         plain = step
 
@@ -157,11 +163,11 @@ def peer_step(what: str):
     return lora_step.peer(model, ROOT / "build" / "bench" / "smol.bin", 4, 256)[1]
 
 
-def toy_step(what: str, compile: bool):
+def toy_step(what: str, compile: bool, precision: str = "float32"):
     from toy.train.loop import compile_blocks
     from toy.train.schedule import make_adamw
 
-    job = build(what)
+    job = build(what, precision)
     model = job.model
     if compile:
         print(compile_blocks(model, torch.device("cpu")))
