@@ -110,29 +110,33 @@ def reply_times(a) -> dict:
     import subprocess
     import sys
 
-    import torch
+    from toy.train.device import cpu_kind
 
     env = dict(os.environ, OMP_NUM_THREADS="2")
     toy = [sys.executable, "-m", "toy", "infer", "--model", str(a.model), "--chat", QUESTION]
     toy += ["--max-new-tokens", str(a.tokens), "--temperature", "0"]
     peer = [sys.executable, "-c", LLAMA_REPLY, str(a.model), QUESTION, str(a.tokens)]
-    times: dict[str, list[float]] = {"toy": [], "llamacpp": []}
+    f32 = toy + ["--base-dtype", "float32"]
+    times: dict[str, list[float]] = {"toy": [], "toy float32": [], "llamacpp": []}
     for _ in range(a.repeats):
-        for name, cmd in (("llamacpp", peer), ("toy", toy)):
+        for name, cmd in (("llamacpp", peer), ("toy", toy), ("toy float32", f32)):
             t = time.perf_counter()
             r = subprocess.run(cmd, capture_output=True, text=True, env=env)
             times[name].append(time.perf_counter() - t)
             if r.returncode:
                 raise SystemExit(f"{name} failed: {r.stderr[-2000:]}")
-            if name == "toy":
-                times.setdefault("toy_speed_line", []).append(r.stderr.strip().splitlines()[-1])
-    med = {k: statistics.median(v) for k, v in times.items() if k != "toy_speed_line"}
+            if name.startswith("toy"):
+                line = r.stderr.strip().splitlines()[-1]
+                times.setdefault(f"{name} speed line", []).append(line)
+    med = {k: statistics.median(v) for k, v in times.items() if "line" not in k}
     return {
-        "cpu_kind": torch.backends.cpu.get_cpu_capability(),
+        "cpu_kind": cpu_kind(),  # the house's names: AVX2, AVX-512, AVX-512+bf16, AMX
         "tokens": a.tokens,
         "toy_reply_s": med["toy"],
+        "toy_float32_reply_s": med["toy float32"],
         "llamacpp_reply_s": med["llamacpp"],
         "toy_over_llamacpp": med["toy"] / med["llamacpp"],
+        "toy_float32_over_llamacpp": med["toy float32"] / med["llamacpp"],
         "runs": times,
     }
 

@@ -186,3 +186,30 @@ def test_float32_infer_parses_the_gguf_header_once(quant_gguf, toy_cli, monkeypa
     assert code == 0, err
     assert len(calls) == 1
     assert out.startswith("ROMEO. What") and len(out) > len("ROMEO. What")
+
+
+def test_the_infer_process_leaves_at_once_with_its_whole_reply_and_code(quant_gguf):
+    """`toy infer` ends with os._exit once its streams are flushed (cli/main.entry: the
+    interpreter's teardown of torch took up to 0.9 s after the last token): its exit code
+    stays, and nothing it wrote is lost, through a pipe: the streamed text is, byte for
+    byte, the --json object's text and a newline (a tail that is half a character too)."""
+    import subprocess
+
+    from conftest import run_toy
+
+    args = [sys.executable, "-m", "toy", "infer", "--model", str(quant_gguf), "--prompt"]
+    args += ["ROMEO. What", "--temperature", "0", "--base-dtype", "float32"]
+    for n in ("40", "1"):  # this model's first token is half a character: "What\ufffd"
+        run = [*args, "--max-new-tokens", n]
+        r = subprocess.run([*run, "--json"], capture_output=True)  # a pipe: one object
+        assert r.returncode == 0, r.stderr
+        text = json.loads(r.stdout)["text"]
+        assert text.startswith("ROMEO. What") and len(text) > len("ROMEO. What")
+        r = subprocess.run(run, capture_output=True)  # the streamed text, to its last byte
+        assert r.returncode == 0, r.stderr
+        assert r.stdout == text.encode("utf-8", "surrogateescape") + b"\n", (r.stdout, text)
+        assert b": first after " in r.stderr.strip().splitlines()[-1]
+    bad = run_toy("infer", "--model", quant_gguf, "--prompt", "x", "--top-p", "7")
+    assert bad.returncode == 2 and "--top-p" in bad.stderr and "Traceback" not in bad.stderr
+    missing = run_toy("infer", "--model", str(quant_gguf) + ".none", "--prompt", "x")
+    assert missing.returncode == 2 and "not found" in missing.stderr, missing.stderr

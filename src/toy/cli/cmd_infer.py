@@ -687,6 +687,8 @@ def stream(lm: LM, ids: list[int], args, cache=None, echo: str = "") -> list[int
             shown = text
     end = time.perf_counter()
     if not quiet:
+        if new and text != shown:  # the end of the reply is half a character: shown as is
+            out.write(text[len(shown) :])
         out.write("\n")
         out.flush()
     if cache is None and new and len(new) < args.max_new_tokens and held >= lm.limit:
