@@ -140,18 +140,24 @@ def quant_gguf(tmp_path_factory):
     return write_llama_gguf(d / "q.gguf", model, tok, qtypes=qtypes)
 
 
-def test_toy_infer_quantized_gives_the_float32_text(quant_gguf, toy_cli, monkeypatch):
+def test_toy_infer_quantized_gives_the_float32_text(quant_gguf, toy_cli, monkeypatch, tmp_path):
     """`--base-dtype quantized` packs the base and greedy decoding gives the text the
     float32 base gives; auto packs where pack_pays says so (here: from 256 new tokens; its
     own measured costs never pack a model this small, tests/test_reply_time.py)."""
     from toy.cli import cmd_infer
 
     monkeypatch.setattr(cmd_infer, "pack_pays", lambda size, tokens, cached: tokens >= 256)
+    # Nothing built before: a cold cache, this process's steps and kernels forgotten.
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    monkeypatch.setattr(decode, "_STEPS", {})
+    monkeypatch.setattr(decode, "_KERNELS", {})
     packed, steps = [], []
     real, real_steps = decode.pack, decode.compile_steps
     monkeypatch.setattr(decode, "pack", lambda m, *a: packed.append(real(m, *a)) or packed[-1])
     monkeypatch.setattr(
-        decode, "compile_steps", lambda m, note=None: steps.append(real_steps(m, note)) or steps[-1]
+        decode,
+        "compile_steps",
+        lambda m, note=None, **kw: steps.append(real_steps(m, note, **kw)) or steps[-1],
     )
     args = ["infer", "--model", quant_gguf, "--prompt", "ROMEO. What", "--temperature", "0"]
     code, f32, err = toy_cli(*args, "--max-new-tokens", "40", "--base-dtype", "float32")
@@ -233,37 +239,47 @@ def test_infer_with_failing_compilers_falls_back_to_eager(quant_gguf, tmp_path, 
         assert r.stdout.startswith(ref) and len(ref) > 20
 
 
-def test_compile_note_comes_before_the_reply_not_inside_it(quant_gguf):
+def test_compile_note_comes_before_the_reply_not_inside_it(quant_gguf, tmp_path):
     """Issue 35 item 2: the compile note went out after the first token ("Ah" / note / "oy,
     matey!"). With stdout and stderr on one pipe, as on a terminal, every note is a whole line
     and comes before the text; the reply is the float32 one, and a last stderr line gives the
-    time to the first token and the tokens/s."""
+    time to the first token and the tokens/s. A second process (issue 33 item 3) loads the
+    steps built by the first (no note, no compiler stack imported: torch._dynamo alone took
+    1.3 s of a reply) and gives the same text."""
     import os
     import subprocess
 
     args = ["infer", "--model", quant_gguf, "--prompt", "ROMEO. What", "--temperature", "0"]
     args += ["--max-new-tokens", "30"]
+    tell = "import sys; from toy.cli.main import main; code = main(sys.argv[1:]); "
+    tell += "print('dynamo imported:', 'torch._dynamo' in sys.modules); sys.exit(code)"
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))  # a cold cache
     merged = {}
-    for dtype in ("float32", "quantized"):
+    for run, dtype in (("f32", "float32"), ("cold", "quantized"), ("warm", "quantized")):
         r = subprocess.run(
-            [sys.executable, "-m", "toy", *args, "--base-dtype", dtype],
+            [sys.executable, "-c", tell, *args, "--base-dtype", dtype],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
-            env=dict(os.environ),
+            env=env,
             timeout=600,
         )
         assert r.returncode == 0, r.stdout
-        merged[dtype] = r.stdout
-    out = merged["quantized"]
+        merged[run] = r.stdout.replace("dynamo imported: ", "[dynamo imported: ")
+    assert "[dynamo imported: False" in merged["f32"]
+    assert "[dynamo imported: False" in merged["warm"], merged
+    assert "note:" not in merged["warm"], merged["warm"]
+    out = merged["cold"]
     assert "note: compiling the one-token step" in out
     assert out.index("note: compiling") < out.index("ROMEO. What")
     for line in out.splitlines():
         assert "note:" not in line or line.startswith("note:"), line
     text = [line for line in out.splitlines() if not line.startswith(("note:", "["))]
-    ref = [line for line in merged["float32"].splitlines() if not line.startswith(("note:", "["))]
+    ref = [line for line in merged["f32"].splitlines() if not line.startswith(("note:", "["))]
     assert text == ref and len("".join(ref)) > 20
-    speed = out.splitlines()[-1]
+    warm = [line for line in merged["warm"].splitlines() if not line.startswith("[")]
+    assert warm == ref
+    speed = out.splitlines()[-2]  # the last: the dynamo line this test adds
     assert speed.startswith("[30 tokens: first after") and "tokens/s after it]" in speed
 
 

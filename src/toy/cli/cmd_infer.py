@@ -20,17 +20,19 @@ from toy.train.memory import available_memory
 INFER_BASE_DTYPES = ("auto", "quantized", "bfloat16", "float32")
 # auto on a cpu holds a packed GGUF (models/decode.py) or a float32 copy by the expected wait
 # of this run (pack_pays). Measured on a 2-core AMD Zen 4 (avx512_bf16), SmolLM2-135M Q4_1,
-# 2 threads, quiet (the lead, 2026-11-25, after the reply-time cuts; SmolLM2 Q4_1, a chat
-# of 43 tokens, two runs each): a float32 token reads every weight, 15.1-15.3 tokens/s for
-# its 0.54 GB (0.122 s a token per GB of float32 weights); the packed codes give 43.7-44.1
-# tokens/s (2.9x); before the first token the packed path waits 3.3-4.4 s longer than float32
-# (first token 5.4-6.9 s against 2.2-2.5 s: inductor imported, the compiled steps traced and
-# loaded from its cache, a prefill on dequantized codes; float32 dequantizes once instead),
-# and about 20 s longer the first time on a machine (the compile itself, docs/performance.md).
-# For SmolLM2 packing pays from about 90 new tokens asked for.
+# 2 threads, quiet: a float32 token reads every weight, 15.1-15.3 tokens/s for its 0.54 GB
+# (0.122 s a token per GB of float32 weights); the packed codes give 43.7-44.1 tokens/s
+# (2.9x; 48-56 against 13-16 in the 2026-11-25 record). Before the first token the packed
+# path no longer waits longer than float32 once its steps are built on the machine (first
+# token 1.88-1.93 s against 1.90-2.31 s, three rounds, 100 tokens asked: the steps are
+# loaded as built libraries, no tracing, no compiler stack imported; it waited 3.3-4.4 s
+# longer before); PACKED_EXTRA_S keeps 0.3 s for the packed codes read from toy's cache
+# and the libraries loaded. The first time on a machine the build itself takes about 20 s
+# (docs/performance.md). For SmolLM2 packing pays from about 7 new tokens asked for once
+# built, about 480 before.
 F32_TOKEN_S_PER_GB = 0.122
 PACKED_SPEEDUP = 2.9
-PACKED_EXTRA_S = 3.8
+PACKED_EXTRA_S = 0.3
 COMPILE_S = 20.0
 # auto holds a float32 copy (and the KV cache) only where they take at most this share of
 # free memory
@@ -124,12 +126,12 @@ def add_parser(sub) -> None:
         "(dequantized once) or quantized (the "
         "file's own blocks; on cpu with a C++ compiler they are packed for generation, one token's "
         "products computed on the 4- or 8-bit codes and each block compiled for one token: the "
-        "fastest and smallest there, after a compile on first use (~20 s the first time on a "
-        "machine, a few seconds once cached); else each layer "
+        "fastest and smallest there, after a build on first use (~20 s the first time on a "
+        "machine; then loaded as built, in a fraction of a second); else each layer "
         "is dequantized as it runs: the least memory, slower per token) (default auto: bfloat16 on "
         "cuda; on cpu quantized where the blocks pack and the expected wait is shorter packed "
-        "(the tokens asked for, whether the compile is cached on this machine, measured costs: "
-        "SmolLM2-135M packs from about 90 new tokens once compiled, from about 550 before; an "
+        "(the tokens asked for, whether the steps are built on this machine, measured costs: "
+        "SmolLM2-135M packs from about 7 new tokens once built, from about 480 before; an "
         "interactive chat always), else float32 where it and the KV cache fit in "
         f"{FIT * 100:.0f}%% of the available memory (the smaller of MemAvailable and what a "
         "container's cgroup memory limit leaves), else quantized)",
@@ -530,9 +532,11 @@ def load_base_lm(
     want = [base_dtype, torch.device(device).type, probe.float32_bytes(), available_memory()]
     want += [cache, packed, tokens, cached]
     dtype, note = choose_base_dtype(*want)
-    # The compiler is looked for only where the packed form is to be used (the look imports
-    # torch's compiler stack, about a second a float32 reply does not need).
-    why_not = decode.compile_unavailable(torch.device(device)) if dtype == "quantized" else None
+    # The compiler is looked for only where the packed form is to be used and this machine
+    # has not built its steps before (the look imports torch's compiler stack, 1.3 s; built
+    # steps load without it, and a shape still to build falls back to eager if it fails).
+    look = dtype == "quantized" and not (marker is not None and marker.is_file())
+    why_not = decode.compile_unavailable(torch.device(device)) if look else None
     if why_not and packed is not None:  # compiling is a speed lever, never a requirement
         held = (
             "each layer dequantized as it runs"
@@ -581,7 +585,7 @@ def load_base_lm(
         dtype == "quantized" and packed is not None
     ):  # asked for, or chosen by auto (see choose_base_dtype)
         # The products on the codes and each block's step for one token are compiled on first
-        # use: about 20 s the first time on a machine, a few seconds once inductor has them cached.
+        # use: about 20 s the first time on a machine, then loaded as built (models/decode.py).
         lm.held, lm.steps_marker = "quantized (packed)", marker
         if marker is not None and marker.is_file():
             decode.trust_isa()  # built here before: inductor's per-process ISA probe is skipped
@@ -593,10 +597,11 @@ def load_base_lm(
             model,
             lambda: print(
                 "note: compiling the one-token step for this model's blocks (about 20 s the first "
-                "time on this machine, a few seconds once cached)",
+                "time on this machine, loaded as built after that)",
                 file=sys.stderr,
                 flush=True,
             ),
+            check=look,
         )
     lm.model = model.eval()
     return lm

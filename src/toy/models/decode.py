@@ -21,7 +21,8 @@ with G groups of the input, N output rows. A decode step computes
 
 in one pass over the codes: inductor generates the loop (vectorised over n) from the
 few torch lines of `_matvec4` / `_matvec8`; the kernels are compiled once per shape
-(a few seconds each the first time on a machine, then loaded from inductor's disk cache).
+(a few seconds each the first time on a machine) ahead of time into shared libraries kept
+in inductor's cache folder, which later processes load without tracing (_compile).
 Every product and sum is float32: the result equals the dequantized float32 matmul within
 float32 rounding (the sums are
 only reordered, multiply-adds fused; tests/test_decode.py holds it to 1e-5).
@@ -39,6 +40,7 @@ import os
 import re
 import shutil
 import sys
+import warnings
 from pathlib import Path
 
 import torch
@@ -225,8 +227,10 @@ _tracing = False  # True while compile_steps traces a block
 def _kernel(four_bit: bool, parts: tuple[torch.Tensor, ...]):
     """The compiled kernel for these parts' shapes and dtypes (built on first use): called
     with one list [x, *parts], it returns a sequence whose first item is W x."""
-    key = (four_bit,) + tuple((tuple(p.shape), p.dtype, p.device.type) for p in parts)
+    key = (four_bit,) + tuple((tuple(p.shape), p.stride(), p.dtype, p.device.type) for p in parts)
     fn = _KERNELS.get(key)
+    if fn is None and parts[0].device.type == "cpu":
+        fn = _load_built(key)
     if fn is None:
         from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -234,7 +238,10 @@ def _kernel(four_bit: bool, parts: tuple[torch.Tensor, ...]):
         K = parts[0].shape[0] * parts[0].shape[1] * (8 if four_bit else 4)
         example = (torch.zeros(K, device=parts[0].device), *parts)
         try:
-            fn = _compile(make_fx(body, tracing_mode="fake")(*example), list(example))
+            if compile_failed:  # one failure is enough: the rest run eagerly at once
+                raise RuntimeError(compile_failed)
+            graph = make_fx(body, tracing_mode="fake")(*example)
+            fn = _compile(graph, list(example), key)
         except Exception as e:  # inductor could not build it: the same torch lines, eagerly
             _fell_back(e)
 
@@ -245,9 +252,15 @@ def _kernel(four_bit: bool, parts: tuple[torch.Tensor, ...]):
     return fn
 
 
-def _compile(graph, inputs: list[torch.Tensor]):
+def _compile(graph, inputs: list[torch.Tensor], key: tuple | None = None):
     """Inductor's code for a traced graph, called with one list of inputs of exactly these
-    shapes and strides; returns a sequence of outputs."""
+    shapes and strides; returns a sequence of outputs. On a cpu the code is built ahead of
+    time (AOTInductor: one shared library, no Python wrapper) and kept under `key` in
+    inductor's cache folder (_built_path), so that a later process loads it in a millisecond
+    (_load_built) instead of tracing the block again and importing the compiler (~4 s of a
+    SmolLM2 reply before its first token, docs/performance.md)."""
+    if key is not None and all(t.device.type == "cpu" for t in inputs):
+        return _compile_ahead(graph, inputs, key)
     from torch._guards import TracingContext, tracing
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
@@ -271,6 +284,87 @@ def _compile(graph, inputs: list[torch.Tensor]):
             return out if isinstance(out, (tuple, list)) else (out,)
 
     return boxed
+
+
+def _compile_ahead(graph, inputs: list[torch.Tensor], key: tuple):
+    """AOTInductor's shared library for the graph, written to _built_path(key) (a temporary
+    name, then renamed: a reader never sees half a file) and loaded from there."""
+    import tempfile
+
+    out = next(n for n in graph.graph.nodes if n.op == "output")
+    if not isinstance(out.args[0], (tuple, list)):  # AOTInductor returns a tuple of outputs
+        out.args = ((out.args[0],),)
+        graph.recompile()
+    options = {**_INDUCTOR, **_ISA_OK[_TRUST_ISA], "aot_inductor.package": False}
+    with warnings.catch_warnings():  # torch's own deprecation inside it (pytree's LeafSpec)
+        warnings.simplefilter("ignore", FutureWarning)
+        built = torch._inductor.aot_compile(graph, tuple(inputs), options=options)
+    path = _built_path(key)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+    os.close(fd)
+    try:
+        shutil.copyfile(built, tmp)
+        os.replace(tmp, path)
+    except OSError:  # a read-only cache: this process uses inductor's own copy
+        Path(tmp).unlink(missing_ok=True)
+        path = Path(built)
+    return _runner(path)
+
+
+def _runner(path: Path):
+    runner = torch._C._aoti.AOTIModelContainerRunnerCpu(str(path), 1)
+    return runner.run  # takes the inputs as one list, returns the outputs as a list
+
+
+def _load_built(key: tuple):
+    """The code _compile_ahead kept for `key` on this machine, loaded; None where there is
+    none or it does not load (it is built again and replaces it)."""
+    path = _built_path(key)
+    if not path.is_file():
+        return None
+    try:
+        return _runner(path)
+    except (RuntimeError, OSError):
+        return None
+
+
+_BUILD_ID: str | None = None
+
+
+def _build_id() -> str:
+    """What a kept library's code depends on besides its graph's key: torch, toy's model code
+    (every file of toy/models, where the traced forwards and kernels live), inductor's
+    settings here, and the CPU's instruction sets as torch and inductor see them (a library
+    built for AVX-512 must never load on an AVX2 machine sharing the folder)."""
+    global _BUILD_ID
+    if _BUILD_ID is None:
+        import hashlib
+        import platform
+
+        h = hashlib.sha256()
+        for f in sorted(Path(__file__).parent.glob("*.py")):
+            h.update(f.name.encode() + f.read_bytes())
+        flags = ""
+        try:
+            with open("/proc/cpuinfo") as fh:
+                flags = next((x for x in fh if x.startswith("flags")), "")
+        except OSError:
+            pass
+        caps = [os.environ.get(v, "") for v in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")]
+        for part in (torch.__version__, platform.machine(), sys.platform, flags, *caps):
+            h.update(repr(part).encode())
+        h.update(repr(sorted(_INDUCTOR.items())).encode())  # not _ISA_OK: the probe only
+        h.update(torch.backends.cpu.get_cpu_capability().encode())
+        _BUILD_ID = h.hexdigest()
+    return _BUILD_ID
+
+
+def _built_path(key: tuple) -> Path:
+    import hashlib
+
+    name = hashlib.sha256((_build_id() + repr(key)).encode()).hexdigest()[:40]
+    return _inductor_root() / "toy-steps" / "built" / f"{name}.so"
 
 
 # ---- the spec: what QuantLinear / QuantEmbedding hold after packing --------------------------
@@ -600,21 +694,23 @@ class _StepForward:
                 repr([type(a).__name__ for a in leaves]),
                 tuple((tuple(t.shape), t.stride(), t.dtype) for t in inputs),
             )
-            step = _STEPS.get(key)
-            if step is None:
+            step = _STEPS.get(key) or _load_built(key)
+            if step is not None:
+                _STEPS[key] = step
+            else:
                 if compile_failed:
                     return self.eager(*args)
                 while self.notes:
                     self.notes.pop()()
                 try:
-                    step = _STEPS[key] = self._compile(args, list(self.state), inputs)
+                    step = _STEPS[key] = self._compile(args, list(self.state), inputs, key)
                 except Exception as e:  # inductor could not build it: this block stays eager
                     _fell_back(e)
                     return self.eager(*args)
             self.spans[(span, cache.max_len)] = step
         return step(inputs)[0]
 
-    def _compile(self, args, names: list[str], inputs: list[torch.Tensor]):
+    def _compile(self, args, names: list[str], inputs: list[torch.Tensor], key: tuple):
         from torch.func import functional_call
         from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -644,15 +740,16 @@ class _StepForward:
             graph = make_fx(step, tracing_mode="fake")(*inputs)
         finally:
             _tracing = False
-        return _compile(graph, inputs)
+        return _compile(graph, inputs, key)
 
 
-def compile_steps(model: torch.nn.Module, note=None) -> int:
+def compile_steps(model: torch.nn.Module, note=None, check: bool = True) -> int:
     """Give every block of a model (model.blocks) the compiled one-token forward (see above);
-    compiled on first use, `note()` called before the first compile. Returns how many
-    blocks; 0 where inductor cannot build (the reason is compile_unavailable's)."""
+    compiled (or loaded, where built here before) on first use, `note()` called before the
+    first compile. Returns how many blocks; 0 where inductor cannot build (the reason is
+    compile_unavailable's; check=False skips the look, for steps built here before)."""
     blocks = getattr(model, "blocks", None)
-    if blocks is None or compile_unavailable(torch.device("cpu")):
+    if blocks is None or (check and compile_unavailable(torch.device("cpu"))):
         return 0
     notes = [note] if note is not None else []
     for block in blocks:
@@ -665,7 +762,12 @@ def steps_marker(key: str) -> Path:
     """A file that says this machine has compiled the steps of the model `key` names (a GGUF's
     packed-cache key): kept in inductor's own cache folder (found as inductor finds it, without
     importing it), so that it goes when that cache goes. `toy infer`'s auto reads it to know
-    whether packing costs a compile (~20 s) or a load from the cache (a few seconds)."""
+    whether packing costs a compile (~20 s) or a load of the built steps (milliseconds)."""
+    return _inductor_root() / "toy-steps" / f"{key}-torch-{torch.__version__}"
+
+
+def _inductor_root() -> Path:
+    """Inductor's cache folder, found as inductor finds it, without importing it."""
     import getpass
     import tempfile
 
@@ -678,7 +780,7 @@ def steps_marker(key: str) -> Path:
         root = os.path.join(
             tempfile.gettempdir(), "torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", user)
         )
-    return Path(root) / "toy-steps" / f"{key}-torch-{torch.__version__}"
+    return Path(root)
 
 
 def mark_steps(marker: Path) -> None:
