@@ -379,3 +379,30 @@ def test_a_compiled_step_gives_the_eager_logits(name, monkeypatch):
         compiled_before = len(decode._STEPS)
         assert model.hidden(torch.tensor([[1]]), model.new_cache(1, 4)).requires_grad
         assert len(decode._STEPS) == compiled_before
+
+
+def test_a_built_step_that_does_not_load_is_built_again(tmp_path, monkeypatch):
+    """A library in toy-steps/built that is not one (damaged, or another machine's) is not
+    loaded: _load_built says None and the step is built again in its place. Written with a
+    temporary name and renamed, a half-written library is never seen."""
+    bad = tmp_path / "step.so"
+    monkeypatch.setattr(decode, "_built_path", lambda key: bad)
+    assert decode._load_built(("k",)) is None  # none there
+    bad.write_bytes(b"\x7fELF" + b"\0" * 60)  # an ELF header and nothing behind it
+    assert decode._load_built(("k",)) is None
+    bad.write_bytes(b"not a library")
+    assert decode._load_built(("k",)) is None
+
+
+def test_the_build_id_names_the_cpu_and_the_model_code(monkeypatch):
+    """A library built under one instruction-set cap (or other model code) has another name:
+    it is never loaded where it was not built for."""
+    monkeypatch.setattr(decode, "_BUILD_ID", None)
+    plain = decode._built_path(("k",))
+    monkeypatch.setattr(decode, "_BUILD_ID", None)
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    capped = decode._built_path(("k",))
+    monkeypatch.setattr(decode, "_BUILD_ID", None)
+    assert plain != capped and plain.parent == capped.parent
+    assert plain.parent.name == "built" and plain.parent.parent.name == "toy-steps"
+    assert decode._built_path(("k", 1)) != decode._built_path(("k",))
