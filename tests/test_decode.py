@@ -314,12 +314,12 @@ def test_infer_precision_flag(quant_gguf, toy_cli, monkeypatch):
     """Issue 33 item 1 (infer): --precision bf16 holds the dequantized base in bfloat16 where
     the cpu has bf16 units, exits 2 saying why where it has none or where --base-dtype
     float32 conflicts; auto keeps float32 on a cpu."""
-    from toy.cli import cmd_infer
+    from toy.formats import base_readers
     from toy.train import device as device_mod
 
     held = []
-    real = cmd_infer.held_as  # the probe, held as the generation asks
-    monkeypatch.setattr(cmd_infer, "held_as", lambda p, m, d: held.append(d) or real(p, m, d))
+    real = base_readers.held_as  # the probe, held as the generation asks
+    monkeypatch.setattr(base_readers, "held_as", lambda p, m, d: held.append(d) or real(p, m, d))
     args = ["infer", "--model", quant_gguf, "--prompt", "ROMEO. What", "--temperature", "0"]
     args += ["--max-new-tokens", "10"]
     monkeypatch.setattr(device_mod, "cpu_bf16_units", lambda: "avx512_bf16")

@@ -163,10 +163,10 @@ def test_json_needs_a_prompt_or_a_chat(quant_gguf, toy_cli):
 def test_a_gguf_dequantized_from_its_probe_is_the_files_float_read(quant_gguf, dtype):
     """held_as dequantizes the probe (read as stored) instead of reading the file again: the
     same tensors, bit for bit and dtype for dtype, as read_base(path, dtype)."""
-    from toy.formats.base_readers import read_base
+    from toy.formats.base_readers import held_as, read_base
 
     probe = read_base(quant_gguf, "quantized")
-    got = cmd_infer.held_as(probe, Path(quant_gguf), dtype)
+    got = held_as(probe, Path(quant_gguf), dtype)
     want = read_base(quant_gguf, dtype)
     assert got.base_dtype == dtype and sorted(got.state_dict) == sorted(want.state_dict)
     for name, t in want.state_dict.items():

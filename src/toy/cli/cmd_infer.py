@@ -484,7 +484,7 @@ def load_base_lm(
     import torch
 
     from toy.data.chat import resolve_chat_template
-    from toy.formats import packed_cache
+    from toy.formats import base_readers, packed_cache
     from toy.formats.base_readers import read_base
     from toy.formats.peft import load_peft_adapter
     from toy.lora import apply_lora, load_lora_state_dict, merge_lora
@@ -568,7 +568,7 @@ def load_base_lm(
             lm.why = f"auto: float32, {tokens} new tokens do not repay packing" + (
                 "" if cached else " (its compile is not cached on this machine yet)"
             )
-    base = held_as(probe, model_path, dtype)
+    base = base_readers.held_as(probe, model_path, dtype)
     model = base.build_model(device)
     if adapter is not None:
         sd, acfg = (
@@ -605,36 +605,6 @@ def load_base_lm(
         )
     lm.model = model.eval()
     return lm
-
-
-def held_as(probe, model_path: Path, dtype: str):
-    """The base `probe` (read as stored) held as `dtype` asks. A GGUF's blocks are dequantized
-    from the probe, with the dequantization and row order read_gguf's float path uses (the
-    same bits, tested), rather than read again: its header parsed and its tokenizer built
-    from 49k merges a second time took ~0.25 s of a float32 reply (loaded 2-core Zen 4)."""
-    import dataclasses
-
-    import torch
-
-    from toy.formats.base import QuantTensor
-    from toy.formats.base_readers import read_base
-    from toy.models.quant import QuantSpec
-
-    if dtype == "quantized":
-        return probe
-    quant = [t for t in probe.state_dict.values() if isinstance(t, QuantTensor)]
-    if probe.kind != "gguf" or dtype not in ("float32", "bfloat16"):
-        return read_base(model_path, dtype)
-    if any(not isinstance(t.spec, QuantSpec) for t in quant):
-        return read_base(model_path, dtype)
-    sd = {}
-    for name, t in probe.state_dict.items():
-        if isinstance(t, QuantTensor):
-            t = t.spec.dequantize(t.parts)
-        if dtype == "bfloat16" and t.dim() == 2:  # the norms stay float32, as read_gguf's
-            t = t.to(torch.bfloat16)
-        sd[name] = t.contiguous()
-    return dataclasses.replace(probe, state_dict=sd, base_dtype=dtype, notes=[])
 
 
 def stream(lm: LM, ids: list[int], args, cache=None, echo: str = "") -> list[int]:

@@ -228,9 +228,7 @@ def _kernel(four_bit: bool, parts: tuple[torch.Tensor, ...]):
     """The compiled kernel for these parts' shapes and dtypes (built on first use): called
     with one list [x, *parts], it returns a sequence whose first item is W x."""
     key = (four_bit,) + tuple((tuple(p.shape), p.stride(), p.dtype, p.device.type) for p in parts)
-    fn = _KERNELS.get(key)
-    if fn is None and parts[0].device.type == "cpu":
-        fn = _load_built(key)
+    fn = _KERNELS.get(key) or _load_built(key)
     if fn is None:
         from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -248,47 +246,19 @@ def _kernel(four_bit: bool, parts: tuple[torch.Tensor, ...]):
             def fn(args, body=body):
                 return (body(*args),)
 
-        _KERNELS[key] = fn
+    _KERNELS[key] = fn  # built or loaded: once a process, shared by tensors of one shape
     return fn
 
 
-def _compile(graph, inputs: list[torch.Tensor], key: tuple | None = None):
-    """Inductor's code for a traced graph, called with one list of inputs of exactly these
-    shapes and strides; returns a sequence of outputs. On a cpu the code is built ahead of
-    time (AOTInductor: one shared library, no Python wrapper) and kept under `key` in
-    inductor's cache folder (_built_path), so that a later process loads it in a millisecond
-    (_load_built) instead of tracing the block again and importing the compiler (~4 s of a
-    SmolLM2 reply before its first token, docs/performance.md)."""
-    if key is not None and all(t.device.type == "cpu" for t in inputs):
-        return _compile_ahead(graph, inputs, key)
-    from torch._guards import TracingContext, tracing
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.fx.experimental.symbolic_shapes import ShapeEnv
-
-    # Under a tracing context with a shape environment, as torch.compile's own calls are:
-    # without one inductor bypasses its on-disk cache and compiles again in every process.
-    with (
-        torch._inductor.config.patch({**_INDUCTOR, **_ISA_OK[_TRUST_ISA]}),
-        tracing(TracingContext(FakeTensorMode(shape_env=ShapeEnv()))),
-    ):
-        compiled = torch._inductor.compile(graph, inputs)
-    # The compiled graph's own entry takes the inputs as one list and skips the wrapper's
-    # bookkeeping (measured: 2.6 us a call against 5.8, about 0.7 ms a token for SmolLM2, and
-    # more for a step's 20 inputs); inference graphs keep an input's mutation (the KV write) in
-    # the code itself. torch is pinned; any other shape of the object takes the plain call.
-    boxed = getattr(compiled, "current_callable", None)
-    if boxed is None or getattr(compiled, "inputs_to_check", None):
-
-        def boxed(args, compiled=compiled):
-            out = compiled(*args)
-            return out if isinstance(out, (tuple, list)) else (out,)
-
-    return boxed
-
-
-def _compile_ahead(graph, inputs: list[torch.Tensor], key: tuple):
-    """AOTInductor's shared library for the graph, written to _built_path(key) (a temporary
-    name, then renamed: a reader never sees half a file) and loaded from there."""
+def _compile(graph, inputs: list[torch.Tensor], key: tuple):
+    """Inductor's code for a traced graph, called with one list of cpu inputs of exactly
+    these shapes and strides; returns a list of outputs. The code is built ahead of time
+    (AOTInductor: one shared library, no Python wrapper) and kept under `key` in inductor's
+    cache folder (_built_path: a temporary name, then renamed, so a reader never sees half a
+    file), so that a later process loads it in a millisecond (_load_built) instead of
+    tracing the block again and importing the compiler (~4 s of a SmolLM2 reply before its
+    first token, docs/performance.md). Graph inputs that are written (the KV cache) are
+    written by the library itself."""
     import tempfile
 
     out = next(n for n in graph.graph.nodes if n.op == "output")
@@ -299,15 +269,16 @@ def _compile_ahead(graph, inputs: list[torch.Tensor], key: tuple):
     with warnings.catch_warnings():  # torch's own deprecation inside it (pytree's LeafSpec)
         warnings.simplefilter("ignore", FutureWarning)
         built = torch._inductor.aot_compile(graph, tuple(inputs), options=options)
-    path = _built_path(key)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-    os.close(fd)
+    path, tmp = _built_path(key), None
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+        os.close(fd)
         shutil.copyfile(built, tmp)
         os.replace(tmp, path)
     except OSError:  # a read-only cache: this process uses inductor's own copy
-        Path(tmp).unlink(missing_ok=True)
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
         path = Path(built)
     return _runner(path)
 
@@ -318,7 +289,7 @@ def _runner(path: Path):
 
 
 def _load_built(key: tuple):
-    """The code _compile_ahead kept for `key` on this machine, loaded; None where there is
+    """The code _compile kept for `key` on this machine, loaded; None where there is
     none or it does not load (it is built again and replaces it)."""
     path = _built_path(key)
     if not path.is_file():

@@ -32,7 +32,7 @@ from toy.data.chat import (
 )
 from toy.errors import InputError, UsageError
 from toy.formats.base import Base
-from toy.formats.base_readers import read_base
+from toy.formats.base_readers import held_as, read_base
 from toy.formats.checkpoint import atomic_dir
 from toy.formats.hf_dir import base_fingerprint
 from toy.formats.mlx_adapter import save_mlx_adapter
@@ -323,8 +323,7 @@ def load_adapted(cfg: RunConfig, project: Project, recipe: str) -> Adapted:
     blocks = any(t not in ("F32", "F16", "BF16") for t in base.tensor_types)
     if blocks and cfg.base_dtype is None and dtype == "quantized":  # auto may hold it in bf16
         dtype, why = base_dtype(cfg, base.float32_bytes() // 2)
-        if dtype != "quantized":
-            base = read_base(model_path, dtype)
+        base = held_as(base, model_path, dtype)  # dequantized from what was read, not re-read
     targets = cfg.target_list or base.default_targets.split(",")
     # The adapters' dropout draws from torch's generator: seeded here so --seed decides it
     # (the loop then gives each process its own stream from (seed, rank)).
