@@ -19,9 +19,9 @@ demo: $(STAMP)
 	bash scripts/demo.sh
 
 # Two workers of one torch thread each (tests/conftest.py): on 2 cores the suite takes
-# about 13 minutes instead of 26 (a Zen 4 held to AVX2 code paths, inductor's cache cold:
-# 11.5 minutes before generation's steps were built ahead of time, whose cold builds are
-# slower; 11 on the Zen 4 itself), every test as it is. --dist loadscope: a module's tests
+# about 11.5 minutes instead of 23 (a Zen 4 held to AVX2 code paths, inductor's cache and
+# precompiled headers cold; each compiled generation step is a cold build of 6-8 s there,
+# so tests build few), every test as it is. --dist loadscope: a module's tests
 # run on one worker, so its module-scoped fixtures (a real model's LoRA run, a transformers
 # load) are made once, not once a worker as under the default --dist load;
 # --no-loadscope-reorder keeps the collection order (tests/conftest.py puts the longest

@@ -128,7 +128,10 @@ def test_a_template_cannot_take_all_the_memory(template):
     peak = _peak_mb()
     err, took = _refused(template)
     assert "limit" in err.message and "MAX_TEMPLATE" in err.message, err.message
-    assert took < 1.5, f"took {took:.1f} s"
+    # refused by its size, not by the render's clock; counting a generator's 4M items takes
+    # 0.5 s on a quiet Zen 4, 1.5 s on a loaded one held to AVX2: a bound with room
+    assert "MAX_TEMPLATE_SECONDS" not in err.message, err.message
+    assert took < 5, f"took {took:.1f} s"
     assert _peak_mb() - peak < 300  # never near the 1.46 GB of the unbounded render
 
 
