@@ -22,7 +22,9 @@ INFER_BASE_DTYPES = ("auto", "quantized", "bfloat16", "float32")
 # of this run (pack_pays). Measured on a 2-core AMD Zen 4 (avx512_bf16), SmolLM2-135M Q4_1,
 # 2 threads, quiet: a float32 token reads every weight, 15.1-15.3 tokens/s for its 0.54 GB
 # (0.122 s a token per GB of float32 weights); the packed codes give 43.7-44.1 tokens/s
-# (2.9x; 48-56 against 13-16 in the 2026-11-25 record). Before the first token the packed
+# (2.9x; 48-56 against 13-16 in the 2026-11-25 record; with AVX-512 the nibble kernel's
+# unrolled form now gives ~6x, 108-111 against 17.9: 2.9 stays, the CPU kinds' floor, so auto
+# never packs where it would not pay). Before the first token the packed
 # path no longer waits longer than float32 once its steps are built on the machine (first
 # token 1.88-1.93 s against 1.90-2.31 s, three rounds, 100 tokens asked: the steps are
 # loaded as built libraries, no tracing, no compiler stack imported; it waited 3.3-4.4 s

@@ -167,24 +167,16 @@ def _matvec(
     scale = (torch.ones_like(k) << shift).float().reciprocal()  # powers of two, exact
     xs = (x.view(G, W, per_word) * scale).unsqueeze(-1)
     xs = inductor_prims.force_stride_order(xs, (W * per_word, per_word, 1, 1))
-    if (
-        bits == 4
-    ):  # one reduction over the group's codes (measured faster for nibbles, and 46 nodes, not 256)
-        top = k == per_word - 1
-        down = torch.where(top, bits * (per_word - 1), 0).to(torch.int32)
-        mask = torch.where(top, 2**bits - 1, (2**bits - 1) << (bits * k)).to(torch.int32)
-        acc = (((p[:, :, None, :] >> down[:, None]) & mask[:, None]).float() * xs).sum(
-            (1, 2)
-        )  # (G, N)
-    else:  # bytes: the 4 of a word unrolled, the words reduced (measured 2.5x faster than one
-        # reduction over the codes, 1.2-1.7x faster than unrolling all 32, and a graph of 52
-        # nodes, not 262)
-        acc = None
-        for j in range(per_word):
-            code = _item(p, j, bits) if j == per_word - 1 else _in_place(p, j, bits)
-            t = code * xs[:, :, j]
-            acc = t if acc is None else acc + t
-        acc = acc.sum(1)  # (G, N)
+    # The codes of a word unrolled (each masked in place), the words reduced. Bytes: measured
+    # 2.5x faster than one reduction over the codes, 1.2-1.7x faster than unrolling all 32,
+    # and a graph of 52 nodes, not 262. Nibbles: 2.1-3.3x faster than one reduction with
+    # AVX-512 and 1.25-1.7x held to AVX2 (bench/nibble_kernel.py, docs/performance.md).
+    acc = None
+    for j in range(per_word):
+        code = _item(p, j, bits) if j == per_word - 1 else _in_place(p, j, bits)
+        t = code * xs[:, :, j]
+        acc = t if acc is None else acc + t
+    acc = acc.sum(1)  # (G, N)
     y = acc * s.float()
     xsum = x.view(G, -1).sum(1)[:, None]
     if bits == 8:
