@@ -19,7 +19,7 @@ demo: $(STAMP)
 	bash scripts/demo.sh
 
 # Two workers of one torch thread each (tests/conftest.py): on 2 cores the suite takes
-# about 11.5 minutes instead of 23 (a Zen 4 held to AVX2 code paths, inductor's cache and
+# about 11 minutes instead of 22 (a Zen 4 held to AVX2 code paths, inductor's cache and
 # precompiled headers cold; each compiled generation step is a cold build of 6-8 s there,
 # so tests build few), every test as it is. --dist loadscope: a module's tests
 # run on one worker, so its module-scoped fixtures (a real model's LoRA run, a transformers
