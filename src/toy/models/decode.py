@@ -169,8 +169,9 @@ def _matvec(
     xs = inductor_prims.force_stride_order(xs, (W * per_word, per_word, 1, 1))
     # The codes of a word unrolled (each masked in place), the words reduced. Bytes: measured
     # 2.5x faster than one reduction over the codes, 1.2-1.7x faster than unrolling all 32,
-    # and a graph of 52 nodes, not 262. Nibbles: 2.1-3.3x faster than one reduction with
-    # AVX-512 and 1.25-1.7x held to AVX2 (bench/nibble_kernel.py, docs/performance.md).
+    # and a graph of 52 nodes, not 262. Nibbles: 2.4-3.8x faster than one reduction with
+    # AVX-512 and 1.25-1.7x held to AVX2 (docs/performance.md; bench/nibble_kernel.py times
+    # each kernel against the float32 product).
     acc = None
     for j in range(per_word):
         code = _item(p, j, bits) if j == per_word - 1 else _in_place(p, j, bits)
