@@ -87,15 +87,20 @@ def _chunked(
         for i in range(0, h.shape[0], step):
             hc, tc = h[i : i + step], targets[i : i + step]
             logits, dcap = _cap((hc.to(dt) @ w.T).to(acc), softcap)  # (c, V)
-            lse = torch.logsumexp(logits, dim=-1)  # (c,)
             valid = tc != IGNORE
             safe = torch.where(valid, tc, 0)
             picked = logits.gather(1, safe[:, None]).squeeze(1)
+            # exp(logit - max) once, in place: the log-sum-exp and the softmax both come out
+            # of it (logsumexp and then exp(logits - lse) took two passes of exp and a copy)
+            m = logits.amax(dim=-1)  # (c,)
+            e = logits.sub_(m[:, None]).exp_()
+            total = e.sum(dim=-1)
+            lse = m + torch.log(total)
             loss += torch.where(valid, lse - picked, 0.0).sum()
             if not (want_h or want_w):
                 continue
             # d loss / d logits = softmax - onehot(target), zero on ignored rows; in place.
-            g = logits.sub_(lse[:, None]).exp_()
+            g = e.div_(total[:, None])
             g.scatter_add_(1, safe[:, None], torch.full_like(picked[:, None], -1.0))
             g.mul_(valid[:, None])
             if dcap is not None:
