@@ -21,7 +21,8 @@ demo: $(STAMP)
 # Two workers of one torch thread each (tests/conftest.py): on 2 cores the suite takes
 # about 11 minutes instead of 22 (a Zen 4 held to AVX2 code paths, inductor's cache and
 # precompiled headers cold; each compiled generation step is a cold build of 6-8 s there,
-# so tests build few), every test as it is. --dist loadscope: a module's tests
+# so tests build few; ~12 minutes on the Zen 4 itself, whose AVX-512 builds are slower),
+# every test as it is. --dist loadscope: a module's tests
 # run on one worker, so its module-scoped fixtures (a real model's LoRA run, a transformers
 # load) are made once, not once a worker as under the default --dist load;
 # --no-loadscope-reorder keeps the collection order (tests/conftest.py puts the longest
