@@ -63,6 +63,15 @@ def run_toy(*argv, cwd=None, timeout=600, env=None):
     )
 
 
+def drop_isa_caps(monkeypatch) -> None:
+    """Unset the variables that hold the kernels below the CPU (bench --isa avx2's, or a
+    shell's): a test sees the machine as a user with none set would."""
+    from toy.models.decode import ISA_CAP_VARS
+
+    for var in ISA_CAP_VARS:
+        monkeypatch.delenv(var, raising=False)
+
+
 def assert_every_parameter_learns(model) -> None:
     """After a backward pass: every parameter has a finite, non-zero gradient."""
     for name, p in model.named_parameters():

@@ -17,6 +17,7 @@ from toy.models.generate import next_logits
 from toy.models.quant import QuantEmbedding, QuantLinear, QuantSpec, dequantize
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from conftest import drop_isa_caps  # noqa: E402
 from test_quant import BLOCK_TYPES, random_blocks  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
@@ -338,8 +339,7 @@ def test_infer_precision_flag(quant_gguf, toy_cli, monkeypatch):
     args = ["infer", "--model", quant_gguf, "--prompt", "ROMEO. What", "--temperature", "0"]
     args += ["--max-new-tokens", "10"]
     monkeypatch.setattr(device_mod, "cpu_bf16_units", lambda: "avx512_bf16")
-    for var in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA"):  # a cap would refuse bf16
-        monkeypatch.delenv(var, raising=False)
+    drop_isa_caps(monkeypatch)  # a cap would refuse bf16
     code, out, err = toy_cli(*args, "--precision", "bf16")
     assert code == 0 and held[-1] == "bfloat16" and len(out.strip()) > 11, err
     code, out, err = toy_cli(*args)  # auto
@@ -416,8 +416,7 @@ def test_a_built_step_that_does_not_load_is_built_again(tmp_path, monkeypatch):
 def test_the_build_id_names_the_cpu_and_the_model_code(monkeypatch):
     """A library built under one instruction-set cap (or other model code) has another name:
     it is never loaded where it was not built for."""
-    for var in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA"):  # as the user's shell left them
-        monkeypatch.delenv(var, raising=False)
+    drop_isa_caps(monkeypatch)  # whatever the shell set
     monkeypatch.setattr(decode, "_BUILD_ID", None)
     plain = decode._built_path(("k",))
     monkeypatch.setattr(decode, "_BUILD_ID", None)

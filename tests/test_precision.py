@@ -16,6 +16,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from conftest import drop_isa_caps  # noqa: E402
 from gguf_fixtures import tiny_model, write_llama_gguf  # noqa: E402
 
 from toy.data.dialogue import conversations, write_jsonl  # noqa: E402
@@ -41,8 +42,7 @@ def units(monkeypatch, unit: str | None) -> None:
     """Pretend the CPU has (or lacks) these bf16 units; a cap on the kernels in the
     environment (bench --isa avx2's variables) would override the pretence: dropped."""
     monkeypatch.setattr(device_mod, "cpu_bf16_units", lambda: unit)
-    for var in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA"):
-        monkeypatch.delenv(var, raising=False)
+    drop_isa_caps(monkeypatch)
 
 
 def scratch(toy_cli, corpus, out, *extra):
@@ -240,8 +240,7 @@ def test_bf16_and_float32_reach_held_out_losses_within_1_percent(
 )
 def test_kernels_held_below_bf16_count_as_no_units(monkeypatch, var, value):
     """bench --isa avx2 and a user's own cap: the units are there, their code is not run."""
-    for v in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA"):
-        monkeypatch.delenv(v, raising=False)
+    drop_isa_caps(monkeypatch)
     monkeypatch.setenv(var, value)
     assert device_mod.cpu_bf16_units() is None
     p = device_mod.resolve_precision("auto", torch.device("cpu"))

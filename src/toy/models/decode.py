@@ -294,6 +294,9 @@ def _load_built(key: tuple):
 
 
 _BUILD_ID: str | None = None
+# The environment variables that hold torch's kernels (ATen's dispatch) and oneDNN's below
+# what the CPU has: a library built under one setting is not the one for another.
+ISA_CAP_VARS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")
 
 
 def _build_id() -> str:
@@ -315,7 +318,7 @@ def _build_id() -> str:
                 flags = next((x for x in fh if x.startswith("flags")), "")
         except OSError:
             pass
-        caps = [os.environ.get(v, "") for v in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")]
+        caps = [os.environ.get(v, "") for v in ISA_CAP_VARS]
         for part in (torch.__version__, platform.machine(), sys.platform, flags, *caps):
             h.update(repr(part).encode())
         h.update(repr(sorted(_INDUCTOR.items())).encode())  # not _ISA_OK: the probe only
