@@ -88,10 +88,12 @@ def held_as(probe: Base, path: str | os.PathLike, dtype: str) -> Base:
 
     if dtype == "quantized":
         return probe
-    quant = [t for t in probe.state_dict.values() if isinstance(t, QuantTensor)]
-    if probe.kind != "gguf" or dtype not in ("float32", "bfloat16"):
-        return read_base(path, dtype)
-    if any(not isinstance(t.spec, QuantSpec) for t in quant):
+    tensors = probe.state_dict.values()
+    if (
+        probe.kind != "gguf"
+        or dtype not in ("float32", "bfloat16")
+        or any(isinstance(t, QuantTensor) and not isinstance(t.spec, QuantSpec) for t in tensors)
+    ):
         return read_base(path, dtype)
     sd = {}
     for name, t in probe.state_dict.items():
