@@ -263,6 +263,7 @@ def test_end_to_end_new_prep_train_infer(tmp_path):
         "corpus.bin",
         "corpus.tokenizer.json",
         "corpus.val.bin",
+        "pairs",
     ]
     assert (proj / "runs").is_dir()
     # data/chat.jsonl, for the README's first LoRA run: conversations from the plays that
@@ -271,6 +272,15 @@ def test_end_to_end_new_prep_train_infer(tmp_path):
 
     chats = read_chat_jsonl(proj / "data" / "chat.jsonl", strict=True)
     assert len(chats.conversations) == 240 and chats.n_skipped == 0
+    # data/pairs/, for the README's first DPO and ORPO runs: the pair reader takes every
+    # line; 15% held out; the chosen answer is the rejected one opened by "Verily,".
+    from toy.data.preference import read_pairs
+
+    sets = [read_pairs(proj / "data" / "pairs" / f"{n}.jsonl") for n in ("train", "valid")]
+    assert [len(f.pairs) for f in sets] == [68, 12] and not any(f.skipped for f in sets)
+    for pair in sets[0].pairs + sets[1].pairs:
+        assert pair.chosen.startswith("Verily, ") and pair.prompt
+        assert pair.chosen[8:].lower() == pair.rejected.lower()
     txt = tmp_path / "t.txt"
     txt.write_text(bundled_text_paths()[0].read_text()[:60000])
     r = run_toy(

@@ -436,13 +436,25 @@ def test_make_pref_pairs_is_deterministic_and_holds_out_15_percent(tmp_path):
 
     script = Path(__file__).resolve().parents[1] / "scripts" / "make_pref_pairs.py"
 
-    def make(out, seed):
-        argv = [sys.executable, str(script), "--out", str(out), "--pairs", "40", "--seed", seed]
+    def make(out, seed, pairs=40, chars=160):
+        argv = [sys.executable, str(script), "--out", str(out), "--seed", seed]
+        argv += ["--pairs", str(pairs), "--max-chars", str(chars)]
         assert subprocess.run(argv, capture_output=True).returncode == 0
         return [(out / n).read_bytes() for n in ("train.jsonl", "valid.jsonl")]
 
     a, b, c = make(tmp_path / "a", "1"), make(tmp_path / "b", "1"), make(tmp_path / "c", "2")
     assert a == b and a != c
+    # `toy new`'s data/pairs is the script's set of 80 speeches up to 80 characters, seed 0
+    # (the walk's numbers in the README are measured on it).
+    from toy.cli.cmd_new import PAIR_CHARS, PAIRS
+    from toy.data.dialogue import preference_pairs, write_pairs
+    from toy.data.prep import bundled_text_paths
+
+    ours = write_pairs(
+        preference_pairs(bundled_text_paths(), PAIRS, 0, max_chars=PAIR_CHARS), tmp_path / "n"
+    )
+    walk = make(tmp_path / "w", "0", PAIRS, PAIR_CHARS)
+    assert [(ours / n).read_bytes() for n in ("train.jsonl", "valid.jsonl")] == walk
     train, valid = ([json.loads(x) for x in f.splitlines()] for f in a)
     assert (len(train), len(valid)) == (34, 6)
     for p in train + valid:

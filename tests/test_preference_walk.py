@@ -1,5 +1,5 @@
-"""The preference walk on the real SmolLM2-135M-Instruct (issue 34; slow): a pair set made
-from the bundled plays by scripts/make_pref_pairs.py, whose chosen answers open with
+"""The preference walk on the real SmolLM2-135M-Instruct (issue 34; slow): the pair set
+`toy new` makes from the bundled plays (data/pairs/), whose chosen answers open with
 "Verily," and whose rejected answers are the same words without it, 15% held out;
 `toy train --recipe dpo` on the Q4_1 GGUF takes the held-out preference accuracy from a tie
 to >= 90%; then a held-out prompt is answered "Verily, ..." by `toy infer --run`, by
@@ -23,7 +23,6 @@ from conftest import run_toy  # noqa: E402
 from gguf_fixtures import smollm2_gguf  # noqa: E402,F401
 from test_real_dirs import smol_dirs  # noqa: E402,F401
 
-ROOT = Path(__file__).resolve().parents[1]
 OPENING = "Verily"
 STEPS = 6  # the walk's settings (docs/results.md, "Preference tuning")
 TRAIN = ["--steps", str(STEPS), "--lr", "6e-3", "--warmup", "0", "--beta", "0.1"]
@@ -95,10 +94,10 @@ def test_dpo_on_smollm2_learns_the_chosen_style_and_every_client_answers_in_it(
     smollm2_gguf, smol_dirs, tmp_path, record_property
 ):
     hf_dir, mlx_dir = smol_dirs
-    data = tmp_path / "pairs"
-    make = [sys.executable, str(ROOT / "scripts" / "make_pref_pairs.py"), "--out", data]
-    make += ["--pairs", "80", "--max-chars", "80"]
-    assert subprocess.run(list(map(str, make)), capture_output=True).returncode == 0
+    # The pairs `toy new` puts in a project (README), the same set as
+    # `scripts/make_pref_pairs.py --pairs 80 --max-chars 80`.
+    assert run_toy("new", tmp_path / "proj").returncode == 0
+    data = tmp_path / "proj" / "data" / "pairs"
     valid = [json.loads(x) for x in (data / "valid.jsonl").read_text().splitlines()]
     train = (data / "train.jsonl").read_text().splitlines()
     assert (len(train), len(valid)) == (68, 12)  # 15% held out

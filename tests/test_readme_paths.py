@@ -15,9 +15,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# Paths the README hands to toy as the user's own: "your text", an image folder, pairs in
-# TRL's form. Nothing in the README makes them and nothing should.
-USER_FILES = {"my.txt", "more.jsonl", "train", "test", "shirt.png", "pairs.jsonl", "pairs"}
+# Paths the README hands to toy as the user's own: "your text", an image folder. Nothing in
+# the README makes them and nothing should.
+USER_FILES = {"my.txt", "more.jsonl", "train", "test", "shirt.png"}
 OUTPUT_FLAGS = {"--out", "--output"}
 # Flags whose value is a path, whatever it looks like; other arguments are paths when PATHY.
 PATH_FLAGS = {"--model", "--model-path", "--data", "--val-data", "--corpus", "--donor"}

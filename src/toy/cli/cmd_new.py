@@ -1,7 +1,9 @@
 """`toy new DIR`: a project with toy.toml, runs/, and under data/ the bundled plays
 tokenized: corpus.bin, corpus.val.bin and corpus.tokenizer.json (the tokenizer that made
 them), plus chat.jsonl: conversations made from the plays' dialogue, for a first LoRA
-run (`toy train --recipe lora --data data/chat.jsonl`). `toy train` uses data/corpus.bin
+run (`toy train --recipe lora --data data/chat.jsonl`), and pairs/ (train.jsonl,
+valid.jsonl): preference pairs whose chosen answer opens with "Verily,", for a first DPO or
+ORPO run (`toy train --recipe dpo --data data/pairs`). `toy train` uses data/corpus.bin
 when no --corpus is given."""
 
 from __future__ import annotations
@@ -39,6 +41,9 @@ eval_batches = 8
 # Conversations in data/chat.jsonl: one epoch of LoRA on SmolLM2 over them is a couple of
 # minutes on 2 cores, long enough for the held-out loss to fall visibly.
 CHATS = 240
+# Preference pairs in data/pairs/: the set the DPO walk measures (tests/test_preference_walk.py,
+# README): 68 to train on, 12 held out, speeches of at most 80 characters.
+PAIRS, PAIR_CHARS = 80, 80
 FIRST_STEPS = 300  # the first run `toy new` suggests (README's too)
 
 
@@ -69,10 +74,13 @@ def run(args) -> int:
         shutil.copyfile(a, b)
     chats = dialogue.conversations(bundled_text_paths(), CHATS, seed=0, turns=(1, 2), max_chars=400)
     dialogue.write_jsonl(chats, d / "data" / "chat.jsonl")
+    pairs = dialogue.preference_pairs(bundled_text_paths(), PAIRS, seed=0, max_chars=PAIR_CHARS)
+    dialogue.write_pairs(pairs, d / "data" / "pairs")
     (d / "toy.toml").write_text(TOML.format(template=DEFAULT_RUN_ID_TEMPLATE))
     print(
         f"created project {d}: toy.toml, data/corpus.bin (bundled Shakespeare, BPE "
-        f"{DEFAULT_VOCAB}), data/chat.jsonl ({len(chats)} conversations from the plays), runs/"
+        f"{DEFAULT_VOCAB}), data/chat.jsonl ({len(chats)} conversations from the plays), "
+        f"data/pairs/ ({len(pairs)} preference pairs), runs/"
     )
     # Long enough for the loss to fall (5 steps, the default, is not).
     print(f"next: cd {d} && toy train --recipe from-scratch --steps {FIRST_STEPS}")
