@@ -4,6 +4,7 @@ matmul for every GGUF block type, the packed weights against the file's bit for 
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -423,6 +424,45 @@ def test_the_build_id_names_the_cpu_and_the_model_code(monkeypatch):
     monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
     capped = decode._built_path(("k",))
     monkeypatch.setattr(decode, "_BUILD_ID", None)
-    assert plain != capped and plain.parent == capped.parent
-    assert plain.parent.name == "built" and plain.parent.parent.name == "toy-steps"
+    assert plain != capped and plain.name == capped.name  # the same key in two builds' folders
+    assert plain.parent.name == "built" and plain.parents[2].name == "toy-steps"
+    assert plain.parents[1] != capped.parents[1]
     assert decode._built_path(("k", 1)) != decode._built_path(("k",))
+    # The marker that tells auto a model's steps are built is the build's too: an upgraded
+    # toy (other model code) or a capped shell never counts on libraries it cannot load.
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY")
+    monkeypatch.setattr(decode, "_BUILD_ID", None)
+    assert decode.steps_marker("m").parent == plain.parents[1]
+    monkeypatch.setattr(decode, "_BUILD_ID", None)
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    assert decode.steps_marker("m").parent == capped.parents[1]
+    monkeypatch.setattr(decode, "_BUILD_ID", None)
+
+
+def test_old_builds_are_pruned_after_a_build(tmp_path, monkeypatch):
+    """toy-steps keeps this build's folder and the two used last; older builds' folders and
+    what an older toy left (a flat built/ folder, markers beside it) go."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    steps = tmp_path / "toy-steps"
+    mine = decode._steps_root()
+    (mine / "built").mkdir(parents=True)
+    (mine / "marker").touch()
+    old = []
+    for age, name in enumerate(["a" * 16, "b" * 16, "c" * 16, "d" * 16]):
+        (steps / name / "built").mkdir(parents=True)
+        (steps / name / "built" / "x.so").write_bytes(b"lib")
+        os.utime(steps / name, (1e9 - age, 1e9 - age))  # "a" used last, "d" first
+        old.append(steps / name)
+    (steps / "built").mkdir()
+    (steps / "built" / "y.so").write_bytes(b"lib")
+    (steps / "0137fb7f650755df0934f171-torch-2.13.0+cpu").touch()
+    gone = decode.prune_builds()
+    assert sorted(p.name for p in steps.iterdir()) == sorted([mine.name, "a" * 16, "b" * 16])
+    assert (mine / "marker").is_file() and (mine / "built").is_dir()
+    assert set(gone) == {
+        old[2],
+        old[3],
+        steps / "built",
+        steps / "0137fb7f650755df0934f171-torch-2.13.0+cpu",
+    }
+    assert decode.prune_builds() == []  # nothing more to take

@@ -273,6 +273,8 @@ def _compile(graph, inputs: list[torch.Tensor], key: tuple):
         if tmp is not None:
             Path(tmp).unlink(missing_ok=True)
         path = Path(built)
+    else:
+        prune_builds()
     return _runner(path)
 
 
@@ -327,11 +329,66 @@ def _build_id() -> str:
     return _BUILD_ID
 
 
+# Build folders kept under toy-steps: this build's and the two used last (another venv or
+# toy version, an ISA cap). Each holds a model's libraries (~1.6 MB each, tens a model): a
+# user who upgrades toy would otherwise keep every older build's forever.
+KEEP_BUILDS = 3
+_TOUCHED: set[Path] = set()
+
+
+def _steps_root() -> Path:
+    """toy-steps/<build id> in inductor's cache folder: this build's libraries (built/) and
+    the markers that say which models' steps it has built (steps_marker), so a marker never
+    speaks for libraries another toy, torch or instruction-set cap built. Its time is set at
+    a process's first use: prune_builds keeps the folders used last."""
+    root = _inductor_root() / "toy-steps" / _build_id()[:16]
+    if root not in _TOUCHED:
+        _TOUCHED.add(root)
+        try:
+            os.utime(root)
+        except OSError:  # not there yet (made at the first build), or read-only
+            pass
+    return root
+
+
 def _built_path(key: tuple) -> Path:
     import hashlib
 
-    name = hashlib.sha256((_build_id() + repr(key)).encode()).hexdigest()[:40]
-    return _inductor_root() / "toy-steps" / "built" / f"{name}.so"
+    name = hashlib.sha256(repr(key).encode()).hexdigest()[:40]
+    return _steps_root() / "built" / f"{name}.so"
+
+
+def prune_builds(keep: int = KEEP_BUILDS) -> list[Path]:
+    """Remove from toy-steps what no build uses any more: the build folders beyond the
+    `keep` used last (this build's always kept), and what older toys left there (a flat
+    built/ folder, markers beside it). Best effort; returns what went. Called after a
+    library is built, never on the way to a reply."""
+    mine = _steps_root()
+    try:
+        entries = list(mine.parent.iterdir())
+    except OSError:
+        return []
+
+    def used(p: Path) -> float:
+        try:
+            return p.stat().st_mtime
+        except OSError:
+            return 0.0
+
+    def a_build(p: Path) -> bool:
+        return re.fullmatch(r"[0-9a-f]{16}", p.name) is not None and p.is_dir()
+
+    others = sorted((p for p in entries if p != mine and a_build(p)), key=used, reverse=True)
+    gone = others[max(0, keep - 1) :] + [p for p in entries if p != mine and not a_build(p)]
+    for p in gone:
+        try:
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p)
+            else:
+                p.unlink()
+        except OSError:
+            pass
+    return gone
 
 
 # ---- the spec: what QuantLinear / QuantEmbedding hold after packing --------------------------
@@ -726,11 +783,12 @@ def compile_steps(model: torch.nn.Module, note=None, check: bool = True) -> int:
 
 
 def steps_marker(key: str) -> Path:
-    """A file that says this machine has compiled the steps of the model `key` names (a GGUF's
-    packed-cache key): kept in inductor's own cache folder (found as inductor finds it, without
-    importing it), so that it goes when that cache goes. `toy infer`'s auto reads it to know
-    whether packing costs a compile (~20 s) or a load of the built steps (milliseconds)."""
-    return _inductor_root() / "toy-steps" / f"{key}-torch-{torch.__version__}"
+    """A file that says this build (toy's model code, torch, the CPU's instruction sets:
+    _steps_root) has compiled the steps of the model `key` names (a GGUF's packed-cache key):
+    kept in inductor's own cache folder (found as inductor finds it, without importing it),
+    so that it goes when that cache goes. `toy infer`'s auto reads it to know whether packing
+    costs a compile (~20 s) or a load of the built steps (milliseconds)."""
+    return _steps_root() / key
 
 
 def _inductor_root() -> Path:
