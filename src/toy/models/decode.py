@@ -333,6 +333,8 @@ def _build_id() -> str:
 # toy version, an ISA cap). Each holds a model's libraries (~1.6 MB each, tens a model): a
 # user who upgrades toy would otherwise keep every older build's forever.
 KEEP_BUILDS = 3
+_BUILD_ID_CHARS = 16  # a build folder's name: the build id's first hex digits
+_BUILD_DIR = re.compile(f"[0-9a-f]{{{_BUILD_ID_CHARS}}}")
 _TOUCHED: set[Path] = set()
 
 
@@ -341,7 +343,7 @@ def _steps_root() -> Path:
     the markers that say which models' steps it has built (steps_marker), so a marker never
     speaks for libraries another toy, torch or instruction-set cap built. Its time is set at
     a process's first use: prune_builds keeps the folders used last."""
-    root = _inductor_root() / "toy-steps" / _build_id()[:16]
+    root = _inductor_root() / "toy-steps" / _build_id()[:_BUILD_ID_CHARS]
     if root not in _TOUCHED:
         _TOUCHED.add(root)
         try:
@@ -376,7 +378,7 @@ def prune_builds(keep: int = KEEP_BUILDS) -> list[Path]:
             return 0.0
 
     def a_build(p: Path) -> bool:
-        return re.fullmatch(r"[0-9a-f]{16}", p.name) is not None and p.is_dir()
+        return _BUILD_DIR.fullmatch(p.name) is not None and p.is_dir()
 
     others = sorted((p for p in entries if p != mine and a_build(p)), key=used, reverse=True)
     gone = others[max(0, keep - 1) :] + [p for p in entries if p != mine and not a_build(p)]
