@@ -55,9 +55,32 @@ def run_toy(a) -> dict:
     return _rates(load_s, times) | {"text": lm.tok.decode(new), "n": len(new)}
 
 
+def llamacpp_safe_on_amx() -> None:
+    """On a CPU with AMX, llama.cpp's repacked (AMX) weights crash a prompt of more than a few
+    tokens (llama.cpp #20824): turn the repacking off there, as the README tells users to
+    (`--no-repack`). Elsewhere the peer keeps its default (repacking is its fast path)."""
+    import llama_cpp.llama_cpp as C
+
+    from toy.train.device import cpu_has_amx
+
+    if not cpu_has_amx() or getattr(C.llama_model_default_params, "toy_no_repack", False):
+        return
+    orig = C.llama_model_default_params
+
+    def params():
+        p = orig()
+        p.use_extra_bufts = False
+        return p
+
+    params.toy_no_repack = True
+    C.llama_model_default_params = params
+
+
 def run_llamacpp(a) -> dict:
     import torch
     from llama_cpp import Llama
+
+    llamacpp_safe_on_amx()
 
     t0 = time.perf_counter()
     llm = Llama(
@@ -93,6 +116,9 @@ def _rates(load_s: float, times: list[float]) -> dict:
 LLAMA_REPLY = """
 import sys
 from llama_cpp import Llama
+sys.path.insert(0, sys.argv[4])
+from generate import llamacpp_safe_on_amx
+llamacpp_safe_on_amx()
 llm = Llama(model_path=sys.argv[1], n_ctx=512, n_threads=2, verbose=False, seed=0)
 out = llm.create_chat_completion(
     [{"role": "user", "content": sys.argv[2]}], max_tokens=int(sys.argv[3]), temperature=0,
@@ -115,7 +141,15 @@ def reply_times(a) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="2")
     toy = [sys.executable, "-m", "toy", "infer", "--model", str(a.model), "--chat", QUESTION]
     toy += ["--max-new-tokens", str(a.tokens), "--temperature", "0"]
-    peer = [sys.executable, "-c", LLAMA_REPLY, str(a.model), QUESTION, str(a.tokens)]
+    peer = [
+        sys.executable,
+        "-c",
+        LLAMA_REPLY,
+        str(a.model),
+        QUESTION,
+        str(a.tokens),
+        str(Path(__file__).parent),
+    ]
     f32 = toy + ["--base-dtype", "float32"]
     times: dict[str, list[float]] = {"toy": [], "toy float32": [], "llamacpp": []}
     for _ in range(a.repeats):

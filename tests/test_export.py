@@ -914,3 +914,35 @@ def test_exports_stay_out_of_the_run_unless_asked(scratch_run):
     # Exports go to RUN/export/, never into final/ (infer/resume read final/ as it is).
     assert not any(p.suffix == ".gguf" for p in (scratch_run / "final").iterdir())
     assert os.path.isdir(scratch_run / "final")
+
+
+def test_gguf_exports_say_how_llamacpp_runs_on_amx(
+    scratch_run, lora_run, toy_cli, tmp_path, monkeypatch
+):
+    """On a CPU with AMX, llama.cpp crashes on repacked weights (llama.cpp #20824): every GGUF
+    export's note says the setting that avoids it, in llama.cpp's command line and in
+    llama-cpp-python; a CPU without AMX gets no such note. The PEFT export (not for llama.cpp)
+    never says it."""
+    import toy.train.device as device
+
+    cpu_amx = bool({"amx_tile", "amx_bf16"} & set(Path("/proc/cpuinfo").read_text().split()))
+    for i, amx in enumerate((cpu_amx, True, False)):
+        monkeypatch.setattr(
+            device, "_cpuinfo_flags", lambda amx=amx: {"amx_tile"} if amx else set()
+        )
+        for run, argv in (
+            (scratch_run, ["--format", "gguf"]),
+            (lora_run["run"], ["--format", "gguf-lora"]),
+            (lora_run["run"], ["--format", "gguf", "--merge"]),
+        ):
+            out_path = tmp_path / f"{i}-{argv[-1]}.gguf"
+            code, out, err = toy_cli("export", run, *argv, "--out", out_path)
+            assert code == 0, err
+            assert ("--no-repack" in out and "use_extra_bufts=False" in out) == amx, out
+            code, out, err = toy_cli("export", run, *argv, "--out", out_path, "--force", "--json")
+            assert code == 0, err
+            assert any("--no-repack" in n for n in json.loads(out)["notes"]) == amx
+        code, out, err = toy_cli(
+            "export", lora_run["run"], "--format", "peft", "--out", tmp_path / f"peft-{i}"
+        )
+        assert code == 0 and "no-repack" not in out, err

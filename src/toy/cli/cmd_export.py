@@ -479,6 +479,8 @@ def _report_merged_dir(args, r: _Run, rep, dtype: str) -> int:
 
 
 def _report(args, r: _Run, rep, dtype: str) -> int:
+    from toy.train.device import AMX_LLAMACPP_NOTE, cpu_has_amx
+
     if isinstance(rep, Path):  # a directory: peft, mlx, a merged directory
         files = sorted(p.name for p in rep.iterdir())
         if args.json:
@@ -502,6 +504,8 @@ def _report(args, r: _Run, rep, dtype: str) -> int:
                 print(f"  load it with mlx_lm.generate --model MLX_BASE --adapter-path {rep}")
         return 0
     size = rep.path.stat().st_size
+    if cpu_has_amx():  # a GGUF goes to llama.cpp, which crashes on AMX unless told otherwise
+        rep.notes = [*rep.notes, AMX_LLAMACPP_NOTE]
     if args.json:
         print(
             json.dumps(

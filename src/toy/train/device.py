@@ -61,6 +61,22 @@ def _cpuinfo_flags() -> set[str]:
     return set(text.split())
 
 
+def cpu_has_amx() -> bool:
+    """Intel AMX tiles (Sapphire Rapids and later: 'amx_tile' in /proc/cpuinfo). llama.cpp
+    built on such a CPU moves Q4_0/Q4_1/Q8_0 weights into its repacked (AMX) buffers, and a
+    prompt of more than a few tokens then crashes with SIGSEGV (llama.cpp #20824, open):
+    what toy says where it sends a user to llama.cpp (AMX_LLAMACPP_NOTE)."""
+    return bool({"amx_tile", "amx_bf16"} & _cpuinfo_flags())
+
+
+AMX_LLAMACPP_NOTE = (
+    "this CPU has AMX: llama.cpp built here can crash (SIGSEGV) on prompts of more than a few "
+    "tokens while it repacks weights (llama.cpp #20824); run llama-cli/llama-server with "
+    "--no-repack, or in llama-cpp-python set use_extra_bufts=False in the model params "
+    "(README: 'llama.cpp on a CPU with AMX')"
+)
+
+
 def _mac_bf16() -> bool:
     """Apple M2 and later: the FEAT_BF16 instructions (sysctl says)."""
     if sys.platform != "darwin" or platform.machine() != "arm64":
