@@ -74,10 +74,12 @@ def losses(stdout: str) -> list[float]:
     return [x["loss"] for x in json.loads(stdout.strip().splitlines()[-1])["losses"]]
 
 
-def close(a, b, rel=1e-5):
+def close(a, b, rel=1e-5, abs_=0.0):
+    """Each pair within `rel` of the second, plus `abs_` for figures near zero (where a
+    relative bound alone asks more than float32's rounding of the terms can give)."""
     assert len(a) == len(b)
     for x, y in zip(a, b):
-        assert abs(x - y) <= rel * abs(y), (a, b)
+        assert abs(x - y) <= rel * abs(y) + abs_, (a, b)
 
 
 @pytest.fixture(scope="module")

@@ -124,14 +124,15 @@ def _refused(template: str) -> tuple[InputError, float]:
 
 
 @pytest.mark.parametrize("template", SIZE_ATTACKS.values(), ids=SIZE_ATTACKS.keys())
-def test_a_template_cannot_take_all_the_memory(template):
+def test_a_template_cannot_take_all_the_memory(template, monkeypatch):
+    # The size limits are tested, so the render's clock must not decide: on a machine that
+    # another process keeps busy, counting a generator's 4M items took past the 2 s limit
+    # (issue 43 item 13). With the clock far away, only a size limit can refuse it.
+    monkeypatch.setattr(sandbox, "MAX_TEMPLATE_SECONDS", 600.0)
     peak = _peak_mb()
-    err, took = _refused(template)
+    err, _ = _refused(template)
     assert "limit" in err.message and "MAX_TEMPLATE" in err.message, err.message
-    # refused by its size, not by the render's clock; counting a generator's 4M items takes
-    # 0.5 s on a quiet Zen 4, 1.5 s on a loaded one held to AVX2: a bound with room
     assert "MAX_TEMPLATE_SECONDS" not in err.message, err.message
-    assert took < 5, f"took {took:.1f} s"
     assert _peak_mb() - peak < 300  # never near the 1.46 GB of the unbounded render
 
 
@@ -148,10 +149,11 @@ def test_a_template_cannot_hang(template, monkeypatch):
 
 
 @pytest.mark.parametrize("template", SORTS.values(), ids=SORTS.keys())
-def test_a_sort_too_long_for_the_clock_is_refused_before_it_starts(template):
-    err, took = _refused(template)
+def test_a_sort_too_long_for_the_clock_is_refused_before_it_starts(template, monkeypatch):
+    # The clock out of the way (a busy machine must not decide): the item count refuses it.
+    monkeypatch.setattr(sandbox, "MAX_TEMPLATE_SECONDS", 600.0)
+    err, _ = _refused(template)
     assert "MAX_TEMPLATE_SORT_ITEMS" in err.message, err.message
-    assert took < 1.5, f"took {took:.1f} s"  # the sort itself: 6.6 s
 
 
 def test_a_sort_of_real_size_renders_as_jinja2_does():
@@ -161,10 +163,10 @@ def test_a_sort_of_real_size_renders_as_jinja2_does():
 
 
 @pytest.mark.parametrize("template", DEEP.values(), ids=DEEP.keys())
-def test_a_template_nested_too_deep_is_refused(template):
-    err, took = _refused(template)
+def test_a_template_nested_too_deep_is_refused(template, monkeypatch):
+    monkeypatch.setattr(sandbox, "MAX_TEMPLATE_SECONDS", 600.0)  # the depth limit decides
+    err, _ = _refused(template)
     assert "limit" in err.message and "deep" in err.message, err.message
-    assert took < 2, f"took {took:.1f} s"
 
 
 def test_nesting_limits_leave_real_templates_room():
