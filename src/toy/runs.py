@@ -234,10 +234,12 @@ def read_events(run_dir: Path) -> list[dict]:
 
 def fingerprint(path: Path, limit: int = 1 << 22, files: list[Path] | None = None) -> str:
     """sha256 of a file's size and first 4 MiB: cheap, and catches a swapped corpus on
-    resume. A directory (a model directory): `files` (formats.hf_dir.read_files: the
-    files the model is read from), each one's name, size and first 4 MiB. Without
-    `files`, the form runs recorded before: every file's name and size, and the first
-    4 MiB of config.json and of each .safetensors file."""
+    resume. A base's record is content_fingerprint (every byte); this is the form runs
+    recorded of their base before (16 hex digits), still accepted where it matches
+    (formats.hf_dir.same_base). A directory (a model directory): `files`
+    (formats.hf_dir.read_files: the files the model is read from), each one's name, size
+    and first 4 MiB. Without `files`, the form before that: every file's name and size, and
+    the first 4 MiB of config.json and of each .safetensors file."""
     path = Path(path)
     if path.is_dir() and files is not None:
         h = hashlib.sha256(b"read files")
@@ -258,3 +260,62 @@ def fingerprint(path: Path, limit: int = 1 << 22, files: list[Path] | None = Non
     with open(path, "rb") as fh:
         h.update(fh.read(limit))
     return h.hexdigest()[:16]
+
+
+def content_fingerprint(
+    path: Path, files: list[Path] | None = None, cache: Path | None = None
+) -> str:
+    """sha256 (64 hex digits) over every byte of a base: the file at `path`, or a model
+    directory's `files` (each one's name relative to `path` and its file_digest). Nothing
+    of where the base lies enters it, so a copy at another path has the same one."""
+    path = Path(path)
+    h = hashlib.sha256(b"every byte")
+    for f in sorted(files) if files is not None else [path]:
+        name = f.relative_to(path) if files is not None else ""
+        h.update(f"{name}:{file_digest(f, cache)};".encode())
+    return h.hexdigest()
+
+
+# file_digest's cache is keyed by what names a file's bytes without reading them: (device,
+# inode, size, mtime_ns, ctime_ns). Any write moves a file's ctime, which no user can set
+# (`touch -r` puts back only the mtime), so a file changed in place misses and is hashed
+# again; a copy is another inode, hashed once to the same digest; a chmod (and on some
+# file systems a rename) moves the ctime too: one more hash, never a wrong answer. The
+# oldest entries past DIGEST_CACHE_ENTRIES are dropped.
+DIGEST_CACHE_ENTRIES = 256
+
+
+def _digest_key(path: Path) -> str:
+    st = os.stat(path)
+    return f"{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}"
+
+
+def _read_digests(cache: Path | None) -> dict[str, str]:
+    try:
+        known = json.loads(cache.read_text()) if cache is not None else {}
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return {}  # missing or damaged: the cache only ever saves time
+    return known if isinstance(known, dict) else {}
+
+
+def file_digest(path: Path, cache: Path | None = None) -> str:
+    """sha256 (hex) of every byte of the file at `path`. `cache`: a JSON file of earlier
+    digests (keyed as above), read first and written atomically after a miss; a multi-GB
+    base is read once (~1 GB/s), then each resume costs a stat."""
+    key = _digest_key(path)
+    known = _read_digests(cache)
+    if isinstance(known.get(key), str):
+        return known[key]
+    with open(path, "rb") as fh:
+        digest = hashlib.file_digest(fh, "sha256").hexdigest()
+    # Not kept when the file changed while it was read: that digest is of neither version.
+    if cache is not None and _digest_key(path) == key:
+        known = _read_digests(cache)  # another process may have added some meanwhile
+        known.pop(key, None)
+        known[key] = digest
+        text = json.dumps(dict(list(known.items())[-DIGEST_CACHE_ENTRIES:]))  # oldest first
+        try:
+            write_file_atomic(cache, lambda tmp: tmp.write_text(text))
+        except OSError:
+            pass
+    return digest

@@ -3,12 +3,12 @@ infer` and `toy export`.
 
 A LoRA run records its base twice: adapter_config.json's `base_model_name_or_path`
 (PEFT's field; an absolute path, so the run works from any folder) and run.json's
-`model_sha256` (a GGUF file's size and the sha256 of its first 4 MiB, which hold its
-header; a model directory's: the same of each file the model is read from, so an adapter
-saved beside the model changes nothing: `toy.formats.hf_dir.base_fingerprint`), so a
-base replaced by another is noticed. Runs made before the path was absolute recorded it
-as given on the command line: it is tried as it is (from the current folder), then
-against the run's project root."""
+`model_sha256` (the sha256 of every byte of a GGUF file; a model directory's: of each
+file the model is read from, so an adapter saved beside the model changes nothing:
+`toy.formats.hf_dir.base_fingerprint`), so a base replaced by another, or changed in
+place, is noticed. Runs made before the path was absolute recorded it as given on the
+command line: it is tried as it is (from the current folder), then against the run's
+project root."""
 
 from __future__ import annotations
 
@@ -30,8 +30,8 @@ def resolve_base(
     config records. A recorded base whose fingerprint differs from run.json's is refused;
     one named with --model is used with a note saying it is not the file trained on."""
     from toy.formats.checkpoint import read_json
-    from toy.formats.hf_dir import base_fingerprint
-    from toy.runs import find_project, fingerprint
+    from toy.formats.hf_dir import same_base
+    from toy.runs import find_project
 
     notes: list[str] = []
     where = final / "adapter_config.json"
@@ -61,13 +61,8 @@ def resolve_base(
     if run_json.is_file():
         info = read_json(run_json)
         want = (info.get("job") or {}).get("model_sha256") if isinstance(info, dict) else None
-    # A directory's fingerprint in runs made before it covered only the read files: every
-    # file of the folder (toy.runs.fingerprint without files), still accepted.
-    if (
-        want
-        and want != base_fingerprint(base)
-        and not (base.is_dir() and want == fingerprint(base))
-    ):
+    # same_base also accepts the forms runs recorded before (see there).
+    if want and not same_base(base, want):
         if not model:
             raise InputError(
                 f"{base}: this base changed since the run trained on it (fingerprint differs from "

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from tokenizers import Tokenizer
 
+from toy.data.prep import cache_dir
 from toy.errors import InputError
 from toy.formats.base import Base, QuantTensor, Specials, stop_ids
 from toy.formats.safetensors_map import SafeFile, open_weights, weight_files
@@ -33,7 +34,7 @@ from toy.models import mlx_quant, registry
 from toy.models.family import BadConfig, Family, HFType, Keys, Planned
 from toy.models.quant import MLXSpec, QuantSpec
 from toy.models.quant_types import BASE_DTYPES, BF16, F16
-from toy.runs import fingerprint
+from toy.runs import content_fingerprint, fingerprint
 
 # Tensors of a multimodal checkpoint that a text model does not use (counted in a note).
 VISION_PREFIXES = (
@@ -86,10 +87,30 @@ def read_files(d: Path) -> list[Path]:
 
 
 def base_fingerprint(path: Path) -> str:
-    """toy.runs.fingerprint of a base: a GGUF file's size and header, or a model
-    directory's read_files (names, sizes and first 4 MiB)."""
+    """What a run records of its base (model_sha256, donor_sha256): toy.runs.
+    content_fingerprint of every byte of a GGUF file, or of a model directory's read_files,
+    so a base changed in place anywhere (re-merged, re-quantized to the same size) is
+    caught. Each file's digest is cached in toy's cache folder (digests.json): hashed once,
+    at the run's start, and a resume or `toy infer --run` of the same file costs a stat."""
     path = Path(path)
-    return fingerprint(path, files=read_files(path) if path.is_dir() else None)
+    files = read_files(path) if path.is_dir() else None
+    return content_fingerprint(path, files, cache_dir() / "digests.json")
+
+
+def same_base(path: Path, recorded: object) -> bool:
+    """Whether `recorded` (a run's model_sha256 or donor_sha256) is base `path`'s
+    fingerprint. Runs made before it covered every byte recorded 16 hex digits of the size
+    and first 4 MiB (toy.runs.fingerprint: of read_files, or for a directory in the runs
+    before those, of every file): still accepted where they match, though such a record
+    cannot see a change past the first 4 MiB of a file."""
+    path = Path(path)
+    if not isinstance(recorded, str):
+        return False
+    if len(recorded) == 16 and path.is_dir():  # an older form: no need to read every byte
+        return recorded in (fingerprint(path, files=read_files(path)), fingerprint(path))
+    if len(recorded) == 16:
+        return recorded == fingerprint(path)
+    return recorded == base_fingerprint(path)
 
 
 def _object(path: Path) -> dict:

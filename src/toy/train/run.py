@@ -27,13 +27,13 @@ import torch
 from toy import __version__
 from toy.errors import Interrupted, RunFailed, ToyError, UsageError
 from toy.formats.checkpoint import list_checkpoints, read_json
+from toy.formats.hf_dir import same_base
 from toy.models import registry
 from toy.runs import (
     EventLog,
     Project,
     check_run_id,
     create_run_dir,
-    fingerprint,
     make_run_id,
     plural,
     write_json_atomic,
@@ -288,21 +288,17 @@ def _same_base(key: str, recorded, now) -> bool:
     )
 
 
-# A base's fingerprint key -> the job key holding its path.
+# A base's fingerprint key -> the job key holding its path. The fingerprint covers every
+# byte (formats.hf_dir.base_fingerprint), so the base may be given again at another path
+# (--model, --donor on resume: a copy, a moved file): its bytes are what is compared.
 _FINGERPRINTED = {"model_sha256": "model", "donor_sha256": "donor"}
 
 
-def _older_fingerprint(key: str, recorded, config: dict) -> bool:
-    """A run made before a model directory's fingerprint covered only the files it is read
-    from recorded every file of the folder (toy.runs.fingerprint's older form): that
-    form, taken of the same directory now, still matches."""
+def _base_matches(key: str, recorded, config: dict) -> bool:
+    """Whether the base at job key `config[_FINGERPRINTED[key]]` is the one the run
+    recorded under `key`, in today's form or one runs recorded before (same_base)."""
     where = config.get(_FINGERPRINTED.get(key, ""))
-    return (
-        isinstance(recorded, str)
-        and isinstance(where, str)
-        and Path(where).is_dir()
-        and (fingerprint(Path(where)) == recorded)
-    )
+    return isinstance(where, str) and Path(where).exists() and same_base(Path(where), recorded)
 
 
 def resume_run(
@@ -324,6 +320,8 @@ def resume_run(
     for k, v in cli.items():
         if v is None or k in RESUME_MAY_CHANGE or k == "precision":
             continue
+        if k in _FINGERPRINTED.values():  # a base at another path: its bytes are compared below
+            continue
         if getattr(saved, k) != v:
             flag = "--" + k.replace("_", "-")
             raise UsageError(
@@ -344,7 +342,7 @@ def resume_run(
                 f"--steps {cli['steps']} is below the run's {saved.steps}; it may only be raised"
             )
         cfg = cfg.replace(steps=cli["steps"])
-    for k in ("device", "compile"):
+    for k in ("device", "compile", *_FINGERPRINTED.values()):
         if cli.get(k) is not None:
             cfg = cfg.replace(**{k: cli[k]})
     if done >= cfg.steps:
@@ -379,20 +377,34 @@ def resume_run(
     recipe = recipes[cfg.recipe]
     run_cfg = rescale_for_world(cfg, saved_world, d.world, recipe.batch_unit(cfg))
     built = recipe.build(run_cfg, project)
+    moved = {}  # a base's job key -> its path now, where it is given at another path
     for k in sorted(set(built.job.config) | set(info["job"])):
         a, b = info["job"].get(k), json.loads(json.dumps(built.job.config.get(k)))
-        if a != b and not _same_base(k, a, b) and not _older_fingerprint(k, a, built.job.config):
-            src = info["job"].get(k.removesuffix("_sha256")) if k.endswith("_sha256") else None
-            if isinstance(src, str):  # a fingerprint: name the file that changed
-                raise UsageError(
-                    f"--resume {run_dir}: {src} (the run's {k.removesuffix('_sha256')}) changed "
-                    "since the run started (its sha256 differs); restore the original file or "
-                    "start a new run"
-                )
+        if a == b or _same_base(k, a, b):
+            continue
+        if f"{k}_sha256" in info["job"] and k in _FINGERPRINTED.values():
+            moved[k] = b  # its bytes are compared under its fingerprint key
+            continue
+        if k in _FINGERPRINTED and _base_matches(k, a, built.job.config):
+            continue
+        src = info["job"].get(k.removesuffix("_sha256")) if k.endswith("_sha256") else None
+        if _FINGERPRINTED.get(k) in moved:  # given at another path, and not a copy
+            flag, now = "--" + _FINGERPRINTED[k], moved[_FINGERPRINTED[k]]
             raise UsageError(
-                f"--resume {run_dir}: {k} changed since the run started ({a!r} -> {b!r}); "
-                "restore the original input or start a new run"
+                f"--resume {run_dir}: {flag} {now} is not the base the run started on ({src}): "
+                "its bytes differ; pass that file or a copy of it, or start a new run"
             )
+        if isinstance(src, str):  # a fingerprint: name the file that changed
+            raise UsageError(
+                f"--resume {run_dir}: {src} (the run's {k.removesuffix('_sha256')}) changed "
+                "since the run started (its sha256 differs); restore the original file or "
+                "start a new run"
+            )
+        raise UsageError(
+            f"--resume {run_dir}: {k} changed since the run started ({a!r} -> {b!r}); "
+            "restore the original input or start a new run"
+        )
+    info["job"].update(moved)  # run.json names where the base is now
     run_cfg = run_cfg.with_derived(built.derived)
     if d.is_main:  # run.json tells the truth about the run as it now stands
         info["config"] = cfg.to_dict()
