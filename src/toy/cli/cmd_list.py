@@ -8,6 +8,7 @@ loaded."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -36,11 +37,11 @@ def add_parser(sub) -> None:
 def _gguf_files(paths: list[Path]) -> list[Path]:
     seen, out = set(), []
     for p in paths:
-        found = [p] if p.is_file() else sorted(p.rglob("*.gguf"))
+        found = [p] if os.path.isfile(p) else sorted(p.rglob("*.gguf"))
         for f in found:
             # Skip the temp files of an export in progress (.name.xxxx.tmp never ends in .gguf,
             # but a hidden .gguf may be a partial download).
-            if f.name.startswith(".") or not f.is_file():
+            if f.name.startswith(".") or not os.path.isfile(f):
                 continue
             key = f.resolve()
             if key not in seen:
@@ -114,7 +115,10 @@ def describe_model(path: Path) -> dict[str, Any]:
 def _dirs(paths: list[Path]) -> list[Path]:
     """The model directories (config.json) and adapter directories (adapter_config.json)
     at or under `paths`, links followed, each once; hidden folders (an export or a fetch
-    in progress) skipped."""
+    in progress) and folders toy may not look into skipped.
+
+    os.path.isfile/isdir, not Path's: they say False where a path cannot be examined (a
+    mode-000 folder on the way: PermissionError from Path.is_file before Python 3.14)."""
     seen: set[Path] = set()
     out: list[Path] = []
 
@@ -123,24 +127,31 @@ def _dirs(paths: list[Path]) -> list[Path]:
         if key in seen or depth > 8:
             return
         seen.add(key)
-        if (d / "config.json").is_file() or (d / "adapter_config.json").is_file():
+        if os.path.isfile(d / "config.json") or os.path.isfile(d / "adapter_config.json"):
             out.append(d)
             return
         try:
-            children = sorted(c for c in d.iterdir() if c.is_dir() and not c.name.startswith("."))
+            children = sorted(
+                c for c in d.iterdir() if os.path.isdir(c) and not c.name.startswith(".")
+            )
         except OSError:
             return
         for c in children:
             walk(c, depth + 1)
 
     for p in paths:
-        if p.is_dir():
+        if os.path.isdir(p):
             walk(p, 0)
     return out
 
 
-def _files_size(d: Path) -> int:
-    return sum(f.stat().st_size for f in d.iterdir() if f.is_file())
+def _files_size(d: Path) -> dict[str, int]:
+    """{"file_size": bytes of the files in `d`}, or {} where `d` cannot be listed (a folder
+    of mode 311: its files can be opened by name, but not counted)."""
+    try:
+        return {"file_size": sum(f.stat().st_size for f in d.iterdir() if os.path.isfile(f))}
+    except OSError:
+        return {}
 
 
 def describe_directory(d: Path) -> dict[str, Any]:
@@ -154,14 +165,14 @@ def describe_directory(d: Path) -> dict[str, Any]:
 
         info = describe_dir(d)
     except ToyError as e:
-        return {**row, "file_size": _files_size(d), "error": e.message}
+        return {**row, **_files_size(d), "error": e.message}
     except OSError as e:
         return {**row, "error": f"cannot read ({e.strerror or e})"}
     row.update(
         kind=f"{info['kind']} model",
         arch=info["arch"],
         n_params=info.get("n_params"),
-        file_size=_files_size(d),
+        **_files_size(d),
     )
     hp = info.get("hyperparameters") or {}
     row.update(n_layer=hp.get("n_layer"), d_model=hp.get("d_model"))
@@ -180,7 +191,7 @@ def _describe_adapter_dir(d: Path) -> dict[str, Any]:
     cfg = _json(d / "adapter_config.json", "")
     if not isinstance(cfg, dict):
         raise ToyError(f"{d / 'adapter_config.json'}: expected a JSON object")
-    row: dict[str, Any] = {"file_size": _files_size(d)}
+    row: dict[str, Any] = _files_size(d)
     if (d / "adapters.safetensors").is_file():
         lp = cfg.get("lora_parameters") if isinstance(cfg.get("lora_parameters"), dict) else {}
         rank, scale = lp.get("rank"), lp.get("scale")
@@ -220,7 +231,11 @@ def describe_run(d: Path) -> dict[str, Any]:
     """A run directory as a row: recipe, arch, steps, status (from the last event)."""
     from toy.runs import read_events
 
-    row: dict[str, Any] = {"run_id": d.name, "path": str(d), "has_final": (d / "final").is_dir()}
+    row: dict[str, Any] = {
+        "run_id": d.name,
+        "path": str(d),
+        "has_final": os.path.isdir(d / "final"),
+    }
     try:
         info = json.loads((d / "run.json").read_text())
         if not isinstance(info, dict):
@@ -267,15 +282,21 @@ def describe_run(d: Path) -> dict[str, Any]:
     return row
 
 
-def _runs(runs_dir: Path) -> list[dict[str, Any]]:
-    if not runs_dir.is_dir():
+def _children(d: Path) -> list[Path]:
+    """What `d` holds, sorted; none where it is not a folder toy may list."""
+    try:
+        return sorted(d.iterdir())
+    except OSError:
         return []
+
+
+def _runs(runs_dir: Path) -> list[dict[str, Any]]:
     dirs = [
         d
-        for d in sorted(runs_dir.iterdir())
-        if d.is_dir()
+        for d in _children(runs_dir)
+        if os.path.isdir(d)
         and not d.name.startswith(".")
-        and ((d / "run.json").exists() or (d / "events.jsonl").exists())
+        and (os.path.exists(d / "run.json") or os.path.exists(d / "events.jsonl"))
     ]
     return [describe_run(d) for d in dirs]
 
@@ -298,9 +319,7 @@ def _shown(p: str | Path) -> str:
 
 
 def _export_dirs(runs_dir: Path) -> list[Path]:
-    if not runs_dir.is_dir():
-        return []
-    return sorted(d / "export" for d in runs_dir.iterdir() if (d / "export").is_dir())
+    return [d / "export" for d in _children(runs_dir) if os.path.isdir(d / "export")]
 
 
 def run(args) -> int:
@@ -362,7 +381,7 @@ def run(args) -> int:
                 str(m["arch"]) if m.get("arch") else "?",
                 kind,
                 _params(m["n_params"]),
-                human_size(m["file_size"]),
+                human_size(m["file_size"]) if "file_size" in m else "?",
                 m.get("note") or "",
             ]
         )
