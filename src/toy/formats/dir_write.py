@@ -22,6 +22,8 @@ The directory is written beside its final path and renamed into place: whole or 
 from __future__ import annotations
 
 import json
+import os
+import re
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -159,10 +161,27 @@ def write_model_dir(base: Base, out: Path, kind: str) -> DirReport:
         config["quantization_config"] = q
     out.parent.mkdir(parents=True, exist_ok=True)
     with atomic_dir(out) as tmp:
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        weights = tmp / "model.safetensors"
+        _io(lambda: save_file(tensors, str(weights), metadata={"format": "pt"}), weights)
         _json(tmp / "config.json", config)
         _tokenizer_files(base, tmp)
     return DirReport(out, kind, n_params, written)
+
+
+def _io(write, path: Path) -> None:
+    """Run a writer of a Rust library (safetensors, tokenizers), turning the I/O error it
+    raises as its own exception type ("... File too large (os error 27)", a full disk's
+    "(os error 28)") into the OSError Python's own writes raise, which callers catch."""
+    try:
+        write()
+    except OSError:
+        raise
+    except Exception as e:
+        errno = re.search(r"\(os error (\d+)\)", str(e))
+        if errno is None:
+            raise
+        n = int(errno.group(1))
+        raise OSError(n, os.strerror(n), str(path)) from e
 
 
 def _json(path: Path, obj: dict) -> None:
@@ -173,7 +192,7 @@ def _tokenizer_files(base: Base, d: Path) -> None:
     """tokenizer.json, tokenizer_config.json, chat_template.jinja, generation_config.json:
     what transformers' AutoTokenizer, mlx-lm and toy's own reader take."""
     tok, sp = base.tokenizer, base.special
-    tok.save(str(d / "tokenizer.json"))
+    _io(lambda: tok.save(str(d / "tokenizer.json")), d / "tokenizer.json")
 
     def token(i: int | None) -> str | None:
         return tok.id_to_token(i) if i is not None else None
