@@ -14,14 +14,22 @@ EOS. The three forms of one pair give the same ids and mask (tests/test_preferen
 The mask marks the answer's tokens (its content and the end-of-turn marker after it, as
 data/chat.py marks an assistant turn), nothing of the prompt: a sequence's log-probability
 is the sum over those. A line that is no pair (not JSON, a key missing, chosen ==
-rejected, an empty answer, messages that are not a conversation) is skipped and counted by
-reason with its first line number; so is a pair that cannot fit --max-seq-len: a long
-prompt is cut from the left and long answers from the right, but a pair whose two answers
-differ only beyond the cut has nothing left to prefer.
+rejected, an empty answer, messages that are not a conversation, a lone surrogate escape)
+is skipped and counted by reason with its first line number; so is a pair that cannot fit
+--max-seq-len: a long prompt is cut from the left and long answers from the right, but a
+pair whose two answers differ only beyond the cut has nothing left to prefer. So are a pair
+whose answers the template renders alike (`| trim`: "Yes" and "Yes ") and one with an
+empty prompt and no BOS (nothing predicts the answer's first token, so it is never scored,
+and "Yes" against "No" would compare only what follows them).
+
+A string longer than a window can use is cut by characters before it is tokenized, so a
+huge line costs time and memory by --max-seq-len, not by its size: a prompt keeps its tail
+(_tail), an answer its head, as the token cut then keeps them.
 """
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -37,6 +45,7 @@ from toy.data.chat import (
     Example,
     encode_example,
     json_lines,
+    window_chars,
 )
 from toy.errors import InputError
 from toy.runs import plural
@@ -47,6 +56,9 @@ SCHEMA = (
     '"rejected": [messages]} sharing their leading messages'
 )
 TOO_LONG = "cannot fit --max-seq-len"
+SAME = "chosen and rejected render the same"
+NO_CONTEXT = "empty prompt and no BOS to predict the answer's first token from"
+REASONS = (TOO_LONG, SAME, NO_CONTEXT)  # a pair's encoding skips it for these
 
 
 @dataclass(frozen=True)
@@ -173,8 +185,40 @@ def _last_run(mask: list[int]) -> list[int]:
     return out
 
 
+_WORD_START = re.compile(r"(?<=\S) ")  # a space after a non-space: a word starts there
+
+
+def _tail(text: str, chars: int) -> str:
+    """The end of a prompt string too long for a window: its last `chars` characters (which
+    hold more tokens than the window, window_chars) and back to the start of their first
+    word, searched up to `chars` characters further back. The pre-tokenizers split before
+    such a space (GPT-2's, llama 3's and qwen2's regexes), so the kept text's tokens are
+    those the whole string ends with; a string with no word there (one huge run) keeps
+    `chars` characters, a tokenization of its tail that may differ from the whole's."""
+    if len(text) <= chars:
+        return text
+    start = len(text) - chars
+    cut = start
+    for word in _WORD_START.finditer(text, max(0, start - chars), start + 1):
+        cut = word.start()
+    return text[cut:]
+
+
+def _cut(pair: Pair, chars: int) -> tuple[Pair, bool]:
+    """The pair with each prompt string cut to its tail and each answer to its first
+    `chars` characters, and whether an answer was cut."""
+    longest = max(len(pair.chosen), len(pair.rejected), *(len(m["content"]) for m in pair.prompt))
+    if longest <= chars:
+        return pair, False
+    prompt = tuple({**m, "content": _tail(m["content"], chars)} for m in pair.prompt)
+    text = _tail(pair.text, chars) if pair.text is not None else None
+    c, r = pair.chosen[:chars], pair.rejected[:chars]
+    return Pair(prompt, c, r, text), (c, r) != (pair.chosen, pair.rejected)
+
+
 def encode_answer(tok, template, pair: Pair, answer: str, bos, eos, eos_id):
-    """(ids, mask) of the prompt and one answer, uncut; the mask on the answer alone."""
+    """(ids, mask) of the prompt and one answer, not cut to a token budget; the mask on the
+    answer alone."""
     if template is None and pair.text is not None:
         ex = Example("prompt", prompt=pair.text, completion=answer)
     else:
@@ -214,12 +258,19 @@ def fit(seqs, budget: int) -> tuple[list, bool, bool]:
 
 
 def encode_pair(tok, template, pair: Pair, budget: int, bos, eos, eos_id) -> Encoded:
-    """Both answers encoded and cut to `budget` tokens; ConversationError when the pair
-    cannot fit (its answers differ only beyond the cut)."""
+    """Both answers encoded and cut to `budget` tokens (their strings cut by characters
+    first, _cut: the same tokens kept); ConversationError, with one of REASONS, when the
+    pair cannot fit (its answers differ only beyond the cut), its answers render the same,
+    or nothing predicts an answer's first token."""
+    pair, answer_cut = _cut(pair, window_chars(tok, budget))
     seqs = [
         encode_answer(tok, template, pair, a, bos, eos, eos_id)
         for a in (pair.chosen, pair.rejected)
     ]
+    if any(mask[0] for _, mask in seqs):  # the answer opens the sequence: pair_batch's
+        raise ConversationError(NO_CONTEXT)  # targets start at the second token
+    if seqs[0] == seqs[1]:
+        raise ConversationError(TOO_LONG if answer_cut else SAME)
     (c, r), p_cut, a_cut = fit(seqs, budget)
     if c == r:
         raise ConversationError(TOO_LONG)
@@ -229,14 +280,15 @@ def encode_pair(tok, template, pair: Pair, budget: int, bos, eos, eos_id) -> Enc
 def encode_pairs(
     pf: PairFile, encode: Callable[[Pair], Encoded], warn: Callable[[str], None]
 ) -> tuple[list[Encoded], Counter]:
-    """Every pair of a file encoded; those that cannot fit (or that the template cannot
-    render) are skipped into pf's counts. Returns (encoded, cut counts)."""
+    """Every pair of a file encoded; those that cannot fit, render alike, have no token
+    before their answers (REASONS) or that the template cannot render are skipped into
+    pf's counts. Returns (encoded, cut counts)."""
     out, cuts = [], Counter()
     for line, pair in zip(pf.lines, pf.pairs):
         try:
             e = encode(pair)
         except ConversationError as err:
-            why = TOO_LONG if err.message == TOO_LONG else "template cannot render"
+            why = err.message if err.message in REASONS else "template cannot render"
             pf.skip(why, line)
             continue
         cuts["prompt"] += e.prompt_cut
