@@ -181,10 +181,21 @@ def run(args) -> int:
         raise UsageError(
             "--prompt and --chat conflict: continue raw text or send a chat message, not both"
         )
-    if args.chat == "-":  # the message from stdin (a file, a here-document, a pipe)
-        args.chat = sys.stdin.read().rstrip("\n")
+    chat_stdin = args.chat == "-"
+    if chat_stdin:  # the message from stdin (a file, a here-document, a pipe)
+        try:
+            args.chat = sys.stdin.read().rstrip("\n")
+        except UnicodeDecodeError as e:  # a UTF-8 locale reads stdin strictly
+            raise UsageError(_not_utf8("--chat -", f"byte 0x{e.object[e.start]:02x}"))
         if not args.chat.strip():
             raise UsageError("--chat -: stdin held no message; pipe the message in, or give it")
+    chat_flag = "--chat -" if chat_stdin else "--chat"
+    for flag, text in (
+        ("--prompt", args.prompt),
+        (chat_flag, args.chat),
+        ("--system", args.system),
+    ):
+        _check_utf8(flag, text)
     if args.adapter and not (args.model or args.run):
         raise UsageError("--adapter needs --model BASE.gguf")
     if getattr(args, "json", False) and args.prompt is None and args.chat is None:
@@ -209,6 +220,28 @@ def run(args) -> int:
 
         print(json.dumps(lm.report))
     return code
+
+
+def _not_utf8(flag: str, what: str) -> str:
+    return (
+        f"{flag}: not UTF-8 text ({what}); give the text in UTF-8 (a terminal or file in "
+        "another encoding: convert it, e.g. with iconv -t UTF-8)"
+    )
+
+
+def _check_utf8(flag: str, text: str | None) -> None:
+    """Text no tokenizer takes, refused in one line: bytes that are not UTF-8 reach a
+    command line's (or a surrogateescape stdin's) string as lone surrogates (0xe9 as
+    U+DCE9)."""
+    if text is None:
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        c = ord(text[e.start])
+        raise UsageError(
+            _not_utf8(flag, f"byte 0x{c - 0xDC00:02x}" if 0xDC80 <= c <= 0xDCFF else f"U+{c:04X}")
+        )
 
 
 def infer_precision(args, device) -> str:

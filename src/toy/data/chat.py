@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 import sys
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -332,11 +333,33 @@ class ChatFile:
         return sum(self.skipped.values())
 
 
+_SURROGATE = re.compile(r"\\u[dD][89a-fA-F]")  # the JSON escape of half a UTF-16 pair
+
+
+def _lone_surrogate(obj: Any) -> str | None:
+    """The first lone surrogate in the strings of a JSON object (keys too), or None. JSON
+    may escape one (`"\\ud800"`); it is no character, and no tokenizer takes it."""
+    todo = [obj]
+    while todo:
+        x = todo.pop()
+        if isinstance(x, str):
+            try:
+                x.encode("utf-8")
+            except UnicodeEncodeError as e:
+                return x[e.start]
+        elif isinstance(x, dict):
+            todo += [*x.keys(), *x.values()]
+        elif isinstance(x, list):
+            todo += x
+    return None
+
+
 def json_lines(path: Path, hint: str):
     """(line number, object, "", "") for each JSON line of a data file, or (line number,
-    None, reason, detail) for one that is not UTF-8 or not JSON; blank lines and lines
-    starting with `#` are passed over, a BOM on the first line dropped. A file that
-    cannot be opened is an InputError naming it (`hint`: what the file should hold)."""
+    None, reason, detail) for one that is not UTF-8 (a lone surrogate escape included) or
+    not JSON; blank lines and lines starting with `#` are passed over, a BOM on the first
+    line dropped. A file that cannot be opened is an InputError naming it (`hint`: what
+    the file should hold)."""
     try:
         fh = open(path, "rb")
     except FileNotFoundError:
@@ -360,12 +383,24 @@ def json_lines(path: Path, hint: str):
             if not line or line.startswith("#"):
                 continue
             try:
-                yield lineno, json.loads(line), "", ""
+                obj = json.loads(line)
             except json.JSONDecodeError as e:
                 where = f"{e.msg} at column {e.colno}"
                 yield lineno, None, "not valid JSON", f"not valid JSON ({where})"
             except RecursionError:
                 yield lineno, None, "not valid JSON", "not valid JSON (nested too deeply)"
+            else:
+                bad = _lone_surrogate(obj) if _SURROGATE.search(line) else None
+                if bad is None:
+                    yield lineno, obj, "", ""
+                else:
+                    yield (
+                        lineno,
+                        None,
+                        "lone surrogate escape",
+                        f"\\u{ord(bad):04x} is half of a UTF-16 surrogate pair, no character; "
+                        "escape the whole pair or write the character itself",
+                    )
 
 
 def read_chat_jsonl(
