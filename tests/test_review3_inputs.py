@@ -212,6 +212,24 @@ def test_infer_text_that_is_not_utf8_is_one_line_exit_2(kit, flags, stdin, env):
     assert f"{name}: not UTF-8 text (byte 0xe9)" in err and "UTF-8" in err.split(";")[1]
 
 
+@pytest.mark.parametrize(
+    "env",
+    [{"PYTHONUTF8": "1"}, {"PYTHONUTF8": "0", "LC_ALL": "C.UTF-8"}],
+    ids=["surrogateescape", "strict"],
+)
+def test_an_interactive_line_that_is_not_utf8_is_asked_again(kit, env):
+    """A chat session on the terminal: a line that is not UTF-8 is refused in one line and
+    the session goes on with the next one (it used to end in an internal error)."""
+    r = toy_bytes(
+        "infer", "--model", kit["chatml"], "--max-new-tokens", "2", "--temperature", "0",
+        stdin=b"caf\xe9\nhello\n", **env,
+    )  # fmt: skip
+    err = r.stderr.decode("utf-8", "replace")
+    assert r.returncode == 0 and "Traceback" not in err, err
+    assert "your line: not UTF-8 text" in err and "type it again" in err, err
+    assert "[2 tokens: first after" in err, err  # the next line was answered
+
+
 # ---- item 11: answers the template renders alike
 
 

@@ -825,9 +825,14 @@ def interactive(lm: LM, args) -> int:
     while True:
         try:
             line = input("> ")
+            _check_utf8("your line", line)
         except EOFError:
             print(file=sys.stderr)
             return 0
+        except (UnicodeDecodeError, UsageError) as e:  # one bad line never ends the session
+            what = e.message if isinstance(e, UsageError) else _not_utf8("your line", e.reason)
+            print(f"{what}; type it again", file=sys.stderr)
+            continue
         if not line.strip():
             return 0
         messages.append({"role": "user", "content": line})
