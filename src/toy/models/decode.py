@@ -247,13 +247,10 @@ def _compile(graph, inputs: list[torch.Tensor], key: tuple):
     """Inductor's code for a traced graph, called with one list of cpu inputs of exactly
     these shapes and strides; returns a list of outputs. The code is built ahead of time
     (AOTInductor: one shared library, no Python wrapper) and kept under `key` in inductor's
-    cache folder (_built_path: a temporary name, then renamed, so a reader never sees half a
-    file), so that a later process loads it in a millisecond (_load_built) instead of
-    tracing the block again and importing the compiler (~4 s of a SmolLM2 reply before its
-    first token, docs/performance.md). Graph inputs that are written (the KV cache) are
-    written by the library itself."""
-    import tempfile
-
+    cache folder (_keep), so that a later process loads it in a millisecond (_load_built)
+    instead of tracing the block again and importing the compiler (~4 s of a SmolLM2 reply
+    before its first token, docs/performance.md). Graph inputs that are written (the KV
+    cache) are written by the library itself."""
     out = next(n for n in graph.graph.nodes if n.op == "output")
     if not isinstance(out.args[0], (tuple, list)):  # AOTInductor returns a tuple of outputs
         out.args = ((out.args[0],),)
@@ -262,20 +259,52 @@ def _compile(graph, inputs: list[torch.Tensor], key: tuple):
     with warnings.catch_warnings():  # torch's own deprecation inside it (pytree's LeafSpec)
         warnings.simplefilter("ignore", FutureWarning)
         built = torch._inductor.aot_compile(graph, tuple(inputs), options=options)
-    path, tmp = _built_path(key), None
+    path = _built_path(key)
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-        os.close(fd)
-        shutil.copyfile(built, tmp)
-        os.replace(tmp, path)
+        _keep(Path(built), path)
     except OSError:  # a read-only cache: this process uses inductor's own copy
-        if tmp is not None:
-            Path(tmp).unlink(missing_ok=True)
         path = Path(built)
     else:
         prune_builds()
     return _runner(path)
+
+
+def _keep(built: Path, path: Path) -> None:
+    """Copy inductor's library to `path`, then write its digest beside it (_digest_path):
+    each to a temporary name in the same folder (the pid in it: prune_builds removes a dead
+    process's), flushed to disk, renamed. The digest goes last, so a library cut short by a
+    crash or a full disk never has a matching one, and _load_built never maps it (a library
+    shorter than its headers say kills the process with SIGBUS on its first call)."""
+    data = built.read_bytes()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _write_whole(path, data)
+    _write_whole(_digest_path(path), _digest(data))
+    os.utime(_steps_root())  # in use now: prune_builds leaves it alone for an hour
+
+
+def _write_whole(path: Path, data: bytes) -> None:
+    import tempfile
+
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f"{path.name}.{os.getpid()}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _digest_path(path: Path) -> Path:
+    return path.with_name(path.name + ".sha256")
+
+
+def _digest(data: bytes) -> bytes:
+    import hashlib
+
+    return f"{hashlib.sha256(data).hexdigest()} {len(data)}\n".encode()
 
 
 def _runner(path: Path):
@@ -284,10 +313,23 @@ def _runner(path: Path):
 
 
 def _load_built(key: tuple):
-    """The code _compile kept for `key` on this machine, loaded; None where there is
-    none or it does not load (it is built again and replaces it)."""
+    """The code _compile kept for `key` on this machine, loaded; None where there is none,
+    or its bytes do not match the digest written after it (cut short, damaged, or a write
+    that never finished: it is built again and replaces it), or it does not load."""
     path = _built_path(key)
-    if not path.is_file():
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return None
+    try:
+        digest = _digest_path(path).read_bytes()
+    except OSError:
+        digest = None
+    if digest != _digest(data):
+        _say(
+            f"note: a built step in {path.parent} does not match its digest (cut short or "
+            "damaged); building it again"
+        )
         return None
     try:
         return _runner(path)
@@ -331,18 +373,35 @@ def _build_id() -> str:
 
 # Build folders kept under toy-steps: this build's and the two used last (another venv or
 # toy version, an ISA cap). Each holds a model's libraries (~1.6 MB each, tens a model): a
-# user who upgrades toy would otherwise keep every older build's forever.
+# user who upgrades toy would otherwise keep every older build's forever. A folder used in
+# the last hour is kept whatever the count: another process may be building into it.
 KEEP_BUILDS = 3
+UNUSED_S = 3600.0
 _BUILD_ID_CHARS = 16  # a build folder's name: the build id's first hex digits
 _BUILD_DIR = re.compile(f"[0-9a-f]{{{_BUILD_ID_CHARS}}}")
+# What toys before build folders wrote in toy-steps itself: a flat built/ folder and markers
+# named <packed-cache key>-torch-<torch version>.
+_OLD_TOYS = re.compile(r"built|[0-9a-f]{24}-torch-[\w.+-]+")
+# A library or digest on its way in (_write_whole): <name>.<pid>.<random>.tmp
+_TEMP = re.compile(r"[0-9a-f]{40}\.so(?:\.sha256)?\.(\d+)\.\w+\.tmp")
+# The file that says toy-steps is toy's own (made by toy, or holding nothing but toy's
+# names when prune_builds first looked): without it nothing there is ever removed.
+_HOME_MARK = ".toy-steps"
 _TOUCHED: set[Path] = set()
+_SAID: set[str] = set()
+
+
+def _say(note: str) -> None:
+    if note not in _SAID:
+        _SAID.add(note)
+        print(note, file=sys.stderr, flush=True)
 
 
 def _steps_root() -> Path:
     """toy-steps/<build id> in inductor's cache folder: this build's libraries (built/) and
     the markers that say which models' steps it has built (steps_marker), so a marker never
     speaks for libraries another toy, torch or instruction-set cap built. Its time is set at
-    a process's first use: prune_builds keeps the folders used last."""
+    a process's first use and at each library kept: prune_builds keeps the folders used last."""
     root = _inductor_root() / "toy-steps" / _build_id()[:_BUILD_ID_CHARS]
     if root not in _TOUCHED:
         _TOUCHED.add(root)
@@ -360,31 +419,86 @@ def _built_path(key: tuple) -> Path:
     return _steps_root() / "built" / f"{name}.so"
 
 
+def _toys(home: Path) -> str | None:
+    """None where toy-steps is toy's own to prune, else why not. A link (to a folder of the
+    user's, say) is never pruned, nor a folder holding a name toy never wrote; a folder of
+    toy's names only (an older toy's, made before the mark) is marked toy's now."""
+    if home.is_symlink():
+        return f"{home} is a link"
+    mark = home / _HOME_MARK
+    if mark.is_file() and not mark.is_symlink():
+        return None
+    try:
+        names = [q.name for q in home.iterdir()]
+    except OSError:
+        return f"{home} cannot be read"
+    stranger = next(
+        (n for n in names if not (_BUILD_DIR.fullmatch(n) or _OLD_TOYS.fullmatch(n))), None
+    )
+    if stranger is not None:
+        return f"{home} holds {stranger!r}, which toy did not write"
+    try:
+        mark.touch()
+    except OSError:
+        return f"{home} is read-only"
+    return None
+
+
 def prune_builds(keep: int = KEEP_BUILDS) -> list[Path]:
     """Remove from toy-steps what no build uses any more: the build folders beyond the
-    `keep` used last (this build's always kept), and what older toys left there (a flat
-    built/ folder, markers beside it). Best effort; returns what went. Called after a
+    `keep` used last and unused for an hour (this build's always kept), what older toys left
+    there (_OLD_TOYS), and the temporaries of this build's dead writers. Only real folders
+    and files of toy's own names, in a toy-steps that is toy's (_toys); entries of other
+    names, and links, are left alone. Best effort; returns what went. Called after a
     library is built, never on the way to a reply."""
+    import time
+
     mine = _steps_root()
-    try:
-        entries = list(mine.parent.iterdir())
-    except OSError:
+    why = _toys(mine.parent)
+    if why is not None:
+        _say(f"note: old builds are not removed from toy-steps: {why} (remove them yourself)")
         return []
 
     def used(p: Path) -> float:
         try:
-            return p.stat().st_mtime
+            return p.lstat().st_mtime
         except OSError:
             return 0.0
 
-    def a_build(p: Path) -> bool:
-        return _BUILD_DIR.fullmatch(p.name) is not None and p.is_dir()
+    def real(p: Path, folder: bool) -> bool:
+        return not p.is_symlink() and (p.is_dir() if folder else p.is_file())
 
-    others = sorted((p for p in entries if p != mine and a_build(p)), key=used, reverse=True)
-    gone = others[max(0, keep - 1) :] + [p for p in entries if p != mine and not a_build(p)]
+    def dead(p: Path) -> bool:
+        if now - used(p) > UNUSED_S:
+            return True
+        pid = int(_TEMP.fullmatch(p.name).group(1))
+        if os.name != "posix":  # os.kill(pid, 0) would end the process on Windows
+            return False
+        try:
+            os.kill(pid, 0)  # signal 0: only asks whether the process is there
+        except ProcessLookupError:
+            return True
+        except (OSError, OverflowError):  # another user's process, or no such pid at all
+            pass
+        return False
+
+    now = time.time()
+    try:
+        entries = list(mine.parent.iterdir())
+    except OSError:
+        return []
+    builds = [p for p in entries if p != mine and _BUILD_DIR.fullmatch(p.name) and real(p, True)]
+    builds.sort(key=used, reverse=True)
+    gone = [p for p in builds[max(0, keep - 1) :] if now - used(p) > UNUSED_S]
+    gone += [p for p in entries if _OLD_TOYS.fullmatch(p.name) and real(p, p.name == "built")]
+    try:
+        temps = [p for p in (mine / "built").iterdir() if _TEMP.fullmatch(p.name)]
+    except OSError:
+        temps = []
+    gone += [p for p in temps if real(p, False) and dead(p)]
     for p in gone:
         try:
-            if p.is_dir() and not p.is_symlink():
+            if p.is_dir():
                 shutil.rmtree(p)
             else:
                 p.unlink()
