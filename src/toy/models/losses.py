@@ -295,3 +295,158 @@ def orpo_loss(
     log_odds = (c - r) - (log1mexp(c) - log1mexp(r))
     losses = chosen_nll - lam * F.logsigmoid(log_odds)
     return losses, lam * c.detach(), lam * r.detach()
+
+
+# ------------------------------------------------------------------ GRPO (rewards)
+#
+# Matches TRL 1.16's GRPOTrainer (importance_sampling_level "token", one reward
+# aggregation "sum_then_normalize"). Shapes: N completions (num_generations per prompt,
+# consecutive), T completion positions; mask (N, T) is 1 on the completion's tokens up to
+# and including its EOS, 0 after it and on padding.
+
+GRPO_SCALES = ("group", "batch", "none")
+GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")  # dapo: TRL 1.16's default
+GRPO_STD_EPS = 1e-4  # TRL's: (r - mean) / (std + 1e-4), so a group of equal rewards gives 0
+
+
+def _nanstd(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Standard deviation with Bessel's correction (n - 1, as TRL's nanstd) over the
+    non-NaN values; NaN where fewer than two."""
+    mean = torch.nanmean(x, dim=dim, keepdim=True)
+    n = (~torch.isnan(x)).sum(dim=dim, keepdim=True)
+    var = torch.nanmean((x - mean) ** 2, dim=dim, keepdim=True) * n / (n - 1)
+    var = torch.where(n > 1, var, torch.nan)
+    return var.sqrt() if dim is None else var.sqrt().squeeze(dim)
+
+
+def group_advantages(rewards: torch.Tensor, group: int, scale: str = "group") -> torch.Tensor:
+    """(N,) advantages of rewards (N,) in groups of `group` consecutive completions (one
+    prompt's): the reward minus its GROUP's mean, divided (scale) by the group's std
+    ("group", TRL's default), by the whole batch's std ("batch": the mean stays the
+    group's), or not at all ("none"); std unbiased (n - 1), plus 1e-4, as TRL. A NaN
+    reward (no reward function scored the completion) is left out of its group's mean and
+    std and gets advantage 0, as TRL does for rewards that are all None. The batch is the
+    whole step's completions, all processes' (TRL gathers them before this)."""
+    if scale not in GRPO_SCALES:
+        raise ValueError(f"scale {scale!r}: use one of {', '.join(GRPO_SCALES)}")
+    r = rewards.float()
+    grouped = r.view(-1, group)  # (prompts, group)
+    mean = torch.nanmean(grouped, dim=1).repeat_interleave(group)  # (N,)
+    adv = r - mean
+    if scale != "none":
+        if scale == "group":
+            # One completion a group has no spread: TRL takes its std as 0 (not NaN).
+            std = _nanstd(grouped, 1) if group > 1 else r.new_zeros(len(grouped))
+            std = std.repeat_interleave(group)
+        else:
+            std = _nanstd(r) if r.numel() > 1 else r.new_zeros(())
+        adv = adv / (std + GRPO_STD_EPS)
+    return torch.nan_to_num(adv, nan=0.0)
+
+
+def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return (x * mask).sum() / mask.sum().clamp(min=1)
+
+
+def grpo_token_losses(
+    logps: torch.Tensor,
+    old_logps: torch.Tensor | None,
+    ref_logps: torch.Tensor | None,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    epsilon_low: float = 0.2,
+    epsilon_high: float = 0.2,
+    beta: float = 0.0,
+    kl_bias_correction: bool = True,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """(per-token loss (N, T), stats) of GRPO's clipped surrogate, as TRL's:
+
+        ratio = exp(logps - old_logps)
+        loss  = -min(ratio * A, clip(ratio, 1 - eps_low, 1 + eps_high) * A)
+                + beta * ratio * (exp(ref - logps) - (ref - logps) - 1)   (k3 KL, beta > 0)
+
+    The KL is weighted by the ratio (TRL 1.16's use_bias_correction_kl, on by default;
+    kl_bias_correction=False drops it): the unbiased reverse-KL gradient on samples of the
+    old policy (DeepSeek-V3.2). It changes the gradient even on-policy, where the ratio is 1
+    in value but not in derivative.
+
+    logps (N, T) are the trained policy's log p of the completion tokens (with grad);
+    old_logps those of the policy that sampled them (None: the same policy, num_iterations
+    1, so ratio = 1 in value and the gradient is A * grad log p), ref_logps the reference's
+    (the base with the adapter off; needed when beta > 0); advantages (N,) or (N, T).
+
+    Positions where mask is 0 carry 0: their log-probs are replaced by 0 before anything
+    is computed (TRL's fused head leaves 0 there too), so a huge or infinite value after an
+    EOS can neither show in the loss nor turn its gradient into NaN (0 * inf).
+
+    stats (detached, masked means over this batch's tokens, TRL's names): clip_ratio/low
+    (ratio < 1 - eps_low with A < 0), clip_ratio/high (ratio > 1 + eps_high with A > 0),
+    clip_ratio/region (either), kl (beta > 0), and tokens (mask.sum(), to weight the means
+    of several micro-batches as TRL's (sum, count) reduction does)."""
+    keep = mask.bool()
+    m = mask.to(logps.dtype)
+    logps = torch.where(keep, logps, 0.0)
+    old = logps.detach() if old_logps is None else torch.where(keep, old_logps, 0.0)
+    adv = advantages[:, None] if advantages.dim() == 1 else advantages  # (N, 1) or (N, T)
+    ratio = torch.exp(logps - old)
+    clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
+    loss = -torch.min(ratio * adv, clipped * adv)
+    stats: dict[str, torch.Tensor] = {}
+    if beta != 0.0:
+        if ref_logps is None:
+            raise ValueError("beta > 0 needs the reference log-probs (ref_logps)")
+        d = torch.where(keep, ref_logps, 0.0) - logps
+        kl = torch.exp(d) - d - 1  # k3: >= 0 on every token, unbiased on samples of pi
+        if kl_bias_correction:
+            kl = kl * ratio  # logged so too, as TRL
+        loss = loss + beta * kl
+        stats["kl"] = _masked_mean(kl.detach(), m)
+    with torch.no_grad():
+        low = (ratio < 1 - epsilon_low) & (adv < 0)
+        high = (ratio > 1 + epsilon_high) & (adv > 0)
+        stats["clip_ratio/low"] = _masked_mean(low.to(m.dtype), m)
+        stats["clip_ratio/high"] = _masked_mean(high.to(m.dtype), m)
+        stats["clip_ratio/region"] = _masked_mean((low | high).to(m.dtype), m)
+        stats["tokens"] = m.sum()
+    return loss * m, stats
+
+
+def grpo_loss_sum(
+    per_token_loss: torch.Tensor, mask: torch.Tensor, loss_type: str, max_completion_length: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss sum, count) of one micro-batch; sum / max(count, 1) is TRL's loss for ONE
+    process and ONE micro-batch:
+
+        grpo     sum of each sequence's token mean       count: sequences
+        bnpo     sum over tokens                         count: tokens
+        dapo     sum over tokens                         count: tokens
+        dr_grpo  sum over tokens                         count: sequences * max_completion_length
+
+    toy's loop divides the sums of a whole accumulation step, over all processes, by the
+    summed counts. Against TRL, with G micro-batches a step and W processes (TRL divides
+    each micro-batch's loss by G and DDP averages the W processes' gradients):
+
+    - dapo: equal. TRL divides every token sum by the generation batch's token count over
+      all processes (num_items_in_batch, scaled by G / steps_per_generation and by W
+      against DDP's averaging): the step's token sum / the step's tokens, as here, when a
+      generation batch is one optimizer step (steps_per_generation = G, TRL's default).
+      Otherwise TRL divides by the generation batch's AVERAGE tokens per step, toy by the
+      step's own.
+    - grpo and dr_grpo: equal whenever every micro-batch holds the same number of
+      sequences (TRL's always do): a mean of per-micro-batch sequence means is then the
+      mean over all sequences, and B * L is the same for each.
+    - bnpo: TRL averages the G * W micro-batches' own token means, each weighted 1 / (G W);
+      toy weights each by its share of the step's tokens, tokens_i / sum(tokens). They
+      differ when micro-batches hold different numbers of tokens: TRL gives each token of
+      a micro-batch of short completions more weight (the per-micro-batch averaging that
+      changes the objective under accumulation). toy's bnpo is thus dapo's normalisation;
+      with G = W = 1 the two are TRL's bnpo exactly."""
+    m = mask.to(per_token_loss.dtype)
+    x = per_token_loss * m
+    if loss_type == "grpo":
+        return (x.sum(-1) / m.sum(-1).clamp(min=1)).sum(), x.new_tensor(float(len(x)))
+    if loss_type in ("bnpo", "dapo"):
+        return x.sum(), m.sum()
+    if loss_type == "dr_grpo":
+        return x.sum(), x.new_tensor(float(len(x) * max_completion_length))
+    raise ValueError(f"loss_type {loss_type!r}: use one of {', '.join(GRPO_LOSS_TYPES)}")
