@@ -127,6 +127,21 @@ def cases(d: Path) -> dict[str, list[str]]:
             d / "b.bin",
             *LORA,
         ],
+        "dpo": ["--recipe", "dpo", "--model", d / "base.gguf", "--data", d / "pairs", *LORA],
+        "orpo": ["--recipe", "orpo", "--model", d / "base.gguf", "--data", d / "pairs", *LORA],
+        "dpo float32 base": [
+            "--recipe",
+            "dpo",
+            "--model",
+            d / "base.gguf",
+            "--data",
+            d / "pairs",
+            *LORA,
+            "--base-dtype",
+            "float32",
+            "--beta",
+            "0.3",
+        ],
         "vit-tiny": [
             "--recipe",
             "vit-tiny",
@@ -153,7 +168,7 @@ def make_inputs(d: Path) -> None:
     from PIL import Image
 
     from toy.cli.main import main
-    from toy.data.dialogue import conversations, write_jsonl
+    from toy.data.dialogue import conversations, preference_pairs, write_jsonl, write_pairs
     from toy.data.prep import bundled_text_paths
     from toy.tokenizer import train_bpe
 
@@ -186,6 +201,7 @@ def make_inputs(d: Path) -> None:
     }
     write_llama_gguf(d / "base.gguf", base, tok, qtypes=q8)
     write_jsonl(conversations(plays, 60, seed=1, turns=(1, 2), max_chars=150), d / "chat.jsonl")
+    write_pairs(preference_pairs(plays, 40, seed=1, max_chars=120), d / "pairs")
     assert (
         main(
             [
@@ -210,7 +226,9 @@ def make_inputs(d: Path) -> None:
             )
 
 
-def run_all(src: Path, d: Path, out: Path, only: list[str] | None) -> dict[str, dict]:
+def run_all(
+    src: Path, d: Path, out: Path, only: list[str] | None, extra: list[str]
+) -> dict[str, dict]:
     env = {
         **os.environ,
         "PYTHONPATH": str(src),
@@ -228,6 +246,7 @@ def run_all(src: Path, d: Path, out: Path, only: list[str] | None) -> dict[str, 
             "toy",
             "train",
             *map(str, argv),
+            *extra,
             "--json",
             "--out",
             str(out),
@@ -256,6 +275,11 @@ def main() -> int:
     )
     ap.add_argument("--case", action="append", help="run only this case (repeatable)")
     ap.add_argument("--keep", action="store_true", help="keep the temporary directory")
+    ap.add_argument(
+        "--precision",
+        choices=("float32", "bf16"),
+        help="give every case --precision P (default: none, auto: bf16 on a cpu with bf16 units)",
+    )
     a = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="same-losses-"))
     wt = tmp / "rev"
@@ -267,8 +291,9 @@ def main() -> int:
         d = tmp / "inputs"
         d.mkdir()
         make_inputs(d)
-        before = run_all(wt / "src", d, tmp / "runs-before", a.case)
-        after = run_all(ROOT / "src", d, tmp / "runs-after", a.case)
+        extra = ["--precision", a.precision] if a.precision else []
+        before = run_all(wt / "src", d, tmp / "runs-before", a.case, extra)
+        after = run_all(ROOT / "src", d, tmp / "runs-after", a.case, extra)
         bad = 0
         for name in before:
             b, n = before[name], after[name]

@@ -132,11 +132,10 @@ def test_auto_base_dtype_holds_a_small_base_in_bf16_where_training_is_bf16(monke
     """--base-dtype auto (the default): bfloat16 on cuda; on a cpu under bf16 autocast a
     quantized base whose bf16 copy is small (at most 1 GB and a quarter of the available
     memory) in bf16, else its blocks; in float32, its blocks."""
-    from toy.recipes import adapter
-    from toy.train.config import RunConfig
+    from toy.recipes import adapter, lora
 
     monkeypatch.setattr(adapter, "available_memory", lambda: 16 * 10**9)
-    cfg = RunConfig.for_recipe("lora", adapter.ADAPTER_FLAGS)
+    cfg = lora.RECIPE.config()
     cpu_bf16 = cfg.replace(device="cpu", precision="bf16")
     dtype, why = adapter.base_dtype(cpu_bf16, 270 * 10**6)
     assert dtype == "bfloat16" and "0.27 GB" in why, why

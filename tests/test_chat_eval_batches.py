@@ -15,7 +15,6 @@ from gguf_fixtures import tiny_model, write_llama_gguf  # noqa: E402
 
 from toy.data.dialogue import conversations, write_jsonl  # noqa: E402
 from toy.data.prep import bundled_text_paths  # noqa: E402
-from toy.train.config import RunConfig  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -40,9 +39,7 @@ def _evals(base, n: int) -> list[dict[str, torch.Tensor]]:
     from toy.recipes import lora
     from toy.runs import Project
 
-    cfg = RunConfig.for_recipe(
-        "lora",
-        lora.FLAGS,
+    cfg = lora.RECIPE.config(
         model=str(base["gguf"]),
         data=str(base["chat"]),
         val_data=str(base["val"]),

@@ -624,11 +624,10 @@ def test_quick_commands_never_import_torch(argv, tmp_path):
 
 
 def test_fit_schedule_caps_the_warmup_and_warns_of_runs_too_short_to_learn():
-    from toy.recipes import lora
-    from toy.train.config import RunConfig
+    from toy.recipes import from_scratch, lora
     from toy.train.run import SHORT_RUN, fit_schedule
 
-    lora_cfg = RunConfig.for_recipe("lora", lora.FLAGS)
+    lora_cfg = lora.RECIPE.config()
     default_lr = lora_cfg.lr
     # README's first LoRA line once ran 2 steps inside a 10-step warmup and learned nothing.
     notes = []
@@ -645,9 +644,9 @@ def test_fit_schedule_caps_the_warmup_and_warns_of_runs_too_short_to_learn():
     assert not any(n.startswith("warning:") for n in notes), notes
     notes = []
     fit_schedule(
-        RunConfig.for_recipe("from-scratch").replace(steps=5),
+        from_scratch.RECIPE.config().replace(steps=5),
         notes,
-        RunConfig.for_recipe("from-scratch").lr,
+        from_scratch.RECIPE.config().lr,
     )
     assert (
         notes[-1].startswith("warning: 5 optimizer steps") and "--epochs" in notes[-1]

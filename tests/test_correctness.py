@@ -256,7 +256,10 @@ def test_run_json_records_the_resolved_config(base, toy_cli, tmp_path):
         "100000",
     )
     cfg = json.loads((tmp_path / "e" / "run.json").read_text())["config"]
-    assert set(cfg) == set(RunConfig.keys())
+    # the general flags and the lora recipe's own, flat (train/recipe.py: Flag)
+    from toy.recipes import lora
+
+    assert set(cfg) == set(RunConfig.keys()) | {f.key for f in lora.RECIPE.own()}
     assert cfg["seq_len"] == 256  # clamped to the GGUF's context, as trained
     assert isinstance(cfg["steps"], int) and cfg["steps"] >= 2  # --epochs resolved into steps
     assert (
@@ -271,14 +274,28 @@ def test_run_config_is_read_only_and_refuses_unknown_records():
     from toy.errors import InputError
 
     with pytest.raises(InputError, match="another toy version"):
-        RunConfig.from_record({**c.to_dict(), "bogus": 1})
+        RunConfig.from_record({**c.to_dict(), "bogus": 1}, own=())
+    # a record made before the recipes' flags moved to their files: other recipes' keys, null
+    old = RunConfig.from_record({**c.to_dict(), "images": None, "beta": 0.5}, own=("beta",))
+    assert old.beta == 0.5 and "images" not in old.to_dict()
+    with pytest.raises(AttributeError, match="from-scratch recipe"):
+        old.images  # noqa: B018
+    with pytest.raises(InputError, match="images"):
+        RunConfig.from_record({**c.to_dict(), "images": "a/dir"}, own=("beta",))
 
 
-def test_every_recipe_flag_is_a_config_field():
+def test_every_recipe_flag_is_declared_once():
+    """A recipe's defaults name general flags only; its own flags are Flags, each a key no
+    general flag has, with a default a config can hold."""
     from toy.recipes import load_recipe, recipe_names
 
     for name in recipe_names():
-        assert set(load_recipe(name).defaults) <= set(RunConfig.keys()), name
+        r = load_recipe(name)
+        assert set(r.defaults) <= set(RunConfig.keys()), name
+        own = [f.key for f in r.own()]
+        assert len(own) == len(set(own)), name
+        cfg = r.config()
+        assert all(getattr(cfg, k) == f.default for k, f in zip(own, r.own())), name
 
 
 # ---------------------------------------------------------------- 7. RNG per rank
@@ -294,9 +311,7 @@ def test_lora_dropout_follows_the_seed_not_the_process_state(base, tmp_path):
     def losses(noise: int) -> list[float]:
         torch.manual_seed(noise)
         torch.rand(noise)
-        cfg = RunConfig.for_recipe(
-            "lora",
-            lora.FLAGS,
+        cfg = lora.RECIPE.config(
             model=str(base["gguf"]),
             data=str(base["chat"]),
             seed=3,
@@ -396,9 +411,7 @@ def test_one_epoch_feeds_every_conversation_exactly_once(base):
     from toy.runs import Project
 
     for accum in (1, 2, 3):
-        cfg = RunConfig.for_recipe(
-            "lora",
-            lora.FLAGS,
+        cfg = lora.RECIPE.config(
             model=str(base["gguf"]),
             data=str(base["chat"]),
             seq_len=128,

@@ -268,7 +268,7 @@ def smol(tmp_path_factory, smollm2_gguf):
     exported as gguf-lora, as a merged f32 GGUF, and the base re-exported in f32."""
     from toy.data.dialogue import conversations, write_jsonl
     from toy.formats.gguf import read_gguf
-    from toy.formats.gguf_write import gguf_tokenizer_kv, write_llama_gguf
+    from toy.formats.gguf_write import write_llama_gguf
 
     d = tmp_path_factory.mktemp("lcpp-smol")
     chat = write_jsonl(
@@ -346,7 +346,7 @@ def smol(tmp_path_factory, smollm2_gguf):
     write_llama_gguf(
         d / "base-f32.gguf",
         base.build_model(),
-        tokenizer_kv=gguf_tokenizer_kv(base.metadata),
+        tokenizer_kv={k: v for k, v in base.metadata.items() if k.startswith("tokenizer.")},
         name="SmolLM2-135M-Instruct (f32 from Q4_1)",
     )
     return {"run": run, "dir": d, "base": smollm2_gguf}

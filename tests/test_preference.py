@@ -269,9 +269,10 @@ def test_trained_pairs_run_infer_and_export_like_a_lora_run(base, toy_cli, tmp_p
         assert code == 0, err
     code, _, err = toy_cli("plot", run, "--out", tmp_path / "p.png")
     assert code == 0, err
-    from toy.cli.cmd_plot import preference_accuracy
+    from toy.cli.cmd_plot import figure_curves
 
-    assert [s for s, _ in preference_accuracy(run)] == [0, 3, 6]
+    [(fig, curve)] = figure_curves(run)
+    assert fig.key == "pref_accuracy" and [s for s, _ in curve] == [0, 3, 6]
 
 
 # ------------------------------------------------------------------ against TRL

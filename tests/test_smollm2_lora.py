@@ -105,7 +105,6 @@ def test_quantized_base_trains_as_the_float32_base(smollm2_gguf, tmp_path):
     from toy.cli.main import main
     from toy.recipes import lora
     from toy.runs import EventLog, Project
-    from toy.train.config import RunConfig
     from toy.train.loop import train
 
     assert (
@@ -123,9 +122,7 @@ def test_quantized_base_trains_as_the_float32_base(smollm2_gguf, tmp_path):
     )
 
     def losses(dtype: str, ck: bool = False) -> list[float]:
-        cfg = RunConfig.for_recipe(
-            "lora",
-            lora.FLAGS,
+        cfg = lora.RECIPE.config(
             model=str(smollm2_gguf),
             corpus=str(tmp_path / "c.bin"),
             seq_len=64,

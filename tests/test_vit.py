@@ -318,14 +318,11 @@ def test_augment_none_trains_on_the_images_as_they_are(tmp_path, toy_cli):
 
 def test_augment_auto_follows_the_passes_over_the_data(tmp_path, toy_cli):
     from toy.recipes import vit_tiny
-    from toy.train.config import RunConfig
 
     def mode(steps, batch, n):
-        return vit_tiny.choose_augment(
-            RunConfig.for_recipe("vit-tiny", vit_tiny.FLAGS, steps=steps, batch_size=batch), n
-        )
+        return vit_tiny.choose_augment(vit_tiny.RECIPE.config(steps=steps, batch_size=batch), n)
 
-    assert vit_tiny.FLAGS["augment"] == "auto"
+    assert vit_tiny.RECIPE.flag_defaults()["augment"] == "auto"
     assert mode(400, 64, 12000)[0] == "none"  # 2.1 passes: the issue's Fashion-MNIST run
     assert mode(200, 16, 270)[0] == "crop-flip"  # 11.9 passes over the smoke set
     assert "2.1 times" in mode(400, 64, 12000)[1]
@@ -384,7 +381,7 @@ def test_recipe_schedule_defaults_and_help(toy_cli, capsys):
     """The defaults docs/results.md measured (Fashion-MNIST ViT), and --help shows them."""
     from toy.recipes import vit_tiny
 
-    f = vit_tiny.FLAGS
+    f = vit_tiny.RECIPE.flag_defaults()
     assert (f["lr"], f["warmup"], f["min_lr"], f["batch_size"], f["augment"]) == (
         1e-3,
         40,
@@ -530,11 +527,8 @@ def test_accuracy_from_the_eval_loss_equals_a_separate_pass():
     from toy.recipes import vit_tiny
 
     train, val = load_image_folders(bundled_images(), 28)
-    from toy.train.config import RunConfig
 
-    opts = RunConfig.for_recipe(
-        "vit-tiny", vit_tiny.FLAGS, preset="tiny", seed=0, batch_size=8, eval_batches=100
-    )
+    opts = vit_tiny.RECIPE.config(preset="tiny", seed=0, batch_size=8, eval_batches=100)
     built = vit_tiny.make_job(train, val, opts, "bundled", None)
     job, model = built.job, built.job.model
     from toy.train.loop import evaluate

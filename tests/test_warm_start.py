@@ -25,6 +25,15 @@ TINY = ["--preset", "tiny", "--batch-size", "4", "--seq-len", "32", "--eval-batc
 PAD_ROWS = 8  # the donor table has this many unused rows beyond its tokenizer, as padded GGUFs do
 
 
+def pca_project(table: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Coordinates of the centred rows of `table` on its top-k principal axes (the
+    recipe's principal_axes) and the variance along each: ((n, k), (k,)), float32."""
+    from toy.recipes.warm_start import centre, principal_axes
+
+    axes, var = principal_axes(table, k)
+    return (centre(table).double() @ axes).float(), var
+
+
 def make_donor(d: Path) -> dict:
     """A tiny llama GGUF (width 64) with its own byte-level BPE, and a corpus prepped with
     the donor's tokenizer (`toy prep TEXT --tokenizer donor.gguf`)."""
@@ -71,7 +80,6 @@ def donor(tmp_path_factory):
 def opts_for(donor: dict, **kw):
     """The resolved config `toy train --recipe warm-start ...` would hand to build()."""
     from toy.recipes import warm_start
-    from toy.train.config import RunConfig
 
     o = {
         "preset": "tiny",
@@ -82,7 +90,7 @@ def opts_for(donor: dict, **kw):
         "donor": str(donor["gguf"]),
     }
     o.update(kw)
-    return RunConfig.for_recipe("warm-start", warm_start.FLAGS, **o)
+    return warm_start.RECIPE.config(**o)
 
 
 def build(donor: dict, **kw):
@@ -191,7 +199,7 @@ def test_lens_starts_semi_orthogonal_at_the_init_scale():
 def test_pca_is_a_lens_on_the_centred_table_starting_at_its_principal_axes(donor):
     # A trained PCA table lost the donor's geometry within tens of steps (Adam moves
     # every row by about one LR per entry); a frozen centred table and a lens keep it.
-    from toy.recipes.warm_start import INIT_STD, LensEmbedding, pca_project
+    from toy.recipes.warm_start import INIT_STD, LensEmbedding
 
     V = donor["vocab"]
     built = build(donor, init="pca", d_model=32, n_head=4, n_kv_head=2)
@@ -258,7 +266,6 @@ def test_embedding_trains_at_embed_lr_scale_times_lr(donor, toy_cli, tmp_path, i
 
 
 def test_pca_orders_components_by_variance():
-    from toy.recipes.warm_start import pca_project
 
     g = torch.Generator().manual_seed(0)
     scales = torch.tensor([6.0, 5.0, 4.0, 3.0, 2.0, 1.0, 0.5, 0.25])
@@ -273,7 +280,6 @@ def test_pca_orders_components_by_variance():
 
 
 def test_pca_at_full_width_is_a_rotation(donor):
-    from toy.recipes.warm_start import pca_project
 
     V = donor["vocab"]
     table = donor["table"][:V]

@@ -255,10 +255,11 @@ def _claim(r: _Run, args, out: Path, base: Path | None = None, marker: str = "")
 
 
 def _resolve_base(r: _Run, args, config: dict) -> tuple[Path, list[str]]:
-    """The base GGUF a LoRA run adapts, as `toy infer --run` finds it (cli/lora_base.py):
+    """The base an adapter run adapts (a GGUF file or a model directory), as `toy infer
+    --run` finds it (cli/adapter_base.py):
     --model, else the recorded path; a base that changed since training is refused
     unless --model names it explicitly."""
-    from toy.cli.lora_base import resolve_base
+    from toy.cli.adapter_base import resolve_base
 
     return resolve_base(r.final, r.dir, args.model, config)
 
@@ -325,7 +326,7 @@ def _export_lora(r: _Run, args, dtype: str):
 
     if base_kind(base) != "gguf":  # the GGUF llama.cpp's converter makes of this directory
         b = read_base(base, "quantized")
-        cfg, arch = b.config, b.family.hf_types[b.arch].gguf
+        cfg, arch = b.config, b.gguf_arch
         if arch is None:
             raise UsageError(
                 f"{base}: a {b.arch} model has no llama.cpp architecture toy knows; "

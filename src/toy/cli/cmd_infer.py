@@ -176,7 +176,10 @@ def run(args) -> int:
     if not 0 < args.top_p <= 1:
         raise UsageError(f"--top-p must be in (0, 1], got {args.top_p}")
     if not args.run and not args.model:
-        raise UsageError("give --run RUN_DIR (a trained run) or --model BASE.gguf [--adapter DIR]")
+        raise UsageError(
+            "give --run RUN_DIR (a trained run) or --model BASE [--adapter DIR] (BASE: a GGUF "
+            "file or a model directory)"
+        )
     if args.prompt is not None and args.chat is not None:
         raise UsageError(
             "--prompt and --chat conflict: continue raw text or send a chat message, not both"
@@ -197,7 +200,9 @@ def run(args) -> int:
     ):
         _check_utf8(flag, text)
     if args.adapter and not (args.model or args.run):
-        raise UsageError("--adapter needs --model BASE.gguf")
+        raise UsageError(
+            "--adapter needs --model BASE (the GGUF file or model directory it was trained on)"
+        )
     if getattr(args, "json", False) and args.prompt is None and args.chat is None:
         raise UsageError("--json needs --prompt TEXT or --chat MESSAGE (not an interactive chat)")
     device = resolve_device(args.device)
@@ -293,7 +298,7 @@ class LM:
 
 def load_lm(args, device) -> LM:
     # A LoRA run directory stands for its final/ adapter, as in `toy export`.
-    from toy.cli.lora_base import resolve_base, run_dir_of
+    from toy.cli.adapter_base import resolve_base, run_dir_of
     from toy.formats.checkpoint import read_json
 
     adapter = _adapter_path(args.adapter) if args.adapter else None
@@ -306,7 +311,7 @@ def load_lm(args, device) -> LM:
             what = "its adapter (a LoRA run)" if lora else "its own weights (a full model run)"
             raise UsageError(
                 f"--run {args.run} brings {what}; --adapter conflicts with it: drop --adapter, or "
-                "apply an adapter with --model BASE.gguf --adapter DIR"
+                "apply an adapter with --model BASE --adapter DIR"
             )
         if lora:  # its base plus its adapter
             base, notes = resolve_base(
@@ -486,7 +491,7 @@ def _gguf_adapter(path: Path, base, model_path: Path):
     fit."""
     from toy.formats.gguf_write import read_lora_gguf
 
-    arch = base.arch if base.kind == "gguf" else base.family.hf_types[base.arch].gguf
+    arch = base.gguf_arch
     try:
         ad = read_lora_gguf(path, base.config)
     except InputError as e:

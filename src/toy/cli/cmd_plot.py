@@ -8,6 +8,7 @@ from pathlib import Path
 from toy.cli.args import plural
 from toy.errors import InputError, UsageError
 from toy.runs import read_events, write_file_atomic
+from toy.train.recipe import Figure
 
 INSTALL = "pip install 'toy[plot]'"
 
@@ -50,13 +51,29 @@ def curves(run_dir: Path) -> tuple[list[tuple[int, float]], list[tuple[int, floa
     return sorted(train.items()), sorted(val.items())
 
 
-def preference_accuracy(run_dir: Path) -> list[tuple[int, float]]:
-    """(step, held-out preference accuracy) of a dpo / orpo run; [] for other runs."""
-    acc: dict[int, float] = {}
-    for e in read_events(run_dir):
-        if e.get("event") == "eval" and isinstance(e.get("pref_accuracy"), (int, float)):
-            acc[int(e["step"])] = float(e["pref_accuracy"])
-    return sorted(acc.items())
+def figure_curves(run_dir: Path) -> list[tuple[Figure, list[tuple[int, float]]]]:
+    """(figure, its held-out (step, value) curve) of each figure the run's recipe declares
+    for the plot (dpo, orpo: the preference accuracy); [] for others."""
+    from toy.formats.checkpoint import read_json
+    from toy.recipes import load_recipe, recipe_names
+
+    try:
+        recipe = (read_json(run_dir / "run.json").get("config") or {}).get("recipe")
+    except (InputError, AttributeError):
+        return []
+    if recipe not in recipe_names():
+        return []
+    out = []
+    for f in load_recipe(recipe).figures:
+        if not f.plot:
+            continue
+        curve: dict[int, float] = {}
+        for e in read_events(run_dir):
+            if e.get("event") == "eval" and isinstance(e.get(f.key), (int, float)):
+                curve[int(e["step"])] = float(e[f.key])
+        if curve:
+            out.append((f, sorted(curve.items())))
+    return out
 
 
 def label(run_dir: Path) -> str:
@@ -137,24 +154,25 @@ def run(args) -> int:
     ax.set_ylabel("loss")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
-    accs = [(i, d, preference_accuracy(d)) for i, (d, _, _) in enumerate(data)]
-    if any(acc for _, _, acc in accs):  # preference runs: held-out accuracy, right-hand axis
+    figs = [(i, d, f, c) for i, (d, _, _) in enumerate(data) for f, c in figure_curves(d)]
+    if figs:  # the recipes' own held-out figures (preference accuracy), right-hand axis
         ax2 = ax.twinx()
-        for i, d, acc in accs:
-            if acc:
-                xs, ys = zip(*acc)
-                color = colors[i % len(colors)]
-                ax2.plot(
-                    xs,
-                    ys,
-                    color=color,
-                    linestyle=":",
-                    marker="^",
-                    markersize=3.5,
-                    label=f"{label(d)} held-out preference accuracy",
-                )
-        ax2.set_ylabel("preference accuracy")
-        ax2.set_ylim(0, 1)
+        for i, d, f, curve in figs:
+            xs, ys = zip(*curve)
+            color = colors[i % len(colors)]
+            ax2.plot(
+                xs,
+                ys,
+                color=color,
+                linestyle=":",
+                marker="^",
+                markersize=3.5,
+                label=f"{label(d)} {f.label}",
+            )
+        ax2.set_ylabel(", ".join(sorted({f.label.removeprefix("held-out ") for *_, f, _ in figs})))
+        spans = {f.span for *_, f, _ in figs if f.span}
+        if len(spans) == 1:
+            ax2.set_ylim(*spans.pop())
         ax2.legend(fontsize=8, loc="lower right")
     if args.title:
         ax.set_title(args.title)

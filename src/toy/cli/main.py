@@ -9,6 +9,7 @@ import traceback
 
 from toy.cli.args import Parser
 from toy.errors import Interrupted, ToyError
+from toy.recipes import RECIPES  # a table of names: imports no recipe
 
 # Each command's module and its one-line help. Only the command being run is imported
 # (and builds its full parser): torch loads in about a second, and `toy --help`, `toy runs`,
@@ -17,7 +18,7 @@ from toy.errors import Interrupted, ToyError
 COMMANDS = {
     "new": ("cmd_new", "create a project directory"),
     "prep": ("cmd_prep", "tokenize text into a token file"),
-    "train": ("cmd_train", "train a model (from-scratch, warm-start, lora, dpo, orpo, vit-tiny)"),
+    "train": ("cmd_train", f"train a model ({', '.join(RECIPES)})"),
     "infer": ("cmd_infer", "generate text from a trained model (or chat with it)"),
     "describe": (
         "cmd_describe",

@@ -86,6 +86,12 @@ class Base:
         return self.family.default_targets
 
     @property
+    def gguf_arch(self) -> str | None:
+        """Its llama.cpp architecture: a GGUF's own, or the one llama.cpp's converter gives
+        a directory of this model_type (None: one llama.cpp does not know)."""
+        return self.arch if self.kind == "gguf" else self.family.hf_types[self.arch].gguf
+
+    @property
     def vocab_tokens(self) -> list[str]:
         """Token strings by id (for finding a built-in template's turn markers)."""
         vocab = self.tokenizer.get_vocab(with_added_tokens=True)

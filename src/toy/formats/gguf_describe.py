@@ -26,12 +26,6 @@ def config_from_header(h: GGUFHeader):
     return family_of(h).config(h)
 
 
-def tensor_plan(h: GGUFHeader, cfg=None) -> dict[str, Planned]:
-    """GGUF tensor name -> (toy name, torch shape, Q/K interleave) for the file's family."""
-    fam = family_of(h)
-    return fam.plan(cfg if cfg is not None else fam.config(h))
-
-
 def tensor_name_map(cfg, arch: str = "llama") -> dict[str, tuple[str, tuple[int, ...]]]:
     """GGUF tensor name -> (toy parameter name, torch shape), for `arch`'s family."""
     return {g: (p.name, p.shape) for g, p in gguf_families()[arch].plan(cfg).items()}

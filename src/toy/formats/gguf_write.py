@@ -336,11 +336,6 @@ def tokenizer_metadata(
     return kv, notes
 
 
-def gguf_tokenizer_kv(metadata: dict[str, Any]) -> dict[str, Any]:
-    """The tokenizer keys of a GGUF's metadata (as read by toy), to carry into a new file."""
-    return {k: v for k, v in metadata.items() if k.startswith("tokenizer.")}
-
-
 # ------------------------------------------------------------------ full models
 
 

@@ -11,24 +11,21 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.nn as nn
 
-from toy.data.chat import (
-    FORMATS,
-    ChatBatches,
-    ConversationError,
-    count_reasons,
-    encode_all,
-    encode_example,
-    read_chat_jsonl,
-    resolve_chat_template,
+from toy.data.chat import resolve_chat_template
+from toy.data.streams import (
+    Stream,
+    StreamOpts,
+    TextSide,
+    chat_stream,
+    data_files,
+    read_chat_files,
 )
 from toy.errors import InputError, UsageError
 from toy.formats.base import Base
@@ -40,35 +37,20 @@ from toy.formats.peft import save_peft_adapter
 from toy.lora import VALID_TARGETS, apply_lora, lora_state_dict
 from toy.models.quant import count_params, resident_bytes
 from toy.models.quant_types import BASE_DTYPES
-from toy.recipes.lm import fingerprint
 from toy.runs import Project, plural
 from toy.train import dist
 from toy.train.config import RunConfig
 from toy.train.memory import available_memory
+from toy.train.recipe import Flag
 
 DEFAULT_MODEL = "data/smollm2-135m.gguf"
 GET_MODEL = (
     "get it with `toy fetch smollm2`, or pass --model FILE.gguf or a transformers or MLX "
     "model directory"
 )
-CHAT_BUCKET = 64  # --compile: chat batch lengths are padded up to a multiple of this
 
-# The adapter recipes' defaults for their own flags and the general flags whose default
-# differs for them. targets None: the family's default (q_proj,v_proj; Phi-3's fused
-# qkv_proj); base_dtype None: auto (base_dtype() below).
-ADAPTER_FLAGS = dict(
-    model=None,
-    data=None,
-    val_data=None,
-    rank=8,
-    alpha=16.0,
-    dropout=0.0,
-    targets=None,
-    epochs=None,
-    output=None,
-    strict=False,
-    base_dtype=None,
-    chat_template=None,
+# The general flags whose default differs for the adapter recipes.
+ADAPTER_DEFAULTS = dict(
     lr=2e-4,
     min_lr=2e-5,
     seq_len=512,
@@ -78,64 +60,71 @@ ADAPTER_FLAGS = dict(
 )
 
 
-def add_adapter_arguments(g, data_help: str) -> None:
+def adapter_flags(data_help: str) -> tuple[Flag, ...]:
     """The flags every adapter recipe takes (the base, the adapter's shape, --output, the
-    data files); `data_help`: what its --data holds."""
-    g.add_argument(
-        "--model",
-        "--model-path",
-        dest="model",
-        help="base model: a GGUF file, or a transformers or MLX "
-        f"model directory (--model-path: mlx-lm's name) (default {DEFAULT_MODEL} in the project)",
-    )
-    g.add_argument("--data", help=data_help)
-    g.add_argument(
-        "--val-data", help="validation JSONL, in --data's format (default: 5%% of --data held out)"
-    )
-    g.add_argument("--rank", type=int, help="LoRA rank r (default 8)")
-    g.add_argument(
-        "--alpha", type=float, help="LoRA alpha; the update is scaled by alpha / r (default 16)"
-    )
-    g.add_argument("--dropout", type=float, help="dropout on the LoRA input (default 0)")
-    g.add_argument(
-        "--targets",
-        help="comma-separated projections to adapt, from "
-        f"{','.join(VALID_TARGETS)} (default q_proj,v_proj; qkv_proj for phi3)",
-    )
-    g.add_argument(
-        "--base-dtype",
-        choices=BASE_DTYPES,
-        help="how the frozen base is held: quantized (the GGUF's own blocks, memory-mapped, "
-        "dequantized per layer in forward and backward: the least memory), bfloat16 or float32 "
-        "(dequantized once at load) (default bfloat16 on cuda, and on a cpu training in bf16 "
-        "where the copy takes at most 1 GB and a quarter of the free memory; quantized elsewhere)",
-    )
-    g.add_argument(
-        "--chat-template",
-        metavar="FILE.jinja",
-        help="chat template for --data (default: the GGUF's "
-        "own; for a file without one, toy's built-in template of its family: Gemma turns, ChatML)",
-    )
-    g.add_argument(
-        "--output",
-        help="also copy the final adapter directory (PEFT) to PATH, which must be new or a "
-        "directory of toy's adapter files (it is replaced whole; anything else exits 2 before "
-        "training); "
-        "PATH ending in .safetensors: the adapter for mlx-lm there, its adapter_config.json beside "
-        "it, "
-        "as mlx-lm's trainer writes them (default: only RUN_DIR/final)",
-    )
-    g.add_argument(
-        "--strict",
-        action="store_true",
-        default=None,
-        help="an invalid data line is fatal (default: warn, skip, count)",
-    )
-    g.add_argument(
-        "--max-seq-len",
-        dest="seq_len",
-        type=int,
-        help="alias of --seq-len (default 512 for the adapter recipes)",
+    data files); `data_help`: what its --data holds. targets None: the family's default
+    (q_proj,v_proj; Phi-3's fused qkv_proj); base_dtype None: auto (base_dtype() below)."""
+    return (
+        Flag(
+            "model",
+            options=("--model", "--model-path"),
+            help="base model: a GGUF file, or a transformers or MLX model directory "
+            "(--model-path: mlx-lm's name)",
+            shown=f"{DEFAULT_MODEL} in the project",
+        ),
+        Flag("data", help=data_help),
+        Flag(
+            "val_data",
+            help="validation JSONL, in --data's format",
+            shown=": 5% of --data held out",
+        ),
+        # rank, alpha and targets are checked where the adapters are applied (toy.lora)
+        Flag("rank", 8, "LoRA rank r", int),
+        Flag("alpha", 16.0, "LoRA alpha; the update is scaled by alpha / r", float, shown="16"),
+        Flag("dropout", 0.0, "dropout on the LoRA input", float, shown="0"),
+        Flag(
+            "targets",
+            help=f"comma-separated projections to adapt, from {','.join(VALID_TARGETS)}",
+            shown="q_proj,v_proj; qkv_proj for phi3",
+        ),
+        Flag(
+            "base_dtype",
+            help="how the frozen base is held: quantized (the GGUF's own blocks, memory-mapped, "
+            "dequantized per layer in forward and backward: the least memory), bfloat16 or "
+            "float32 (dequantized once at load)",
+            choices=BASE_DTYPES,
+            shown="bfloat16 on cuda, and on a cpu training in bf16 where the copy takes at most "
+            "1 GB and a quarter of the free memory; quantized elsewhere",
+        ),
+        Flag(
+            "chat_template",
+            metavar="FILE.jinja",
+            help="chat template for --data",
+            shown=": the GGUF's own; for a file without one, toy's built-in template of its "
+            "family: Gemma turns, ChatML",
+        ),
+        Flag(
+            "output",
+            help="also copy the final adapter directory (PEFT) to PATH, which must be new or a "
+            "directory of toy's adapter files (it is replaced whole; anything else exits 2 before "
+            "training); PATH ending in .safetensors: the adapter for mlx-lm there, its "
+            "adapter_config.json beside it, as mlx-lm's trainer writes them",
+            shown=": only RUN_DIR/final",
+        ),
+        Flag(
+            "strict",
+            False,
+            "an invalid data line is fatal",
+            bool,
+            shown=": warn, skip, count",
+        ),
+        Flag(
+            "seq_len",
+            options=("--max-seq-len",),
+            type=int,
+            help="alias of --seq-len",
+            shown="512 for the adapter recipes",
+        ),
     )
 
 
@@ -191,7 +180,7 @@ def base_dtype(cfg: RunConfig, bf16_bytes: int | None = None) -> tuple[str, str]
 
 
 def check_adapter_opts(cfg: RunConfig) -> list[str]:
-    """Every problem with the flags all adapter recipes share (the base, --seq-len,
+    """Every problem across the flags all adapter recipes share (the base, --seq-len,
     --base-dtype, --output, --val-data, --data's path when given)."""
     p = []
     if cfg.base_dtype is not None and cfg.base_dtype not in BASE_DTYPES:
@@ -318,12 +307,14 @@ def load_adapted(cfg: RunConfig, project: Project, recipe: str) -> Adapted:
     # Absolute: run.json, adapter_config.json and `toy infer --run` / `toy export` find the
     # base from any folder (model_sha256 below notices a file changed since).
     model_path = resolve_model(cfg, project).resolve()
-    dtype, why = base_dtype(cfg)
-    base = read_base(model_path, dtype)
+    # Read as asked (cuda: bfloat16), else in its blocks; auto then chooses once, knowing
+    # the size a bfloat16 copy of the blocks would take.
+    read_as = cfg.base_dtype or ("bfloat16" if cfg.device == "cuda" else "quantized")
+    base = read_base(model_path, read_as)
     blocks = any(t not in ("F32", "F16", "BF16") for t in base.tensor_types)
-    if blocks and cfg.base_dtype is None and dtype == "quantized":  # auto may hold it in bf16
-        dtype, why = base_dtype(cfg, base.float32_bytes() // 2)
-        base = held_as(base, model_path, dtype)  # dequantized from what was read, not re-read
+    dtype, why = base_dtype(cfg, base.float32_bytes() // 2 if blocks else None)
+    if dtype != read_as:  # auto held it in bf16: dequantized from what was read, not re-read
+        base = held_as(base, model_path, dtype)
     targets = cfg.target_list or base.default_targets.split(",")
     # The adapters' dropout draws from torch's generator: seeded here so --seed decides it
     # (the loop then gives each process its own stream from (seed, rank)).
@@ -373,9 +364,10 @@ def adapter_saver(cfg: RunConfig, a: Adapted) -> Callable[[Path], None]:
     n_layers, mlx_prefix = a.base.config.n_layer, a.base.mlx_prefix
 
     def save_final(out: Path) -> None:
+        sd = lora_state_dict(model)  # once, for final/ and --output's mlx-lm form
         save_peft_adapter(
             out,
-            lora_state_dict(model),
+            sd,
             rank=int(cfg.rank),
             alpha=float(cfg.alpha),
             dropout=float(cfg.dropout),
@@ -395,7 +387,7 @@ def adapter_saver(cfg: RunConfig, a: Adapted) -> Callable[[Path], None]:
             ):  # mlx-lm's trainer's --output: its adapter, there
                 save_mlx_adapter(
                     dest.parent,
-                    lora_state_dict(model),
+                    sd,
                     int(cfg.rank),
                     float(cfg.alpha),
                     float(cfg.dropout),
@@ -412,29 +404,7 @@ def adapter_saver(cfg: RunConfig, a: Adapted) -> Callable[[Path], None]:
     return save_final
 
 
-# ---------------------------------------------------------------- data files
-
-
-def data_files(cfg: RunConfig) -> tuple[Path, Path | None]:
-    """--data (a file, or a directory holding train.jsonl and, as the held-out set,
-    valid.jsonl: mlx-lm's layout) and --val-data."""
-    data = Path(cfg.data)
-    val = Path(cfg.val_data) if cfg.val_data else None
-    if data.is_dir():
-        if not (data / "train.jsonl").is_file():
-            raise InputError(
-                f"--data {data}: a data directory holds train.jsonl (and valid.jsonl for "
-                "validation); "
-                "it has no train.jsonl"
-            )
-        if val is None and (data / "valid.jsonl").is_file():
-            val = data / "valid.jsonl"
-        data = data / "train.jsonl"
-    return data, val
-
-
-def warn(msg: str) -> None:
-    print(f"warning: {msg}", file=sys.stderr)
+# ---------------------------------------------------------------- the base's side of the data
 
 
 def data_template(cfg: RunConfig, base: Base, kind: str, notes: list[str]) -> str | None:
@@ -463,156 +433,45 @@ def data_template(cfg: RunConfig, base: Base, kind: str, notes: list[str]) -> st
     return None
 
 
-def template_source(cfg: RunConfig, base: Base) -> str:
-    """Where the chat template came from, for the messages about it."""
-    if cfg.chat_template:
-        return f"--chat-template {cfg.chat_template}"
-    return str(base.path or cfg.model or DEFAULT_MODEL)
-
-
-def pad_id(base: Base) -> int:
+def text_side(cfg: RunConfig, base: Base, kind: str, notes: list[str]) -> TextSide:
+    """What the base gives the data stream of `kind` ("messages", "prompt", "text"): its
+    tokenizer, the template (data_template), BOS/EOS, padding and embedding rows."""
     special = base.special
-    return special.pad if special.pad is not None else (special.eos or 0)
-
-
-def check_vocab(ids: list[int], tok, base: Base) -> None:
-    """A token the tokenizer makes beyond the model's embedding rows (an added token the
-    file's tensors lack) cannot be trained on: that one example is skipped."""
-    vocab = base.config.vocab_size
-    if ids and max(ids) >= vocab:
-        bad = max(ids)
-        raise ConversationError(
-            f"token {tok.id_to_token(bad)!r} (id {bad}) is beyond the model's {vocab} "
-            "embedding rows"
-        )
-
-
-def hold_out(samples: list, seed: int, notes: list[str], what: str) -> tuple[list, list]:
-    """(train, validation): a deterministic 5% (at least one) held out of --data when it
-    has 20 or more samples; none otherwise."""
-    n_val = max(1, len(samples) // 20) if len(samples) >= 20 else 0
-    perm = np.random.default_rng([seed, 7]).permutation(len(samples))
-    val_idx = set(perm[:n_val].tolist())
-    val = [x for i, x in enumerate(samples) if i in val_idx]
-    train = [x for i, x in enumerate(samples) if i not in val_idx]
-    if n_val:
-        notes.append(
-            f"validation: {plural(n_val, what)} held out of --data (give --val-data or a data "
-            "directory's valid.jsonl to choose)"
-        )
-    return train, val
-
-
-def chat_stream(cfg: RunConfig, tok, base, seq_len, notes):
-    """The chat data stream (--data FILE|DIR of conversations, prompt/completion pairs or
-    text): (micro_batch, eval batches, number of batches, run.json info)."""
-    data_path, val_path = data_files(cfg)
-    strict = bool(cfg.strict)
-
-    def read(path) -> list:
-        chat = read_chat_jsonl(path, strict=strict, warn=warn)
-        if chat.skipped:
-            notes.append(
-                f"{path}: skipped {plural(chat.n_skipped, 'invalid line')} "
-                f"({count_reasons(chat.skipped)})"
-            )
-        return chat
-
-    train = read(data_path)
-    val_file = read(val_path) if val_path is not None else None
-    if val_file is not None and val_file.kind != train.kind:
-        raise InputError(
-            f"{val_path}: {FORMATS[val_file.kind]}s, but {data_path} holds {FORMATS[train.kind]}s; "
-            "give both in one format"
-        )
-    template = data_template(cfg, base, train.kind, notes)
-    source = template_source(cfg, base)
-    special = base.special
-    bos, eos = base.token(special.bos), base.token(special.eos)
-    pad = pad_id(base)
-    cut: list[tuple[int, int]] = []  # (strings cut to what a window can use, chars kept) a line
-
-    def encode(ex):
-        ids, mask = encode_example(tok, template, ex, seq_len + 1, bos, eos, special.eos, cut)
-        check_vocab(ids, tok, base)
-        return ids, mask
-
-    notes.append(
-        f"{data_path}: {FORMATS[train.kind]} a line"
-        + (
-            ""
-            if train.kind == "messages"
-            else "; loss on the completion"
-            if train.kind == "prompt"
-            else "; loss on every token"
-        )
+    return TextSide(
+        tok=base.tokenizer,
+        template=data_template(cfg, base, kind, notes),
+        source=(
+            f"--chat-template {cfg.chat_template}"
+            if cfg.chat_template
+            else str(base.path or cfg.model or DEFAULT_MODEL)
+        ),
+        bos=base.token(special.bos),
+        eos=base.token(special.eos),
+        eos_id=special.eos,
+        pad=special.pad if special.pad is not None else (special.eos or 0),
+        rows=base.config.vocab_size,
     )
-    samples, dropped, failed = encode_all(
-        list(zip(train.lines, train.examples)), data_path, source, encode, strict, warn
-    )
-    if failed:
-        notes.append(
-            f"{data_path}: skipped {plural(failed, 'conversation')} the chat template cannot render"
-        )
-    if dropped:
-        notes.append(f"skipped {plural(dropped, 'example')} whose prompt fills --seq-len {seq_len}")
-    if cut:
-        notes.append(
-            f"{data_path}: cut {plural(sum(n for n, _ in cut), 'string')} in "
-            f"{plural(len(cut), 'line')} to their first {cut[0][1]:,} characters before "
-            f"tokenizing (no more can reach --seq-len {seq_len})"
-        )
-    if not samples:
-        raise InputError(
-            f"{data_path}: no example has a supervised token within --seq-len {seq_len}"
-        )
-    if val_file is not None:
-        val_samples, _, _ = encode_all(
-            list(zip(val_file.lines, val_file.examples)), val_path, source, encode, strict, warn
-        )
-    else:
-        samples, val_samples = hold_out(samples, cfg.seed, notes, "example")
-    # A step holds about what --batch-size packed rows of --seq-len would: conversations
-    # of similar length, right-padded to the longest of their batch (length_batches).
+
+
+def stream_opts(cfg: RunConfig) -> StreamOpts:
+    """The flags a data stream reads, and this process's place among the run's."""
     d = dist.info()
-    bucket = CHAT_BUCKET if cfg.compile else 1
-    batches = ChatBatches(
-        samples,
-        int(cfg.batch_size) * (seq_len + 1),
-        int(cfg.seed),
-        pad,
-        seq_len,
-        bucket,
+    return StreamOpts(
+        data=str(cfg.data),
+        val_data=cfg.val_data,
+        strict=bool(cfg.strict),
+        seed=int(cfg.seed),
+        batch_size=int(cfg.batch_size),
+        eval_batches=int(cfg.eval_batches),
+        compile=bool(cfg.compile),
         world=d.world,
         rank=d.rank,
     )
-    val = (
-        ChatBatches(val_samples, batches.budget, int(cfg.seed), pad, seq_len, bucket)
-        if val_samples
-        else None
-    )
-    evals = val.eval_batches(cfg.eval_batches) if val is not None else []
-    if val is not None and len(val) > cfg.eval_batches:
-        notes.append(
-            f"validation: {cfg.eval_batches} of {len(val)} held-out batches per evaluation, "
-            "spread over their lengths (--eval-batches)"
-        )
-    n, budget = len(batches), batches.budget
-    sup = sum(int(sum(m)) for _, m in samples)
-    info = {
-        "data": str(cfg.data),
-        "data_sha256": fingerprint(data_path),
-        "conversations": len(samples),
-        "batches": n,
-        "supervised_tokens": sup,
-    }
-    if train.kind != "messages":
-        info["data_format"] = train.kind
-    if val_path is not None and not cfg.val_data:
-        info["val_data"], info["val_data_sha256"] = str(val_path), fingerprint(val_path)
-    notes.append(
-        f"{plural(len(samples), 'example')} in "
-        f"{plural(n, 'length-grouped batch', 'length-grouped batches')} "
-        f"of up to {budget:,} tokens; {sup:,} supervised tokens"
-    )
-    return batches.batch, evals, n, info
+
+
+def chat_data(cfg: RunConfig, base: Base, seq_len: int, notes: list[str]) -> Stream:
+    """--data's conversations, prompt/completion pairs or text as a Stream."""
+    files = data_files(cfg.data, cfg.val_data)
+    chat = read_chat_files(*files, bool(cfg.strict), notes)
+    side = text_side(cfg, base, chat[0].kind, notes)
+    return chat_stream(stream_opts(cfg), files, chat, side, seq_len, notes)

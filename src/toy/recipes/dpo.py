@@ -7,8 +7,9 @@ from __future__ import annotations
 
 from toy.models.losses import dpo_loss
 from toy.recipes.pairs import (
+    PAIR_DEFAULTS,
+    PAIR_FIGURES,
     PAIR_FLAGS,
-    add_pair_arguments,
     answer_logps,
     batches_unit,
     build_pairs,
@@ -17,32 +18,28 @@ from toy.recipes.pairs import (
 from toy.runs import Project
 from toy.train.config import RunConfig
 from toy.train.job import Built
-from toy.train.recipe import Recipe
+from toy.train.recipe import Flag, Recipe
 
-FLAGS = {**PAIR_FLAGS, "beta": 0.1, "label_smoothing": 0.0}
-
-
-def add_arguments(g) -> None:
-    add_pair_arguments(g)
-    g.add_argument(
-        "--beta",
-        type=float,
-        help="DPO's beta: how far from the reference the adapter may move (default 0.1)",
-    )
-    g.add_argument(
-        "--label-smoothing",
-        type=float,
-        help="conservative DPO: the share of pairs taken as mislabelled, in [0, 0.5) (default 0)",
-    )
-
-
-def check(cfg: RunConfig) -> list[str]:
-    p = check_pair_opts(cfg)
-    if not (isinstance(cfg.beta, (int, float)) and cfg.beta > 0):
-        p.append(f"--beta must be > 0, got {cfg.beta!r}")
-    if not (isinstance(cfg.label_smoothing, (int, float)) and 0 <= cfg.label_smoothing < 0.5):
-        p.append(f"--label-smoothing must be in [0, 0.5), got {cfg.label_smoothing!r}")
-    return p
+FLAGS = (
+    *PAIR_FLAGS,
+    Flag(
+        "beta",
+        0.1,
+        "DPO's beta: how far from the reference the adapter may move",
+        float,
+        check=lambda v: v > 0,
+        must="be > 0",
+    ),
+    Flag(
+        "label_smoothing",
+        0.0,
+        "conservative DPO: the share of pairs taken as mislabelled, in [0, 0.5)",
+        float,
+        shown="0",
+        check=lambda v: 0 <= v < 0.5,
+        must="be in [0, 0.5)",
+    ),
+)
 
 
 def build(cfg: RunConfig, project: Project) -> Built:
@@ -60,4 +57,12 @@ def build(cfg: RunConfig, project: Project) -> Built:
     return build_pairs(cfg, project, "dpo", loss, own, reference=True)
 
 
-RECIPE = Recipe("dpo", build, FLAGS, add_arguments, check, batches_unit)
+RECIPE = Recipe(
+    "dpo",
+    build,
+    defaults=PAIR_DEFAULTS,
+    flags=FLAGS,
+    check=check_pair_opts,
+    batch_unit=batches_unit,
+    figures=PAIR_FIGURES,
+)

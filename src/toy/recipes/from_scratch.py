@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from toy.models import registry
-from toy.recipes.lm import fingerprint, lm_config, lm_derived, lm_job, open_token_data
-from toy.runs import Project
+from toy.recipes.lm import lm_config, lm_derived, lm_job, open_token_data
+from toy.runs import Project, fingerprint
 from toy.train.config import RunConfig
 from toy.train.job import Built
 from toy.train.recipe import Recipe

@@ -21,7 +21,7 @@ from toy.data.tokens import TokenFile, Windows, read_tokens, tokenizer_beside, v
 from toy.errors import InputError, UsageError
 from toy.formats.model_dir import save_model_dir
 from toy.models import registry
-from toy.runs import Project, fingerprint  # noqa: F401  (recipes take it from here too)
+from toy.runs import Project
 from toy.train import dist
 from toy.train.config import RunConfig
 from toy.train.job import Job

@@ -7,13 +7,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from toy.data.streams import Stream
 from toy.data.tokens import Windows
 from toy.recipes.adapter import (
-    ADAPTER_FLAGS,
+    ADAPTER_DEFAULTS,
     Adapted,
+    adapter_flags,
     adapter_saver,
-    add_adapter_arguments,
-    chat_stream,
+    chat_data,
     check_adapter_opts,
     load_adapted,
 )
@@ -24,21 +25,13 @@ from toy.train.config import RunConfig
 from toy.train.job import Built, Job
 from toy.train.recipe import Recipe
 
-FLAGS = dict(ADAPTER_FLAGS)
-
-
-def add_arguments(g) -> None:
-    add_adapter_arguments(
-        g,
-        data_help='training JSONL, one example a line, one format a file: {"messages": [{"role", '
-        '"content"}, ...], "tools": [...]} (loss on every assistant turn), {"prompt", '
-        '"completion"} '
-        '(loss on the completion) or {"text"} (loss on every token); or a directory holding '
-        "train.jsonl "
-        "and valid.jsonl (no default: give --data, or --corpus for a token stream); preference "
-        "pairs "
-        '({"prompt", "chosen", "rejected"}) train with --recipe dpo or orpo',
-    )
+DATA_HELP = (
+    'training JSONL, one example a line, one format a file: {"messages": [{"role", "content"}, '
+    '...], "tools": [...]} (loss on every assistant turn), {"prompt", "completion"} (loss on the '
+    'completion) or {"text"} (loss on every token); or a directory holding train.jsonl and '
+    "valid.jsonl (no default: give --data, or --corpus for a token stream); preference pairs "
+    '({"prompt", "chosen", "rejected"}) train with --recipe dpo or orpo'
+)
 
 
 def batch_unit(cfg: RunConfig) -> str:
@@ -61,21 +54,21 @@ def build(cfg: RunConfig, project: Project) -> Built:
     tok, notes = a.base.tokenizer, a.notes
     d = dist.info()
     if cfg.data:
-        micro, evals, n_units, info = chat_stream(cfg, tok, a.base, a.seq_len, notes)
+        stream = chat_data(cfg, a.base, a.seq_len, notes)
         unit, per_step = "batches", d.world * cfg.grad_accum
     else:
-        micro, evals, n_units, info = token_stream(cfg, project, tok, a.model_path, a.seq_len)
+        stream = token_stream(cfg, project, tok, a.model_path, a.seq_len)
         unit, per_step = "rows", cfg.batch_size * d.world * cfg.grad_accum
-    config = {**a.config, **info}
+    config = {**a.config, **stream.info}
     derived = a.derived()
-    epochs, note = cfg.epoch_steps(n_units, per_step, unit)
+    epochs, note = cfg.epoch_steps(stream.n_batches, per_step, unit)
     derived.update(epochs)
     notes += [note] if note else []
     job = Job(
         recipe="lora",
         model=a.model,
-        micro_batch=micro,
-        eval_batches=lambda: evals,
+        micro_batch=stream.micro_batch,
+        eval_batches=lambda: stream.evals,
         save_final=adapter_saver(cfg, a),
         config=config,
     )
@@ -95,7 +88,7 @@ def build(cfg: RunConfig, project: Project) -> Built:
 # ---------------------------------------------------------------- token stream
 
 
-def token_stream(cfg: RunConfig, project: Project, tok, model_path: Path, seq_len: int):
+def token_stream(cfg: RunConfig, project: Project, tok, model_path: Path, seq_len: int) -> Stream:
     """Random windows of a token file made with the base's tokenizer (checked by its hash),
     and fixed windows of its validation split."""
     data = open_token_data(cfg, project, tokenizer=tok, tokenizer_source=str(model_path))
@@ -113,14 +106,14 @@ def token_stream(cfg: RunConfig, project: Project, tok, model_path: Path, seq_le
     evals = val.eval_batches(cfg.eval_batches) if val is not None else []
     n_rows = max(1, len(data.train) // seq_len)
     info = {"corpus": str(data.train.path), "corpus_tokens": len(data.train)}
-    return win.batch, evals, n_rows, info
+    return Stream(win.batch, evals, n_rows, info)
 
 
 RECIPE = Recipe(
     "lora",
     build,
-    defaults=FLAGS,
-    add_arguments=add_arguments,
+    defaults=ADAPTER_DEFAULTS,
+    flags=adapter_flags(DATA_HELP),
     check=check_opts,
     batch_unit=batch_unit,
 )

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 from toy.models.losses import orpo_loss, sequence_logprobs
 from toy.recipes.pairs import (
+    PAIR_DEFAULTS,
+    PAIR_FIGURES,
     PAIR_FLAGS,
-    add_pair_arguments,
     answer_logps,
     batches_unit,
     build_pairs,
@@ -17,25 +18,19 @@ from toy.recipes.pairs import (
 from toy.runs import Project
 from toy.train.config import RunConfig
 from toy.train.job import Built
-from toy.train.recipe import Recipe
+from toy.train.recipe import Flag, Recipe
 
-FLAGS = {**PAIR_FLAGS, "orpo_lambda": 0.1}
-
-
-def add_arguments(g) -> None:
-    add_pair_arguments(g)
-    g.add_argument(
-        "--orpo-lambda",
-        type=float,
-        help="weight of ORPO's odds-ratio term beside the chosen answer's NLL (default 0.1)",
-    )
-
-
-def check(cfg: RunConfig) -> list[str]:
-    p = check_pair_opts(cfg)
-    if not (isinstance(cfg.orpo_lambda, (int, float)) and cfg.orpo_lambda >= 0):
-        p.append(f"--orpo-lambda must be >= 0, got {cfg.orpo_lambda!r}")
-    return p
+FLAGS = (
+    *PAIR_FLAGS,
+    Flag(
+        "orpo_lambda",
+        0.1,
+        "weight of ORPO's odds-ratio term beside the chosen answer's NLL",
+        float,
+        check=lambda v: v >= 0,
+        must="be >= 0",
+    ),
+)
 
 
 def build(cfg: RunConfig, project: Project) -> Built:
@@ -53,4 +48,12 @@ def build(cfg: RunConfig, project: Project) -> Built:
     return build_pairs(cfg, project, "orpo", loss, {"orpo_lambda": lam}, reference=False)
 
 
-RECIPE = Recipe("orpo", build, FLAGS, add_arguments, check, batches_unit)
+RECIPE = Recipe(
+    "orpo",
+    build,
+    defaults=PAIR_DEFAULTS,
+    flags=FLAGS,
+    check=check_pair_opts,
+    batch_unit=batches_unit,
+    figures=PAIR_FIGURES,
+)

@@ -22,29 +22,25 @@ from toy.data.preference import (
     pair_batch,
     read_pairs,
 )
+from toy.data.streams import CHAT_BUCKET, data_files, hold_out
 from toy.lora import disable_adapter
 from toy.models.losses import sequence_logprobs
 from toy.recipes.adapter import (
-    ADAPTER_FLAGS,
-    CHAT_BUCKET,
+    ADAPTER_DEFAULTS,
+    adapter_flags,
     adapter_saver,
-    add_adapter_arguments,
     check_adapter_opts,
-    check_vocab,
-    data_files,
-    data_template,
-    hold_out,
     load_adapted,
-    pad_id,
+    text_side,
 )
-from toy.recipes.lm import fingerprint
-from toy.runs import Project, plural
+from toy.runs import Project, fingerprint, plural
 from toy.train import dist
 from toy.train.config import RunConfig
-from toy.train.device import Precision, autocast, resolve_precision
+from toy.train.device import Precision, autocast, resolve_device, resolve_precision
 from toy.train.job import Built, Job
+from toy.train.recipe import Figure
 
-PAIR_FLAGS = {**ADAPTER_FLAGS, "batch_size": 4, "lr": 5e-5, "min_lr": 5e-6}
+PAIR_DEFAULTS = {**ADAPTER_DEFAULTS, "batch_size": 4, "lr": 5e-5, "min_lr": 5e-6}
 DATA_HELP = (
     'preference pairs, one JSON object a line (TRL\'s forms): {"prompt", "chosen", "rejected"} '
     'strings, the same with lists of {"role", "content"} messages, or {"chosen": [messages], '
@@ -53,8 +49,20 @@ DATA_HELP = (
 )
 
 
-def add_pair_arguments(g) -> None:
-    add_adapter_arguments(g, DATA_HELP)
+PAIR_FLAGS = adapter_flags(DATA_HELP)
+# The figures of every preference recipe (Figures below): the rewards, the margin and the
+# accuracy on each step's line; the held-out accuracy on the done line, the bar and the plot.
+PAIR_FIGURES = (
+    Figure(
+        "pref_accuracy",
+        "held-out preference accuracy",
+        final=True,
+        json_key="val_pref_accuracies",
+        bar="acc",
+        plot=True,
+        span=(0.0, 1.0),
+    ),
+)
 
 
 def check_pair_opts(cfg: RunConfig) -> list[str]:
@@ -174,18 +182,16 @@ def build_pairs(
     loss reads reference log-probs (DPO) or not (ORPO)."""
     a = load_adapted(cfg, project, recipe)
     base, tok, notes = a.base, a.base.tokenizer, a.notes
-    data_path, val_path = data_files(cfg)
+    data_path, val_path = data_files(cfg.data, cfg.val_data)
     train_pf = read_pairs(data_path)
     val_pf = read_pairs(val_path) if val_path is not None else None
     texts = all(p.text is not None for p in train_pf.pairs + (val_pf.pairs if val_pf else []))
-    template = data_template(cfg, base, "prompt" if texts else "messages", notes)
-    special = base.special
-    bos, eos = base.token(special.bos), base.token(special.eos)
+    side = text_side(cfg, base, "prompt" if texts else "messages", notes)
     budget = int(a.seq_len) + 1
 
     def encode(pair) -> Encoded:
-        e = encode_pair(tok, template, pair, budget, bos, eos, special.eos)
-        check_vocab(e.chosen[0] + e.rejected[0], tok, base)
+        e = encode_pair(tok, side.template, pair, budget, side.bos, side.eos, side.eos_id)
+        side.check_vocab(e.chosen[0] + e.rejected[0])
         return e
 
     def encode_file(pf, path) -> list[Encoded]:
@@ -206,7 +212,7 @@ def build_pairs(
     else:
         train, val = hold_out(train, cfg.seed, notes, "pair")
     d = dist.info()
-    pad = pad_id(base)
+    pad = side.pad
     bucket = CHAT_BUCKET if cfg.compile else 1  # few shapes for the compiled blocks
     micro, n_batches = pair_micro_batches(
         train, int(cfg.batch_size), cfg.seed, pad, d.world, d.rank, bucket, budget
@@ -221,7 +227,7 @@ def build_pairs(
     ]
     refs = None
     if reference:  # in the run's precision, so a zero adapter's first loss is exactly log 2
-        dev = torch.device(cfg.device if cfg.device != "metal" else "mps")
+        dev = resolve_device(cfg.device)
         refs = References(a.model, len(train) + len(val), resolve_precision(cfg.precision, dev))
     fill = refs.fill if refs is not None else (lambda b: b)
     figs = Figures()
@@ -264,6 +270,7 @@ def build_pairs(
         config={**a.config, **info},
         loss=lambda model, b: loss(model, b, figs),
         count=lambda b: int(b["pair"].numel()),
+        units="pairs",
         eval_metrics=lambda model, batches: figs.take(False),
         step_metrics=lambda: figs.take(True),
     )

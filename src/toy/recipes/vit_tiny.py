@@ -38,18 +38,13 @@ from toy.runs import Project
 from toy.train import dist
 from toy.train.config import RunConfig
 from toy.train.job import Built, Job
-from toy.train.recipe import Recipe
+from toy.train.recipe import Figure, Flag, Recipe
 
 NAME = "vit-tiny"
 
-# This recipe's flags and its defaults for toy's general ones (flag > toy.toml > these).
-FLAGS: dict[str, Any] = dict(
+# This recipe's defaults for toy's general flags (flag > toy.toml > these).
+DEFAULTS: dict[str, Any] = dict(
     arch="vit",
-    images=None,
-    val_images=None,
-    image_size=None,
-    patch_size=None,
-    augment="auto",
     # From-scratch ViTs want a gentler decay than a decoder LM's 0.1, and a batch of
     # images is cheap next to a batch of 256-token sequences. Warmup 40 (the 10% cap at
     # 400 steps): on 12,000 Fashion-MNIST images, 6 x 192, 400 steps, 82.0% test accuracy
@@ -79,38 +74,43 @@ AUGMENT_EPOCHS = 10
 LM_ONLY = ("corpus", "val_corpus", "tokenizer", "vocab_size", "seq_len", "n_kv_head")
 
 
-def add_arguments(group) -> None:
-    group.add_argument(
-        "--images",
+FLAGS = (
+    Flag(
+        "images",
         metavar="DIR",
-        help="image folder, one subfolder of PNG/JPEG files per class "
-        "(default: the bundled Fashion-MNIST smoke set)",
-    )
-    group.add_argument(
-        "--val-images",
+        help="image folder, one subfolder of PNG/JPEG files per class",
+        shown=": the bundled Fashion-MNIST smoke set",
+    ),
+    Flag(
+        "val_images",
         metavar="DIR",
-        help="validation folder with the same class subfolders "
-        "(default: hold out 10%% of each class of --images)",
-    )
-    group.add_argument(
-        "--image-size",
+        help="validation folder with the same class subfolders",
+        shown=": hold out 10% of each class of --images",
+    ),
+    Flag(
+        "image_size",
         type=int,
-        help="side in pixels images are resized to (default: the preset's, 224 for vit-tiny)",
-    )
-    group.add_argument(
-        "--patch-size",
+        help="side in pixels images are resized to",
+        shown=": the preset's, 224 for vit-tiny",
+    ),
+    Flag(
+        "patch_size",
         type=int,
-        help="side of the square patches, must divide --image-size "
-        "(default: the preset's, 16 for vit-tiny)",
-    )
-    group.add_argument(
-        "--augment",
+        help="side of the square patches, must divide --image-size",
+        shown=": the preset's, 16 for vit-tiny",
+    ),
+    Flag(
+        "augment",
+        "auto",
+        "training augmentation: crop-flip (random crop of the image padded by 1/8 of its side, "
+        "and left-right flips), none, or auto: crop-flip when the run sees each training image "
+        f"{AUGMENT_EPOCHS} times or more, else none",
         metavar="MODE",
-        help="training augmentation: crop-flip (random crop of the "
-        "image padded by 1/8 of its side, and left-right flips), none, or auto: crop-flip when the "
-        f"run sees each training image {AUGMENT_EPOCHS} times or more, else none (default auto; "
-        "the run prints which)",
-    )
+        shown="auto; the run prints which",
+    ),
+)
+# The held-out accuracy: on the done line, in --json as val_accuracy.
+FIGURES = (Figure("accuracy", "val accuracy", final=True, json_key="val_accuracy"),)
 
 
 def _int_flag(cfg: RunConfig, key: str, problems: list[str]) -> int | None:
@@ -369,4 +369,4 @@ def accuracy_pass(model: nn.Module, batches: list[dict[str, torch.Tensor]]) -> t
     return correct, total
 
 
-RECIPE = Recipe("vit-tiny", build, defaults=FLAGS, add_arguments=add_arguments)
+RECIPE = Recipe(NAME, build, defaults=DEFAULTS, flags=FLAGS, figures=FIGURES)

@@ -26,7 +26,6 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.nn as nn
@@ -42,11 +41,11 @@ from toy.formats.gguf_header import read_gguf_header
 from toy.formats.gguf_plan import supported_archs
 from toy.formats.hf_dir import base_fingerprint
 from toy.models import registry
-from toy.recipes.lm import fingerprint, lm_config, lm_derived, lm_job, open_token_data
-from toy.runs import Project
+from toy.recipes.lm import lm_config, lm_derived, lm_job, open_token_data
+from toy.runs import Project, fingerprint
 from toy.train.config import RunConfig
 from toy.train.job import Built
-from toy.train.recipe import Recipe
+from toy.train.recipe import Flag, Recipe
 
 NAME = "warm-start"
 INITS = ("scratch", "donor", "pca")
@@ -58,39 +57,39 @@ INIT_STD = 0.02  # Llama.reset_parameters' std: warmed tables start at this RMS 
 EMBED_LR_SCALE = (
     3.0  # the embedding (or lens) trains at this times --lr: docs/results.md, "Warm start"
 )
-FLAGS: dict[str, Any] = dict(
-    donor=None, init="donor", freeze_embed_steps=0, embed_lr_scale=EMBED_LR_SCALE
-)
-
-
-def add_arguments(g) -> None:
-    g.add_argument(
-        "--donor",
+FLAGS = (
+    Flag(
+        "donor",
         metavar="DONOR",
-        help="a GGUF model, or a transformers or MLX model directory, of any "
-        "supported family, whose token embedding warms the embedding and whose tokenizer the "
-        "corpus must use (`toy prep TEXT --tokenizer DONOR`) (no default: required)",
-    )
-    g.add_argument(
-        "--init",
+        help="a GGUF model, or a transformers or MLX model directory, of any supported family, "
+        "whose token embedding warms the embedding and whose tokenizer the corpus must use "
+        "(`toy prep TEXT --tokenizer DONOR`)",
+        shown=": none, required",
+    ),
+    Flag(
+        "init",
+        "donor",
+        "embedding init: scratch (random, the baseline), donor (the donor's rows; a trainable "
+        "lens when widths differ) or pca (the donor's top --d-model principal components)",
         metavar="{scratch,donor,pca}",
-        help="embedding init: scratch (random, the baseline), "
-        "donor (the donor's rows; a trainable lens when widths differ) or pca (the donor's top "
-        "--d-model principal components) (default donor)",
-    )
-    g.add_argument(
-        "--freeze-embed-steps",
-        type=int,
+    ),
+    Flag(
+        "freeze_embed_steps",
+        0,
+        "keep the warmed embedding (and lens) frozen for the first N steps",
+        int,
         metavar="N",
-        help="keep the warmed embedding (and lens) frozen for the first N steps (default 0)",
-    )
-    g.add_argument(
-        "--embed-lr-scale",
-        type=float,
+    ),
+    Flag(
+        "embed_lr_scale",
+        EMBED_LR_SCALE,
+        "the embedding (the lens, with a donor table) trains at X times --lr, with every "
+        "--init, scratch included",
+        float,
         metavar="X",
-        help="the embedding (the lens, with a donor table) trains at X times --lr, with every "
-        f"--init, scratch included (default {EMBED_LR_SCALE:g})",
-    )
+        shown=f"{EMBED_LR_SCALE:g}",
+    ),
+)
 
 
 def check_opts(cfg: RunConfig) -> list[str]:
@@ -248,13 +247,6 @@ def principal_axes(table: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Ten
     lead = axes.abs().argmax(0)
     axes = axes * torch.sign(axes[lead, torch.arange(k)])
     return axes, evals[order].clamp_min(0).float()
-
-
-def pca_project(table: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Coordinates of the centred rows of `table` on its top-k principal axes and the
-    variance along each: ((n, k), (k,)), float32."""
-    axes, var = principal_axes(table, k)
-    return (centre(table).double() @ axes).float(), var
 
 
 def scaled_lens(table: torch.Tensor, w: torch.Tensor, std: float = INIT_STD) -> torch.Tensor:
@@ -498,4 +490,4 @@ def build(cfg: RunConfig, project: Project) -> Built:
     )
 
 
-RECIPE = Recipe("warm-start", build, defaults=FLAGS, add_arguments=add_arguments, check=check_opts)
+RECIPE = Recipe("warm-start", build, flags=FLAGS, check=check_opts)

@@ -10,15 +10,19 @@ back in `Built.derived`, and train/run.py applies it with `RunConfig.with_derive
 config that `run.json` records under "config" and that `--resume` reads back: a resumed
 run rebuilds its job from exactly that record.
 
-Every flag of every recipe is a field here (a recipe's FLAGS only changes defaults), so
-a typo in code is an AttributeError at once, not a silent `opts.get(...)` of None.
+The general flags (those of every recipe) are fields here. A recipe's own flags are
+declared in its file (train/recipe.py: Flag) and held in `opts`, read as attributes like
+the fields (`cfg.beta`): a key that is neither a field nor one of the run's recipe's
+flags is an AttributeError at once, not a silent None. run.json records the two flat, as
+one object.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass, fields
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from toy.errors import InputError, UsageError
@@ -64,72 +68,71 @@ class RunConfig:
     eval_batches: int = 8
     save_every: int = 0
     keep_last: int = 2
-    # ---- lora
-    model: str | None = None
-    data: str | None = None
-    val_data: str | None = None
-    rank: int | None = None
-    alpha: float | None = None
-    dropout: float | None = None
-    targets: str | None = None
-    output: str | None = None
-    strict: bool = False
-    base_dtype: str | None = None
-    chat_template: str | None = None
-    # ---- dpo, orpo
-    beta: float | None = None
-    label_smoothing: float | None = None
-    orpo_lambda: float | None = None
-    # ---- warm-start
-    donor: str | None = None
-    init: str | None = None
-    freeze_embed_steps: int | None = None
-    embed_lr_scale: float | None = None
-    # ---- vit-tiny
-    images: str | None = None
-    val_images: str | None = None
-    image_size: int | None = None
-    patch_size: int | None = None
-    augment: str | None = None
+    # ---- the recipe's own flags (its Flags' keys -> values), read as attributes
+    opts: Mapping[str, Any] = field(default_factory=dict)
+
+    def __getattr__(self, name: str) -> Any:
+        # Only for names that are not fields: the recipe's own flags.
+        opts = self.__dict__.get("opts")
+        if opts is not None and name in opts:
+            return opts[name]
+        raise AttributeError(
+            f"RunConfig has no {name!r}: neither a general flag nor a flag of the "
+            f"{self.__dict__.get('recipe')} recipe"
+        )
 
     # ------------------------------------------------------------------ building
 
     @classmethod
     def keys(cls) -> list[str]:
-        return [f.name for f in fields(cls)]
+        """The general flags' keys (every recipe's config has them)."""
+        return [f.name for f in fields(cls) if f.name != "opts"]
 
     @classmethod
     def defaults(cls) -> dict[str, Any]:
-        return {f.name: f.default for f in fields(cls)}
+        return {f.name: f.default for f in fields(cls) if f.name != "opts"}
 
     @classmethod
-    def for_recipe(
-        cls, recipe: str, flags: dict[str, Any] | None = None, **overrides: Any
+    def build(cls, values: dict[str, Any]) -> RunConfig:
+        """General keys to their fields, the rest to `opts`, over the general defaults."""
+        general = set(cls.keys())
+        out = {**cls.defaults(), **{k: v for k, v in values.items() if k in general}}
+        return cls(**out, opts={k: v for k, v in values.items() if k not in general})
+
+    @classmethod
+    def from_record(
+        cls, record: dict[str, Any], own: Collection[str], source: str = "run.json"
     ) -> RunConfig:
-        """Defaults, then a recipe's FLAGS, then overrides: how scripts and tests build one."""
-        return cls(**{**cls.defaults(), **(flags or {}), "recipe": recipe, **overrides})
-
-    @classmethod
-    def from_record(cls, record: dict[str, Any], source: str = "run.json") -> RunConfig:
-        """The config a run recorded (run.json "config"). Keys this toy does not know mean
-        the run came from another version: refuse rather than guess."""
-        unknown = sorted(set(record) - set(cls.keys()))
+        """The config a run recorded (run.json "config"), whose recipe takes the flags `own`.
+        Keys this toy does not know mean the run came from another version: refuse rather
+        than guess. Runs recorded before a recipe's flags moved into its file hold every
+        recipe's keys, the others' as null: those are dropped."""
+        general = set(cls.keys())
+        unknown = sorted(
+            k for k, v in record.items() if k not in general and k not in own and v is not None
+        )
         if unknown:
             raise InputError(
                 f"{source}: unknown config key(s) {', '.join(unknown)}; the run was made by "
                 "another toy version: resume it with that version or start a new run"
             )
-        return cls(**record)
+        return cls.build({k: v for k, v in record.items() if k in general or k in own})
 
     def with_derived(self, derived: dict[str, Any]) -> RunConfig:
         """The config with what the recipe worked out (Built.derived) filled in."""
-        return dataclasses.replace(self, **derived) if derived else self
+        return self.replace(**derived) if derived else self
 
     def replace(self, **changes: Any) -> RunConfig:
-        return dataclasses.replace(self, **changes)
+        general = set(self.keys())
+        opts = {k: v for k, v in changes.items() if k not in general}
+        if unknown := sorted(set(opts) - set(self.opts)):
+            raise AttributeError(f"RunConfig has no {', '.join(unknown)}")
+        kept = {k: v for k, v in changes.items() if k in general}
+        return dataclasses.replace(self, **kept, opts={**self.opts, **opts})
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The general flags and the recipe's, as one flat object (run.json's "config")."""
+        return {**{k: getattr(self, k) for k in self.keys()}, **self.opts}
 
     def epoch_steps(
         self, n_units: int, per_step: int, unit: str
@@ -158,10 +161,16 @@ RESUME_MAY_CHANGE = ("steps", "device", "compile")
 
 
 def resolve(
-    cli: dict[str, Any], toml: dict[str, Any], recipe: str, recipe_defaults: dict[str, Any]
+    cli: dict[str, Any],
+    toml: dict[str, Any],
+    recipe: str,
+    recipe_defaults: dict[str, Any],
+    others: Collection[str] = (),
 ) -> RunConfig:
     """flags (`cli`, None = not given) > toy.toml [train.<recipe>] > [train] > the recipe's
-    defaults > RunConfig's. An unknown toy.toml key is an error naming it."""
+    defaults (its own flags' and the general ones it changes) > RunConfig's. `others`: the
+    keys of the other recipes' flags, which toy.toml's [train] may hold for them (ignored
+    here); any other unknown toy.toml key is an error naming it."""
     if cli.get("epochs") is not None and cli.get("steps") is not None:
         raise UsageError("--epochs and --steps conflict: give one (--epochs sets the step count)")
     out = {**RunConfig.defaults(), **recipe_defaults}
@@ -170,15 +179,17 @@ def resolve(
     for k, v in table.items():
         key = k.replace("-", "_")
         if key not in out:
+            if key in others and k not in (toml.get(recipe) or {}):
+                continue  # [train] serves every recipe: another recipe's flag
             raise UsageError(
                 f"toy.toml [train] has unknown key {k!r}; valid: {', '.join(sorted(out))}"
             )
         out[key] = v
-    out.update({k: v for k, v in cli.items() if v is not None})
+    out.update({k: v for k, v in cli.items() if v is not None and k in out})
     out["recipe"] = recipe
     if out.get("epochs") is not None and cli.get("steps") is None:
         out["steps"] = None  # the recipe counts the steps of --epochs from the data
-    return RunConfig(**out)
+    return RunConfig.build(out)
 
 
 def _flag(key: str) -> str:

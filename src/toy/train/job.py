@@ -3,6 +3,7 @@ loss. The loop (loop.py) owns everything else."""
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,25 +17,49 @@ from toy.models.losses import IGNORE, head_cross_entropy
 
 
 @dataclass
+class Live:
+    """What a batch made from the live model is made with (Job.live): the model as the
+    step finds it (eval mode, no gradients, under the run's autocast), on the run's device,
+    and a generator seeded by (seed, micro-batch index, rank). The same seed, data, machine
+    and weights give the same batch; a resumed run restores the weights exactly, so it
+    makes the batches its unbroken twin made, with no sampling state to keep."""
+
+    model: nn.Module
+    generator: torch.Generator
+    device: torch.device
+
+
+def live_seed(seed: int, k: int, rank: int) -> int:
+    """The sampling generator's seed for micro-batch `k` of process `rank`."""
+    digest = hashlib.sha256(f"toy-live/{seed}/{k}/{rank}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
+
+
+@dataclass
 class Job:
     recipe: str
     model: nn.Module
     # micro_batch(k) -> dict of CPU tensors for global micro-batch index k. It must be a
-    # pure function of k (and the seed): that is what makes resume exact.
-    micro_batch: Callable[[int], dict[str, torch.Tensor]]
+    # pure function of k (and the seed): that is what makes resume exact. With `live`,
+    # micro_batch(k, Live) -> the batch made from the model as it stands before its step
+    # (sampled with Live.generator): a pure function of k, the seed and the weights.
+    micro_batch: Callable[..., dict[str, torch.Tensor]]
     # Held-out batches, the same list at every eval (empty: no validation).
     eval_batches: Callable[[], list[dict[str, torch.Tensor]]]
     # Writes the ready-to-use model (or adapter) into a directory.
     save_final: Callable[[Path], None]
     # Flags/choices that identify the run (recorded in run.json, checked on resume).
     config: dict[str, Any] = field(default_factory=dict)
-    # Loss over one micro-batch: (sum of per-token losses, number of supervised tokens).
+    # Loss over one micro-batch: (sum of the per-unit losses, number of units), a unit being
+    # what `count` counts (supervised tokens; the pairs of a preference batch).
     loss: (
         Callable[[nn.Module, dict[str, torch.Tensor]], tuple[torch.Tensor, torch.Tensor]] | None
     ) = None
-    # Number of supervised tokens in a batch, known before the forward pass: the loop
-    # divides every micro-batch's loss sum by the total over the whole accumulation step.
+    # The units of a batch that its loss is normalised by (supervised tokens, pairs), known
+    # once the batch is made and before its forward pass: the loop divides every
+    # micro-batch's loss sum by the total over the whole accumulation step.
     count: Callable[[dict[str, torch.Tensor]], int] | None = None
+    units: str = "supervised tokens"  # what count counts, as an error names it
     # Tokens (or images) a batch feeds through the model, for throughput.
     n_items: Callable[[dict[str, torch.Tensor]], int] | None = None
     items_name: str = "tokens"
@@ -58,6 +83,9 @@ class Job:
     # Figures of the step just taken, beside its loss (preference recipes: rewards, margin,
     # accuracy): read once after each step, recorded with the loss, printed on its line.
     step_metrics: Callable[[], dict[str, float]] | None = None
+    # Batches made from the live model (micro_batch(k, Live)): made when their step starts,
+    # never ahead of it (the step before changes the weights they are sampled from).
+    live: bool = False
 
     def __post_init__(self) -> None:
         if self.prepare is None:

@@ -24,7 +24,7 @@ from toy.runs import MMAP_THRESHOLD_LOW_MEMORY, EventLog, plural, tune_malloc
 from toy.train import dist
 from toy.train.config import RunConfig
 from toy.train.device import Precision, autocast, peak_memory, resolve_precision
-from toy.train.job import Job
+from toy.train.job import Job, Live, live_seed
 from toy.train.progress import Reporter
 from toy.train.schedule import Schedule, make_adamw
 
@@ -265,13 +265,31 @@ class Trainer:
         """Step `step`'s micro-batches, prepared on the host (job.prepare) and, for CUDA,
         in pinned memory so the copies with non_blocking=True really are asynchronous."""
         cfg, job = self.cfg, self.job
-        micro = [
-            job.prepare(job.micro_batch((step - 1) * cfg.grad_accum + m))
-            for m in range(cfg.grad_accum)
-        ]
+        ks = [(step - 1) * cfg.grad_accum + m for m in range(cfg.grad_accum)]
+        if job.live:
+            micro = [job.prepare(b) for b in self._live_batches(ks)]
+        else:
+            micro = [job.prepare(job.micro_batch(k)) for k in ks]
         if self.device.type == "cuda":
             micro = [{k: v.pin_memory() for k, v in b.items()} for b in micro]
         return micro
+
+    def _live_batches(self, ks: list[int]) -> list[dict[str, torch.Tensor]]:
+        """Batches made from the model as it stands (job.live): in eval mode (no dropout),
+        without gradients, under the run's autocast, each sampled with a generator of its own
+        seeded by (seed, k, rank), so they depend on nothing but those and the weights."""
+        model, was = self.model, self.model.training
+        model.eval()
+        try:
+            out = []
+            for k in ks:
+                gen = torch.Generator(device=self.device)
+                gen.manual_seed(live_seed(self.cfg.seed, k, self.d.rank))
+                with torch.no_grad(), autocast(self.device, self.precision):
+                    out.append(self.job.micro_batch(k, Live(model, gen, self.device)))
+            return out
+        finally:
+            model.train(was)
 
     def _take_batches(self, step: int) -> list[dict[str, torch.Tensor]]:
         """The batches prefetched for `step` by the step before, or fetched now. Batches
@@ -289,18 +307,18 @@ class Trainer:
         for g in self.opt.param_groups:
             g["lr"] = lr * g["lr_scale"]
         self.model.train()
-        # Fetch the whole accumulation step first: its supervised-token count
+        # Fetch the whole accumulation step first: its count (supervised tokens, pairs)
         # normalises every micro-batch, so accumulation never changes the objective.
         micro = self._take_batches(step)
         n_sup = sum(job.count(b) for b in micro)  # on the host, before any copy
         if d.enabled:
-            # Normalise by the supervised tokens of the whole global step: summed on the
+            # Normalise by the units (job.count) of the whole global step: summed on the
             # device and used there (no host read); checked with the loss at the end.
             n_global = dist.all_sum(torch.tensor(float(n_sup), device=self.device))
             scale = d.world / n_global.clamp_min(1.0)
         elif n_sup == 0:
             raise RunFailed(
-                f"step {step}: the batch has no supervised tokens; check the data's loss mask",
+                f"step {step}: the batch has no {job.units}; check the data's loss mask",
                 step=step,
             )
         else:
@@ -324,7 +342,7 @@ class Trainer:
                 with autocast(self.device, self.precision):
                     ls, _ = forward(b) if forward is not None else job.loss(self.model, b)
                 # DDP averages gradients over ranks; the objective is the sum over the
-                # global batch divided by its supervised tokens, hence * world.
+                # global batch divided by its units (job.count), hence * world.
                 (ls * scale).backward()
             loss_sum += ls.detach().float()
         if (
@@ -336,9 +354,10 @@ class Trainer:
             torch.nn.utils.clip_grad_norm_([p for _, p in self.named], cfg.clip)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
-        if step < cfg.steps:
+        if step < cfg.steps and not job.live:
             # The next step's batches are made (and pinned) now, on the host, while the
             # device still works through this step's queue: the read below waits for it.
+            # (A live job's are made from the weights this step leaves: when its step starts.)
             self._next = (step + 1, self._fetch(step + 1))
         if d.enabled:
             total, n_sup = torch.stack(
@@ -346,7 +365,7 @@ class Trainer:
             ).tolist()  # one host sync per step
             if n_sup == 0:
                 raise RunFailed(
-                    f"step {step}: the batch has no supervised tokens; check the data's loss mask",
+                    f"step {step}: the batch has no {job.units}; check the data's loss mask",
                     step=step,
                 )
             loss = total / n_sup

@@ -44,11 +44,16 @@ class TextReporter(Reporter):
     """Plain lines on stdout; on a terminal, a rich bar drawn below them (transient)."""
 
     def __init__(
-        self, out: TextIO | None = None, items_name: str = "tokens", bar: bool | None = None
+        self,
+        out: TextIO | None = None,
+        items_name: str = "tokens",
+        show_bar: bool | None = None,
+        bar: dict[str, str] | None = None,
     ):
         self.out = out or sys.stdout
         self.items_name = items_name
-        self.bar = self.out.isatty() if bar is None else bar
+        self.bar = self.out.isatty() if show_bar is None else show_bar
+        self.figures = bar or {}  # the recipe's figures the bar shows: key -> short label
         self._progress = None
         self._task = None
         self._eval_said = 0.0  # seconds into an evaluation when its progress was last shown
@@ -97,8 +102,11 @@ class TextReporter(Reporter):
         if self._progress is not None:
             speed = f"{items_per_s:,.0f} {self.items_name}/s" if items_per_s else ""
             mem = f"peak {peak_mem / 1e9:.2f} GB" if peak_mem else ""
-            acc = (extra or {}).get("pref_accuracy")
-            shown = f"{loss:.4f}" + (f" acc {acc:.2f}" if acc is not None else "")
+            shown = f"{loss:.4f}" + "".join(
+                f" {label} {(extra or {})[k]:.2f}"
+                for k, label in self.figures.items()
+                if k in (extra or {})
+            )
             self._progress.update(self._task, completed=step, loss=shown, speed=speed, mem=mem)
 
     def eval_progress(self, step: int, done: int, total: int, elapsed: float) -> None:

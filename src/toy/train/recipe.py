@@ -1,7 +1,13 @@
-"""A recipe's face: what `toy train` and a run's life (train/run.py) may ask of a recipe.
+"""A recipe's face: what `toy train`, a run's life (train/run.py) and the tools that show a
+run (the progress line, --json, `toy plot`) may ask of a recipe.
 
 Each module in recipes/ declares one `Recipe` as `RECIPE`; nothing probes a recipe's
-module for optional attributes.
+module for optional attributes. A recipe's own flags are declared once, as `Flag`s: from
+each come its argparse line (the default written into the help by code), its place in
+the run's config (RunConfig.opts, recorded flat in run.json and checked on resume) and
+its check. A recipe's own figures are declared once, as `Figure`s: the loop records
+whatever a job's step_metrics / eval_metrics return, and the progress line, the done line,
+--json and `toy plot` show what the recipe declares, naming no recipe's metric themselves.
 """
 
 from __future__ import annotations
@@ -11,11 +17,31 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from toy.train.config import RunConfig
+from toy.train.flags import Flag
 from toy.train.job import Built
 
+__all__ = ["Figure", "Flag", "Recipe"]
 
-def _no_flags(group) -> None:
-    pass
+
+@dataclass(frozen=True)
+class Figure:
+    """A figure a recipe's job reports beside the loss: in step events and lines
+    (step_metrics) and in evaluations (eval_metrics), under `key`.
+
+    - `label`: its name in words ("held-out preference accuracy").
+    - `final`: the done line ends with its last evaluated value, and --json carries its
+      evaluation curve as `json_key`: [{"step", "accuracy"}] (the form the curves have).
+    - `bar`: a short label for the progress bar, which shows the step's value.
+    - `plot`: `toy plot` draws its evaluation curve on a right-hand axis in `span`.
+    """
+
+    key: str
+    label: str
+    final: bool = False
+    json_key: str | None = None
+    bar: str | None = None
+    plot: bool = False
+    span: tuple[float, float] | None = None
 
 
 def _no_problems(cfg: RunConfig) -> list[str]:
@@ -31,13 +57,34 @@ class Recipe:
     name: str
     # build(cfg, project) -> Built: the job, from the resolved config (all input checks here).
     build: Callable[[RunConfig, Any], Built]
-    # The recipe's defaults for its own flags and for general flags it sets otherwise.
+    # The recipe's defaults for the general flags it sets otherwise (lr, batch_size, ...).
     defaults: dict[str, Any] = field(default_factory=dict)
-    # Adds the recipe's own flags to an argparse group.
-    add_arguments: Callable[[Any], None] = _no_flags
-    # Every problem with its flags, by flag, before anything is read.
+    # The recipe's own flags, each declared once.
+    flags: tuple[Flag, ...] = ()
+    # Every problem across its flags, by flag, before anything is read (each flag's own
+    # check runs first, from its declaration).
     check: Callable[[RunConfig], list[str]] = _no_problems
     # What one global batch is made of: "rows" (token windows, images; split over
     # processes) or "batches" (whole length-grouped chat batches): how a resume on
     # another number of processes keeps the global batch.
     batch_unit: Callable[[RunConfig], str] = _rows
+    # The figures its job reports beside the loss (what the tools show of them).
+    figures: tuple[Figure, ...] = ()
+
+    def own(self) -> tuple[Flag, ...]:
+        """The flags that are config keys of this recipe's (not aliases of general flags)."""
+        general = set(RunConfig.keys())
+        return tuple(f for f in self.flags if f.key not in general)
+
+    def flag_defaults(self) -> dict[str, Any]:
+        """Every default the recipe sets: its own flags' and the general flags' it changes."""
+        return {**{f.key: f.default for f in self.own()}, **self.defaults}
+
+    def config(self, **overrides: Any) -> RunConfig:
+        """Defaults, then the recipe's, then overrides: how scripts and tests build one."""
+        return RunConfig.build({**self.flag_defaults(), **overrides, "recipe": self.name})
+
+    def problems(self, cfg: RunConfig) -> list[str]:
+        """Every problem with the recipe's flags: each flag's check, then the recipe's."""
+        p = [why for f in self.own() if (why := f.problem(cfg.opts.get(f.key)))]
+        return p + self.check(cfg)

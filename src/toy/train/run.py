@@ -44,7 +44,7 @@ from toy.train.device import Precision, device_info, resolve_device, resolve_pre
 from toy.train.job import Built
 from toy.train.loop import TrainResult, train
 from toy.train.progress import Reporter, TextReporter
-from toy.train.recipe import Recipe
+from toy.train.recipe import Figure, Recipe
 
 WARMUP_SHARE = 0.1  # the warmup is at most this share of the run
 SHORT_RUN = 20  # fewer optimizer steps than this rarely move a loss: say so
@@ -83,11 +83,12 @@ def resolve_config(cli: dict[str, Any], project: Project, recipes: dict[str, Rec
     if name not in recipes:
         raise UsageError(unknown_recipe(name, recipes))
     recipe = recipes[name]
-    cfg = resolve(cli, project.train_defaults, name, recipe.defaults)
+    others = {f.key for r in recipes.values() for f in r.own()}
+    cfg = resolve(cli, project.train_defaults, name, recipe.flag_defaults(), others)
     archs = registry.arch_names()
     found = problems(
         cfg, archs, registry.preset_names(cfg.arch) if cfg.arch in archs else None
-    ) + recipe.check(cfg)
+    ) + recipe.problems(cfg)
     if found:
         raise UsageError("; ".join(found))
     return cfg
@@ -198,7 +199,7 @@ def new_run(
             )
     built = recipe.build(cfg, project)  # every input check happens here, before the run dir exists
     cfg = cfg.with_derived(built.derived)
-    default_lr = RunConfig.for_recipe(cfg.recipe, recipe.defaults).lr
+    default_lr = recipe.config().lr
     given = cli.get("warmup") is not None or "warmup" in _toml_keys(project, cfg.recipe)
     cfg = fit_schedule(
         cfg, built.notes, default_lr, given
@@ -255,22 +256,30 @@ def new_run(
         world_size=d.world,
         global_batch=distributed["global_batch"],
     )
-    return _execute(cfg, built, run_dir, device, precision, events, None, json_mode)
+    return _execute(cfg, built, run_dir, device, precision, events, None, json_mode, recipe.figures)
 
 
 # ------------------------------------------------------------------ a resumed run
 
 
-def _saved_config(info: dict, run_dir: Path) -> RunConfig:
+def _saved_config(info: dict, run_dir: Path, recipes: dict[str, Recipe]) -> RunConfig:
     """The resolved config run.json recorded (runs made before it was recorded kept their
     flags under "flags")."""
+    record = info.get("config", info.get("flags", {}))
+    name = record.get("recipe", RunConfig.recipe)
+    if name not in recipes:
+        raise UsageError(
+            f"--resume {run_dir}: its recipe {name!r} is not one of this toy's; resume it "
+            "with the toy version that made it"
+        )
+    own = {f.key for f in recipes[name].own()}
     if "config" in info:
-        cfg = RunConfig.from_record(info["config"], source=str(run_dir / "run.json"))
+        cfg = RunConfig.from_record(info["config"], own, source=str(run_dir / "run.json"))
         if "precision" in info["config"]:
             return cfg
     else:
-        known = set(RunConfig.keys())
-        cfg = RunConfig(**{k: v for k, v in info["flags"].items() if k in known})
+        known = set(RunConfig.keys()) | own
+        cfg = RunConfig.build({k: v for k, v in info["flags"].items() if k in known})
     # Recorded before --precision: such runs trained in float32 except on cuda (bf16 autocast).
     return cfg.replace(precision="auto" if cfg.device == "cuda" else "float32")
 
@@ -316,14 +325,18 @@ def resume_run(
             f"--resume {run_dir}: no run.json there; give a run directory made by `toy train`"
         )
     info = read_json(run_dir / "run.json")
-    saved = _saved_config(info, run_dir)
+    saved = _saved_config(info, run_dir, recipes)
     for k, v in cli.items():
         if v is None or k in RESUME_MAY_CHANGE or k == "precision":
             continue
+        flag = "--" + k.replace("_", "-")
+        if k not in saved.to_dict():
+            raise UsageError(
+                f"--resume: {flag} is not a flag of the run's recipe ({saved.recipe}); drop it"
+            )
         if k in _FINGERPRINTED.values():  # a base at another path: its bytes are compared below
             continue
         if getattr(saved, k) != v:
-            flag = "--" + k.replace("_", "-")
             raise UsageError(
                 f"--resume: {flag} {v!r} differs from the run's {getattr(saved, k)!r}; "
                 "a resumed run keeps its config (only --steps may be raised)"
@@ -424,7 +437,9 @@ def resume_run(
         checkpoint=str(last.relative_to(run_dir)),
         world_size=d.world,
     )
-    return _execute(run_cfg, built, run_dir, device, precision, events, last, json_mode)
+    return _execute(
+        run_cfg, built, run_dir, device, precision, events, last, json_mode, recipe.figures
+    )
 
 
 # ------------------------------------------------------------------ the loop, and closing the run
@@ -439,12 +454,16 @@ def _execute(
     events: EventLog,
     resume: Path | None,
     json_mode: bool,
+    figures: tuple[Figure, ...] = (),
 ) -> Outcome:
     """Run the loop and close the run with exactly one event: run_finished, run_failed
     (exit 1; an unexpected error also leaves its traceback in error.log) or interrupted."""
     main_rank = dist.info().is_main
+    bar = {f.key: f.bar for f in figures if f.bar}  # the recipe's figures the bar shows
     reporter = (
-        Reporter() if json_mode or not main_rank else TextReporter(items_name=built.job.items_name)
+        Reporter()
+        if json_mode or not main_rank
+        else TextReporter(items_name=built.job.items_name, bar=bar)
     )
     if not json_mode:
         what = f"resuming {run_dir.name} from {resume.name}" if resume else f"run {run_dir.name}"

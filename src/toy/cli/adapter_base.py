@@ -1,7 +1,7 @@
-"""The base a LoRA run adapts (a GGUF file or a model directory), found one way by `toy
-infer` and `toy export`.
+"""The base an adapter run (lora, dpo, orpo, simpo) adapts (a GGUF file or a model
+directory), found one way by `toy infer` and `toy export`.
 
-A LoRA run records its base twice: adapter_config.json's `base_model_name_or_path`
+An adapter run records its base twice: adapter_config.json's `base_model_name_or_path`
 (PEFT's field; an absolute path, so the run works from any folder) and run.json's
 `model_sha256` (the sha256 of every byte of a GGUF file; a model directory's: of each
 file the model is read from, so an adapter saved beside the model changes nothing:
