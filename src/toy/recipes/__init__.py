@@ -13,6 +13,7 @@ RECIPES = {
     "lora": "toy.recipes.lora",
     "dpo": "toy.recipes.dpo",
     "orpo": "toy.recipes.orpo",
+    "simpo": "toy.recipes.simpo",
     "vit-tiny": "toy.recipes.vit_tiny",
 }
 
