@@ -52,9 +52,7 @@ def run_toy(a) -> dict:
         n_conv = len(read_chat_jsonl(a.data).conversations)
         val = Path(d) / "val.jsonl"
         val.write_text("".join(a.data.read_text().splitlines(keepends=True)[:2]))
-        opts = RunConfig.for_recipe(
-            "lora",
-            lora.FLAGS,
+        opts = lora.RECIPE.config(
             model=str(a.model),
             data=str(a.data),
             val_data=str(val),

@@ -63,9 +63,7 @@ def run_toy(a, sft: bool) -> dict:
     with tempfile.TemporaryDirectory() as d:
         data = sft_lines(a.data, Path(d) / "sft.jsonl") if sft else a.data / "train.jsonl"
         batch = 2 * a.batch if sft else a.batch  # rows: 2 sequences a pair
-        opts = RunConfig.for_recipe(
-            recipe,
-            mod.FLAGS,
+        opts = mod.RECIPE.config(
             model=str(a.model),
             data=str(data),
             seed=0,

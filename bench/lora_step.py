@@ -30,9 +30,7 @@ def run_toy(a) -> tuple[float, float]:
     from toy.train.config import RunConfig
     from toy.train.loop import train
 
-    opts = RunConfig.for_recipe(
-        "lora",
-        lora.FLAGS,
+    opts = lora.RECIPE.config(
         model=str(a.model),
         corpus=str(a.corpus),
         seed=0,

@@ -33,9 +33,7 @@ def run_toy(a) -> dict:
     from toy.train.config import RunConfig
     from toy.train.loop import train
 
-    opts = RunConfig.for_recipe(
-        "lora",
-        lora.FLAGS,
+    opts = lora.RECIPE.config(
         model=str(a.model),
         data=str(a.data),
         seed=0,

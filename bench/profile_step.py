@@ -54,8 +54,8 @@ def kind(name: str) -> str:
 def build(what: str, precision: str = "float32"):
     """The Job the bench child for `what` trains (a LoRA base held as toy's default holds it
     for `precision`: a bf16 copy of SmolLM2 under bf16 on a CPU with the units)."""
+    from toy.recipes import load_recipe
     from toy.runs import Project
-    from toy.train.config import RunConfig
 
     if what.startswith("scratch"):
         import scratch_step as S
@@ -64,8 +64,7 @@ def build(what: str, precision: str = "float32"):
 
         arch = what.split("-")[1]
         path = S.corpus(Path(tempfile.mkdtemp()) / "synthetic.bin")
-        opts = RunConfig.for_recipe(
-            "from-scratch",
+        opts = load_recipe("from-scratch").config(
             corpus=str(path),
             arch=arch,
             preset="small",
@@ -83,9 +82,7 @@ def build(what: str, precision: str = "float32"):
 
     model = Path.home() / ".cache" / "toy" / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
     if what == "lora":
-        opts = RunConfig.for_recipe(
-            "lora",
-            lora.FLAGS,
+        opts = lora.RECIPE.config(
             model=str(model),
             corpus=str(ROOT / "build" / "bench" / "smol.bin"),
             seed=0,
@@ -97,9 +94,7 @@ def build(what: str, precision: str = "float32"):
         )
     else:
         data = ROOT / "build" / "bench" / "chat.jsonl"
-        opts = RunConfig.for_recipe(
-            "lora",
-            lora.FLAGS,
+        opts = lora.RECIPE.config(
             model=str(model),
             data=str(data),
             val_data=str(data),

@@ -42,13 +42,12 @@ def flops_per_token(n_params_no_embed: int, n_embed: int) -> float:
 
 
 def run_toy(a, path: Path) -> dict:
-    from toy.recipes import from_scratch
+    from toy.recipes import from_scratch, load_recipe
     from toy.runs import EventLog, Project
     from toy.train.config import RunConfig
     from toy.train.loop import train
 
-    opts = RunConfig.for_recipe(
-        "from-scratch",
+    opts = load_recipe("from-scratch").config(
         corpus=str(path),
         arch=a.arch,
         preset="small",

@@ -125,9 +125,7 @@ def main() -> None:
     t = time.perf_counter()
     train_set, test_set = load("train"), load("t10k")
     load_s = time.perf_counter() - t
-    opts = RunConfig.for_recipe(
-        "vit-tiny",
-        vit_tiny.FLAGS,
+    opts = vit_tiny.RECIPE.config(
         preset="tiny",
         image_size=28,
         patch_size=a.patch_size,

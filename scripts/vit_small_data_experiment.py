@@ -39,7 +39,6 @@ from fashion_mnist_experiment import load  # noqa: E402
 from toy.models import vit  # noqa: E402
 from toy.recipes import vit_tiny  # noqa: E402
 from toy.runs import EventLog  # noqa: E402
-from toy.train.config import RunConfig  # noqa: E402
 from toy.train.loop import train  # noqa: E402
 from toy.train.progress import Reporter  # noqa: E402
 
@@ -153,9 +152,7 @@ def main() -> None:
         ).items()
         if v is not None
     }
-    opts = RunConfig.for_recipe(
-        "vit-tiny",
-        vit_tiny.FLAGS,
+    opts = vit_tiny.RECIPE.config(
         **{
             **given,
             "image_size": 28,
