@@ -131,7 +131,9 @@ def test_arith_is_seeded_disjoint_correct_and_readable(tmp_path):
     assert not {p.text for p in train.prompts} & {p.text for p in valid.prompts}
     ops = set()
     for p in train.prompts + valid.prompts:
-        x, op, y = re.fullmatch(r"What is (\d+) ([-+x]) (\d+)\?", p.text).groups()
+        x, op, y = re.fullmatch(
+            r"What is (\d+) ([-+x]) (\d+)\? Answer with the number only\.", p.text
+        ).groups()
         ops.add(op)
         want = {"+": int(x) + int(y), "-": int(x) - int(y), "x": int(x) * int(y)}[op]
         assert p.columns["answer"] == str(want) and want >= 0

@@ -3,8 +3,10 @@ tokenized: corpus.bin, corpus.val.bin and corpus.tokenizer.json (the tokenizer t
 them), plus chat.jsonl: conversations made from the plays' dialogue, for a first LoRA
 run (`toy train --recipe lora --data data/chat.jsonl`), and pairs/ (train.jsonl,
 valid.jsonl): preference pairs whose chosen answer opens with "Verily,", for a first DPO or
-ORPO run (`toy train --recipe dpo --data data/pairs`). `toy train` uses data/corpus.bin
-when no --corpus is given."""
+ORPO run (`toy train --recipe dpo --data data/pairs`), and arith/ (train.jsonl,
+valid.jsonl): arithmetic questions with an "answer" column, a task whose rewards can be
+checked, for a first GRPO run (`toy train --recipe grpo --data data/arith --reward
+accuracy`). `toy train` uses data/corpus.bin when no --corpus is given."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import shutil
 from pathlib import Path
 
 from toy.data import dialogue
+from toy.data.arith import make_arith
 from toy.data.prep import DEFAULT_VOCAB, bundled_corpus, bundled_text_paths
 from toy.data.tokens import tokenizer_beside, tokenizer_path_for, val_path_for
 from toy.errors import UsageError
@@ -45,6 +48,8 @@ CHATS = 240
 # README): 68 to train on, 12 held out, speeches of at most 80 characters.
 PAIRS, PAIR_CHARS = 80, 80
 FIRST_STEPS = 300  # the first run `toy new` suggests (README's too)
+# Arithmetic questions in data/arith/: the GRPO walk's task (README, docs/results.md).
+ARITH_TRAIN, ARITH_VALID = 200, 16
 
 
 def add_parser(sub) -> None:
@@ -76,11 +81,13 @@ def run(args) -> int:
     dialogue.write_jsonl(chats, d / "data" / "chat.jsonl")
     pairs = dialogue.preference_pairs(bundled_text_paths(), PAIRS, seed=0, max_chars=PAIR_CHARS)
     dialogue.write_pairs(pairs, d / "data" / "pairs")
+    make_arith(d / "data" / "arith", ARITH_TRAIN, ARITH_VALID, seed=0)
     (d / "toy.toml").write_text(TOML.format(template=DEFAULT_RUN_ID_TEMPLATE))
     print(
         f"created project {d}: toy.toml, data/corpus.bin (bundled Shakespeare, BPE "
         f"{DEFAULT_VOCAB}), data/chat.jsonl ({len(chats)} conversations from the plays), "
-        f"data/pairs/ ({len(pairs)} preference pairs), runs/"
+        f"data/pairs/ ({len(pairs)} preference pairs), data/arith/ ({ARITH_TRAIN} arithmetic "
+        "questions with answers), runs/"
     )
     # Long enough for the loss to fall (5 steps, the default, is not).
     print(f"next: cd {d} && toy train --recipe from-scratch --steps {FIRST_STEPS}")

@@ -152,7 +152,7 @@ def _print(o: Outcome, json_mode: bool) -> None:
     last_val = res.val_losses[-1]["loss"] if res.val_losses else None
     # The recipe's figures that close a run: their held-out curves (the recipe names them).
     finals = [
-        (f, [{"step": m["step"], "accuracy": m[f.key]} for m in res.metrics if f.key in m])
+        (f, [_point(f, m) for m in res.metrics if f.key in m])
         for f in load_recipe(o.cfg.recipe).figures
         if f.final
     ]
@@ -182,10 +182,22 @@ def _print(o: Outcome, json_mode: bool) -> None:
     else:
         val = f", val loss {last_val:.4f}" if last_val is not None else ""
         speed = f", {res.items_per_s:,.0f} {job.items_name}/s" if res.items_per_s else ""
-        val += "".join(f", {f.label} {c[-1]['accuracy']:.4f}" for f, c in finals if c)
+        val += "".join(f", {f.label} {c[-1][_at(f)]:.4f}" for f, c in finals if c)
         mem = f", peak memory {res.peak_mem_bytes / 1e9:.2f} GB" if res.peak_mem_bytes else ""
         print(
             f"done: loss {last:.4f}{val}{speed}{mem}, {res.wall_s:.1f}s; "
             f"model in {o.run_dir / 'final'}"
         )
     sys.stdout.flush()
+
+
+def _at(f) -> str:
+    """The key of a final figure's value in its curve's entries."""
+    return f.key if f.every else "accuracy"
+
+
+def _point(f, m: dict) -> dict:
+    """One entry of a final figure's curve (train/recipe.py: Figure)."""
+    if f.every:
+        return {"step": m["step"], **{k: v for k, v in m.items() if k != "step"}}
+    return {"step": m["step"], "accuracy": m[f.key]}

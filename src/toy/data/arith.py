@@ -1,11 +1,13 @@
 """A small verifiable task for GRPO: arithmetic questions made from seeded numbers,
 
-    {"prompt": "What is 17 + 25?", "answer": "42"}
+    {"prompt": "What is 17 + 25? Answer with the number only.", "answer": "42"}
 
 a mix of sums and differences of numbers up to 50 (never below zero) and products of
 2..12: short and easy, so a 135M instruct model is sometimes right from the first step
 and the reward has something to pick out. The built-in `accuracy` reward
-(data/rewards.py) reads the "answer" column. `toy new` writes these for the GRPO demo.
+(data/rewards.py) reads the "answer" column; the question asks for the number alone, a
+form SmolLM2-135M-Instruct follows about half the time ("7 x 7 = 49") and that a format
+reward can teach it. `toy new` writes these for the GRPO demo.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import numpy as np
 
 from toy.errors import UsageError
 from toy.runs import write_file_atomic
+
+ASK = " Answer with the number only."
 
 
 def questions(n: int, seed: int) -> list[dict]:
@@ -36,7 +40,7 @@ def questions(n: int, seed: int) -> list[dict]:
             if op == "-" and a < b:
                 a, b = b, a  # no negative answers: easier, and no "-" sign to get wrong
             c = a + b if op == "+" else a - b
-        out.setdefault(f"What is {a} {op} {b}?", str(c))
+        out.setdefault(f"What is {a} {op} {b}?{ASK}", str(c))
     if len(out) < n:
         raise UsageError(f"only {len(out)} distinct arithmetic questions drawn; ask for fewer")
     return [{"prompt": q, "answer": a} for q, a in out.items()]

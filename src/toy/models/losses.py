@@ -69,8 +69,12 @@ def _chunked(
     want_h: bool,
     want_w: bool,
     softcap: float = 0.0,
+    scale: float = 1.0,
+    per_row: bool = False,
 ):
     """(loss, grad of loss wrt h or None, wrt weight in float32 or None); float64 stays float64.
+    `scale` multiplies the (capped) logits (GRPO: 1 / the sampling temperature); `per_row`:
+    the loss of each row (N,) rather than their sum.
 
     Under autocast the vocabulary matrix is cast to the compute dtype ONCE, here, and the
     matmuls run with autocast off: autocast does not cache the casts of a view (`w.T`) or
@@ -80,13 +84,15 @@ def _chunked(
     w = weight.to(dt)  # the one cast (a no-op without autocast)
     step = chunk_rows(w.shape[0], h.device)
     acc = torch.promote_types(h.dtype, torch.float32)  # float32, or float64 for gradcheck
-    loss = torch.zeros((), dtype=acc, device=h.device)
+    loss = torch.zeros(h.shape[0] if per_row else (), dtype=acc, device=h.device)
     grad_h = torch.empty_like(h) if want_h else None
     grad_w = torch.zeros(w.shape, dtype=acc, device=h.device) if want_w else None
     with torch.autocast(h.device.type, enabled=False):
         for i in range(0, h.shape[0], step):
             hc, tc = h[i : i + step], targets[i : i + step]
             logits, dcap = _cap((hc.to(dt) @ w.T).to(acc), softcap)  # (c, V)
+            if scale != 1.0:
+                logits = logits * scale
             valid = tc != IGNORE
             safe = torch.where(valid, tc, 0)
             picked = logits.gather(1, safe[:, None]).squeeze(1)
@@ -96,7 +102,11 @@ def _chunked(
             e = logits.sub_(m[:, None]).exp_()
             total = e.sum(dim=-1)
             lse = m + torch.log(total)
-            loss += torch.where(valid, lse - picked, 0.0).sum()
+            row_loss = torch.where(valid, lse - picked, 0.0)
+            if per_row:
+                loss[i : i + step] = row_loss
+            else:
+                loss += row_loss.sum()
             if not (want_h or want_w):
                 continue
             # d loss / d logits = softmax - onehot(target), zero on ignored rows; in place.
@@ -105,6 +115,8 @@ def _chunked(
             g.mul_(valid[:, None])
             if dcap is not None:
                 g.mul_(dcap)
+            if scale != 1.0:
+                g.mul_(scale)
             gd = g.to(dt)  # once for both products (a no-op without autocast)
             if grad_h is not None:
                 grad_h[i : i + step] = (gd @ w).to(h.dtype)
@@ -121,7 +133,13 @@ def _chunked(
 
 
 def _vocab_chunked(
-    h: torch.Tensor, head, targets: torch.Tensor, want_h: bool, softcap: float = 0.0
+    h: torch.Tensor,
+    head,
+    targets: torch.Tensor,
+    want_h: bool,
+    softcap: float = 0.0,
+    logit_scale: float = 1.0,
+    per_row: bool = False,
 ):
     """(loss, grad wrt h or None) for a frozen head whose rows come in chunks
     (`head.rows(i, j, dtype)`, e.g. dequantized GGUF blocks), in ONE pass over the
@@ -154,6 +172,8 @@ def _vocab_chunked(
         w = head.rows(v0, min(V, v0 + step), dt)  # (c, C)
         with off:
             logits, dcap = _cap((hd @ w.T).to(acc), softcap)  # (N, c)
+        if logit_scale != 1.0:
+            logits = logits * logit_scale
         inside = (safe >= v0) & (safe < v0 + w.shape[0])
         at = (safe - v0).clamp(0, w.shape[0] - 1)
         picked += torch.where(inside, logits.gather(1, at[:, None]).squeeze(1), 0.0)
@@ -174,10 +194,13 @@ def _vocab_chunked(
             )
             target.add_(w[at].to(acc) * d_t[:, None])
     lse = m + torch.log(s)
-    loss = torch.where(valid, lse - picked, 0.0).sum()
+    loss = torch.where(valid, lse - picked, 0.0)
+    loss = loss if per_row else loss.sum()
     if not want_h:
         return loss, None
     grad_h = soft.div_(s[:, None]).sub_(target).mul_(valid[:, None])
+    if logit_scale != 1.0:
+        grad_h.mul_(logit_scale)
     return loss, grad_h.to(h.dtype)
 
 
@@ -245,6 +268,49 @@ def linear_cross_entropy(
     if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
         return _LinearCrossEntropy.apply(h, weight, targets, softcap)
     return _chunked(h, weight, targets, False, False, softcap)[0]  # evaluation: the loss alone
+
+
+class _TokenLogprobs(torch.autograd.Function):
+    """Per-token log p(target) (N,) of a frozen head, chunked as the cross-entropy: each
+    row's gradient wrt its hidden state is made in the forward pass (it depends on that
+    row alone), and backward scales it by the row's incoming gradient."""
+
+    @staticmethod
+    def forward(ctx, h, targets, head, softcap: float, scale: float):
+        if isinstance(head, QuantLinear):
+            ce, grad_h = _vocab_chunked(
+                h, head, targets, ctx.needs_input_grad[0], softcap, scale, per_row=True
+            )
+        else:
+            ce, grad_h, _ = _chunked(
+                h, head.weight, targets, ctx.needs_input_grad[0], False, softcap, scale, True
+            )
+        ctx.save_for_backward(grad_h if grad_h is not None else torch.empty(0))
+        return -ce
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (grad_h,) = ctx.saved_tensors
+        if not ctx.needs_input_grad[0]:
+            return None, None, None, None, None
+        return -grad_h * grad_out.to(grad_h.dtype)[:, None], None, None, None, None
+
+
+def token_logprobs(
+    h: torch.Tensor,
+    head: torch.nn.Module,
+    targets: torch.Tensor,
+    softcap: float = 0.0,
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """(N,) log p(target) of each row of h (N, C) through a FROZEN output head, the logits
+    capped then divided by `temperature` (as TRL's GRPO scores the tokens it sampled at
+    that temperature), 0 where the target is IGNORE; differentiable wrt h. Chunked: the
+    (N, vocab) logits never exist whole, and what backward needs is (N, C)."""
+    w = head if isinstance(head, QuantLinear) else head.weight
+    if isinstance(w, torch.Tensor) and w.requires_grad:
+        raise ValueError("token_logprobs takes a frozen head (an adapter recipe's)")
+    return _TokenLogprobs.apply(h, targets, head, softcap, 1.0 / temperature)
 
 
 # ------------------------------------------------------------------ preference losses

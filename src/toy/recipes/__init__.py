@@ -14,6 +14,7 @@ RECIPES = {
     "dpo": "toy.recipes.dpo",
     "orpo": "toy.recipes.orpo",
     "simpo": "toy.recipes.simpo",
+    "grpo": "toy.recipes.grpo",
     "vit-tiny": "toy.recipes.vit_tiny",
 }
 

@@ -29,6 +29,7 @@ class Flag:
     shown: str | None = None  # the default in the help's words, where not the value itself
     check: Callable[[Any], bool] | None = None
     must: str = ""  # what check asks, as "--flag must <must>, got X" says it
+    many: bool = False  # repeatable: the values given, in order, as a list (check: each)
 
     @property
     def option(self) -> str:
@@ -61,6 +62,8 @@ class Flag:
             kw["action"] = "store_true"
         elif self.type is not None:
             kw["type"] = self.type
+        if self.many:
+            kw["action"] = "append"
         if self.choices is not None:
             kw["choices"] = self.choices
         if self.metavar is not None:
@@ -71,8 +74,11 @@ class Flag:
         """What is wrong with `value` (given, so not None), naming the flag; None if fine."""
         if value is None or self.check is None:
             return None
-        try:
-            ok = bool(self.check(value))
-        except (TypeError, ValueError):
-            ok = False
-        return None if ok else f"{self.option} must {self.must}, got {value!r}"
+        for v in value if self.many and isinstance(value, list) else [value]:
+            try:
+                ok = bool(self.check(v))
+            except (TypeError, ValueError):
+                ok = False
+            if not ok:
+                return f"{self.option} must {self.must}, got {v!r}"
+        return None

@@ -86,6 +86,14 @@ class Job:
     # Batches made from the live model (micro_batch(k, Live)): made when their step starts,
     # never ahead of it (the step before changes the weights they are sampled from).
     live: bool = False
+    # What the job keeps between steps that a resume needs besides the weights (GRPO: the
+    # generation batch it reuses --num-iterations times): saved in each checkpoint as
+    # tensors, given back by load_state on resume (rank 0's).
+    state: Callable[[], dict[str, torch.Tensor]] | None = None
+    load_state: Callable[[dict[str, torch.Tensor]], None] | None = None
+    # False: the held-out batches have no loss, only eval_metrics (GRPO's rewards of
+    # greedy completions): no val_loss is recorded.
+    eval_loss: bool = True
 
     def __post_init__(self) -> None:
         if self.prepare is None:

@@ -144,6 +144,9 @@ class _Signals:
         return False
 
 
+JOB_STATE = "job_state."  # the checkpoint's names of a job's own state (Job.state)
+
+
 def rank_seed(seed: int, rank: int) -> int:
     """The torch generator seed of one process: each rank draws its own dropout stream,
     and the same (seed, rank) always draws the same one."""
@@ -394,7 +397,8 @@ class Trainer:
             progress=lambda i, n: self.reporter.eval_progress(step, i, n, time.perf_counter() - t0),
         )
         timer.eval_time += time.perf_counter() - t0
-        self.res.val_losses.append({"step": step, "loss": metrics["val_loss"]})
+        if "val_loss" in metrics:
+            self.res.val_losses.append({"step": step, "loss": metrics["val_loss"]})
         extra = {k: v for k, v in metrics.items() if k != "val_loss"}
         if extra:
             self.res.metrics.append({"step": step, **extra})
@@ -417,6 +421,8 @@ class Trainer:
         }
         rank_rng = dist.gather_rng_states(self.device)  # every rank's generators
         model_state = {n: _full(t) for n, t in self.job.trainable_state().items()}
+        if self.job.state is not None:  # what the job keeps between steps (rank 0's)
+            model_state.update({f"{JOB_STATE}{k}": v for k, v in self.job.state().items()})
         opt_state = ckpt.optimizer_tensors(self.opt, self.names, _full)
         if not self.d.is_main:
             dist.barrier()
@@ -586,7 +592,7 @@ def evaluate(
     model.eval()
     total = torch.zeros((), dtype=torch.float64, device=device)
     count = 0
-    for i, b in enumerate(batches):
+    for i, b in enumerate(batches if job.eval_loss else []):
         if progress is not None and i:
             progress(i, len(batches))
         count += job.count(b)  # on the host
@@ -594,7 +600,7 @@ def evaluate(
         with autocast(device, precision):
             ls, _ = forward(b) if forward is not None else job.loss(model, b)
         total += ls.detach().double()
-    out = {"val_loss": float(total) / max(1, count)}
+    out = {"val_loss": float(total) / max(1, count)} if job.eval_loss else {}
     if job.eval_metrics is not None:
         out.update(job.eval_metrics(model, batches))
     model.train(was_training)
@@ -627,6 +633,9 @@ def _restore(
         # A rank the run did not have (resumed on more processes): a stream of its own,
         # still a pure function of (seed, rank, step).
         torch.manual_seed(rank_seed(seed, rank) ^ step)
+    if job.load_state is not None:
+        n = len(JOB_STATE)
+        job.load_state({k[n:]: v for k, v in model_sd.items() if k.startswith(JOB_STATE)})
     res.losses = state.get("losses", [])
     res.val_losses = state.get("val_losses", [])
     res.metrics = state.get("metrics", [])

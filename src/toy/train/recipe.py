@@ -30,7 +30,9 @@ class Figure:
 
     - `label`: its name in words ("held-out preference accuracy").
     - `final`: the done line ends with its last evaluated value, and --json carries its
-      evaluation curve as `json_key`: [{"step", "accuracy"}] (the form the curves have).
+      evaluation curve as `json_key`: [{"step", "accuracy"}] (the form the curves have),
+      or, with `every`, [{"step", key: value, and every other figure of that evaluation}]
+      (GRPO's val_rewards: the total reward and each reward function's).
     - `bar`: a short label for the progress bar, which shows the step's value.
     - `plot`: `toy plot` draws its evaluation curve on a right-hand axis in `span`.
     """
@@ -42,6 +44,7 @@ class Figure:
     bar: str | None = None
     plot: bool = False
     span: tuple[float, float] | None = None
+    every: bool = False
 
 
 def _no_problems(cfg: RunConfig) -> list[str]:

@@ -502,8 +502,11 @@ def _execute(
         close("interrupted", signal="SIGINT", checkpoint=False)
         raise Interrupted(_stopped_at_once(run_dir, e.args[0] if e.args else None), 2)
     except ToyError as e:
-        close("run_failed", step=e.step if isinstance(e, RunFailed) else None, error=e.message)
-        raise e if isinstance(e, RunFailed) else RunFailed(e.message)
+        step = getattr(e, "step", None)  # a recipe's input error may say when it came
+        close("run_failed", step=step, error=e.message)
+        if not isinstance(e, RunFailed) and step is not None and step <= 1:
+            raise e  # bad input met before the first step (a reward function): exit 2
+        raise e if isinstance(e, RunFailed) else RunFailed(e.message, step=step)
     except Exception as e:
         log = run_dir / ("error.log" if main_rank else f"error-rank{dist.info().rank}.log")
         log.write_text(traceback.format_exc())
