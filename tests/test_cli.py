@@ -259,6 +259,7 @@ def test_end_to_end_new_prep_train_infer(tmp_path):
     assert r.returncode == 0, r.stderr
     assert (proj / "toy.toml").is_file() and (proj / "data" / "corpus.bin").is_file()
     assert sorted(p.name for p in (proj / "data").iterdir()) == [
+        "arith",
         "chat.jsonl",
         "corpus.bin",
         "corpus.tokenizer.json",

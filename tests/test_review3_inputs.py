@@ -133,11 +133,14 @@ def test_an_8_mb_prompt_costs_memory_by_max_seq_len_not_by_its_size(kit, tmp_pat
         "train", "--recipe", "dpo", "--model", kit["chatml"], "--data", data,
         "--out", tmp_path / "runs", "--steps", "1", "--max-seq-len", "64",
     ]  # fmt: skip
-    # The child reports its own peak resident memory (Linux: KiB) on its last line.
+    # The child reports its own peak resident memory (KiB) on its last line: VmHWM, its
+    # address space's high-water mark. Not ru_maxrss: Linux carries the forking parent's
+    # peak across exec into it (a pytest worker at 5 GB made a small child read 5.7 GB).
     code = (
-        "import resource, sys\nfrom toy.cli.main import main\n"
+        "import sys\nfrom toy.cli.main import main\n"
         "code = main(sys.argv[1:])\n"
-        "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr)\n"
+        "hwm = [x for x in open('/proc/self/status') if x.startswith('VmHWM')][0]\n"
+        "print(hwm.split()[1], file=sys.stderr)\n"
         "sys.exit(code)"
     )
     r = subprocess.run(

@@ -13,6 +13,9 @@ class ToyError(Exception):
     """Base class: a message meant for the user, and the process exit code."""
 
     exit_code = 2
+    # The optimizer step a run was making when a recipe's input error met it (GRPO: a
+    # reward function that fails): at step 1 or before, still a user's mistake (exit 2).
+    step: int | None = None
 
     def __init__(self, message: str):
         super().__init__(message)

@@ -502,7 +502,7 @@ def _execute(
         close("interrupted", signal="SIGINT", checkpoint=False)
         raise Interrupted(_stopped_at_once(run_dir, e.args[0] if e.args else None), 2)
     except ToyError as e:
-        step = getattr(e, "step", None)  # a recipe's input error may say when it came
+        step = e.step  # a recipe's input error may say when it came
         close("run_failed", step=step, error=e.message)
         if not isinstance(e, RunFailed) and step is not None and step <= 1:
             raise e  # bad input met before the first step (a reward function): exit 2
