@@ -86,11 +86,11 @@ def test_grpo_learns_and_shows_its_figures(kit, tmp_path, toy_cli):
 
 @pytest.mark.parametrize("mu", ["1", "2"])
 def test_same_seed_same_lines_and_sigkill_resumes_exactly(kit, tmp_path, mu):
-    steps = ["--steps", "60", "--save-every", "5", "--num-iterations", mu, "--beta", "0.05"]
+    steps = ["--steps", "32", "--save-every", "4", "--num-iterations", mu, "--beta", "0.05"]
     ref = train(kit, tmp_path, "ref", *steps)
     assert ref.returncode == 0, ref.stderr[-3000:]
     lines = step_lines(ref.stdout)
-    assert len(lines) == 60 and any(" kl " in ln for ln in lines)
+    assert len(lines) == 32 and any(" kl " in ln for ln in lines)
     again = train(kit, tmp_path, "again", *steps)
     assert step_lines(again.stdout) == lines  # the same completions, the same bytes
     argv = [sys.executable, "-m", "toy", "train", "--recipe", "grpo", "--model", str(kit["gguf"])]
