@@ -305,6 +305,27 @@ def _check_conversation(msgs: Any) -> tuple[Conversation | None, str, str]:
     return out, "", ""
 
 
+class SkipCounts:
+    """The lines a JSONL reader skipped, by reason, with the first line of each: mixed into
+    the pair and prompt files (their `skipped` Counter and `first` dict)."""
+
+    skipped: Counter
+    first: dict
+
+    def skip(self, reason: str, line: int) -> None:
+        self.skipped[reason] += 1
+        self.first.setdefault(reason, line)
+
+    def summary(self) -> str:
+        """'skipped 3 lines: 2 missing key (first line 4), 1 chosen == rejected (line 9)'."""
+        parts = [
+            f"{n} {why} ({'first line' if n > 1 else 'line'} {self.first[why]})"
+            for why, n in self.skipped.most_common()
+        ]
+        n = sum(self.skipped.values())
+        return f"skipped {n:,} line{'' if n == 1 else 's'}: {', '.join(parts)}"
+
+
 def count_reasons(counts: Counter) -> str:
     """'3 not valid JSON, 1 unknown role': skipped lines by reason, most frequent first."""
     return ", ".join(f"{n} {why}" for why, n in counts.most_common())

@@ -43,6 +43,7 @@ from toy.data.chat import (
     ROLES,
     ConversationError,
     Example,
+    SkipCounts,
     encode_example,
     json_lines,
     window_chars,
@@ -135,24 +136,12 @@ def parse_pair(obj: Any) -> tuple[Pair | None, str, str]:
 
 
 @dataclass
-class PairFile:
+class PairFile(SkipCounts):
     path: Path
     pairs: list[Pair] = field(default_factory=list)
     lines: list[int] = field(default_factory=list)
     skipped: Counter = field(default_factory=Counter)  # reason -> lines skipped for it
     first: dict = field(default_factory=dict)  # reason -> the first line skipped for it
-
-    def skip(self, reason: str, line: int) -> None:
-        self.skipped[reason] += 1
-        self.first.setdefault(reason, line)
-
-    def summary(self) -> str:
-        """'skipped 3 lines: 2 missing key (first line 4), 1 chosen == rejected (line 9)'."""
-        parts = [
-            f"{n} {why} ({'first line' if n > 1 else 'line'} {self.first[why]})"
-            for why, n in self.skipped.most_common()
-        ]
-        return f"skipped {plural(sum(self.skipped.values()), 'line')}: {', '.join(parts)}"
 
 
 def read_pairs(path: str | Path) -> PairFile:

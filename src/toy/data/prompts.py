@@ -32,9 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from toy.data.chat import ROLES, json_lines
+from toy.data.chat import ROLES, SkipCounts, json_lines
 from toy.errors import InputError
-from toy.runs import plural
 
 SCHEMA = (
     'each line must be a prompt: {"prompt": "...", ...} or {"prompt": [{"role": '
@@ -125,7 +124,7 @@ def parse_prompt(obj: Any, line: int = 0) -> tuple[Prompt | None, str, str]:
 
 
 @dataclass
-class PromptFile:
+class PromptFile(SkipCounts):
     path: Path
     prompts: list[Prompt] = field(default_factory=list)
     skipped: Counter = field(default_factory=Counter)  # reason -> lines skipped for it
@@ -138,18 +137,6 @@ class PromptFile:
     @property
     def conversational(self) -> bool | None:
         return self.prompts[0].conversational if self.prompts else None
-
-    def skip(self, reason: str, line: int) -> None:
-        self.skipped[reason] += 1
-        self.first.setdefault(reason, line)
-
-    def summary(self) -> str:
-        """'skipped 3 lines: 2 no prompt (first line 4), 1 empty prompt (line 9)'."""
-        parts = [
-            f"{n} {why} ({'first line' if n > 1 else 'line'} {self.first[why]})"
-            for why, n in self.skipped.most_common()
-        ]
-        return f"skipped {plural(sum(self.skipped.values()), 'line')}: {', '.join(parts)}"
 
 
 def read_prompts(path: str | Path, strict: bool = False) -> PromptFile:
