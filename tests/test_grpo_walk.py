@@ -20,7 +20,12 @@ from test_real_dirs import smol_dirs  # noqa: E402,F401
 
 NEW = 8
 STEPS = ["--steps", "3", "--num-generations", "4", "--max-completion-length", "24"]
-STEPS += ["--batch-size", "2", "--eval-batches", "2", "--lr", "5e-4"]
+# A high learning rate: three steps at the demo's 5e-4 moved the first token's logits by
+# ~0.1, and this base's first token for the held-out question is a near-tie ("To" 32.89
+# against "3" 32.81 in float32): toy and llama.cpp (Q8_1 activations) then parted on noise.
+# At 3e-3 the adapter's answer leads by 0.4-0.7 in both. The demo's learning is measured in
+# docs/results.md; this walk checks that every client answers with the same adapter.
+STEPS += ["--batch-size", "2", "--eval-batches", "2", "--lr", "3e-3"]
 
 
 def test_grpo_on_smollm2_and_every_client_answers_alike(smollm2_gguf, smol_dirs, tmp_path):

@@ -17,6 +17,7 @@ import model_dirs  # noqa: E402
 from gguf_fixtures import tiny_model, write_llama_gguf  # noqa: E402
 
 from toy.models import registry  # noqa: E402
+from toy.models import sample as sample_mod  # noqa: E402
 from toy.models.generate import generate  # noqa: E402
 from toy.models.sample import Completion, sample_group, sample_groups  # noqa: E402
 
@@ -103,11 +104,7 @@ def test_same_seed_same_completions_other_seed_others():
 
     first = groups(7)
     assert first == groups(7) and len(first) == 3 and all(len(g) == 4 for g in first)
-    # The first group drew first from the generator: it is sample_group's with that seed.
-    gen = torch.Generator().manual_seed(7)
-    assert [r.ids for r in sample_group(model, PROMPT, 4, 8, generator=gen, stop_ids=set())] == (
-        first[0]
-    )
+    assert first != groups(8)
 
 
 def test_a_row_that_samples_a_stop_ends_and_the_others_go_on():
@@ -141,16 +138,35 @@ def test_max_new_tokens_and_the_context_limit():
 
 
 def record_draws(monkeypatch) -> list[torch.Tensor]:
-    """The probabilities (R, V) of every torch.multinomial call from now on: what each
-    sampling step actually drew from."""
-    seen, real = [], torch.multinomial
+    """The probabilities (R, V) of every draw from now on, normalised as `draw` takes
+    them: what each sampling step actually drew from."""
+    seen, real = [], sample_mod.draw
 
-    def spy(probs, *args, **kw):
-        seen.append(probs.clone())
-        return real(probs, *args, **kw)
+    def spy(probs, generator):
+        seen.append(probs / probs.sum(-1, keepdim=True))
+        return real(probs, generator)
 
-    monkeypatch.setattr(torch, "multinomial", spy)
+    monkeypatch.setattr(sample_mod, "draw", spy)
     return seen
+
+
+def test_draw_follows_the_probabilities_and_never_takes_a_zero():
+    """Inverse-CDF draws: each id's share over many rows is its probability (within 4
+    standard errors), unnormalised rows are normalised, a zero-probability id never comes,
+    and the same generator seed gives the same ids."""
+    p = torch.tensor([0.1, 0.0, 0.45, 0.15, 0.3, 0.0]) * 7.0  # not normalised
+    rows = 200_000
+    ids = sample_mod.draw(p.expand(rows, -1), torch.Generator().manual_seed(0))
+    share = torch.bincount(ids, minlength=6).double() / rows
+    want = (p / p.sum()).double()
+    assert (share[want == 0] == 0).all()
+    assert ((share - want).abs() <= 4 * (want * (1 - want) / rows).sqrt() + 1e-12).all(), share
+    again = sample_mod.draw(p.expand(rows, -1), torch.Generator().manual_seed(0))
+    assert torch.equal(ids, again)
+    # A row whose mass sits on its last id, and one on its first: both drawn exactly.
+    edge = torch.tensor([[0.0, 0.0, 1.0], [1.0, 0.0, 0.0]]).repeat(500, 1)
+    got = sample_mod.draw(edge, torch.Generator().manual_seed(1))
+    assert got.tolist() == [2, 0] * 500
 
 
 def teacher_forced_gap(model, prompt, rows, drawn) -> float:
@@ -245,3 +261,72 @@ def test_under_autocast_the_rows_follow_the_callers_dtype():
     assert [r.ids for r in rows] == [want] * 2
     assert recorded[0].dtype == torch.bfloat16
     assert math.isfinite(float(recorded[-1].float().sum()))
+
+
+def family_model(name):
+    """The registry's tiny model of a family, weights large enough that its logits are far
+    from ties (Gemma's: soft-capped attention, local windows of 8 positions)."""
+    fam = registry.family(name)
+    torch.manual_seed(0)
+    model = fam.model(fam.config(**fam.tiny))
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.15)
+    return model.eval()
+
+
+# Lengths 6, 3, 11 and 1: the shorter prompts' rows are left-padded by up to 10 slots, more
+# than Gemma's local window of 8.
+PROMPTS = [PROMPT, [3, 1, 4], [2, 7, 1, 8, 2, 8, 1, 8, 2, 8, 4], [11]]
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma", "gpt2", "phi3"])
+def test_prompts_of_other_lengths_decode_as_one_batch(name, monkeypatch):
+    """Rows of prompts of different lengths share one batch (left-padded, each at its own
+    positions): greedy rows are each prompt's `generate`, and the probabilities every
+    sampled token was drawn from are a plain forward's over that prompt + completion, with
+    rows leaving the batch at their stops. The decode is one batch: one draw a step."""
+    model = family_model(name)
+    got = sample_groups(model, PROMPTS, 2, 10, temperature=0.0, generator=None, stop_ids=set())
+    assert [[r.ids for r in g] for g in got] == [[greedy(model, p, 10)] * 2 for p in PROMPTS]
+    drawn = record_draws(monkeypatch)
+    gen = torch.Generator().manual_seed(2)
+    stops = set(range(0, 96, 6))
+    got = sample_groups(model, PROMPTS, 3, 12, generator=gen, stop_ids=stops)
+    rows = [r for g in got for r in g]
+    assert any(r.stopped for r in rows) and len({len(r.ids) for r in rows}) > 1
+    assert len(drawn) == max(len(r.ids) for r in rows)  # one draw a step, every prompt in it
+    assert drawn[0].shape[0] == len(rows)
+    for j, (p, g) in enumerate(zip(PROMPTS, got)):
+        # Each step's rows: the ones with more than s tokens, in batch order.
+        for i, r in enumerate(g):
+            row = j * 3 + i
+            with torch.no_grad():
+                full = model(torch.tensor([p + r.ids[:-1]]))[0, len(p) - 1 :]  # capped
+            want = torch.log_softmax(full.float(), -1)[torch.arange(len(r.ids)), r.ids]
+            for s, tok in enumerate(r.ids):
+                at = [k for k, o in enumerate(rows) if len(o.ids) > s].index(row)
+                assert abs(float(drawn[s][at, tok].log() - want[s])) < 1e-4, (name, j, i, s)
+
+
+def test_batches_of_max_rows_and_each_rows_own_context():
+    """More rows than max_rows: whole groups a batch, the same greedy rows. A long prompt
+    stops at the context while a short one in the same batch goes on."""
+    model = family_model("llama")  # a context of 64 positions
+    want = [[greedy(model, p, 10)] * 4 for p in PROMPTS]
+    kw = {"temperature": 0.0, "generator": None, "stop_ids": set()}
+    for max_rows in (1, 8, 64):
+        got = sample_groups(model, PROMPTS, 4, 10, max_rows=max_rows, **kw)
+        assert [[r.ids for r in g] for g in got] == want
+    long = list(range(10, 70))  # 60 tokens: room for 4 more positions, and one last token
+    got = sample_groups(
+        model, [long, PROMPT], 2, 20, temperature=0.0, generator=None, stop_ids=set()
+    )
+    assert [r.ids for r in got[0]] == [greedy(model, long, 20)] * 2 and len(got[0][0].ids) == 5
+    assert [r.ids for r in got[1]] == [greedy(model, PROMPT, 20)] * 2 and len(got[1][0].ids) == 20
+    # Sampled rows: the same seed, the same rows.
+    gen = lambda: torch.Generator().manual_seed(3)  # noqa: E731
+    a = sample_groups(model, PROMPTS, 4, 8, generator=gen(), stop_ids=set())
+    b = sample_groups(model, PROMPTS, 4, 8, generator=gen(), stop_ids=set())
+    assert [[r.ids for r in g] for g in a] == [[r.ids for r in g] for g in b]

@@ -816,6 +816,8 @@ class _StepForward:
         if at is None:
             return self.eager(*args)
         cache, layer = leaves[at], leaves[at + 1]  # every family passes (..., cache, layer)
+        if cache.pad is not None:  # rows at their own positions: the step knows only one
+            return self.eager(*args)
         span = _span(cache.pos, cache.max_len)
         if self.state is None:
             self.state = dict(self.block.named_parameters())

@@ -167,7 +167,8 @@ class Gemma(nn.Module):
         x = self.embed_tokens(idx)  # (B, T, C)
         # sqrt(d_model) rounded to the activations' dtype first, as HF and llama.cpp do.
         x = x * torch.tensor(math.sqrt(self.cfg.d_model), dtype=x.dtype)
-        ropes = (self.rotary.tables(start, T), self.rotary_local.tables(start, T))
+        pad = cache and cache.pad
+        ropes = (self.rotary.tables(start, T, pad), self.rotary_local.tables(start, T, pad))
         for i, block in enumerate(self.layers):
             x = run_block(block, x, ropes, cache, i, checkpointing=self.checkpointing)
         if cache is not None:

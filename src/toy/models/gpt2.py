@@ -129,13 +129,16 @@ class GPT2(nn.Module):
         0..T-1 or continuing from the cache."""
         B, T = idx.shape
         start = cache.pos if cache is not None else 0
-        if start + T > self.cfg.max_seq_len:  # known on the host: no device sync
+        pad = cache.pad if cache is not None else None
+        if start + T - (0 if pad is None else int(pad.min())) > self.cfg.max_seq_len:
             # Learned positions stop at max_seq_len: unlike rotary there is nothing to extrapolate.
             raise ValueError(
                 f"position {start + T - 1} is past the model's context {self.cfg.max_seq_len}"
             )
         pos = torch.arange(start, start + T, device=idx.device)  # (T,)
-        x = self.wte(idx) + self.wpe(pos)  # (B, T, C) + (T, C)
+        if pad is not None:  # rows at their own positions
+            pos = (pos - pad[:, None]).clamp_(min=0)  # (B, T)
+        x = self.wte(idx) + self.wpe(pos)  # (B, T, C) + (T, C) or (B, T, C)
         for i, block in enumerate(self.h):
             x = run_block(block, x, cache, i, checkpointing=self.checkpointing)
         if cache is not None:

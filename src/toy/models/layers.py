@@ -67,15 +67,21 @@ class Rotary(nn.Module):
         self.register_buffer("cos", emb.cos().float(), persistent=False)
         self.register_buffer("sin", emb.sin().float(), persistent=False)
 
-    def tables(self, start: int, T: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def tables(
+        self, start: int, T: int, pad: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin (T, D) for positions start..start+T-1, computed once per forward and
         shared by every layer; the table grows when a sequence runs past it (no host sync:
-        the bound is known on the host)."""
+        the bound is known on the host). `pad` (B,), a left-padded cache's (KVCache.pad):
+        row b's positions are start - pad[b] onwards, the tables (B, 1, T, D)."""
         if start + T > self.cos.shape[0]:
             device = self.cos.device
             self._build(start + T)
             self.cos, self.sin = self.cos.to(device), self.sin.to(device)
         cos, sin = self.cos[start : start + T], self.sin[start : start + T]  # (T, D)
+        if pad is not None:  # rows at their own positions: (B, 1, T, D), gathered
+            pos = (torch.arange(start, start + T, device=pad.device) - pad[:, None]).clamp_(min=0)
+            cos, sin = self.cos[pos].unsqueeze(1), self.sin[pos].unsqueeze(1)
         dt = compute_dtype(cos)  # bf16 under autocast: cast once here, not per layer
         return cos.to(dt), sin.to(dt)
 
@@ -130,6 +136,10 @@ class KVCache:
         self.v = [self._new(max_len, device, dtype) for _ in range(n_layer)]
         self.pos = 0  # tokens already stored
         self.max_len = max_len  # positions allocated
+        # Left padding, (batch,) or None: row b's first pad[b] slots are empty, never
+        # attended to, and the token in slot j sits at position j - pad[b]. Rows of prompts
+        # of different lengths decode as one batch this way (models/sample.py).
+        self.pad: torch.Tensor | None = None
 
     def _new(self, n: int, device, dtype) -> torch.Tensor:
         b, h, d = self._shape
@@ -227,13 +237,14 @@ def attend(
         cache, StepKV
     ):  # a compiled decode step: the position is a tensor, the keys a fixed span
         k, v = cache.update(layer, k, v)
-        qpos = cache.pos.view(1, 1)
+        qpos, pad = cache.pos.view(1, 1), None
     else:
         past = cache.pos if cache is not None else 0
+        pad = cache.pad if cache is not None else None
         if cache is not None:
             k, v = cache.update(layer, k, v)  # (B, K, past+T, D)
         S = past + T  # keys
-        if (past == 0 or T == 1) and not softcap and (window <= 0 or S <= window):
+        if pad is None and (past == 0 or T == 1) and not softcap and (window <= 0 or S <= window):
             # Every key is seen: a whole prompt causally, or one new token (a decode step) all
             # of them.
             if T == 1 and q.device.type == "cpu":
@@ -258,6 +269,14 @@ def attend(
     m = kpos <= qpos  # (T, S)
     if window > 0:
         m = m & (kpos > qpos - window)
+    if pad is not None:  # no row sees its empty slots
+        m = m & (kpos >= pad[:, None])[:, None, None, :]  # (B, 1, T, S)
+        if T == 1 and not softcap and q.device.type == "cpu":
+            with serial(), torch.autocast("cpu", enabled=False):  # as the unpadded step above
+                o = F.scaled_dot_product_attention(
+                    q.float(), k.float(), v.float(), attn_mask=m, enable_gqa=gqa, scale=scale
+                )
+            return o.to(q.dtype)
     if softcap:
         if gqa:
             k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)

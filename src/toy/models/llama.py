@@ -131,7 +131,7 @@ class Llama(nn.Module):
         B, T = idx.shape
         start = cache.pos if cache is not None else 0
         x = self.embed_tokens(idx)  # (B, T, C)
-        rope = self.rotary.tables(start, T)  # once for every layer
+        rope = self.rotary.tables(start, T, cache and cache.pad)  # once for every layer
         for i, block in enumerate(self.layers):
             x = run_block(block, x, rope, cache, i, checkpointing=self.checkpointing)
         if cache is not None:

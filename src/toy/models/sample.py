@@ -1,26 +1,29 @@
-"""Batched sampling for on-policy recipes (GRPO): n completions of one prompt at once.
+"""Batched sampling for on-policy recipes (GRPO): n completions of each prompt at once.
 
     gen = torch.Generator(device=model_device).manual_seed(seed)
     groups = sample_groups(model, prompts, n=8, max_new_tokens=128, generator=gen,
                            stop_ids={eos})
 
-The prompt is prefilled once (batch 1, a KV cache of prompt + max_new_tokens positions, at
-most the model's context), its keys/values are copied to n rows, and the n rows decode as
-one batch, one token per forward, the head on the last position only (the logits
-capped as `generate.next_logits` caps them). A row that samples a stop id is dropped from
-the batch (its cache rows too), so later steps compute only the rows still going. The
-model runs as it is: a LoRA adapter applied unmerged (base + scale * B(A x)), on a float
-or a quantized base, under the caller's autocast if one is on (no dtype is forced).
+Every prompt's n rows decode as one batch (up to `max_rows` rows), one token per forward,
+the head on the last position only (the logits capped as `generate.next_logits` caps
+them). Each prompt is prefilled once (batch 1, at its own positions) and its keys/values
+copied to its n rows, right-aligned: the prompts end at the same slot, a shorter one's
+rows left-padded (`KVCache.pad`: those slots are never attended to, and each row's
+rotary positions count from its own first token), so rows of prompts of any lengths share
+every decode step. A row that samples a stop id is dropped from the batch (its cache rows
+too), so later steps compute only the rows still going. The model runs as it is: a LoRA
+adapter applied unmerged (base + scale * B(A x)), on a float or a quantized base, under
+the caller's autocast if one is on (no dtype is forced).
 
 Sampling per row follows `generate.sample_next` (temperature, then top-k, then top-p),
 vectorised over the rows; temperature <= 0 is greedy (argmax, no draw).
 
 Determinism: every draw comes from the `generator` given (on the logits' device), none
 from torch's global RNG (the model runs in eval mode while sampling, so dropout draws
-nothing). Each decode step makes exactly one draw call: `torch.multinomial` over the
-live rows' probabilities (R, V), rows in their original order minus the dropped ones;
-its single-sample path draws R x V exponentials, row-major. Steps run in order, groups
-(`sample_groups`) in the order of the prompts. So the completions are a pure function of
+nothing). Each decode step makes exactly one draw call (`draw`: one float64 uniform a
+row, against the live rows' probabilities (R, V), rows in their original order minus the
+dropped ones). Steps run in order, batches
+in the order of the prompts. So the completions are a pure function of
 the seed, the model, the prompts, n and the sampling options (on one torch build and
 device): the same seed gives the same ids, byte for byte.
 """
@@ -63,8 +66,20 @@ def pick(
         # Keep each row's smallest prefix whose mass reaches top_p (at least one token).
         sorted_p = sorted_p.masked_fill(sorted_p.cumsum(-1) - sorted_p > top_p, 0.0)
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
-        probs = probs / probs.sum(-1, keepdim=True)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return draw(probs, generator)
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One id per row of probs (R, V), each with its row's probability (normalised here):
+    inverse-CDF sampling, one uniform a row against the row's running sum (in float64, so
+    49k small probabilities add up without loss). torch.multinomial draws R x V exponentials
+    instead: 24 ms a step for 32 rows of SmolLM2's 49,152 ids, a third of a batched decode
+    step on a 2-core Zen 4, against 0.8 ms here. A zero-probability id is never drawn (the
+    running sum does not rise there), but at float64's last bit."""
+    cdf = probs.double().cumsum(-1)  # (R, V)
+    u = torch.rand(probs.shape[0], 1, generator=generator, dtype=torch.float64, device=probs.device)
+    ids = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(-1)
+    return ids.clamp_(max=probs.shape[-1] - 1)
 
 
 def last_logits(model: nn.Module, ids: torch.Tensor, cache) -> torch.Tensor:
@@ -81,6 +96,23 @@ def _keep_rows(cache, rows: torch.Tensor) -> None:
     for store in (cache.k, cache.v):
         for i, t in enumerate(store):
             store[i] = t.index_select(0, rows)
+    if cache.pad is not None:
+        cache.pad = cache.pad.index_select(0, rows)
+
+
+def _check(model, prompts, n, max_new_tokens, temperature, generator) -> int:
+    """The model's context, after refusing what cannot be sampled."""
+    if n < 1 or max_new_tokens < 1:
+        raise ValueError(f"n and max_new_tokens must be >= 1, got {n} and {max_new_tokens}")
+    if temperature > 0 and generator is None:
+        raise ValueError("sampling at temperature > 0 needs a generator (seeded by the caller)")
+    limit = getattr(model.cfg, "max_seq_len", 2048)  # the model's context
+    for p in prompts:
+        if not p:
+            raise ValueError("empty prompt")
+        if len(p) > limit:
+            raise ValueError(f"the prompt's {len(p)} tokens exceed the model's context of {limit}")
+    return limit
 
 
 def sample_group(
@@ -97,71 +129,17 @@ def sample_group(
 ) -> list[Completion]:
     """n completions of one prompt, decoded as one batch (module docstring). `generator`
     (on the model's device) may be None only when greedy (temperature <= 0)."""
-    if not prompt_ids:
-        raise ValueError("empty prompt")
-    if n < 1 or max_new_tokens < 1:
-        raise ValueError(f"n and max_new_tokens must be >= 1, got {n} and {max_new_tokens}")
-    if temperature > 0 and generator is None:
-        raise ValueError("sampling at temperature > 0 needs a generator (seeded by the caller)")
-    limit = getattr(model.cfg, "max_seq_len", 2048)  # the model's context
-    if len(prompt_ids) > limit:
-        raise ValueError(
-            f"the prompt's {len(prompt_ids)} tokens exceed the model's context of {limit}"
-        )
-    was_training = model.training
-    model.eval()  # no dropout: its draws would come from torch's global RNG, not `generator`
-    try:
-        with torch.no_grad():
-            return _decode(
-                model,
-                prompt_ids,
-                n,
-                max_new_tokens,
-                limit,
-                (temperature, top_k, top_p),
-                generator,
-                stop_ids,
-            )
-    finally:
-        model.train(was_training)
-
-
-def _decode(model, prompt_ids, n, max_new_tokens, limit, opts, generator, stop_ids):
-    device = next(model.parameters()).device
-    size = min(limit, len(prompt_ids) + max_new_tokens)
-    one = model.new_cache(1, size)
-    logits = last_logits(model, torch.tensor([prompt_ids], device=device), one)  # (1, V)
-    # The prompt's keys/values copied to n rows; the first token of each row is drawn from
-    # the one prefill's logits.
-    cache = model.new_cache(n, size)
-    for new, old in ((cache.k, one.k), (cache.v, one.v)):
-        for dst, src in zip(new, old):
-            dst[:, :, : one.pos] = src[:, :, : one.pos]
-    cache.pos = one.pos
-    del one
-    logits = logits.expand(n, -1)
-    out: list[list[int]] = [[] for _ in range(n)]
-    live = list(range(n))  # the rows of `out` still in the batch, in batch order
-    done = [False] * n
-    for step in range(max_new_tokens):
-        nxt = pick(logits, *opts, generator)  # (R,)
-        toks = nxt.tolist()  # the one transfer to the host a step
-        flags = [t in stop_ids for t in toks]
-        for row, t, f in zip(live, toks, flags):
-            out[row].append(t)
-            done[row] = f
-        if step + 1 == max_new_tokens or cache.pos >= limit:
-            break  # every row cut here: at max_new_tokens, or the context full (as generate)
-        if any(flags):
-            keep = [i for i, f in enumerate(flags) if not f]
-            if not keep:
-                break
-            rows = torch.tensor(keep, device=device)
-            _keep_rows(cache, rows)
-            nxt = nxt.index_select(0, rows)
-            live = [live[i] for i in keep]
-        logits = last_logits(model, nxt.view(-1, 1), cache)
-    return [Completion(ids, stopped) for ids, stopped in zip(out, done)]
+    return sample_groups(
+        model,
+        [prompt_ids],
+        n,
+        max_new_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        generator=generator,
+        stop_ids=stop_ids,
+    )[0]
 
 
 def sample_groups(
@@ -175,20 +153,80 @@ def sample_groups(
     top_k: int = 0,
     generator: torch.Generator | None,
     stop_ids: set[int],
+    max_rows: int = 64,
 ) -> list[list[Completion]]:
-    """sample_group for each prompt in order, all drawing from the one generator: a step's
-    completions are a pure function of the seed."""
-    return [
-        sample_group(
-            model,
-            p,
-            n,
-            max_new_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
-            generator=generator,
-            stop_ids=stop_ids,
-        )
-        for p in prompts
-    ]
+    """n completions of each prompt, in the prompts' order: the prompts' groups decoded
+    together, as few batches of at most `max_rows` rows as whole groups allow (a group
+    larger than max_rows is one batch), the batches in order and all drawing from the one
+    generator: a step's completions are a pure function of the seed."""
+    limit = _check(model, prompts, n, max_new_tokens, temperature, generator)
+    per = max(1, max_rows // n)  # prompts a batch
+    was_training = model.training
+    model.eval()  # no dropout: its draws would come from torch's global RNG, not `generator`
+    out: list[list[Completion]] = []
+    try:
+        with torch.no_grad():
+            for i in range(0, len(prompts), per):
+                rows = _decode(
+                    model,
+                    prompts[i : i + per],
+                    n,
+                    max_new_tokens,
+                    limit,
+                    (temperature, top_k, top_p),
+                    generator,
+                    stop_ids,
+                )
+                out += [rows[j : j + n] for j in range(0, len(rows), n)]
+    finally:
+        model.train(was_training)
+    return out
+
+
+def _decode(model, prompts, n, max_new_tokens, limit, opts, generator, stop_ids):
+    """len(prompts) * n completions, prompt by prompt, as one batch."""
+    device = next(model.parameters()).device
+    width = max(len(p) for p in prompts)  # the prompts end together, at slot `width`
+    size = width + max_new_tokens
+    cache = model.new_cache(len(prompts) * n, size)
+    pad = [width - len(p) for p in prompts for _ in range(n)]
+    firsts = []
+    for j, p in enumerate(prompts):
+        # Each prompt prefilled alone (batch 1, at positions 0..), its keys/values copied
+        # right-aligned to its n rows; the first token of each row is drawn from the one
+        # prefill's logits.
+        one = model.new_cache(1, len(p))
+        firsts.append(last_logits(model, torch.tensor([p], device=device), one).expand(n, -1))
+        rows = slice(j * n, (j + 1) * n)
+        for new, old in ((cache.k, one.k), (cache.v, one.v)):
+            for dst, src in zip(new, old):
+                dst[rows, :, width - len(p) : width] = src[:, :, : len(p)]
+        del one
+    cache.pos = width
+    if any(pad):
+        cache.pad = torch.tensor(pad, device=device)
+    logits = torch.cat(firsts) if len(firsts) > 1 else firsts[0]
+    # A row stops at its stop id, at max_new_tokens, or where the next position would pass
+    # the model's context (as generate: a prompt of L tokens gets limit - L + 1 at most).
+    cap = [min(max_new_tokens, limit - len(p) + 1) for p in prompts for _ in range(n)]
+    out: list[list[int]] = [[] for _ in cap]
+    live = list(range(len(cap)))  # the rows of `out` still in the batch, in batch order
+    done = [False] * len(cap)
+    while True:
+        nxt = pick(logits, *opts, generator)  # (R,)
+        toks = nxt.tolist()  # the one transfer to the host a step
+        ends = []
+        for row, t in zip(live, toks):
+            out[row].append(t)
+            done[row] = t in stop_ids
+            ends.append(done[row] or len(out[row]) == cap[row])
+        if any(ends):
+            keep = [i for i, e in enumerate(ends) if not e]
+            if not keep:
+                break
+            rows = torch.tensor(keep, device=device)
+            _keep_rows(cache, rows)
+            nxt = nxt.index_select(0, rows)
+            live = [live[i] for i in keep]
+        logits = last_logits(model, nxt.view(-1, 1), cache)
+    return [Completion(ids, stopped) for ids, stopped in zip(out, done)]
