@@ -64,10 +64,12 @@ def add_parser(sub) -> None:
     )
     p.add_argument(
         "--adapter",
-        metavar="DIR",
+        metavar="PATH",
         help="a LoRA adapter to apply on --model (not with --run): a PEFT adapter directory, a "
-        "lora run directory (its final/ is used), or a LoRA adapter GGUF (llama.cpp's --lora "
-        "layout, as `toy export --format gguf-lora` writes) (default: none)",
+        "lora run directory (its final/ is used), an mlx-lm adapter directory "
+        "(adapters.safetensors + adapter_config.json, as `toy export --format mlx` writes) or its "
+        ".safetensors file, or a LoRA adapter GGUF (llama.cpp's --lora layout, as `toy export "
+        "--format gguf-lora` writes) (default: none)",
     )
     p.add_argument(
         "--prompt",
@@ -462,27 +464,46 @@ def _refuse_image_classifier(d: Path, run: str) -> None:
         )
 
 
+# What --adapter takes, named wherever a path is refused.
+ADAPTER_FORMS = (
+    "a PEFT adapter directory, an mlx-lm adapter directory or its .safetensors file "
+    "(adapter_config.json beside it), a lora run directory, or a LoRA adapter GGUF"
+)
+
+
 def _adapter_path(arg: str) -> Path:
-    """--adapter: a LoRA adapter GGUF as it is; a directory (a PEFT adapter, a run) as
-    final_dir finds it."""
+    """--adapter: a directory (a PEFT or mlx-lm adapter, a run) as final_dir finds it; a file
+    as it is: a LoRA adapter GGUF, or an mlx-lm adapter's weights beside their
+    adapter_config.json (`toy train --output DIR/NAME.safetensors` writes them so). A PEFT
+    adapter's weights file stands for its directory. Anything else: one line naming the forms."""
     p = Path(arg)
-    if p.is_file():
+    if not p.exists():
+        raise InputError(
+            f"--adapter {p}: no such run or adapter directory or file; pass {ADAPTER_FORMS}"
+        )
+    if p.is_dir():
+        d = final_dir(arg, "--adapter")
+        if not (d / "adapter_config.json").is_file():
+            raise InputError(
+                f"--adapter {d}: no adapter_config.json, not an adapter; pass {ADAPTER_FORMS}"
+            )
+        return d
+    if not p.is_file():
+        raise InputError(f"--adapter {p}: not a file or directory; pass {ADAPTER_FORMS}")
+    with open(p, "rb") as fh:
+        magic = fh.read(4)
+    if magic == b"GGUF":
         from toy.formats.gguf_header import read_gguf_header
 
-        with open(p, "rb") as fh:
-            magic = fh.read(4)
-        if magic != b"GGUF":
-            raise InputError(
-                f"--adapter {p}: neither a GGUF file nor a directory; pass a PEFT adapter "
-                "directory, a lora run directory or a LoRA adapter GGUF"
-            )
         if read_gguf_header(p).metadata.get("general.type") != "adapter":
             raise InputError(
                 f"--adapter {p}: is a model GGUF, not a LoRA adapter; pass it as --model, or "
                 "give --adapter an adapter (`toy export --format gguf-lora` writes one)"
             )
         return p
-    return final_dir(arg, "--adapter")
+    if p.suffix == ".safetensors" and (p.parent / "adapter_config.json").is_file():
+        return p.parent if p.name == "adapter_model.safetensors" else p
+    raise InputError(f"--adapter {p}: not a LoRA adapter; pass {ADAPTER_FORMS}")
 
 
 def _gguf_adapter(path: Path, base, model_path: Path):
@@ -507,6 +528,24 @@ def _gguf_adapter(path: Path, base, model_path: Path):
     return ad.lora_sd, {"r": ad.rank, "lora_alpha": ad.alpha}
 
 
+def _read_adapter(path: Path, base, model_path: Path):
+    """(lora_sd, {"r", "lora_alpha"}) of --adapter as _adapter_path found it: a LoRA adapter
+    GGUF, an mlx-lm adapter (its directory or weights file: adapters.safetensors, as
+    `mlx_lm.generate --adapter-path` and `toy describe` read it) or a PEFT adapter directory."""
+    from toy.formats import mlx_adapter
+    from toy.formats.peft import load_peft_adapter
+
+    if path.is_file():
+        with open(path, "rb") as fh:
+            gguf = fh.read(4) == b"GGUF"
+        if gguf:
+            return _gguf_adapter(path, base, model_path)
+        return mlx_adapter.load_mlx_adapter(path.parent, weights_name=path.name)
+    if (path / mlx_adapter.WEIGHTS_NAME).is_file():
+        return mlx_adapter.load_mlx_adapter(path)
+    return load_peft_adapter(path)
+
+
 def load_base_lm(
     model_path: Path,
     adapter: Path | None,
@@ -526,7 +565,6 @@ def load_base_lm(
     from toy.data.chat import resolve_chat_template
     from toy.formats import base_readers, packed_cache
     from toy.formats.base_readers import read_base
-    from toy.formats.peft import load_peft_adapter
     from toy.lora import apply_lora, load_lora_state_dict, merge_lora
     from toy.models import decode
     from toy.models.layers import kv_cache_bytes
@@ -611,11 +649,7 @@ def load_base_lm(
     base = base_readers.held_as(probe, model_path, dtype)
     model = base.build_model(device)
     if adapter is not None:
-        sd, acfg = (
-            _gguf_adapter(adapter, probe, model_path)
-            if adapter.is_file()
-            else load_peft_adapter(adapter)
-        )
+        sd, acfg = _read_adapter(adapter, probe, model_path)
         # The adapter's own tensors say which projections it adapts (target_modules may be a regex).
         targets = sorted({k.rsplit(".", 2)[-2] for k in sd})
         apply_lora(model, targets, int(acfg["r"]), float(acfg["lora_alpha"]), 0.0, seed=0)

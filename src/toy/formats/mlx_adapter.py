@@ -92,25 +92,48 @@ def save_mlx_adapter(
 
 
 def load_mlx_adapter(
-    d: Path, prefix: str = PREFIX
+    d: Path, prefix: str | None = None, weights_name: str = WEIGHTS_NAME
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """An mlx-lm adapter as toy-named tensors and its config (rank, alpha = scale * rank)."""
-    cfg_path, w_path = d / CONFIG_NAME, d / WEIGHTS_NAME
+    """An mlx-lm adapter (directory `d`: `weights_name` + adapter_config.json) as toy-named
+    tensors and its config (rank, alpha = scale * rank): save_mlx_adapter inverted. `prefix`
+    None: the one its tensors carry (what precedes `layers.`: `model.`, or a multimodal
+    Gemma 3's `language_model.model.`), the same for all of them. Checked as PEFT adapters
+    are: LoRA only, every module with both matrices of the config's rank."""
+    cfg_path, w_path = d / CONFIG_NAME, d / weights_name
     try:
         config = json.loads(cfg_path.read_text())
         params = config["lora_parameters"]
         rank, scale = int(params["rank"]), float(params["scale"])
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise InputError(f"{cfg_path}: not an mlx-lm LoRA adapter config ({e})")
+    tune = config.get("fine_tune_type", "lora")
+    if tune != "lora" or rank < 1:
+        what = f"rank {rank}" if tune == "lora" else f"fine_tune_type {tune!r}"
+        raise InputError(f"{cfg_path}: {what}; toy reads LoRA adapters of rank >= 1 only")
     try:
         with safe_open(str(w_path), framework="pt") as f:
             raw = {k: f.get_tensor(k) for k in f.keys()}
     except (SafetensorError, OSError) as e:
         raise InputError(f"{w_path}: not a readable safetensors file ({str(e).splitlines()[0]})")
+    if not raw:
+        raise InputError(f"{w_path}: no tensors")
+    if prefix is None:
+        first = min(raw)
+        prefix = first[: first.find("layers.")] if "layers." in first else PREFIX
     sd = {}
     for k, t in raw.items():
         if not k.startswith(prefix) or not k.endswith((".lora_a", ".lora_b")):
             raise InputError(f"{w_path}: {k!r} is not an mlx-lm LoRA tensor under {prefix!r}")
         module, _, kind = k[len(prefix) :].rpartition(".")
         sd[f"{module}.{'lora_A' if kind == 'lora_a' else 'lora_B'}"] = t.float().T.contiguous()
+    # mlx-lm's a (in, r) and b (r, out), read back as A (r, in) and B (out, r).
+    for m in sorted({k.rpartition(".")[0] for k in sd}):
+        a, b = sd.get(m + ".lora_A"), sd.get(m + ".lora_B")
+        if a is None or b is None or a.dim() != 2 or b.dim() != 2:
+            raise InputError(f"{w_path}: {prefix}{m} needs a 2-D lora_a and lora_b")
+        if a.shape[0] != rank or b.shape[1] != rank:
+            raise InputError(
+                f"{w_path}: {prefix}{m}: lora_a {tuple(a.T.shape)}, lora_b {tuple(b.T.shape)} "
+                f"do not match the rank {rank} of {cfg_path}"
+            )
     return sd, {"r": rank, "lora_alpha": scale * rank, "num_layers": config.get("num_layers")}
