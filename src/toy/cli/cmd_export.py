@@ -54,7 +54,8 @@ def add_parser(sub) -> None:
         "smallest file, but lossy: a 4-bit base rounds most of a LoRA update away and llama.cpp "
         "then answers much as the base model does (the export notes how much of the update it "
         "kept). A merged MLX or transformers directory takes keep (the default: "
-        "MLX's adapted linears unquantized in float16, as mlx_lm.fuse --dequantize; a "
+        "MLX's adapted linears unquantized, in float16, or float32 where the base's scales are "
+        "float32 (as `toy fetch --as mlx` writes them), as mlx_lm.fuse --dequantize; a "
         "half-precision transformers base's in float32) or base (re-quantized as mlx_lm.fuse "
         "does, or the base's dtype: lossy)",
     )
@@ -273,7 +274,8 @@ def run(args) -> int:
     r = _Run(args.run)
     dtype = _check_request(r, args)
     if args.format == "peft":
-        return _report(args, r, _export_peft(r, args), "")
+        out, notes = _export_peft(r, args)
+        return _report(args, r, out, "", notes)
     if args.format in ("mlx", "transformers"):
         if args.merge:
             return _report_merged_dir(args, r, _export_merged_dir(r, args, dtype), dtype)
@@ -429,7 +431,7 @@ def _export_merged(r: _Run, args, dtype: str):
     return rep
 
 
-def _export_peft(r: _Run, args) -> Path:
+def _export_peft(r: _Run, args) -> tuple[Path, list[str]]:
     from toy.formats.checkpoint import atomic_dir
 
     _, config = _load_adapter(r)  # validates the adapter: config, keys, shapes
@@ -438,18 +440,61 @@ def _export_peft(r: _Run, args) -> Path:
     base = Path(named) if isinstance(named, str) and named and Path(named).exists() else None
     out = Path(args.out) if args.out else r.dir / "export" / f"{r.name}-peft"
     _claim(r, args, out, base, marker="adapter_config.json")
+    recorded = config.get("base_model_name_or_path")
+    twin, notes = _peft_base(r, recorded) if isinstance(recorded, str) else (None, [])
     out.parent.mkdir(parents=True, exist_ok=True)
     # final/ of a LoRA run already is a PEFT directory (save_peft_adapter wrote it): copy it.
     with atomic_dir(out) as d:
-        for name in (
-            "adapter_config.json",
-            "adapter_model.safetensors",
-            "tokenizer.json",
-            "README.md",
-        ):
+        for name in ("adapter_model.safetensors", "tokenizer.json", "README.md"):
             if (r.final / name).is_file():
                 shutil.copyfile(r.final / name, d / name)
-    return out
+        if twin is None:
+            shutil.copyfile(r.final / "adapter_config.json", d / "adapter_config.json")
+        else:
+            config = {**config, "base_model_name_or_path": str(twin)}
+            (d / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return out, notes
+
+
+def _peft_base(r: _Run, recorded: str) -> tuple[Path | None, list[str]]:
+    """For a run on a GGUF base, which PEFT (transformers) cannot load: the transformers
+    directory `toy fetch NAME --as transformers` made of that same file, where the GGUF is a
+    model toy fetches (known by its sha256) and the directory is made: the link
+    fetch puts in the run's project's data/ (or beside the GGUF), else the made directory in
+    toy's cache it points at. Else None and a note on how to get one. Nothing for a
+    directory base."""
+    from toy.cli.cmd_fetch import MANIFEST, MODELS, cache_dir
+    from toy.data.prep import cache_dir as toy_cache
+    from toy.runs import file_digest, find_project
+
+    gguf = Path(recorded)
+    if gguf.is_dir() or not (gguf.is_file() or gguf.suffix.lower() == ".gguf"):
+        return None, []
+    # The run hashed its base when it began (the digest cache base_fingerprint keeps): a stat.
+    sha = file_digest(gguf, toy_cache() / "digests.json") if gguf.is_file() else ""
+    known = next((m for m in MODELS.values() if m.sha256 == sha and "transformers" in m.dirs), None)
+    if known is None:
+        return None, [
+            f"PEFT cannot load the GGUF base {gguf} that base_model_name_or_path names: point it "
+            "at a transformers directory of the same weights (or load the base yourself: "
+            f"AutoModelForCausalLM.from_pretrained(DIR, gguf_file={gguf.name!r}))"
+        ]
+    made = cache_dir() / f"{known.name}-{known.sha256[:12]}-transformers"
+    if (made / MANIFEST).is_file():  # written last: the directory is whole
+        # The recorded GGUF is the resolved file (fetch's link into data/ points into the
+        # cache), so data/'s own link is looked for in the run's project first.
+        link = f"{Path(known.target).stem}-transformers"
+        data = find_project(r.dir.resolve()).data_dir
+        links = [d / link for d in (data, gguf.parent) if d is not None]
+        twin = next((d for d in links if d.is_dir() and d.resolve() == made.resolve()), made)
+        return twin, [
+            f"base_model_name_or_path: {twin}, the transformers directory of the GGUF base "
+            f"{gguf.name} (the same weights, which PEFT loads; a GGUF it cannot)"
+        ]
+    return None, [
+        f"PEFT cannot load the GGUF base {gguf} that base_model_name_or_path names: run `toy "
+        f"fetch {known.name} --as transformers` (its transformers directory) and export again"
+    ]
 
 
 def _report_merged_dir(args, r: _Run, rep, dtype: str) -> int:
@@ -479,7 +524,7 @@ def _report_merged_dir(args, r: _Run, rep, dtype: str) -> int:
     return 0
 
 
-def _report(args, r: _Run, rep, dtype: str) -> int:
+def _report(args, r: _Run, rep, dtype: str, notes: list[str] | None = None) -> int:
     from toy.train.device import AMX_LLAMACPP_NOTE, cpu_has_amx
 
     if isinstance(rep, Path):  # a directory: peft, mlx, a merged directory
@@ -495,6 +540,7 @@ def _report(args, r: _Run, rep, dtype: str) -> int:
                         "export_format": args.format,
                         "path": str(rep),
                         "files": files,
+                        "notes": notes or [],
                     }
                 )
             )
@@ -503,6 +549,8 @@ def _report(args, r: _Run, rep, dtype: str) -> int:
             print(f"wrote {rep}/ ({what}: {', '.join(files)})")
             if args.format == "mlx" and not args.merge:
                 print(f"  load it with mlx_lm.generate --model MLX_BASE --adapter-path {rep}")
+            for note in notes or []:
+                print(f"  {note}")
         return 0
     size = rep.path.stat().st_size
     if cpu_has_amx():  # a GGUF goes to llama.cpp, which crashes on AMX unless told otherwise

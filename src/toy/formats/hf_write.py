@@ -7,9 +7,10 @@
 How the adapted linears are written (`dtype`), as the GGUF merge does (gguf_write.py):
 - "keep" (the default): at a width that holds the update. A LoRA update is about 1e-3 of a
   weight: bfloat16 (8 bits of mantissa) rounds most of it away, and a 4-bit (even an 8-bit)
-  re-quantization all of it; float16 keeps it to a few percent. So MLX: float16 (float32 on a
-  float32 base), unquantized, as mlx_lm.fuse --dequantize does for the whole model (mlx-lm
-  leaves a module without `scales` unquantized; config.json's quantization marks it false);
+  re-quantization all of it; float16 keeps it to a few percent. So MLX: unquantized, in
+  float16, or in float32 where the module's scales are float32 (a float32 base, as `toy fetch
+  --as mlx` writes; mlx_lm.fuse --dequantize, too, writes the scales' dtype); mlx-lm leaves a
+  module without `scales` unquantized and config.json's quantization marks it false;
   transformers: float32 where the base is half precision, with config.json's dtype float32 so
   that transformers does not round them back to the base's dtype when it loads them.
 - "base": in the base's own form: its dtype; MLX re-quantized to the base's bits and group
@@ -128,6 +129,7 @@ def merge_into_dir(
     written: Counter = Counter()
     widened: list[str] = []  # MLX modules written unquantized
     widened_dtype = False  # transformers: half-precision linears written in float32
+    keep_width = "float16"  # MLX: the dtype --dtype keep writes the adapted linears in
     with atomic_dir(out) as tmp:
         for src in base.path.iterdir():  # config, tokenizer, template, index, README: as they are
             if src.is_file() and not (
@@ -154,6 +156,9 @@ def merge_into_dir(
                             "files; toy merges only modules kept in one file"
                         )
                     scales = tensors[module + ".scales"]
+                    # keep's width: float16 holds the update; a float32 base's own is float32.
+                    wide = torch.float32 if scales.dtype == torch.float32 else torch.float16
+                    keep_width = str(wide).removeprefix("torch.")
                     w = mlx_quant.dequantize(
                         tensors[name], scales, tensors[module + ".biases"], group, bits
                     )
@@ -167,12 +172,11 @@ def merge_into_dir(
                         v = mlx_quant.dequantize(wq, s, b, group, bits)
                         written[f"{bits}-bit"] += 1
                     else:  # unquantized, at a width that holds the update
-                        wide = torch.float32 if scales.dtype == torch.float32 else torch.float16
                         v = (w.float() + delta).to(wide)
                         tensors[name] = v
                         del tensors[module + ".scales"], tensors[module + ".biases"]
                         widened.append(module)
-                        written[str(wide).removeprefix("torch.")] += 1
+                        written[keep_width] += 1
                 else:
                     w = tensors[name]
                     wide = w.dtype if dtype == "base" or w.dtype == torch.float32 else torch.float32
@@ -203,7 +207,8 @@ def merge_into_dir(
         notes.append(
             f"--dtype base: the adapted tensors re-quantized to {quant.get('bits')} bits (as "
             "mlx_lm.fuse does); a quantization step is far above a LoRA update, so the merged "
-            "model may answer as the base does; the default --dtype keep writes them in float16"
+            "model may answer as the base does; the default --dtype keep writes them "
+            f"unquantized in {keep_width}"
         )
     elif dtype == "base" and kept < 0.9:
         notes.append(
