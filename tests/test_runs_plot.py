@@ -221,8 +221,8 @@ def test_runs_statuses(toy_cli, tmp_path):
         "done": "finished",
         "boom": "failed",
         "cut": "interrupted",
-        "live": "running",
-        "again": "running",
+        "live": "unfinished",
+        "again": "unfinished",
     }
     assert by_id["done"]["wall_s"] == 12.5 and by_id["done"]["tokens_per_s"] == 900.0
     assert by_id["done"]["val_loss"] == 2.5 and by_id["done"]["init"] is None

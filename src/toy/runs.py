@@ -232,6 +232,27 @@ def read_events(run_dir: Path) -> list[dict]:
     return out
 
 
+# A run's status, in the words `toy runs` and `toy list` both show. The closing events
+# name theirs; a run started (or resumed) with none after it is "unfinished": it is still
+# training, or its process died without a word (SIGKILL, a power cut, the OOM killer). The
+# log alone cannot tell those apart, so neither "running" nor "killed" is claimed.
+CLOSED = {"run_finished": "finished", "run_failed": "failed", "interrupted": "interrupted"}
+UNFINISHED = "unfinished"
+
+
+def run_status(events: list[dict]) -> str:
+    """finished, failed, interrupted (the last start's closing event), unfinished (none
+    yet), or "no events"."""
+    status = UNFINISHED if events else "no events"
+    for e in events:
+        kind = e.get("event")
+        if kind in ("run_started", "run_resumed"):
+            status = UNFINISHED
+        elif kind in CLOSED:
+            status = CLOSED[kind]
+    return status
+
+
 def fingerprint(path: Path, limit: int = 1 << 22, files: list[Path] | None = None) -> str:
     """sha256 of a file's size and first 4 MiB: cheap, and catches a swapped corpus on
     resume. A base's record is content_fingerprint (every byte); this is the form runs

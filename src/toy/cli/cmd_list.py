@@ -228,8 +228,9 @@ def _describe_adapter_dir(d: Path) -> dict[str, Any]:
 
 
 def describe_run(d: Path) -> dict[str, Any]:
-    """A run directory as a row: recipe, arch, steps, status (from the last event)."""
-    from toy.runs import read_events
+    """A run directory as a row: recipe, arch, steps, status (toy.runs.run_status, the
+    word `toy runs` shows)."""
+    from toy.runs import UNFINISHED, read_events, run_status
 
     row: dict[str, Any] = {
         "run_id": d.name,
@@ -258,20 +259,13 @@ def describe_run(d: Path) -> dict[str, Any]:
     except ToyError:
         events = []
     last = events[-1] if events else None
-    if last is None:
-        status = "no events"
-    else:
+    status = run_status(events)  # the word `toy runs` shows too
+    if status == UNFINISHED:  # where it has got to (the table's note)
+        row["last_step"] = next(
+            (e.get("step") for e in reversed(events) if e.get("event") == "step"), 0
+        )
+    if last is not None:
         ev = last.get("event")
-        status = {
-            "run_finished": "finished",
-            "run_failed": "failed",
-            "interrupted": "interrupted",
-        }.get(ev)
-        if status is None:
-            step = next((e.get("step") for e in reversed(events) if e.get("event") == "step"), None)
-            status = f"incomplete (last event {ev}" + (
-                f", step {step})" if step is not None else ")"
-            )
         if ev == "run_failed" and last.get("error"):
             row["error"] = str(last["error"]).splitlines()[0][:200]
         if ev == "run_finished":
@@ -396,7 +390,7 @@ def run(args) -> int:
                 r.get("arch") or "?",
                 _params(r["params"]) if r.get("params") else "",
                 r["status"],
-                r.get("error") or "",
+                r.get("error") or (f"at step {r['last_step']}" if "last_step" in r else ""),
             ]
         )
     print("\n".join(columns(table, right={3}, indent="  ")) if runs else "  none")

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from toy.errors import InputError
-from toy.runs import find_project, read_events
+from toy.runs import UNFINISHED, find_project, read_events, run_status
 
 FORMAT = "toy/runs-v1"
 HEADERS = (
@@ -57,9 +57,8 @@ def _num(v: Any) -> float | None:
 
 
 def summarize(run_dir: Path) -> dict[str, Any]:
-    """One run's row. Status comes from the last lifecycle event: run_finished ->
-    finished, run_failed -> failed, interrupted -> interrupted, run_started/run_resumed
-    with nothing after -> running (also what a run killed with SIGKILL looks like)."""
+    """One run's row. Status: toy.runs.run_status (finished, failed, interrupted, or
+    unfinished: still training, or killed before it could say so), as `toy list` says it."""
     info = _read_json(run_dir / "run.json") or {}
     try:
         events = read_events(run_dir)
@@ -92,7 +91,6 @@ def summarize(run_dir: Path) -> dict[str, Any]:
     for e in events:
         kind = e.get("event")
         if kind in ("run_started", "run_resumed"):
-            row["status"] = "running"
             row["target_steps"] = e.get("steps", row["target_steps"])
         elif kind == "step":
             row["steps"], row["loss"] = e.get("step"), _num(e.get("loss"))
@@ -102,16 +100,12 @@ def summarize(run_dir: Path) -> dict[str, Any]:
         elif kind == "eval":
             row["val_loss"] = _num(e.get("val_loss"))
         elif kind == "run_finished":
-            row["status"] = "finished"
             for k, v in e.items():
                 if (
                     k.endswith("_per_s") and _num(v) is not None
                 ):  # the whole run's figure beats the last step's
                     row["items"], row["items_per_s"] = k[: -len("_per_s")], _num(v)
-        elif kind == "run_failed":
-            row["status"] = "failed"
-        elif kind == "interrupted":
-            row["status"] = "interrupted"
+    row["status"] = run_status(events)
     walls = segment_walls(events)
     row["segments"] = len(walls)
     if any(w is not None for w in walls):
@@ -238,7 +232,7 @@ def run(args) -> int:
             t.add_column(h, justify="right" if 4 <= i <= 8 else "left", no_wrap=True)
         for r in rows:
             c = cells(r)
-            style = {"failed": "red", "interrupted": "yellow", "running": "cyan"}.get(r["status"])
+            style = {"failed": "red", "interrupted": "yellow", UNFINISHED: "cyan"}.get(r["status"])
             t.add_row(*c[:-1], f"[{style}]{c[-1]}[/]" if style else c[-1])
         console.print(t)
     else:

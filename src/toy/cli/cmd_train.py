@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import os
@@ -36,7 +37,15 @@ def _default(key: str, recipes: dict) -> str | None:
 
 def add_parser(sub, recipes: bool = True) -> None:
     names = recipe_names()
-    p = sub.add_parser("train", help=f"train a model ({', '.join(RECIPES)})", description=__doc__)
+    p = sub.add_parser(
+        "train", help=f"train a model ({', '.join(RECIPES)})", description=__doc__, add_help=False
+    )
+    p.add_argument(
+        "-h",
+        "--help",
+        action=RecipeHelp,
+        help="show this help and exit; after --recipe NAME, only that recipe's flags",
+    )
     every = {name: load_recipe(name) for name in names}
     for title, flags in general_flags(names):
         g = p.add_argument_group(title)
@@ -54,10 +63,49 @@ def add_parser(sub, recipes: bool = True) -> None:
     p.set_defaults(func=run)
 
 
+class RecipeHelp(argparse._HelpAction):
+    """-h/--help. After --recipe NAME (argparse reads the flags in order): that recipe's
+    help alone, its own --data forms and defaults; else every recipe's."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        name = getattr(namespace, "recipe", None)
+        if name in RECIPES:
+            parser = recipe_parser(parser.prog, name)
+        parser.print_help()
+        parser.exit()
+
+
+def recipe_parser(prog: str, name: str) -> argparse.ArgumentParser:
+    """The parser `toy train --recipe NAME --help` prints: the general flags with the
+    recipe's defaults, then its own flags with its own help (used for the help only)."""
+    recipe = load_recipe(name)
+    base = RunConfig.defaults()
+    p = argparse.ArgumentParser(
+        prog=prog,
+        description=f"{__doc__.splitlines()[0]} The {name} recipe's flags; `toy train --help` "
+        "shows every recipe's.",
+    )
+    for title, flags in general_flags(recipe_names()):
+        g = p.add_argument_group(title)
+        for f in flags:
+            value = recipe.defaults.get(f.key, base.get(f.key))
+            shown = None if f.shown is not None or value is None else str(value)
+            if f.shown is None and f.key == "seq_len" and value is None:
+                shown = "the preset context"
+            args, kw = f.argparse(shown)
+            g.add_argument(*args, **kw)
+    if recipe.flags:
+        g = p.add_argument_group(f"{name} recipe")
+        for f in recipe.flags:
+            g.add_argument(*f.argparse()[0], **f.argparse()[1])
+    return p
+
+
 def recipe_groups() -> list[tuple[str, list[Flag]]]:
     """(group title, flags) for the recipes' flags, each flag once, under the recipes that
     take it ('lora recipe', 'dpo, lora, orpo recipes'). A flag that recipes declare each
-    their own way (dpo's and simpo's --beta) says each one's help and default."""
+    their own way (their --data forms; dpo's and simpo's --beta) says each one's help and
+    default, lora's first: the recipe most of these flags are known from."""
     owners: dict[str, list[str]] = {}
     for name in recipe_names():
         for f in load_recipe(name).flags:
@@ -65,7 +113,7 @@ def recipe_groups() -> list[tuple[str, list[Flag]]]:
     groups: dict[str, list[Flag]] = {}
     for option, names in owners.items():
         by_help: dict[str, list[str]] = {}
-        for n in names:
+        for n in sorted(names, key=lambda n: (n != "lora", n)):
             by_help.setdefault(load_flag(n, option).help_text(), []).append(n)
         f = load_flag(names[0], option)
         if len(by_help) > 1:

@@ -162,7 +162,7 @@ def general_flags(recipe_names: list[str]) -> list[tuple[str, tuple[Flag, ...]]]
     optimiser = (
         Flag(
             "batch_size",
-            help="sequences per micro-batch {default}; with chat --data, a token budget: a "
+            help="sequences per micro-batch {default}; with --data (any form), a token budget: a "
             "micro-batch holds up to batch-size x (seq-len + 1) tokens, filled with conversations "
             "of similar length (more short conversations, fewer long ones)",
             type=_int("batch_size"),

@@ -342,6 +342,8 @@ def load_adapted(cfg: RunConfig, project: Project, recipe: str) -> Adapted:
             f"--seq-len {seq_len} lowered to the model's context {base.config.max_seq_len}"
         )
         seq_len = base.config.max_seq_len
+    if cfg.output:  # the done line names final/ only: say here where the copy goes
+        notes.append(output_note(cfg.output))
     config = {
         "recipe": recipe,
         "arch": base.arch,
@@ -355,6 +357,17 @@ def load_adapted(cfg: RunConfig, project: Project, recipe: str) -> Adapted:
         "base_resident_bytes": resident,
     }
     return Adapted(model_path, base, model, targets, dtype, seq_len, wrapped, config, notes)
+
+
+def output_note(output: str) -> str:
+    """Where --output's copy of the final adapter goes, in the run's notes."""
+    dest = Path(os.path.abspath(output))
+    if output.endswith(".safetensors"):
+        return (
+            f"--output: at the end the adapter for mlx-lm goes to {dest}, its "
+            f"adapter_config.json beside it"
+        )
+    return f"--output: at the end the final adapter (PEFT) is copied to {dest}/"
 
 
 def adapter_saver(cfg: RunConfig, a: Adapted) -> Callable[[Path], None]:

@@ -26,11 +26,11 @@ from toy.train.job import Built, Job
 from toy.train.recipe import Recipe
 
 DATA_HELP = (
-    'training JSONL, one example a line, one format a file: {"messages": [{"role", "content"}, '
-    '...], "tools": [...]} (loss on every assistant turn), {"prompt", "completion"} (loss on the '
-    'completion) or {"text"} (loss on every token); or a directory holding train.jsonl and '
-    "valid.jsonl (no default: give --data, or --corpus for a token stream); preference pairs "
-    '({"prompt", "chosen", "rejected"}) train with --recipe dpo or orpo'
+    'training JSONL, one example a line, one format a file: chat {"messages": [{"role", '
+    '"content"}, ...], "tools": [...]} (loss on every assistant turn), {"prompt", "completion"} '
+    '(loss on the completion) or {"text"} (loss on every token); or a directory holding '
+    "train.jsonl and valid.jsonl (no default: give --data, or --corpus for a token file, what "
+    "from-scratch and warm-start train on instead of --data)"
 )
 
 
@@ -74,8 +74,10 @@ def build(cfg: RunConfig, project: Project) -> Built:
     )
     n_params, note = a.sizes()
     notes.append(note)
+    # Every --data form (chat, prompt/completion, text) is batched the same way, by length
+    # under a token budget: the line names no form.
     batch = (
-        f"micro-batches of up to {int(cfg.batch_size) * (a.seq_len + 1):,} tokens (with chat data "
+        f"micro-batches of up to {int(cfg.batch_size) * (a.seq_len + 1):,} tokens (with --data, "
         f"--batch-size is a token budget: {cfg.batch_size} x (--seq-len {a.seq_len} + 1))"
         if cfg.data
         else ""

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from toy.errors import InputError, UsageError
+from toy.runs import plural
 
 
 @dataclass(frozen=True)
@@ -145,8 +146,8 @@ class RunConfig:
             return {}, None
         steps = self.epochs * math.ceil(max(1, n_units) / per_step)
         return {"steps": steps}, (
-            f"{self.epochs} epoch{'s' if self.epochs != 1 else ''} of {n_units:,} {unit}, "
-            f"{per_step} a step = {steps} step{'s' if steps != 1 else ''}"
+            f"{plural(self.epochs, 'epoch')} of {n_units:,} {_units(unit, n_units)}, "
+            f"{per_step:,} a step = {plural(steps, 'step')}"
         )
 
     # ------------------------------------------------------------------ reading
@@ -154,6 +155,17 @@ class RunConfig:
     @property
     def target_list(self) -> list[str]:
         return [t.strip() for t in str(self.targets or "").split(",") if t.strip()]
+
+
+def _units(unit: str, n: int) -> str:
+    """`unit` (a plural: "batches", "token windows", "batches of prompts") for `n` of them:
+    its noun made singular for one ("1 batch of prompts", "1 token window")."""
+    if n != 1:
+        return unit
+    head, of, tail = unit.partition(" of ")
+    *before, noun = head.split(" ")
+    noun = noun[:-2] if noun.endswith(("ches", "shes", "xes")) else noun.removesuffix("s")
+    return " ".join([*before, noun]) + of + tail
 
 
 # What `--resume` may change; everything else must match the run's recorded config.
