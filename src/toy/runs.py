@@ -200,15 +200,22 @@ class EventLog:
     def __init__(self, path: Path | None, enabled: bool = True):
         self.path = path
         self._fh = open(path, "a", buffering=1) if (path is not None and enabled) else None
+        # Where else each record goes (--report-to: train/report.py), on the writing rank.
+        self.sinks: list[Any] = []
 
     def emit(self, event: str, **fields: Any) -> dict:
         rec = {"event": event, "time": round(time.time(), 3), **fields}
         if self._fh is not None:
             self._fh.write(json.dumps(rec, sort_keys=False) + "\n")
             self._fh.flush()
+            for sink in self.sinks:
+                sink.write(rec)
         return rec
 
     def close(self) -> None:
+        for sink in self.sinks:
+            sink.close()
+        self.sinks = []
         if self._fh is not None:
             self._fh.close()
             self._fh = None

@@ -151,6 +151,14 @@ def add_parser(sub) -> None:
         "where bf16 changed SmolLM2's greedy text from its 15th token)",
     )
     p.add_argument(
+        "--threads",
+        type=positive_int("--threads"),
+        metavar="N",
+        help="torch's CPU threads (default: torch's, one a core). Whatever the count, waiting "
+        "threads sleep rather than spin (OMP_WAIT_POLICY=PASSIVE unless you set it), which "
+        "keeps the speed when another program takes a core",
+    )
+    p.add_argument(
         "--json",
         action="store_true",
         help="with --prompt or --chat: print one JSON object at the end (the text, the tokens, "
@@ -171,7 +179,7 @@ def run(args) -> int:
         from toy.cli.cmd_infer_image import infer_image
 
         return infer_image(args)
-    from toy.train.device import resolve_device
+    from toy.train.device import apply_threads, resolve_device
 
     if args.temperature < 0:
         raise UsageError(f"--temperature must be >= 0 (0 is greedy), got {args.temperature}")
@@ -208,6 +216,7 @@ def run(args) -> int:
     if getattr(args, "json", False) and args.prompt is None and args.chat is None:
         raise UsageError("--json needs --prompt TEXT or --chat MESSAGE (not an interactive chat)")
     device = resolve_device(args.device)
+    apply_threads(args.threads)
     args.precision = infer_precision(args, device)
     lm = load_lm(args, device)
     if args.prompt is not None:
@@ -691,6 +700,8 @@ def stream(lm: LM, ids: list[int], args, cache=None, echo: str = "") -> list[int
     the time to the first token and the tokens/s after it."""
     import time
 
+    import torch
+
     from toy.models import decode
 
     out = sys.stdout
@@ -761,6 +772,7 @@ def stream(lm: LM, ids: list[int], args, cache=None, echo: str = "") -> list[int
         ),
         "base_dtype": lm.held,
         "why": lm.why,
+        "threads": torch.get_num_threads(),
     }
     return new
 

@@ -1,5 +1,7 @@
 """`toy plot RUN... --out loss.png`: train and validation loss curves of one or more
-runs on one chart, from their events.jsonl. Needs matplotlib (pip install 'toy[plot]')."""
+runs on one chart, from their events.jsonl, and under it a panel each for the learning
+rate, the throughput, the peak memory and the gradient norm; `--watch` redraws while the
+runs go. Needs matplotlib (pip install 'toy[plot]')."""
 
 from __future__ import annotations
 
@@ -32,7 +34,51 @@ def add_parser(sub) -> None:
         metavar="N",
         help="draw train loss as a running mean over N steps (default 0: raw)",
     )
+    p.add_argument(
+        "--watch",
+        type=float,
+        nargs="?",
+        const=10.0,
+        default=None,
+        metavar="SECONDS",
+        help="redraw every SECONDS (default 10) until every run has finished, failed or "
+        "stopped (Ctrl-C ends it sooner); open the image in a viewer that reloads it",
+    )
     p.set_defaults(func=run)
+
+
+# The panels under the loss: (title, the step events' key or keys, a scale on the value).
+PANELS = (
+    ("learning rate", ("lr",), 1.0),
+    ("throughput (/s)", ("tokens_per_s", "completion_tokens_per_s", "pairs_per_s",
+                         "images_per_s", "examples_per_s"), 1.0),
+    ("peak memory (GB)", ("peak_mem_bytes",), 1e-9),
+    ("gradient norm", ("grad_norm",), 1.0),
+)  # fmt: skip
+CLOSED = ("run_finished", "run_failed", "interrupted")
+
+
+def step_series(run_dir: Path, keys: tuple[str, ...], scale: float) -> list[tuple[int, float]]:
+    """(step, value) of the first of `keys` each step event has; the latest value of a
+    step wins (a resumed run logs the steps after its checkpoint again)."""
+    got: dict[int, float] = {}
+    for e in read_events(run_dir):
+        if e.get("event") != "step" or not isinstance(e.get("step"), int):
+            continue
+        for k in keys:
+            if isinstance(e.get(k), (int, float)) and not isinstance(e.get(k), bool):
+                got[e["step"]] = float(e[k]) * scale
+                break
+    return sorted(got.items())
+
+
+def finished(run_dir: Path) -> bool:
+    """The run's last life closed with an event of its own (finished, failed, stopped)."""
+    last = None
+    for e in read_events(run_dir):
+        if e.get("event") in CLOSED + ("run_started", "run_resumed"):
+            last = e["event"]
+    return last in CLOSED
 
 
 def curves(run_dir: Path) -> tuple[list[tuple[int, float]], list[tuple[int, float]]]:
@@ -100,6 +146,23 @@ def running_mean(ys: list[float], n: int) -> list[float]:
 
 
 def run(args) -> int:
+    import time
+
+    if args.watch is not None and not args.watch > 0:
+        raise UsageError(f"--watch must be > 0 seconds, got {args.watch:g}")
+    draws = 0
+    try:
+        while True:
+            draw(args, note=f" (redraw {draws})" if draws else "")
+            draws += 1
+            if args.watch is None or all(finished(Path(r)) for r in args.runs):
+                return 0
+            time.sleep(args.watch)
+    except KeyboardInterrupt:  # the way to stop watching a run that goes on
+        return 0
+
+
+def draw(args, note: str = "") -> None:
     out = Path(args.out)
     if args.smooth < 0:
         raise UsageError(f"--smooth must be >= 0, got {args.smooth}")
@@ -125,13 +188,26 @@ def run(args) -> int:
     except ImportError:
         raise UsageError(f"toy plot needs matplotlib, which is not installed; {INSTALL}")
 
-    fig = Figure(figsize=(8, 5), dpi=120)
+    panels = [(title, [step_series(d, keys, sc) for d in dirs]) for title, keys, sc in PANELS]
+    panels = [(title, series) for title, series in panels if any(series)]
+    rows = (len(panels) + 1) // 2
+    fig = Figure(figsize=(8, 5 + 2.2 * rows), dpi=120)
     canvas = FigureCanvasAgg(fig)
     suffix = out.suffix.lower().lstrip(".")
     if suffix not in canvas.get_supported_filetypes():
         raise UsageError(f"--out {out}: unknown image type {out.suffix!r}; use .png, .svg or .pdf")
-    ax = fig.add_subplot()
+    grid = fig.add_gridspec(1 + rows, 2, height_ratios=[5] + [2.2] * rows)
+    ax = fig.add_subplot(grid[0, :])
     colors = [c["color"] for c in matplotlib.rcParams["axes.prop_cycle"]]
+    for j, (title, series) in enumerate(panels):
+        pax = fig.add_subplot(grid[1 + j // 2, j % 2])
+        for i, curve in enumerate(series):
+            if curve:
+                xs, ys = zip(*curve)
+                pax.plot(xs, ys, color=colors[i % len(colors)], linewidth=1.0)
+        pax.set_title(title, fontsize=9)
+        pax.tick_params(labelsize=7)
+        pax.grid(True, alpha=0.3)
     for i, (d, tr, va) in enumerate(data):
         color, name = colors[i % len(colors)], label(d)
         if tr:
@@ -178,5 +254,4 @@ def run(args) -> int:
         ax.set_title(args.title)
     fig.tight_layout()
     write_file_atomic(out, lambda tmp: fig.savefig(tmp, format=suffix))
-    print(f"wrote {out} ({plural(len(dirs), 'run')})")
-    return 0
+    print(f"wrote {out} ({plural(len(dirs), 'run')}){note}", flush=True)

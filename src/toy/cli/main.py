@@ -7,6 +7,7 @@ import os
 import sys
 import traceback
 
+from toy import cores
 from toy.cli.args import Parser
 from toy.errors import Interrupted, ToyError
 from toy.recipes import RECIPES  # a table of names: imports no recipe
@@ -71,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     from toy.runs import tune_malloc
 
     tune_malloc()  # before the big allocations: freed memory goes back to the OS
+    cores.watch()  # the first look at the cores: the thread count follows the free ones
     words = list(sys.argv[1:] if argv is None else argv)
     cmd = _command_of(words)
     parser = build_parser(cmd if cmd in COMMANDS else None)

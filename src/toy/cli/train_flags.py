@@ -9,6 +9,7 @@ from toy.cli.args import finite_float, nonneg_int, positive_int
 from toy.models import registry
 from toy.train.device import DEVICES, PRECISIONS
 from toy.train.flags import Flag
+from toy.train.report import REPORT_TO
 
 
 def _presets() -> str:
@@ -83,6 +84,23 @@ def general_flags(recipe_names: list[str]) -> list[tuple[str, tuple[Flag, ...]]]
             type=_int("nproc"),
             metavar="N",
             shown=": one process",
+        ),
+        Flag(
+            "threads",
+            help="torch's CPU threads (each process's, with --nproc). Whatever the count, "
+            "waiting threads sleep rather than spin (OMP_WAIT_POLICY=PASSIVE unless you set it), "
+            "which keeps the speed when another program takes a core",
+            type=_int("threads"),
+            metavar="N",
+            shown=": torch's, one a core",
+        ),
+        Flag(
+            "report_to",
+            help="also write the run's figures for a tracker: tensorboard (the run's "
+            "tensorboard/, `tensorboard --logdir runs/`; needs `pip install tensorboard`) or "
+            "none. events.jsonl and `toy plot` have them either way",
+            choices=REPORT_TO,
+            shown="none",
         ),
         Flag(
             "fsdp",

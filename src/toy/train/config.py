@@ -41,6 +41,8 @@ class RunConfig:
     fsdp: bool = False
     compile: bool = False
     checkpointing: bool = False
+    threads: int | None = None  # --threads: torch's CPU threads; None: toy's default
+    report_to: str = "none"  # --report-to: none | tensorboard (scalars beside events.jsonl)
     # auto | float32 | bf16 as given; run.json's config records what auto resolved to
     # (bf16 or float32), so a resumed run keeps it (train/device.py: resolve_precision)
     precision: str = "auto"
@@ -169,7 +171,7 @@ def _units(unit: str, n: int) -> str:
 
 
 # What `--resume` may change; everything else must match the run's recorded config.
-RESUME_MAY_CHANGE = ("steps", "device", "compile")
+RESUME_MAY_CHANGE = ("steps", "device", "compile", "threads", "report_to")
 
 
 def resolve(

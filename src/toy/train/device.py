@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from toy import cores
 from toy.errors import UsageError
 
 DEVICES = ("cpu", "cuda", "metal")
@@ -191,6 +192,67 @@ def autocast(device: torch.device, precision: Precision | None = None):
     if bf16 and device.type in ("cuda", "cpu"):
         return torch.autocast(device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
+
+
+class Threads:
+    """torch's CPU thread count for a run: the user's (--threads N, or OMP_NUM_THREADS) as
+    given, else the cores other programs leave free, looked at again every few seconds
+    (`check`, between optimizer steps) and changed when two looks in a row agree. The
+    thread count changes no result: the same losses, byte for byte, on 1 and 2 threads
+    (tests/test_threads.py)."""
+
+    EVERY = 2.0  # seconds between looks while training
+
+    def __init__(self, n: int | None):
+        import time
+
+        self.fixed = bool(n) or "OMP_NUM_THREADS" in os.environ
+        self.most = n or torch.get_num_threads()
+        self.clock, self.next, self.want = time.monotonic, 0.0, None
+        if n:
+            torch.set_num_threads(n)
+        elif not self.fixed and cores.watching is not None:
+            got = cores.watching.free(self.most)
+            if got is not None and got != torch.get_num_threads():
+                torch.set_num_threads(got)
+        self.next = self.clock() + self.EVERY
+
+    @property
+    def n(self) -> int:
+        return torch.get_num_threads()
+
+    def check(self) -> int | None:
+        """The new count when it changed, else None."""
+        if self.fixed or cores.watching is None or self.clock() < self.next:
+            return None
+        self.next = self.clock() + self.EVERY
+        got = cores.watching.free(self.most)
+        if got is None or got == self.n:
+            self.want = None
+        elif got == self.want:  # two looks agree: change
+            torch.set_num_threads(got)
+            self.want = None
+            return got
+        else:
+            self.want = got
+        return None
+
+
+_threads: Threads | None = None
+
+
+def apply_threads(n: int | None) -> Threads:
+    """`--threads N` (None: toy's default, Threads) applied from now on; run.json records the
+    count it starts with as device.torch_threads."""
+    global _threads
+    _threads = Threads(n)
+    return _threads
+
+
+def check_threads() -> int | None:
+    """Between optimizer steps: the thread count follows the free cores (Threads.check);
+    the new count when it changed."""
+    return _threads.check() if _threads is not None else None
 
 
 def device_info(device: torch.device) -> dict:

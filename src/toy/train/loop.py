@@ -23,7 +23,13 @@ from toy.models.decode import compile_unavailable
 from toy.runs import MMAP_THRESHOLD_LOW_MEMORY, EventLog, plural, tune_malloc
 from toy.train import dist
 from toy.train.config import RunConfig
-from toy.train.device import Precision, autocast, peak_memory, resolve_precision
+from toy.train.device import (
+    Precision,
+    autocast,
+    check_threads,
+    peak_memory,
+    resolve_precision,
+)
 from toy.train.job import Job, Live, live_seed
 from toy.train.progress import Reporter
 from toy.train.schedule import Schedule, make_adamw
@@ -302,9 +308,9 @@ class Trainer:
             return nxt[1]
         return self._fetch(step)
 
-    def step(self, step: int) -> tuple[float, int, float]:
+    def step(self, step: int) -> tuple[float, int, float, float]:
         """Optimizer step `step` (1-based): the loss over its whole global batch, the
-        items (tokens, images) it fed, and its LR."""
+        items (tokens, images) it fed, its LR and its gradient norm (before clipping)."""
         cfg, job, d = self.cfg, self.job, self.d
         lr = self.schedule.at(step - 1)
         for g in self.opt.param_groups:
@@ -353,8 +359,15 @@ class Trainer:
         ):  # after backward and the gradient all-reduce: AdamW skips None grads
             for n in job.frozen(step):
                 self.by_name[n].grad = None
+        # The gradient's norm, logged every step (before clipping, as the other trainers
+        # log it): the first sign of a run going wrong, and what --clip acts on.
+        grads = [p for _, p in self.named]
         if cfg.clip > 0:
-            torch.nn.utils.clip_grad_norm_([p for _, p in self.named], cfg.clip)
+            gnorm = torch.nn.utils.clip_grad_norm_(grads, cfg.clip)
+        else:
+            gnorm = torch.nn.utils.get_total_norm([p.grad for p in grads if p.grad is not None])
+        if hasattr(gnorm, "full_tensor"):  # FSDP2: a DTensor, the same on every rank
+            gnorm = gnorm.full_tensor()
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         if step < cfg.steps and not job.live:
@@ -363,8 +376,8 @@ class Trainer:
             # (A live job's are made from the weights this step leaves: when its step starts.)
             self._next = (step + 1, self._fetch(step + 1))
         if d.enabled:
-            total, n_sup = torch.stack(
-                [dist.all_sum(loss_sum), n_global]
+            total, n_sup, grad_norm = torch.stack(
+                [dist.all_sum(loss_sum), n_global, gnorm.float().to(self.device)]
             ).tolist()  # one host sync per step
             if n_sup == 0:
                 raise RunFailed(
@@ -373,14 +386,15 @@ class Trainer:
                 )
             loss = total / n_sup
         else:
-            loss = loss_sum.item() / n_sup  # one host sync per step
+            total, grad_norm = torch.stack([loss_sum, gnorm.float().to(loss_sum.device)]).tolist()
+            loss = total / n_sup  # one host sync per step
         if not math.isfinite(loss):
             raise RunFailed(
                 f"loss became {loss} at step {step}; lower --lr or check the data "
                 f"(the last good checkpoint, if any, stays under {self.ckpt_root})",
                 step=step,
             )
-        return loss, n_items, lr
+        return loss, n_items, lr, grad_norm
 
     # ---------------------------------------------------------------- eval, save
 
@@ -457,19 +471,25 @@ class Trainer:
                 self.evaluate(0, timer)
             for step in range(start + 1, cfg.steps + 1):
                 sig.step = step
+                n = check_threads()  # fewer threads while other programs take cores
+                if n is not None:
+                    self.events.emit("threads", step=step, threads=n)
                 timer.begin_step()
-                loss, n_items, lr = self.step(step)
+                loss, n_items, lr, grad_norm = self.step(step)
                 ips = timer.end_step(n_items)
                 if ips:
                     self.res.items_per_s = ips
                 extra = self.job.step_metrics() if self.job.step_metrics is not None else {}
-                self.res.losses.append({"step": step, "loss": loss, **extra})
+                self.res.losses.append(
+                    {"step": step, "loss": loss, "grad_norm": round(grad_norm, 6), **extra}
+                )
                 peak = self.res.peak_mem_bytes = peak_memory(self.device)
                 self.events.emit(
                     "step",
                     step=step,
                     loss=loss,
                     lr=lr,
+                    grad_norm=round(grad_norm, 6),
                     items=n_items,
                     peak_mem_bytes=peak,
                     **({f"{self.job.items_name}_per_s": round(ips, 2)} if ips else {}),

@@ -40,11 +40,19 @@ from toy.runs import (
 )
 from toy.train import dist
 from toy.train.config import RESUME_MAY_CHANGE, RunConfig, problems, resolve
-from toy.train.device import Precision, device_info, resolve_device, resolve_precision
+from toy.train.device import (
+    Precision,
+    apply_threads,
+    device_info,
+    resolve_device,
+    resolve_precision,
+)
 from toy.train.job import Built
 from toy.train.loop import TrainResult, train
 from toy.train.progress import Reporter, TextReporter
 from toy.train.recipe import Figure, Recipe
+from toy.train.report import attach as attach_report
+from toy.train.report import check_report_to
 
 WARMUP_SHARE = 0.1  # the warmup is at most this share of the run
 SHORT_RUN = 20  # fewer optimizer steps than this rarely move a loss: say so
@@ -187,6 +195,8 @@ def new_run(
     cfg = resolve_config(cli, project, recipes)
     recipe = recipes[cfg.recipe]
     device = resolve_device(cfg.device)  # before any work: metal off macOS exits 2 here
+    check_report_to(cfg.report_to)  # a missing package: exit 2 before any work
+    apply_threads(cfg.threads)
     precision = resolve_precision(cfg.precision, device)  # bf16 on a cpu without units: exit 2
     cfg = cfg.replace(precision=precision.name)  # run.json records what auto resolved to
     d = dist.init(device.type)
@@ -243,6 +253,7 @@ def new_run(
     if d.is_main:
         write_json_atomic(run_dir / "run.json", info)
     events = EventLog(run_dir / "events.jsonl", enabled=d.is_main)
+    attach_report(events, cfg.report_to, run_dir)
     events.emit(
         "run_started",
         run_id=run_dir.name,
@@ -364,6 +375,8 @@ def resume_run(
             "raise --steps to train further"
         )
     device = resolve_device(cfg.device)
+    check_report_to(cfg.report_to)
+    apply_threads(cfg.threads)
     try:  # the run's precision, checked on this machine
         precision = resolve_precision(cfg.precision, device)
     except UsageError as e:
@@ -430,6 +443,7 @@ def resume_run(
         )
         write_json_atomic(run_dir / "run.json", info)
     events = EventLog(run_dir / "events.jsonl", enabled=d.is_main)
+    attach_report(events, cfg.report_to, run_dir, resumed_from=done)
     events.emit(
         "run_resumed",
         from_step=done,

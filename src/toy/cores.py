@@ -1,0 +1,77 @@
+"""Which of this process's cores other programs keep busy (Linux's /proc/stat): what toy's
+default thread count follows (train/device.py: Threads). Torch-free, so that the first
+look is taken as a command starts, before torch loads."""
+
+from __future__ import annotations
+
+import os
+
+
+class Cores:
+    """How many of this process's cores other programs keep busy, from /proc/stat (Linux),
+    measured between two looks: every core's busy time over the interval, less this
+    process's own CPU time (its threads spinning or computing), in cores' worth.
+
+    Why toy watches: with one of two cores taken by another process, torch's threads (each
+    parallel region waiting for the thread whose core is shared) collapsed a LoRA step on
+    SmolLM2 to 0.26x its quiet speed and a packed reply to 0.36-0.40x, where one thread
+    kept 0.6x and 1.0x (a 2-core Zen 4, docs/performance.md, "A busy machine"). OpenMP's
+    sleeping waits (OMP_WAIT_POLICY=PASSIVE) saved the LoRA step but cost a packed reply
+    81% and a GRPO step 28% on a quiet machine: fewer threads is the remedy that costs
+    nothing when the machine is quiet. Elsewhere (no /proc/stat) it sees nothing."""
+
+    def __init__(self):
+        self.cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+        self.last = self._look()
+
+    def _look(self) -> tuple[float, float, float] | None:
+        """(busy jiffies of our cores, all jiffies of our cores, our own jiffies) now."""
+        try:
+            with open("/proc/stat") as f:
+                lines = f.read().splitlines()
+        except OSError:
+            return None
+        busy = total = 0.0
+        want = {f"cpu{c}" for c in self.cpus}
+        for line in lines:
+            parts = line.split()
+            if parts and parts[0] in want:
+                vals = [float(v) for v in parts[1:]]
+                idle = vals[3] + (vals[4] if len(vals) > 4 else 0.0)  # idle + iowait
+                total += sum(vals[:8])  # guest time is counted in user already
+                busy += sum(vals[:8]) - idle
+        t = os.times()
+        own = (t.user + t.system) * os.sysconf("SC_CLK_TCK")
+        return busy, total, own
+
+    def others(self) -> float | None:
+        """Cores' worth of other programs' work since the last look (None: nothing known
+        yet, or no /proc/stat), and a new look taken."""
+        now, last = self._look(), self.last
+        self.last = now
+        if now is None or last is None or not self.cpus:
+            return None
+        span = (now[1] - last[1]) / len(self.cpus)  # jiffies each core had
+        if span < 5:  # under ~50 ms: too few ticks to tell
+            self.last = last
+            return None
+        return max(0.0, (now[0] - last[0]) - (now[2] - last[2])) / span
+
+    def free(self, most: int) -> int | None:
+        """Threads for the cores other programs leave free (a core counts as taken from a
+        third of its time on), between 1 and `most`; None when nothing is known."""
+        others = self.others()
+        if others is None:
+            return None
+        return max(1, min(most, len(self.cpus) - int(others + 0.67)))
+
+
+watching: Cores | None = None
+
+
+def watch() -> None:
+    """The first look at the cores, taken as a command starts (cli/main.py), so that the
+    thread count chosen when work begins (train/device.py: apply_threads) measures the
+    second or so since (torch loading), at no wait of its own."""
+    global watching
+    watching = Cores()

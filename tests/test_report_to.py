@@ -1,0 +1,123 @@
+"""--report-to tensorboard: the run's figures as TensorBoard scalars, read back with
+TensorBoard's own event reader, the same numbers as events.jsonl; a resume purges what an
+earlier life wrote past its checkpoint; the gradient norm on every step; a missing package
+is one line, exit 2, before any work."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+from conftest import run_toy
+
+from toy.data.prep import bundled_text_paths
+
+TINY = ["--preset", "tiny", "--batch-size", "4", "--seq-len", "32", "--eval-batches", "1"]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    d = tmp_path_factory.mktemp("report")
+    r = run_toy("prep", bundled_text_paths()[0], "--out", d / "c.bin", "--vocab-size", "300")
+    assert r.returncode == 0, r.stderr
+    return d / "c.bin"
+
+
+def scalars(run_dir) -> dict[str, list[tuple[int, float]]]:
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run_dir / "tensorboard"))
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def test_tensorboard_reads_the_runs_figures_and_a_resume_purges(corpus, tmp_path):
+    argv = ["train", "--corpus", corpus, *TINY, "--out", tmp_path, "--run-id", "tb"]
+    r = run_toy(*argv, "--steps", "4", "--eval-every", "2", "--report-to", "tensorboard",
+                "--json")  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    res = json.loads(r.stdout)
+    run = tmp_path / "tb"
+    events = [json.loads(x) for x in (run / "events.jsonl").read_text().splitlines()]
+    steps = [e for e in events if e["event"] == "step"]
+    assert all(e["grad_norm"] > 0 for e in steps)  # logged every step
+    assert [x["grad_norm"] for x in res["losses"]] == [e["grad_norm"] for e in steps]
+    got = scalars(run)
+    for key in ("loss", "lr", "grad_norm"):
+        want = [(e["step"], e[key]) for e in steps]
+        assert [s for s, _ in got[f"train/{key}"]] == [s for s, _ in want]
+        assert [v for _, v in got[f"train/{key}"]] == pytest.approx([v for _, v in want], 1e-6)
+    assert "train/peak_mem_gb" in got and "train/tokens_per_s" in got
+    assert [s for s, _ in got["eval/loss"]] == [0, 2, 4]
+    # Resume from step 2's checkpoint is not possible once finished; extend instead: the
+    # curves hold each step once, 1..6.
+    r = run_toy("train", "--resume", run, "--steps", "6")
+    assert r.returncode == 0, r.stderr[-2000:]
+    got = scalars(run)
+    assert [s for s, _ in got["train/loss"]] == [1, 2, 3, 4, 5, 6]
+
+
+def test_without_the_package_one_line_and_nothing_made(corpus, tmp_path):
+    fake = tmp_path / "fake"
+    (fake / "tensorboard").mkdir(parents=True)
+    (fake / "tensorboard" / "__init__.py").write_text("raise ImportError('not installed')\n")
+    path = os.pathsep.join([str(fake), *filter(None, [os.environ.get("PYTHONPATH")])])
+    r = run_toy("train", "--corpus", corpus, *TINY, "--steps", "1", "--out", tmp_path / "runs",
+                "--report-to", "tensorboard", env={"PYTHONPATH": path})  # fmt: skip
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert "pip install tensorboard" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "runs").exists()
+    r = run_toy("train", "--report-to", "wandb")
+    assert r.returncode == 2 and "--report-to" in r.stderr
+
+
+def test_plot_draws_the_panels_and_watch_redraws_until_the_run_ends(corpus, tmp_path):
+    """`toy plot` draws, under the loss, a panel each for the LR, the throughput, the peak
+    memory and the gradient norm (the figure grows by their rows); --watch on a live run
+    redraws until its closing event, then returns."""
+    import subprocess
+    import sys
+    import time
+
+    pytest.importorskip("matplotlib")
+    from PIL import Image
+
+    argv = ["train", "--corpus", corpus, *TINY, "--out", tmp_path, "--eval-every", "0"]
+    r = run_toy(*argv, "--run-id", "p", "--steps", "3")
+    assert r.returncode == 0, r.stderr[-2000:]
+    r = run_toy("plot", tmp_path / "p", "--out", tmp_path / "p.png")
+    assert r.returncode == 0, r.stderr
+    w, h = Image.open(tmp_path / "p.png").size
+    assert (w, h) == (960, (5 + 2 * 2.2) * 120)  # the loss and two rows of two panels
+    from toy.cli.cmd_plot import PANELS, step_series
+
+    for title, keys, scale in PANELS:
+        assert step_series(tmp_path / "p", keys, scale), title  # each panel has its curve
+    # A live run: --watch draws it again while it goes, and ends when it closes.
+    live = subprocess.Popen(
+        [sys.executable, "-m", "toy", *map(str, argv), "--run-id", "w", "--steps", "400"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        events = tmp_path / "w" / "events.jsonl"
+        for _ in range(600):
+            if events.is_file() and '"event": "step"' in events.read_text():
+                break
+            time.sleep(0.1)
+        watch = subprocess.run(
+            [sys.executable, "-m", "toy", "plot", tmp_path / "w", "--out", tmp_path / "w.png",
+             "--watch", "0.3"],
+            capture_output=True, text=True, timeout=600,
+        )  # fmt: skip
+        assert watch.returncode == 0, watch.stderr
+        # It returned only once the run had closed (its last event; the process may still
+        # be tearing down), and had drawn it again on the way.
+        assert json.loads(events.read_text().splitlines()[-1])["event"] == "run_finished"
+        assert "(redraw 1)" in watch.stdout, watch.stdout
+    finally:
+        live.kill()
+        live.wait()
+    r = run_toy("plot", tmp_path / "p", "--out", tmp_path / "x.png", "--watch", "0")
+    assert r.returncode == 2 and "--watch" in r.stderr
