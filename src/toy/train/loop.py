@@ -366,7 +366,7 @@ class Trainer:
             gnorm = torch.nn.utils.clip_grad_norm_(grads, cfg.clip)
         else:
             gnorm = torch.nn.utils.get_total_norm([p.grad for p in grads if p.grad is not None])
-        if hasattr(gnorm, "full_tensor"):  # FSDP2: a DTensor, the same on every rank
+        if self.fsdp is not None:  # FSDP2's norm is a DTensor over the shards
             gnorm = gnorm.full_tensor()
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
