@@ -466,9 +466,9 @@ def test_no_parser_takes_abbreviations():
 TYPOS = [
     (
         ["train", "--lerning-rate", "1"],
-        "unrecognized arguments: --lerning-rate 1; did you mean --lr?",
+        "unrecognized arguments: --lerning-rate 1; did you mean --learning-rate?",
     ),
-    (["train", "--learning_rate", "1"], "did you mean --lr?"),
+    (["train", "--learning_rate", "1"], "did you mean --learning-rate?"),
     (["train", "--step", "5"], "did you mean --steps?"),  # an abbreviation is refused, not taken
     (["train", "--batchsize", "5"], "did you mean --batch-size?"),
     (["train", "--gradient-accumulation-steps", "2"], "did you mean --grad-accum?"),

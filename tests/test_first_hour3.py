@@ -50,7 +50,8 @@ def test_train_recipe_help_shows_that_recipes_own(toy_cli, capsys):
     said = data_help(text)
     assert said.startswith("prompts, one JSON object a line"), said
     assert "lora:" not in said and "preference pairs" not in said, said
-    assert "--lr LR peak learning rate (default 5e-05)" in text, text
+    assert "--lr LR, --learning-rate LR peak learning rate" in text, text
+    assert "mlx_lm.lora's name) (default 5e-05)" in text, text
     assert "--reward SPEC" in text and "--gamma" not in text and "--images" not in text
     text = help_of(toy_cli, capsys, "--recipe", "from-scratch")
     assert "--data DATA" not in text and "--corpus CORPUS" in text
@@ -152,3 +153,37 @@ def test_runs_and_list_say_the_same_status(toy_cli, tmp_path, monkeypatch):
     assert live[-4:] == ["unfinished", "at", "step", "2"], live
     code, out, err = toy_cli("runs")
     assert next(ln for ln in out.splitlines() if ln.startswith("live")).endswith(" unfinished")
+
+
+def test_an_mlx_lm_lora_command_line_runs_as_it_is(toy_cli, data, tmp_path, monkeypatch):
+    """mlx_lm.lora's own flags (issue 47 item 3): --train, --iters, --learning-rate,
+    --adapter-path, --num-layers, --max-seq-length, --mask-prompt, --grad-checkpoint,
+    --steps-per-eval, --val-batches and a data directory of train.jsonl/valid.jsonl run as
+    they are, meaning what they mean there; where toy reads one differently, a note says so."""
+    monkeypatch.chdir(tmp_path)
+    d = tmp_path / "data"
+    d.mkdir()
+    lines = data["pc"].read_text().splitlines()
+    (d / "train.jsonl").write_text("\n".join(lines[:16]) + "\n")
+    (d / "valid.jsonl").write_text("\n".join(lines[16:]) + "\n")
+    code, out, err = toy_cli(
+        "train", "--recipe", "lora", "--model", data["base"], "--train", "--data", d,
+        "--iters", "3", "--learning-rate", "2e-4", "--batch-size", "64", "--adapter-path",
+        "adapters", "--num-layers", "1", "--max-seq-length", "48", "--mask-prompt",
+        "--grad-checkpoint", "--steps-per-eval", "2", "--val-batches", "1", "--out",
+        tmp_path / "runs", "--run-id", "m",
+    )  # fmt: skip
+    assert code == 0, err
+    cfg = json.loads((tmp_path / "runs" / "m" / "run.json").read_text())["config"]
+    assert (cfg["steps"], cfg["lr"], cfg["seq_len"]) == (3, 2e-4, 48)
+    assert cfg["checkpointing"] is True and cfg["eval_every"] == 2 and cfg["eval_batches"] == 1
+    assert (tmp_path / "adapters" / "adapters.safetensors").is_file()
+    assert (tmp_path / "adapters" / "adapter_config.json").is_file()
+    assert "--num-layers 1: toy adapts all 2 layers" in out, out
+    assert "--mask-prompt: toy scores only the replies" in out
+    # --adapter-path is --output DIR/adapters.safetensors: both at once conflict.
+    code, _, err = toy_cli(
+        "train", "--recipe", "lora", "--model", data["base"], "--data", d, "--adapter-path",
+        "a", "--output", "b", "--out", tmp_path / "runs",
+    )  # fmt: skip
+    assert code == 2 and "--output and --adapter-path conflict" in err

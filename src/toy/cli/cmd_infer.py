@@ -154,9 +154,8 @@ def add_parser(sub) -> None:
         "--threads",
         type=positive_int("--threads"),
         metavar="N",
-        help="torch's CPU threads (default: torch's, one a core). Whatever the count, waiting "
-        "threads sleep rather than spin (OMP_WAIT_POLICY=PASSIVE unless you set it), which "
-        "keeps the speed when another program takes a core",
+        help="torch's CPU threads (default: one a core that other programs leave free as the "
+        "reply starts: a busy core made every token wait for the thread on it)",
     )
     p.add_argument(
         "--json",

@@ -42,7 +42,12 @@ def general_flags(recipe_names: list[str]) -> list[tuple[str, tuple[Flag, ...]]]
     run = (
         Flag("recipe", help=f"what to train: {', '.join(recipe_names)}", shown="from-scratch"),
         Flag("arch", help=f"architecture: {', '.join(registry.arch_names())}"),
-        Flag("steps", help="optimizer steps", type=_int("steps")),
+        Flag(
+            "steps",
+            help="optimizer steps (--iters: mlx_lm.lora's name)",
+            type=_int("steps"),
+            options=("--steps", "--iters"),
+        ),
         Flag(
             "epochs",
             help="passes over the training data (token windows, images or chat batches); sets "
@@ -87,12 +92,12 @@ def general_flags(recipe_names: list[str]) -> list[tuple[str, tuple[Flag, ...]]]
         ),
         Flag(
             "threads",
-            help="torch's CPU threads (each process's, with --nproc). Whatever the count, "
-            "waiting threads sleep rather than spin (OMP_WAIT_POLICY=PASSIVE unless you set it), "
-            "which keeps the speed when another program takes a core",
+            help="torch's CPU threads (each process's, with --nproc); the default is one a core "
+            "that other programs leave free, looked at as the run starts and every few seconds "
+            "(a busy core made every step wait for the thread on it)",
             type=_int("threads"),
             metavar="N",
-            shown=": torch's, one a core",
+            shown=": one a free core",
         ),
         Flag(
             "report_to",
@@ -122,8 +127,9 @@ def general_flags(recipe_names: list[str]) -> list[tuple[str, tuple[Flag, ...]]]
             help="activation checkpointing, the low-memory mode: keep only each block's input and "
             "recompute the block in backward, and give freed memory back to the OS at once. "
             "Measured on SmolLM2 LoRA (docs/performance.md): peak memory 0.59 GB instead of 2.1 "
-            "GB, steps about 2.3x slower. Every recipe",
+            "GB, steps about 2.3x slower. Every recipe (--grad-checkpoint: mlx_lm.lora's name)",
             type=bool,
+            options=("--checkpointing", "--grad-checkpoint"),
             shown=NO_DEFAULT,
         ),
         Flag(
@@ -190,7 +196,12 @@ def general_flags(recipe_names: list[str]) -> list[tuple[str, tuple[Flag, ...]]]
             help="micro-batches per optimizer step; the loss is normalised over all of them",
             type=_int("grad_accum"),
         ),
-        Flag("lr", help="peak learning rate", type=finite_float),
+        Flag(
+            "lr",
+            help="peak learning rate (--learning-rate: mlx_lm.lora's name)",
+            type=finite_float,
+            options=("--lr", "--learning-rate"),
+        ),
         Flag("min_lr", help="final learning rate of the cosine decay", type=finite_float),
         Flag(
             "warmup",
@@ -201,11 +212,18 @@ def general_flags(recipe_names: list[str]) -> list[tuple[str, tuple[Flag, ...]]]
         Flag("clip", help="gradient norm clip, 0 disables", type=finite_float),
         Flag(
             "eval_every",
-            help="validation every N steps; it also runs before step 1 and at the end",
+            help="validation every N steps; it also runs before step 1 and at the end "
+            "(--steps-per-eval: mlx_lm.lora's name)",
             type=nonneg_int,
+            options=("--eval-every", "--steps-per-eval"),
             shown="0: only those",
         ),
-        Flag("eval_batches", help="validation batches per eval", type=_int("eval_batches")),
+        Flag(
+            "eval_batches",
+            help="validation batches per eval (--val-batches: mlx_lm.lora's name)",
+            type=_int("eval_batches"),
+            options=("--eval-batches", "--val-batches"),
+        ),
         Flag(
             "save_every",
             help="checkpoint every N steps; the last step is always checkpointed",

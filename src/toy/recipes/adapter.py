@@ -120,12 +120,43 @@ def adapter_flags(data_help: str) -> tuple[Flag, ...]:
         ),
         Flag(
             "seq_len",
-            options=("--max-seq-len",),
+            options=("--max-seq-len", "--max-seq-length"),
             type=int,
-            help="alias of --seq-len",
+            help="aliases of --seq-len (--max-seq-length: mlx_lm.lora's name)",
             shown="512 for the adapter recipes",
         ),
+        # mlx_lm.lora's own flags, so that its command line runs as it is (README: "Flags
+        # from mlx-lm"); where toy reads one differently, load_adapted says so in a note.
+        Flag(
+            "adapter_path",
+            metavar="DIR",
+            help="mlx_lm.lora's: the adapter for mlx-lm goes to DIR/adapters.safetensors, its "
+            "adapter_config.json beside it (as --output DIR/adapters.safetensors)",
+            shown=": none",
+        ),
+        Flag("train", help="mlx_lm.lora's: toy train always trains", type=bool, shown=""),
+        Flag(
+            "mask_prompt",
+            help="mlx_lm.lora's: the loss on the replies only, which toy always does for "
+            "conversations and prompt/completion data",
+            type=bool,
+            shown="",
+        ),
+        Flag(
+            "num_layers",
+            type=int,
+            help="mlx_lm.lora's: toy adapts every layer; another count is noted, not applied",
+            shown=": every layer",
+        ),
     )
+
+
+def output_of(cfg: RunConfig) -> str | None:
+    """Where the final adapter is also written: --output, or mlx_lm.lora's --adapter-path
+    DIR as DIR/adapters.safetensors."""
+    if cfg.output:
+        return cfg.output
+    return os.path.join(cfg.adapter_path, "adapters.safetensors") if cfg.adapter_path else None
 
 
 def resolve_model(cfg: RunConfig, project: Project) -> Path:
@@ -199,8 +230,11 @@ def check_adapter_opts(cfg: RunConfig) -> list[str]:
         )
     if cfg.val_data and not Path(cfg.val_data).is_file():
         p.append(f"--val-data {cfg.val_data} not found; give a JSONL file")
-    if cfg.output:
-        p += [why] if (why := output_problem(cfg.output)) else []
+    if cfg.output and cfg.adapter_path:
+        p.append("--output and --adapter-path conflict: give one (--adapter-path DIR is "
+                 "--output DIR/adapters.safetensors)")  # fmt: skip
+    if output_of(cfg):
+        p += [why] if (why := output_problem(output_of(cfg))) else []
     return p
 
 
@@ -299,10 +333,27 @@ class Adapted:
         )
 
 
+def mlx_lm_notes(cfg: RunConfig, depth: int) -> list[str]:
+    """What toy does with mlx_lm.lora's flags that it reads differently."""
+    notes = []
+    if cfg.num_layers is not None and cfg.num_layers not in (-1, depth):
+        notes.append(
+            f"--num-layers {cfg.num_layers}: toy adapts all {depth} layers (mlx-lm would adapt "
+            f"the last {min(cfg.num_layers, depth)}); the adapter has more parameters"
+        )
+    if cfg.mask_prompt:
+        notes.append(
+            "--mask-prompt: toy scores only the replies of conversations and prompt/completion "
+            'data anyway ({"text"} lines are scored whole)'
+        )
+    return notes
+
+
 def load_adapted(cfg: RunConfig, project: Project, recipe: str) -> Adapted:
     """The base --model names (or the project's default), held as --base-dtype asks, with
     adapters on --targets; --seq-len lowered to the base's context."""
-    if cfg.output and (why := output_problem(cfg.output)):  # a resumed run skips the checks
+    output = output_of(cfg)
+    if output and (why := output_problem(output)):  # a resumed run skips the checks
         raise UsageError(why)
     # Absolute: run.json, adapter_config.json and `toy infer --run` / `toy export` find the
     # base from any folder (model_sha256 below notices a file changed since).
@@ -342,8 +393,9 @@ def load_adapted(cfg: RunConfig, project: Project, recipe: str) -> Adapted:
             f"--seq-len {seq_len} lowered to the model's context {base.config.max_seq_len}"
         )
         seq_len = base.config.max_seq_len
-    if cfg.output:  # the done line names final/ only: say here where the copy goes
-        notes.append(output_note(cfg.output))
+    if output:  # the done line names final/ only: say here where the copy goes
+        notes.append(output_note(output))
+    notes += mlx_lm_notes(cfg, base.config.n_layer)
     config = {
         "recipe": recipe,
         "arch": base.arch,
@@ -388,16 +440,15 @@ def adapter_saver(cfg: RunConfig, a: Adapted) -> Callable[[Path], None]:
             base_model_name_or_path=str(a.model_path),
         )
         tok.save(str(out / "tokenizer.json"))
-        if cfg.output:
+        output = output_of(cfg)
+        if output:
             # Checked again now: PATH may have changed since the start, or be this very
             # run's directory (its name was not known then). final/ is written already.
-            why = output_problem(cfg.output)
+            why = output_problem(output)
             if why:
                 raise InputError(f"{why}; the adapter is in {out}, not copied")
-            dest = Path(os.path.abspath(cfg.output))
-            if cfg.output.endswith(
-                ".safetensors"
-            ):  # mlx-lm's trainer's --output: its adapter, there
+            dest = Path(os.path.abspath(output))
+            if output.endswith(".safetensors"):  # mlx-lm's trainer's --output: its adapter, there
                 save_mlx_adapter(
                     dest.parent,
                     sd,
