@@ -213,7 +213,7 @@ $TOY train --lerning-rate 1 > mistake.txt 2>&1
 rc=$?
 set -e
 [ "$rc" = 2 ] || fail "a misspelt flag exited $rc, not 2"
-expect "did you mean --lr" mistake.txt
+expect "did you mean --learning-rate" mistake.txt
 [ "$(wc -l < mistake.txt)" -le 2 ] || fail "a misspelt flag printed more than 2 lines"
 
 step "done: the README walk passed in $((SECONDS - T0)) s"

@@ -14,8 +14,8 @@ class Cores:
 
     Why toy watches: with one of two cores taken by another process, torch's threads (each
     parallel region waiting for the thread whose core is shared) collapsed a LoRA step on
-    SmolLM2 to 0.26x its quiet speed and a packed reply to 0.36-0.40x, where one thread
-    kept 0.6x and 1.0x (a 2-core Zen 4, docs/performance.md, "A busy machine"). OpenMP's
+    SmolLM2 to 0.26x its quiet speed and a packed reply to 0.31-0.40x, where one thread
+    kept 0.6x and 0.8x (a 2-core Zen 4, docs/performance.md, "A busy machine"). OpenMP's
     sleeping waits (OMP_WAIT_POLICY=PASSIVE) saved the LoRA step but cost a packed reply
     81% and a GRPO step 28% on a quiet machine: fewer threads is the remedy that costs
     nothing when the machine is quiet. Elsewhere (no /proc/stat) it sees nothing."""
