@@ -97,3 +97,15 @@ def pytest_collection_modifyitems(config, items):
         return (0 if module in slow else 1, first)
 
     items.sort(key=rank)
+
+
+@pytest.fixture(scope="session")
+def small_corpus(tmp_path_factory):
+    """One bundled play, prepped by the real CLI with a 300-token BPE: the smallest real
+    corpus a `toy train --preset tiny` run can take."""
+    from toy.data.prep import bundled_text_paths
+
+    d = tmp_path_factory.mktemp("small-corpus")
+    r = run_toy("prep", bundled_text_paths()[0], "--out", d / "c.bin", "--vocab-size", "300")
+    assert r.returncode == 0, r.stderr
+    return d / "c.bin"

@@ -11,17 +11,12 @@ import os
 import pytest
 from conftest import run_toy
 
-from toy.data.prep import bundled_text_paths
-
 TINY = ["--preset", "tiny", "--batch-size", "4", "--seq-len", "32", "--eval-batches", "1"]
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    d = tmp_path_factory.mktemp("report")
-    r = run_toy("prep", bundled_text_paths()[0], "--out", d / "c.bin", "--vocab-size", "300")
-    assert r.returncode == 0, r.stderr
-    return d / "c.bin"
+@pytest.fixture
+def corpus(small_corpus):
+    return small_corpus
 
 
 def scalars(run_dir) -> dict[str, list[tuple[int, float]]]:

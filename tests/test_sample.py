@@ -24,10 +24,10 @@ from toy.models.sample import Completion, sample_group, sample_groups  # noqa: E
 PROMPT = [5, 17, 42, 9, 81, 7]  # ids every tiny vocabulary has (gemma's is 96)
 
 
-def tiny_gemma():
-    """The registry's tiny Gemma (soft-capped logits and attention, local/global layers),
-    with weights large enough that its logits are far from ties."""
-    fam = registry.family("gemma")
+def family_model(name):
+    """The registry's tiny model of a family, weights large enough that its logits are far
+    from ties (Gemma's: soft-capped attention, local windows of 8 positions)."""
+    fam = registry.family(name)
     torch.manual_seed(0)
     model = fam.model(fam.config(**fam.tiny))
     with torch.no_grad():
@@ -35,6 +35,11 @@ def tiny_gemma():
             if p.dim() == 2:
                 p.normal_(0.0, 0.15)
     return model.eval()
+
+
+def tiny_gemma():
+    """The registry's tiny Gemma (soft-capped logits and attention, local/global layers)."""
+    return family_model("gemma")
 
 
 def greedy(model, prompt, max_new, stop_ids=frozenset()) -> list[int]:
@@ -261,19 +266,6 @@ def test_under_autocast_the_rows_follow_the_callers_dtype():
     assert [r.ids for r in rows] == [want] * 2
     assert recorded[0].dtype == torch.bfloat16
     assert math.isfinite(float(recorded[-1].float().sum()))
-
-
-def family_model(name):
-    """The registry's tiny model of a family, weights large enough that its logits are far
-    from ties (Gemma's: soft-capped attention, local windows of 8 positions)."""
-    fam = registry.family(name)
-    torch.manual_seed(0)
-    model = fam.model(fam.config(**fam.tiny))
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0.0, 0.15)
-    return model.eval()
 
 
 # Lengths 6, 3, 11 and 1: the shorter prompts' rows are left-padded by up to 10 slots, more

@@ -15,7 +15,6 @@ import torch
 from conftest import run_toy
 
 from toy import cores
-from toy.data.prep import bundled_text_paths
 from toy.train import device
 
 TINY = ["--preset", "tiny", "--batch-size", "4", "--seq-len", "32", "--eval-batches", "1"]
@@ -25,12 +24,9 @@ LINUX = pytest.mark.skipif(
 )
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    d = tmp_path_factory.mktemp("threads")
-    r = run_toy("prep", bundled_text_paths()[0], "--out", d / "c.bin", "--vocab-size", "300")
-    assert r.returncode == 0, r.stderr
-    return d / "c.bin"
+@pytest.fixture
+def corpus(small_corpus):
+    return small_corpus
 
 
 def test_others_is_busy_time_less_our_own():

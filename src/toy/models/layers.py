@@ -214,6 +214,23 @@ class serial:
         return False
 
 
+def _one_token_cpu(q, k, v, mask, gqa: bool, scale) -> torch.Tensor:
+    """One new token's attention on a CPU (a decode step), `mask` None or (B, 1, 1, S): a
+    few microseconds of work, so no parallel region (see serial), and in float32: the CPU's
+    bf16 SDPA ran ~8x slower than float32 here (8 rows over 100 keys: 552 against 76 us, a
+    Zen 4), and the softmax belongs in float32 anyway (DESIGN: precision)."""
+    with serial():
+        if q.dtype == torch.float32:
+            return F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, enable_gqa=gqa, scale=scale
+            )
+        with torch.autocast("cpu", enabled=False):
+            o = F.scaled_dot_product_attention(
+                q.float(), k.float(), v.float(), attn_mask=mask, enable_gqa=gqa, scale=scale
+            )
+        return o.to(q.dtype)
+
+
 def attend(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -248,17 +265,7 @@ def attend(
             # Every key is seen: a whole prompt causally, or one new token (a decode step) all
             # of them.
             if T == 1 and q.device.type == "cpu":
-                with serial():  # a few microseconds of work: no parallel region (see serial)
-                    if q.dtype == torch.float32:
-                        return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa, scale=scale)
-                    # A one-token query in bf16: the CPU's bf16 SDPA ran ~8x slower than
-                    # float32 here (8 rows over 100 keys: 552 against 76 us, a Zen 4), and
-                    # the softmax belongs in float32 anyway (DESIGN: precision).
-                    with torch.autocast("cpu", enabled=False):
-                        o = F.scaled_dot_product_attention(
-                            q.float(), k.float(), v.float(), enable_gqa=gqa, scale=scale
-                        )
-                    return o.to(q.dtype)
+                return _one_token_cpu(q, k, v, None, gqa, scale)
             return F.scaled_dot_product_attention(
                 q, k, v, is_causal=T > 1, enable_gqa=gqa, scale=scale
             )
@@ -272,11 +279,7 @@ def attend(
     if pad is not None:  # no row sees its empty slots
         m = m & (kpos >= pad[:, None])[:, None, None, :]  # (B, 1, T, S)
         if T == 1 and not softcap and q.device.type == "cpu":
-            with serial(), torch.autocast("cpu", enabled=False):  # as the unpadded step above
-                o = F.scaled_dot_product_attention(
-                    q.float(), k.float(), v.float(), attn_mask=m, enable_gqa=gqa, scale=scale
-                )
-            return o.to(q.dtype)
+            return _one_token_cpu(q, k, v, m, gqa, scale)
     if softcap:
         if gqa:
             k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
