@@ -1,12 +1,16 @@
 """--report-to tensorboard: the run's figures as TensorBoard scalars, read back with
 TensorBoard's own event reader, the same numbers as events.jsonl; a resume purges what an
 earlier life wrote past its checkpoint; the gradient norm on every step; a missing package
-is one line, exit 2, before any work."""
+is one line, exit 2, before any work. --report-to trackio: the same, read back with trackio's
+own storage, and nothing sent anywhere."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
+import subprocess
+import sys
 
 import pytest
 from conftest import run_toy
@@ -66,6 +70,103 @@ def test_without_the_package_one_line_and_nothing_made(corpus, tmp_path):
     assert not (tmp_path / "runs").exists()
     r = run_toy("train", "--report-to", "wandb")
     assert r.returncode == 2 and "--report-to" in r.stderr
+
+
+def trackio_logs(run_dir) -> dict[str, list[tuple[int, float]]]:
+    """The run's figures as trackio's own storage reads them, a list a name. In a process of
+    its own: trackio takes its storage directory from TRACKIO_DIR once, when first imported."""
+    code = (
+        "import json, sys\n"
+        "from trackio.sqlite_storage import SQLiteStorage as S\n"
+        "print(json.dumps([S.get_logs(sys.argv[1], sys.argv[2]), S.get_runs(sys.argv[1])]))"
+    )
+    env = {**os.environ, "TRACKIO_DIR": str(run_dir / "trackio")}
+    r = subprocess.run([sys.executable, "-c", code, run_dir.parent.name, run_dir.name],
+                       env=env, capture_output=True, text=True)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    rows, runs = json.loads(r.stdout)
+    assert runs == [run_dir.name]  # a resume goes on in the same trackio run
+    got: dict[str, list[tuple[int, float]]] = {}
+    for row in rows:
+        for key, value in row.items():
+            if "/" in key:
+                got.setdefault(key, []).append((row["step"], value))
+    return got
+
+
+NET = """import os, socket
+def note(what):
+    with open(os.environ["TOY_TEST_NETLOG"], "a") as f:
+        f.write(what + "\\n")
+connect, getaddrinfo = socket.socket.connect, socket.getaddrinfo
+def watched_connect(self, addr):
+    if self.family != socket.AF_UNIX:
+        note(f"connect {addr}")
+    return connect(self, addr)
+def watched_getaddrinfo(host, *a, **k):
+    note(f"getaddrinfo {host}")
+    return getaddrinfo(host, *a, **k)
+socket.socket.connect, socket.getaddrinfo = watched_connect, watched_getaddrinfo
+"""
+
+
+def test_trackio_logs_the_runs_figures_locally_and_a_resume_purges(corpus, tmp_path):
+    """trackio's store under the run directory holds the figures of events.jsonl. Nothing is
+    looked up or connected to, though a Hub token (trackio asks the Hub for its user's name)
+    and a Space (trackio would send there) are set. A run cut after step 4 before its
+    checkpoint, resumed from step 2 with more steps (another LR schedule), holds each step
+    once and the numbers of the life that went on."""
+    pytest.importorskip("trackio")
+    net = tmp_path / "net"
+    net.mkdir()
+    (net / "sitecustomize.py").write_text(NET)  # every lookup and connection, noted
+    env = {
+        "PYTHONPATH": os.pathsep.join([str(net), *filter(None, [os.environ.get("PYTHONPATH")])]),
+        "TOY_TEST_NETLOG": str(tmp_path / "net.log"),
+        "HF_TOKEN": "hf_not_a_real_token",
+        "HF_HUB_OFFLINE": "0",  # as a user has it (conftest.py sets it for the suite)
+        "TRANSFORMERS_OFFLINE": "0",
+        "TRACKIO_SPACE_ID": "nobody/toy-test",
+    }
+    out = tmp_path / "runs"
+    r = run_toy("train", "--corpus", corpus, *TINY, "--out", out, "--run-id", "tk", "--steps",
+                "4", "--eval-every", "2", "--save-every", "2", "--report-to", "trackio",
+                "--json", env=env)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert json.loads(r.stdout)["run_id"] == "tk"  # trackio's own lines kept off stdout
+    run = out / "tk"
+
+    def by_step(key: str) -> dict[int, float]:  # the last life's numbers, a step
+        recs = [json.loads(x) for x in (run / "events.jsonl").read_text().splitlines()]
+        return {e["step"]: e[key] for e in recs if e["event"] == "step"}
+
+    got = trackio_logs(run)
+    for key in ("loss", "lr", "grad_norm"):
+        assert [s for s, _ in got[f"train/{key}"]] == [1, 2, 3, 4]
+        assert dict(got[f"train/{key}"]) == pytest.approx(by_step(key), 1e-6)
+    assert "train/peak_mem_gb" in got and "train/tokens_per_s" in got
+    assert [s for s, _ in got["eval/loss"]] == [0, 2, 4]
+    shutil.rmtree(run / "checkpoints" / "step-000004")  # as if killed before it was written
+    r = run_toy("train", "--resume", run, "--steps", "6", env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    got = trackio_logs(run)
+    assert [s for s, _ in got["train/loss"]] == [1, 2, 3, 4, 5, 6]
+    assert dict(got["train/loss"]) == pytest.approx(by_step("loss"), 1e-6)
+    assert [s for s, _ in got["eval/loss"]] == [0, 2, 4, 6]
+    assert not (tmp_path / "net.log").exists(), (tmp_path / "net.log").read_text()
+
+
+def test_without_trackio_one_line_and_nothing_made(corpus, tmp_path):
+    fake = tmp_path / "fake"
+    fake.mkdir()
+    # None in sys.modules: `import trackio` fails and importlib finds no trackio
+    (fake / "sitecustomize.py").write_text("import sys\nsys.modules['trackio'] = None\n")
+    path = os.pathsep.join([str(fake), *filter(None, [os.environ.get("PYTHONPATH")])])
+    r = run_toy("train", "--corpus", corpus, *TINY, "--steps", "1", "--out", tmp_path / "runs",
+                "--report-to", "trackio", env={"PYTHONPATH": path})  # fmt: skip
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert "pip install trackio" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "runs").exists()
 
 
 def test_plot_draws_the_panels_and_watch_redraws_until_the_run_ends(corpus, tmp_path):

@@ -102,8 +102,10 @@ def general_flags(recipe_names: list[str]) -> list[tuple[str, tuple[Flag, ...]]]
         Flag(
             "report_to",
             help="also write the run's figures for a tracker: tensorboard (the run's "
-            "tensorboard/, `tensorboard --logdir runs/`; needs `pip install tensorboard`) or "
-            "none. events.jsonl and `toy plot` have them either way",
+            "tensorboard/, `tensorboard --logdir runs/`; needs `pip install tensorboard`), "
+            "trackio (the run's trackio/, `TRACKIO_DIR=runs/<run>/trackio trackio show`; "
+            "needs `pip install trackio`) or none. events.jsonl and `toy plot` have them "
+            "either way",
             choices=REPORT_TO,
             shown="none",
         ),
