@@ -38,7 +38,16 @@ KINDS = [
     ("attention", ("scaled_dot_product",)),
     (
         "optimizer",
-        ("addcdiv", "addcmul", "lerp", "_foreach", "sqrt", "linalg_vector_norm", "clamp"),
+        (
+            "addcdiv",
+            "addcmul",
+            "lerp",
+            "_foreach",
+            "_fused_adam",
+            "sqrt",
+            "linalg_vector_norm",
+            "clamp",
+        ),
     ),
     ("loss", ("logsumexp", "log_softmax", "exp_", "scatter_add", "gather", "nll_loss")),
 ]
@@ -166,7 +175,9 @@ def toy_step(what: str, compile: bool, precision: str = "float32"):
     model = job.model
     if compile:
         print(compile_blocks(model, torch.device("cpu")))
-    opt = make_adamw(job.trainable(), 1e-4, 0.0, job.params_decay)
+    opt = make_adamw(
+        job.trainable(), 1e-4, 0.0, job.params_decay, fused=precision == "bf16"
+    )  # as the loop makes it
 
     def step(k: int) -> int:
         b = job.micro_batch(k)

@@ -19,6 +19,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_autocast_enabled(x.device.type) and not torch.compiler.is_compiling():
+            return _RMSNormCast.apply(x, self.weight, self.eps, compute_dtype(x))
         # Normalise in float32 even under autocast: the mean of squares underflows in bf16.
         dtype = x.dtype
         x = x.float()
@@ -27,6 +29,40 @@ class RMSNorm(nn.Module):
         # Under autocast the output goes to matmuls that take it in the compute dtype: cast
         # here once, not once per consumer (q, k, v and LoRA's A each cast it again).
         return y.to(compute_dtype(y))
+
+
+class _RMSNormCast(torch.autograd.Function):
+    """RMSNorm under autocast: the forward is RMSNorm.forward's ops (the same bits); the
+    backward keeps x and each row's 1/rms only and works in float32 from them, where
+    autograd's graph kept the float32 normalised x too and cast the gradient up and down
+    around each of the forward's casts (a bf16 residual stream: three each way a norm)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps: float, out_dtype: torch.dtype) -> torch.Tensor:
+        xf = x.float()
+        r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        xn = (xf * r).to(x.dtype)
+        ctx.save_for_backward(x, weight, r)
+        # (not torch.mul(..., out=) a bf16 tensor: a mixed-dtype out takes TensorIterator's
+        # scalar casting loop, ten times slower than the product and a cast)
+        return (weight * xn).to(out_dtype)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        x, weight, r = ctx.saved_tensors
+        xhat = x.float() * r
+        gf = g.float()
+        grad_w = None
+        if ctx.needs_input_grad[1]:  # a trained norm: sum of g * (x / rms, rounded as forward)
+            xn = xhat.to(x.dtype) if x.dtype != torch.float32 else xhat
+            grad_w = (gf * xn).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            # d/dx of x r, r = (mean(x^2) + eps)^-1/2: r (gn - xhat mean(gn xhat)), gn = g w
+            gn = gf.mul_(weight)
+            dot = (gn * xhat).mean(-1, keepdim=True)
+            grad_x = gn.sub_(xhat.mul_(dot)).mul_(r).to(x.dtype)
+        return grad_x, grad_w, None, None
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:

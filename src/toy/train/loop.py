@@ -220,7 +220,16 @@ class Trainer:
         self.names = {id(p): n for n, p in self.named}
         self.by_name = dict(self.named)
         self.opt = make_adamw(
-            self.named, cfg.lr, cfg.weight_decay, job.params_decay, lr_scale=job.lr_scale
+            self.named,
+            cfg.lr,
+            cfg.weight_decay,
+            job.params_decay,
+            lr_scale=job.lr_scale,
+            # bf16 runs take the fused kernel (float32 keeps foreach's bits); FSDP's
+            # DTensor shards stay on foreach
+            fused=self.precision.name == "bf16"
+            and self.fsdp is None
+            and self.device.type in ("cpu", "cuda"),
         )
         self.schedule = Schedule(cfg.lr, cfg.min_lr, cfg.warmup, cfg.steps)
         self.res = TrainResult()

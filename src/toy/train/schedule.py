@@ -116,12 +116,17 @@ def make_adamw(
     betas=(0.9, 0.95),
     eps=1e-8,
     lr_scale=None,
+    fused: bool = False,
 ) -> torch.optim.AdamW:
     """AdamW with a group for weights that decay (matrices, embeddings) and one for those
     that don't (biases, norm gains), as in GPT-2/nanoGPT; `lr_scale(name)` (default 1)
     splits further: each group's "lr_scale" multiplies the schedule's LR (a resume keeps
     it: checkpoint.load_optimizer checks the saved groups hold the same parameters).
-    foreach: measured as fast as fused on CPU (docs/performance.md)."""
+    `fused`: torch's fused kernel, one pass a parameter (a bf16 run's: on a CPU 4 ms
+    against foreach's 34 for the 14M-parameter gpt2 bench model, a Zen 4, torch 2.13);
+    foreach otherwise, as float32 runs always had it: fused rounds its update a little
+    differently, and a float32 run's losses stay the bits they were
+    (docs/performance.md, "The non-matmul half")."""
     groups: dict[tuple[bool, float], list] = {}
     for name, p in named_params:
         key = (bool(decay_rule(name, p)), float(lr_scale(name)) if lr_scale is not None else 1.0)
@@ -137,5 +142,6 @@ def make_adamw(
         lr=lr,
         betas=betas,
         eps=eps,
-        foreach=True,
+        foreach=None if fused else True,
+        fused=True if fused else None,
     )
