@@ -218,7 +218,7 @@ def run_pairs(base, tmp_path, recipe, *extra):
 
 
 def test_step0_dpo_loss_is_log2_and_the_reference_runs_once_a_pair(base, tmp_path):
-    o = run_pairs(base, tmp_path, "dpo", ("epochs", 2))
+    o = run_pairs(base, tmp_path, "dpo", ("epochs", 2), ("sft_weight", 0.0))
     # 60 pairs: 3 held out, 57 train in 15 batches of 4; 2 epochs = 30 steps.
     assert o.cfg.steps == 30
     assert o.res.val_losses[0]["loss"] == pytest.approx(math.log(2), abs=1e-7)
@@ -228,6 +228,48 @@ def test_step0_dpo_loss_is_log2_and_the_reference_runs_once_a_pair(base, tmp_pat
     # the held-out ones, though they are evaluated at step 0 and at the end.
     assert o.built.job.references.computed == 57 + 3
     assert o.res.metrics[-1]["pref_accuracy"] > o.res.metrics[0]["pref_accuracy"]
+
+
+def test_dpo_and_orpo_default_to_three_epochs_that_a_given_steps_replaces(base, tmp_path):
+    """Issue 47 item 5: three passes over a small set by default (57 training pairs, 4 a
+    step: 15 steps an epoch), at the recipe's own LR; --steps replaces the epochs."""
+    for recipe, lr in (("dpo", 1e-3), ("orpo", 2e-3)):
+        cli = dict(recipe=recipe, model=str(base["gguf"]), data=str(base["pairs"]), seq_len=64)
+        cfg = resolve_config(cli)
+        assert (cfg.epochs, cfg.lr) == (3, lr)
+        assert resolve_config({**cli, "steps": 2}).epochs is None
+    from toy.recipes import load_recipe, recipe_names
+    from toy.runs import Project
+    from toy.train.run import new_run
+
+    recipes = {n: load_recipe(n) for n in recipe_names()}
+    cli = dict(recipe="orpo", model=str(base["gguf"]), data=str(base["pairs"]), seq_len=64)
+    o = new_run(cli, Project(root=None), recipes, out=str(tmp_path), json_mode=True)
+    assert o.cfg.steps == 45 and o.cfg.lr == 2e-3
+    assert not any("too short" in n for n in o.built.notes)  # the recipe's own schedule
+    o = run_pairs(base, tmp_path / "b", "orpo", ("steps", 2))
+    assert o.cfg.steps == 2
+
+
+def resolve_config(cli):
+    from toy.recipes import load_recipe, recipe_names
+    from toy.runs import Project
+    from toy.train.run import resolve_config as resolve
+
+    return resolve(cli, Project(root=None), {n: load_recipe(n) for n in recipe_names()})
+
+
+def test_sft_weight_adds_the_chosen_nll_linearly_to_dpos_loss(base, tmp_path):
+    """--sft-weight W: the step-0 held-out loss is log 2 plus W times one positive NLL (the
+    same for W = 0.5 and 1: linear in W), the term test_dpo_logprobs_and_loss_equal_trls
+    checks against TRL's "sft" loss type."""
+    val = {}
+    for w in (0.0, 0.5, 1.0):
+        o = run_pairs(base, tmp_path / str(w), "dpo", ("steps", 1), ("sft_weight", w))
+        val[w] = o.res.val_losses[0]["loss"]
+    assert val[0.0] == pytest.approx(math.log(2), abs=1e-7)
+    nll = val[1.0] - val[0.0]
+    assert nll > 0.5 and val[0.5] - val[0.0] == pytest.approx(nll / 2, rel=1e-5)
 
 
 def test_trained_pairs_run_infer_and_export_like_a_lora_run(base, toy_cli, tmp_path):
@@ -389,6 +431,23 @@ def test_dpo_logprobs_and_loss_equal_trls():
             assert float(ours) == pytest.approx(float(theirs), abs=1e-4)
             assert float(rc) == pytest.approx(m["rewards/chosen"][-1], abs=1e-4)
             assert float(rr) == pytest.approx(m["rewards/rejected"][-1], abs=1e-4)
+    # --sft-weight W (RPO): TRL's loss_type ["sigmoid", "sft"] with loss_weights [1, W],
+    # the sft term the chosen answer's mean token NLL; as toy's dpo recipe adds it
+    trainer.loss_types, trainer.loss_weights, trainer.label_smoothing = (
+        ["sigmoid", "sft"],
+        [1.0, 0.7],
+        0.0,
+    )
+    for j, e in enumerate(enc):
+        (p, c), (_, r) = split(e.chosen), split(e.rejected)
+        inputs = trainer.data_collator([{"prompt_ids": p, "chosen_ids": c, "rejected_ids": r}])
+        with torch.no_grad():
+            theirs = trainer._compute_loss(peft, inputs, False)
+        dpo, _, _ = dpo_loss(
+            pi[j : j + 1], pi[n + j : n + j + 1], ref[j : j + 1], ref[n + j : n + j + 1]
+        )
+        ours = dpo + 0.7 * (-pi[j] / batch["n_ans"][j])
+        assert float(ours) == pytest.approx(float(theirs), abs=1e-4)
 
 
 def test_orpo_logprobs_and_loss_equal_trls():

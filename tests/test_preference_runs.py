@@ -87,9 +87,11 @@ def train_resume(toy_cli, recipe: str, base: Path, pairs: Path, out: Path) -> Pa
     """`toy train --recipe RECIPE` on `base`, checked as a user would read it (DPO's first
     loss log 2, the held-out preference accuracy at every evaluation), then resumed from
     its step-3 checkpoint in a copy: the same losses."""
+    pure = ["--sft-weight", "0"] if recipe == "dpo" else []  # DPO alone: its first loss log 2
     code, out_, err = toy_cli(
-        "train", "--recipe", recipe, "--model-path", base, "--data", pairs, "--out", out, *TRAIN
-    )
+        "train", "--recipe", recipe, "--model-path", base, "--data", pairs, "--out", out,
+        *TRAIN, *pure,
+    )  # fmt: skip
     assert code == 0, err
     res = result(out_)
     run = Path(res["run_dir"])
@@ -219,6 +221,8 @@ def test_ddp_two_processes_give_one_process_losses_and_figures(gguf, pairs, tmp_
         pairs,
         *TRAIN,
         "--dropout",
+        "0",
+        "--sft-weight",
         "0",
         "--out",
         tmp_path,

@@ -24,9 +24,10 @@ from gguf_fixtures import smollm2_gguf  # noqa: E402,F401
 from test_real_dirs import smol_dirs  # noqa: E402,F401
 
 OPENING = "Verily"
-STEPS = 6  # the walk's settings (docs/results.md, "Preference tuning")
-TRAIN = ["--steps", str(STEPS), "--lr", "6e-3", "--warmup", "0", "--beta", "0.1"]
-TRAIN += ["--batch-size", "4", "--seq-len", "96", "--eval-every", "6", "--eval-batches", "3"]
+# The README's line: dpo's defaults (3 epochs of the 68 pairs, 4 a step, --lr 1e-3,
+# --sft-weight 1; docs/results.md, "Preference defaults for small sets")
+STEPS = 51
+TRAIN = ["--seq-len", "96", "--eval-batches", "3"]
 NEW = 6  # tokens enough to read the opening word
 
 pytestmark = [
@@ -129,7 +130,7 @@ def test_dpo_on_smollm2_learns_the_chosen_style_and_every_client_answers_in_it(
     record_property("val_losses", [(v["step"], round(v["loss"], 4)) for v in res["val_losses"]])
     record_property("train_s", round(train_s, 1))
     # Before the first step every margin is 0 (the adapter starts at zero): a tie.
-    assert acc[0] == (0, 0.0) and res["val_losses"][0]["loss"] == pytest.approx(0.693147, abs=1e-6)
+    assert acc[0] == (0, 0.0) and res["metrics"][0]["margin"] == 0.0
     assert acc[-1][0] == STEPS <= 100 and acc[-1][1] >= 0.9, acc
 
     run = runs / "dpo"

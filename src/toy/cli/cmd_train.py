@@ -92,6 +92,13 @@ def recipe_parser(prog: str, name: str) -> argparse.ArgumentParser:
             shown = None if f.shown is not None or value is None else str(value)
             if f.shown is None and f.key == "seq_len" and value is None:
                 shown = "the preset context"
+            epochs = recipe.defaults.get("epochs")
+            if epochs is not None and f.key in ("steps", "epochs"):  # dpo, orpo: 3 passes
+                shown = (
+                    f"those of --epochs {epochs}"
+                    if f.key == "steps"
+                    else f"{epochs}; a --steps given replaces it"
+                )
             args, kw = f.argparse(shown)
             g.add_argument(*args, **kw)
     if recipe.flags:

@@ -10,6 +10,7 @@ from toy.recipes.pairs import (
     PAIR_DEFAULTS,
     PAIR_FIGURES,
     PAIR_FLAGS,
+    SMALL_SET_EPOCHS,
     answer_logps,
     batches_unit,
     build_pairs,
@@ -31,6 +32,7 @@ FLAGS = (
         must="be >= 0",
     ),
 )
+DEFAULTS = {**PAIR_DEFAULTS, "lr": 2e-3, "min_lr": 2e-4, "epochs": SMALL_SET_EPOCHS}
 
 
 def build(cfg: RunConfig, project: Project) -> Built:
@@ -51,7 +53,7 @@ def build(cfg: RunConfig, project: Project) -> Built:
 RECIPE = Recipe(
     "orpo",
     build,
-    defaults=PAIR_DEFAULTS,
+    defaults=DEFAULTS,
     flags=FLAGS,
     check=check_pair_opts,
     batch_unit=batches_unit,

@@ -41,6 +41,11 @@ from toy.train.job import Built, Job
 from toy.train.recipe import Figure
 
 PAIR_DEFAULTS = {**ADAPTER_DEFAULTS, "batch_size": 4, "lr": 5e-5, "min_lr": 5e-6}
+# DPO's and ORPO's own: three passes over a small user set (20-80 pairs) at an LR that
+# moves it, chosen on SmolLM2-135M over a "prefix" set, a "terse answers" set and the
+# bundled pairs (docs/results.md, "Preference defaults for small sets"); a --steps given
+# anywhere replaces the epochs.
+SMALL_SET_EPOCHS = 3
 DATA_HELP = (
     'preference pairs, one JSON object a line (TRL\'s forms): {"prompt", "chosen", "rejected"} '
     'strings, the same with lists of {"role", "content"} messages, or {"chosen": [messages], '

@@ -201,6 +201,9 @@ def resolve(
         out[key] = v
     out.update({k: v for k, v in cli.items() if v is not None and k in out})
     out["recipe"] = recipe
+    steps_given = cli.get("steps") is not None or "steps" in table
+    if steps_given and cli.get("epochs") is None and "epochs" not in table:
+        out["epochs"] = None  # a recipe's default epochs yield to a --steps given anywhere
     if out.get("epochs") is not None and cli.get("steps") is None:
         out["steps"] = None  # the recipe counts the steps of --epochs from the data
     return RunConfig.build(out)

@@ -134,12 +134,18 @@ def _stopped_at_once(run_dir: Path, in_flight: int | None) -> str:
 
 
 def fit_schedule(
-    cfg: RunConfig, notes: list[str], default_lr: float | None = None, warmup_given: bool = True
+    cfg: RunConfig,
+    notes: list[str],
+    default_lr: float | None = None,
+    warmup_given: bool = True,
+    default_schedule: bool = False,
 ) -> RunConfig:
     """Keep the warmup within 10% of the run (a 2-step run spent entirely warming up
     learns nothing; said only of a --warmup the user gave, not of a default), and warn of a
     run too short to learn at the recipe's default LR (a short run with a raised --lr, as
-    README's LoRA example, is a choice, not a mistake)."""
+    README's LoRA example, is a choice, not a mistake; `default_schedule`: the steps are the
+    recipe's own default epochs, LR and epochs chosen together for small sets, as the
+    preference recipes' are)."""
     cap = int(cfg.steps * WARMUP_SHARE)
     if cfg.warmup > cap and warmup_given:
         notes.append(
@@ -148,7 +154,11 @@ def fit_schedule(
         )
     if cfg.warmup > cap:
         cfg = cfg.replace(warmup=cap)
-    if cfg.steps < SHORT_RUN and (default_lr is None or cfg.lr <= default_lr):
+    if (
+        cfg.steps < SHORT_RUN
+        and not default_schedule
+        and (default_lr is None or cfg.lr <= default_lr)
+    ):
         notes.append(
             f"warning: {plural(cfg.steps, 'optimizer step')} is too short for the loss to move "
             "much; raise --steps or --epochs (or --lr) to see learning"
@@ -210,9 +220,12 @@ def new_run(
     built = recipe.build(cfg, project)  # every input check happens here, before the run dir exists
     cfg = cfg.with_derived(built.derived)
     default_lr = recipe.config().lr
-    given = cli.get("warmup") is not None or "warmup" in _toml_keys(project, cfg.recipe)
+    keys = _toml_keys(project, cfg.recipe)
+    given = cli.get("warmup") is not None or "warmup" in keys
+    schedule_given = any(cli.get(k) is not None or k in keys for k in ("steps", "epochs"))
+    default_schedule = not schedule_given and recipe.defaults.get("epochs") is not None
     cfg = fit_schedule(
-        cfg, built.notes, default_lr, given
+        cfg, built.notes, default_lr, given, default_schedule
     )  # the resolved config, read-only from here on
     run_dir = None
     if d.is_main:  # rank 0 alone names and makes the run directory, then tells the others
