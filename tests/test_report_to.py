@@ -58,16 +58,21 @@ def test_tensorboard_reads_the_runs_figures_and_a_resume_purges(corpus, tmp_path
     assert [s for s, _ in got["train/loss"]] == [1, 2, 3, 4, 5, 6]
 
 
-def test_without_the_package_one_line_and_nothing_made(corpus, tmp_path):
+@pytest.mark.parametrize("package", ["tensorboard", "trackio"])
+def test_without_the_package_one_line_and_nothing_made(corpus, tmp_path, package):
     fake = tmp_path / "fake"
-    (fake / "tensorboard").mkdir(parents=True)
-    (fake / "tensorboard" / "__init__.py").write_text("raise ImportError('not installed')\n")
+    fake.mkdir()
+    # None in sys.modules: `import PACKAGE` fails and importlib finds no such package
+    (fake / "sitecustomize.py").write_text(f"import sys\nsys.modules[{package!r}] = None\n")
     path = os.pathsep.join([str(fake), *filter(None, [os.environ.get("PYTHONPATH")])])
     r = run_toy("train", "--corpus", corpus, *TINY, "--steps", "1", "--out", tmp_path / "runs",
-                "--report-to", "tensorboard", env={"PYTHONPATH": path})  # fmt: skip
+                "--report-to", package, env={"PYTHONPATH": path})  # fmt: skip
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
-    assert "pip install tensorboard" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert f"pip install {package}" in r.stderr and len(r.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "runs").exists()
+
+
+def test_an_unknown_tracker_is_refused():
     r = run_toy("train", "--report-to", "wandb")
     assert r.returncode == 2 and "--report-to" in r.stderr
 
@@ -154,19 +159,6 @@ def test_trackio_logs_the_runs_figures_locally_and_a_resume_purges(corpus, tmp_p
     assert dict(got["train/loss"]) == pytest.approx(by_step("loss"), 1e-6)
     assert [s for s, _ in got["eval/loss"]] == [0, 2, 4, 6]
     assert not (tmp_path / "net.log").exists(), (tmp_path / "net.log").read_text()
-
-
-def test_without_trackio_one_line_and_nothing_made(corpus, tmp_path):
-    fake = tmp_path / "fake"
-    fake.mkdir()
-    # None in sys.modules: `import trackio` fails and importlib finds no trackio
-    (fake / "sitecustomize.py").write_text("import sys\nsys.modules['trackio'] = None\n")
-    path = os.pathsep.join([str(fake), *filter(None, [os.environ.get("PYTHONPATH")])])
-    r = run_toy("train", "--corpus", corpus, *TINY, "--steps", "1", "--out", tmp_path / "runs",
-                "--report-to", "trackio", env={"PYTHONPATH": path})  # fmt: skip
-    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
-    assert "pip install trackio" in r.stderr and len(r.stderr.strip().splitlines()) == 1
-    assert not (tmp_path / "runs").exists()
 
 
 def test_plot_draws_the_panels_and_watch_redraws_until_the_run_ends(corpus, tmp_path):

@@ -54,8 +54,7 @@ class _RMSNormCast(torch.autograd.Function):
         gf = g.float()
         grad_w = None
         if ctx.needs_input_grad[1]:  # a trained norm: sum of g * (x / rms, rounded as forward)
-            xn = xhat.to(x.dtype) if x.dtype != torch.float32 else xhat
-            grad_w = (gf * xn).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
+            grad_w = (gf * xhat.to(x.dtype)).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
         grad_x = None
         if ctx.needs_input_grad[0]:
             # d/dx of x r, r = (mean(x^2) + eps)^-1/2: r (gn - xhat mean(gn xhat)), gn = g w

@@ -44,9 +44,9 @@ def check_report_to(name: str) -> None:
         )
 
 
-def figures(rec: dict[str, Any]) -> tuple[str, int, dict[str, float]] | None:
-    """A record's figures as (group, step, {"<group>/<name>": value}), or None for a record
-    that has none (run_started, checkpoint ...)."""
+def figures(rec: dict[str, Any]) -> tuple[int, dict[str, float]] | None:
+    """A record's figures as (step, {"<group>/<name>": value}), or None for a record that
+    has none (run_started, checkpoint ...)."""
     group = {"step": "train", "eval": "eval"}.get(rec.get("event"))
     if group is None or "step" not in rec:
         return None
@@ -59,7 +59,7 @@ def figures(rec: dict[str, Any]) -> tuple[str, int, dict[str, float]] | None:
         if group == "eval":
             key = key.removeprefix("val_")  # eval/loss, not eval/val_loss
         out[f"{group}/{key}"] = value
-    return group, rec["step"], out
+    return rec["step"], out
 
 
 class TensorBoardSink:
@@ -77,7 +77,7 @@ class TensorBoardSink:
     def write(self, rec: dict[str, Any]) -> None:
         if (got := figures(rec)) is None:
             return
-        _, step, values = got
+        step, values = got
         for tag, value in values.items():
             self.w.add_scalar(tag, value, step)
         self.w.flush()
@@ -130,7 +130,7 @@ class TrackioSink:
     def write(self, rec: dict[str, Any]) -> None:
         if (got := figures(rec)) is None:
             return
-        _, step, values = got
+        step, values = got
         self.trackio.log(values, step=step)
 
     def close(self) -> None:
