@@ -363,6 +363,9 @@ def main() -> None:
                     variants[f"nanogpt {p}"] = ["--impl", "nanogpt", "--peer-dir", str(nano)]
                     variants[f"nanogpt {p}"] += ["--precision", p]
                 variants[f"toy {p}"] = ["--impl", "toy", "--precision", p]
+            if arch == "gpt2" and nano is not None:  # what the allocator alone gives a peer
+                last = f"nanogpt {precisions[-1]}"
+                variants[f"{last}, toy's malloc setting"] = variants[last] + ["--tune-malloc"]
             variants[f"toy {precisions[-1]} --compile"] = variants[f"toy {precisions[-1]}"] + [
                 "--compile"
             ]

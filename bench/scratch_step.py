@@ -1,7 +1,7 @@
 """One benchmark child: from-scratch training steps at a fixed shape, toy vs transformers.
 
     python bench/scratch_step.py --impl toy|hf|nanogpt --arch llama|gpt2 [--steps 6] [--compile]
-        [--precision float32|bf16] [--peer-dir DIR (nanogpt)]
+        [--precision float32|bf16] [--peer-dir DIR (nanogpt)] [--tune-malloc (peers)]
     python bench/scratch_step.py --write-corpus PATH   (the synthetic corpus, for `toy train`)
 Shape (issue 8): 6 layers, 384 wide, 6 heads, sequence 256, batch 8, vocab 8192;
 --precision float32 (default) or bf16 (toy's --precision bf16; the peer under CPU autocast).
@@ -214,6 +214,11 @@ def main() -> None:
     ap.add_argument("--arch", choices=("llama", "gpt2"), default="llama")
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument(
+        "--tune-malloc",
+        action="store_true",
+        help="hf, nanogpt: with toy's allocator setting (runs.tune_malloc)",
+    )
+    ap.add_argument(
         "--precision",
         choices=("float32", "bf16"),
         default="float32",
@@ -226,6 +231,10 @@ def main() -> None:
         return
     if not a.impl:
         ap.error("give --impl or --write-corpus")
+    if a.impl == "toy" or a.tune_malloc:
+        from toy.runs import tune_malloc
+
+        tune_malloc()  # what `toy train` does at start
     with tempfile.TemporaryDirectory() as d:
         path = corpus(Path(d) / "synthetic.bin")
         out = (run_toy if a.impl == "toy" else run_hf)(a, path)

@@ -158,24 +158,29 @@ def write_json_atomic(path: Path, obj: Any) -> None:
     write_file_atomic(path, lambda tmp: tmp.write_text(text))
 
 
-# glibc mmap thresholds (see tune_malloc): the default keeps most of the speed of glibc's
-# own rule with a bounded heap; --checkpointing, the low-memory mode, maps every block
-# of 128 KiB and up on its own (freed memory returns to the OS at once; each new block
-# costs page faults: about a third slower steps on SmolLM2 LoRA, docs/performance.md).
-MMAP_THRESHOLD = 16 << 20
+# glibc's allocator (see tune_malloc). Blocks of MMAP_THRESHOLD and up are mapped on their
+# own; smaller ones come from the heap, which keeps up to TRIM_THRESHOLD of freed memory
+# for the next step instead of handing it back to the OS and faulting it in again.
+# --checkpointing, the low-memory mode, maps every block of 128 KiB and up on its own and
+# trims at once (freed memory returns to the OS at once; each new block costs page
+# faults: about a third slower steps on SmolLM2 LoRA, docs/performance.md).
+MMAP_THRESHOLD = 32 << 20  # glibc's ceiling; the loss's 16 MiB logit chunks stay below it
+TRIM_THRESHOLD = 1 << 30
 MMAP_THRESHOLD_LOW_MEMORY = 128 << 10
 
 
-def tune_malloc(threshold: int = MMAP_THRESHOLD) -> bool:
-    """Bound how much freed memory glibc keeps: blocks of `threshold` bytes and up are
-    mapped and unmapped on their own instead of joining the heap.
+def tune_malloc(threshold: int = MMAP_THRESHOLD, trim: int = TRIM_THRESHOLD) -> bool:
+    """Set glibc's allocator for training steps: blocks of `threshold` bytes and up are
+    mapped and unmapped on their own; the heap keeps up to `trim` bytes of freed memory.
 
-    By default glibc raises its mmap threshold each time a large block is freed (up to 32
-    MiB), so a training step's transient tensors (activations, dequantized weights, logit
-    chunks) end up in a heap that fragments and only grows. Setting the threshold
-    explicitly turns that rule off. Measured on SmolLM2 LoRA B4 T256 (docs/performance.md):
-    with --checkpointing, peak RSS 1.26 GB at 16 MiB and 0.59 GB at 128 KiB. Returns
-    whether it applied (a libc other than glibc: no-op)."""
+    A step allocates and frees the same transient tensors (activations, casts, logit
+    chunks) each time. With glibc's own rules, or a trim threshold as low as the mmap
+    threshold, freed memory goes back to the OS after each step and every page of it is
+    faulted in (and zeroed) again in the next: 40-70 thousand page faults a step on the
+    gpt2 bench, 14% of its time (docs/performance.md, "Page faults"). Kept in the heap it
+    is reused; the peak RSS, set by what is live at once, stays the same. Setting the
+    mmap threshold explicitly also turns off glibc's rule that raises it after each large
+    free. Returns whether it applied (a libc other than glibc: no-op)."""
     import ctypes
     import sys
 
@@ -185,7 +190,7 @@ def tune_malloc(threshold: int = MMAP_THRESHOLD) -> bool:
         libc = ctypes.CDLL("libc.so.6")
         M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
         ok = libc.mallopt(M_MMAP_THRESHOLD, int(threshold)) == 1
-        libc.mallopt(M_TRIM_THRESHOLD, int(threshold))
+        libc.mallopt(M_TRIM_THRESHOLD, int(trim))
         return ok
     except (OSError, AttributeError):
         return False

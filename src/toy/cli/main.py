@@ -71,7 +71,7 @@ def _command_of(argv: list[str]) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     from toy.runs import tune_malloc
 
-    tune_malloc()  # before the big allocations: freed memory goes back to the OS
+    tune_malloc()  # before the big allocations: a step reuses the memory the last one freed
     cores.watch()  # the first look at the cores: the thread count follows the free ones
     words = list(sys.argv[1:] if argv is None else argv)
     cmd = _command_of(words)

@@ -210,9 +210,8 @@ class Trainer:
         self.model = job.model.to(device)
         if cfg.checkpointing:
             self.model.checkpointing = True
-            tune_malloc(
-                MMAP_THRESHOLD_LOW_MEMORY
-            )  # the low-memory mode: freed blocks go back at once
+            # the low-memory mode: freed blocks go back at once
+            tune_malloc(MMAP_THRESHOLD_LOW_MEMORY, MMAP_THRESHOLD_LOW_MEMORY)
         if cfg.compile:
             reporter.message(compile_blocks(self.model, device))
         self.ddp, self.fsdp = self._wrap()
