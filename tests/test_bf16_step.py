@@ -1,6 +1,7 @@
 """The non-matmul half of a bf16 step (issue 46 item 2): RMSNorm under autocast keeps only x
-and 1/rms for backward and computes its gradient in float32 from them, and a bf16 run's
-AdamW is torch's fused kernel. Both must give the losses of the step before them within
+and 1/rms for backward and computes its gradient in float32 from them, a bf16 run's
+AdamW is torch's fused kernel, and its causal attention is models/cpu_attention.py's
+matmuls rather than torch's flash kernel. All must give the losses of the step before them within
 bf16's rounding, and a float32 run must not meet either: its losses stay the same bits.
 
 bf16 is pretended on a CPU without the units (as tests/test_precision.py does): correct
@@ -19,7 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_precision import SCRATCH, corpus, units  # noqa: E402, F401  (corpus: a fixture)
 
-from toy.models import layers  # noqa: E402
+from toy.models import cpu_attention, layers  # noqa: E402
 from toy.train import loop  # noqa: E402
 
 
@@ -73,12 +74,14 @@ def test_rmsnorm_without_autocast_is_the_plain_ops_to_the_bit():
 
 
 def the_step_before(monkeypatch):
-    """The step as it was before this change: autograd's RMSNorm, foreach AdamW."""
+    """The step as it was before these changes: autograd's RMSNorm, foreach AdamW, torch's
+    flash attention kernel."""
 
     class Plain:
         apply = staticmethod(plain_rmsnorm)
 
     monkeypatch.setattr(layers, "_RMSNormCast", Plain)
+    monkeypatch.setattr(cpu_attention, "wanted", lambda q, k: False)
     adamw = loop.make_adamw
     monkeypatch.setattr(loop, "make_adamw", lambda *a, **k: adamw(*a, **{**k, "fused": False}))
 

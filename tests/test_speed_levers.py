@@ -94,7 +94,10 @@ def test_compile_trains_to_the_eager_losses_and_is_deterministic(toy_cli, tmp_pa
         assert code == 0, err
         runs.append(_losses(out))
     assert runs[0] == runs[1]  # same seed, data and machine: the same loss bytes
-    assert runs[0] == pytest.approx(eager, rel=1e-5)
+    # On a CPU with bf16 units both run bf16, and eager attention is then cpu_attention's
+    # matmuls where the compiled graph keeps torch's kernel: the same math in other
+    # roundings (1.2e-5 apart after 3 steps on a Zen 4), far inside bf16's 4e-3.
+    assert runs[0] == pytest.approx(eager, rel=1e-4)
     run_dirs = sorted(tmp_path.iterdir())
     info = json.loads((run_dirs[-1] / "run.json").read_text())
     assert info["config"]["compile"] is True

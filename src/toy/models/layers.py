@@ -11,6 +11,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from toy.models import cpu_attention
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-5):
@@ -301,6 +303,8 @@ def attend(
             # of them.
             if T == 1 and q.device.type == "cpu":
                 return _one_token_cpu(q, k, v, None, gqa, scale)
+            if cache is None and cpu_attention.wanted(q, k):  # bf16 on a CPU: matmuls
+                return cpu_attention.causal_attention(q, k, v, scale)
             return F.scaled_dot_product_attention(
                 q, k, v, is_causal=T > 1, enable_gqa=gqa, scale=scale
             )

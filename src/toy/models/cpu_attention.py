@@ -1,0 +1,130 @@
+"""Causal self-attention for bf16 on a CPU, by matmuls, in chunks of queries.
+
+torch's CPU flash-attention kernel runs a bf16 training step's attention far below the
+machine's bf16 matmul speed: SmolLM2's shape (B4, 9 heads over 3 K/V heads, T256, head
+64) took 13 ms a layer forward and backward on a Zen 4, two thirds of it in backward. The
+same attention as batched bf16 matmuls and torch's float32 softmax takes 7-8 ms there,
+gpt2's bench shape 10.5 against 18, a T512 chat batch 21 against 44 (docs/performance.md,
+"Page faults and attention by matmuls"). The matmuls are big enough for oneDNN's bf16
+kernels because the query heads that share a K/V head are stacked into one (B, K, G*T,
+D) operand: grouped-query attention costs no copy of K or V.
+
+Memory stays near flash attention's: the forward keeps q, k, v and the output, never the
+probabilities; backward makes them again from the scores (the same bits: the same matmul
+and torch's softmax kernel). Queries go in chunks whose float32 scores fit CHUNK_BYTES,
+small enough to stay in the caches between the passes over them, and a chunk of causal
+queries only meets the keys up to its last row: long sequences neither allocate T x T
+per head nor multiply the masked half.
+
+Numerics: the scores come out of a bf16 matmul (rounded to bf16, as an eager
+implementation under autocast rounds them), the softmax and the gradient's row sums are
+float32, the probabilities and dS meet V, K and Q in bf16 (as in the flash kernel), and
+K/V gradients are summed over chunks in float32. Output and gradients are as near a
+float32 attention as the flash kernel's (tests/test_cpu_attention.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+CHUNK_BYTES = 4 << 20  # float32 scores of one chunk of queries, all heads
+
+
+def wanted(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether a causal, uncached, whole-sequence attention of q (B, H, T, D) over k takes
+    this path: bf16 on a CPU, outside a compiled graph. With or without gradients, so that
+    a frozen reference (DPO) or an old policy (GRPO) scores a sequence to the same bits as
+    the policy being trained."""
+    return (
+        q.device.type == "cpu"
+        and q.dtype == torch.bfloat16
+        and k.dtype == torch.bfloat16
+        and q.shape[2] > 1
+        and q.shape[2] == k.shape[2]
+        and not torch.compiler.is_compiling()
+    )
+
+
+def _chunks(B: int, K: int, G: int, T: int) -> list[tuple[int, int]]:
+    """(i0, i1) ranges of queries of about equal size, each one's float32 scores (B, K, G,
+    i1 - i0, i1) within CHUNK_BYTES (on a Zen 4, 4 MiB chunks ran SmolLM2's attention
+    7.1 ms a layer, whole sequences 9.3, 2 MiB 7.3)."""
+    n = -(-4 * B * K * G * T * T // CHUNK_BYTES)  # chunks
+    t = max(16, -(-T // n))
+    return [(i0, min(T, i0 + t)) for i0 in range(0, T, t)]
+
+
+def _probs(qc, k, bias, i0: int, scale: float):
+    """Softmax of the scaled causal scores of the queries i0.. of qc (b, K, G, t, D) over
+    the keys up to the last of them, k (b, K, T, D): float32 (b, K, G, t, i0 + t). The bf16
+    scores are scaled, masked and widened to float32 in one pass (a mixed-dtype add) and
+    the softmax is torch's fused kernel, so backward makes the same bits again."""
+    b, K, G, t, D = qc.shape
+    keys = i0 + t
+    s = torch.matmul(qc.reshape(b, K, G * t, D), k[:, :, :keys].transpose(-1, -2))
+    s = torch.add(bias[i0:keys, :keys], s.view(b, K, G, t, keys), alpha=scale)
+    return torch.softmax(s, dim=-1)
+
+
+class CausalAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, scale: float):
+        B, H, T, D = q.shape
+        K = k.shape[1]
+        G = H // K
+        qg = q.view(B, K, G, T, D)
+        bias = torch.full((T, T), float("-inf")).triu_(1)  # the future
+        out = torch.empty(B, K, G, T, D, dtype=q.dtype)
+        for i0, i1 in _chunks(B, K, G, T):
+            t = i1 - i0
+            p = _probs(qg[:, :, :, i0:i1], k, bias, i0, scale).to(q.dtype)
+            o = torch.matmul(p.view(B, K, G * t, i1), v[:, :, :i1])
+            out[:, :, :, i0:i1] = o.view(B, K, G, t, D)
+        ctx.save_for_backward(q, k, v, out)
+        ctx.scale = scale
+        return out.view(B, H, T, D)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out = ctx.saved_tensors
+        scale = ctx.scale
+        B, H, T, D = q.shape
+        K = k.shape[1]
+        G = H // K
+        qg = q.view(B, K, G, T, D)
+        bias = torch.full((T, T), float("-inf")).triu_(1)
+        go = grad_out.to(q.dtype).reshape(B, K, G, T, D)
+        # each row's sum of dO * O: the softmax's backward without the (t, T) product
+        delta = (go.float() * out.float()).sum(dim=-1, keepdim=True)  # (B, K, G, T, 1)
+        dq = torch.empty_like(qg)
+        dk = torch.zeros(k.shape, dtype=torch.float32)
+        dv = torch.zeros(v.shape, dtype=torch.float32)
+        for i0, i1 in _chunks(B, K, G, T):
+            t = i1 - i0
+            kc, vc = k[:, :, :i1], v[:, :, :i1]
+            qc = qg[:, :, :, i0:i1]
+            goc = go[:, :, :, i0:i1].reshape(B, K, G * t, D)
+            p = _probs(qc, k, bias, i0, scale)
+            pb = p.to(q.dtype).view(B, K, G * t, i1)
+            dv[:, :, :i1] += torch.matmul(pb.transpose(-1, -2), goc)
+            dp = torch.matmul(goc, vc.transpose(-1, -2)).view(B, K, G, t, i1)
+            # dS = P * (dP - delta); the scale is applied to the (t, D) products below
+            ds = torch.sub(dp, delta[:, :, :, i0:i1]).mul_(p).to(q.dtype)
+            ds = ds.view(B, K, G * t, i1)
+            dq[:, :, :, i0:i1] = torch.matmul(ds, kc).mul_(scale).view(B, K, G, t, D)
+            dk[:, :, :i1].add_(
+                torch.matmul(ds.transpose(-1, -2), qc.reshape(B, K, G * t, D)), alpha=scale
+            )
+        return dq.view(B, H, T, D), dk.to(k.dtype), dv.to(v.dtype), None
+
+
+def causal_attention(q, k, v, scale: float | None = None) -> torch.Tensor:
+    """Causal attention of q (B, H, T, D) over k, v (B, K, T, D), K dividing H: (B, H, T, D)
+    in q's dtype, autocast off inside (every product is bf16 by construction)."""
+    with torch.autocast("cpu", enabled=False):
+        return CausalAttention.apply(
+            q.contiguous(),
+            k.contiguous(),
+            v.contiguous(),
+            scale if scale is not None else q.shape[-1] ** -0.5,
+        )
