@@ -302,24 +302,46 @@ def test_chat_jsonl_strict_stops_at_the_first_bad_line(kit, toy_cli, tmp_path):
     check_one_line(code, err, "mixed.jsonl:11")
 
 
-def test_not_chat_jsonl_at_all_is_refused_in_few_lines(kit, toy_cli, tmp_path):
-    # Before: 500 "not valid JSON" warnings, then the error.
+def test_not_chat_jsonl_at_all_is_refused_in_one_line(kit, toy_cli, tmp_path):
+    # Before: 500 "not valid JSON" warnings, then the error; then 5 warnings and the error.
     p = tmp_path / "notes.txt"
     p.write_text("".join(f"a note, line {i}\n" for i in range(500)))
     code, _, err = toy_cli(
         "train", "--recipe", "lora", "--model", kit["good"], "--data", p, "--out", tmp_path / "r"
     )
     lines = err.strip().splitlines()
-    assert (
-        code == 2
-        and len(lines) == 6
-        and all(f"notes.txt:{i}: not valid JSON" in lines[i - 1] for i in range(1, 6))
-    )
+    assert code == 2 and len(lines) == 1, lines
     assert (
         "notes.txt does not look like training JSONL: none of its first 50 lines is an example"
-        in lines[-1]
+        " (line 1: not valid JSON" in lines[0]
     )
     assert not (tmp_path / "r").exists()
+
+
+def test_a_token_file_given_as_data_is_named_as_one(kit, toy_cli, tmp_path):
+    from toy.data.tokens import write_tokens
+
+    p = tmp_path / "c.bin"
+    write_tokens(p, list(range(64)) * 4, 64)
+    code, _, err = toy_cli(
+        "train", "--recipe", "lora", "--model", kit["good"], "--data", p, "--out", tmp_path / "r"
+    )
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1, lines
+    assert "c.bin is a token file from `toy prep`, not JSONL: give --data the JSONL" in lines[0]
+    assert not (tmp_path / "r").exists()
+
+
+def test_bad_lines_before_the_first_example_are_still_warned_in_order(tmp_path):
+    from toy.data.chat import read_chat_jsonl
+
+    p = tmp_path / "d.jsonl"
+    good = '{"prompt": "a", "completion": "b"}\n'
+    p.write_text("not json\n{}\n" + good + "also bad\n" + good)
+    said: list[str] = []
+    chat = read_chat_jsonl(p, warn=said.append)
+    assert len(chat.examples) == 2 and chat.lines == [3, 5]
+    assert [s.split(": ")[0] for s in said] == [f"{p}:1", f"{p}:2", f"{p}:4"]
 
 
 # ---- chat templates: one conversation the template cannot render is skipped, as a bad line is

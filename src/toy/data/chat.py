@@ -379,8 +379,8 @@ def json_lines(path: Path, hint: str):
     """(line number, object, "", "") for each JSON line of a data file, or (line number,
     None, reason, detail) for one that is not UTF-8 (a lone surrogate escape included) or
     not JSON; blank lines and lines starting with `#` are passed over, a BOM on the first
-    line dropped. A file that cannot be opened is an InputError naming it (`hint`: what
-    the file should hold)."""
+    line dropped. A file that cannot be opened, or a token file from `toy prep`, is an
+    InputError naming it (`hint`: what the file should hold)."""
     try:
         fh = open(path, "rb")
     except FileNotFoundError:
@@ -390,6 +390,14 @@ def json_lines(path: Path, hint: str):
     except OSError as e:
         raise InputError(f"{path}: cannot read ({e.strerror})")
     with fh:
+        from toy.data.tokens import MAGIC
+
+        if fh.read(len(MAGIC)) == MAGIC:  # `toy prep`'s output where its input belongs
+            raise InputError(
+                f"{path} is a token file from `toy prep`, not JSONL: give --data the JSONL "
+                "itself (a token file goes to --corpus, with --recipe from-scratch or lora)"
+            )
+        fh.seek(0)
         # Read as bytes and decode per line: one corrupt line must not hide the others.
         for lineno, raw in enumerate(fh, 1):
             try:
@@ -438,6 +446,9 @@ def read_chat_jsonl(
     path = Path(path)
     chat = ChatFile(path)
     first_bad = ""
+    # Lines skipped before the first example are told only once one is found: a file with
+    # none (a binary, another format) gets its one error line, not warnings before it.
+    held: list[str] = []
     for lineno, obj, kind, detail in json_lines(path, SCHEMA_HINT):
         if obj is not None:
             ex, kind, detail = _check_line(obj)
@@ -450,6 +461,9 @@ def read_chat_jsonl(
                     )
                 chat.examples.append(ex)
                 chat.lines.append(lineno)
+                for line in held:
+                    warn(line)
+                held.clear()
                 continue
             if kind == PREFERENCE and not chat.examples:
                 raise InputError(
@@ -465,7 +479,7 @@ def read_chat_jsonl(
         chat.skipped[kind] += 1
         first_bad = first_bad or f"line {lineno}: {detail}"
         if chat.n_skipped <= SHOW_SKIPPED:
-            warn(f"{path}:{lineno}: {detail}; line skipped")
+            (warn if chat.examples else held.append)(f"{path}:{lineno}: {detail}; line skipped")
         if chat.n_skipped >= GIVE_UP_AFTER and not chat.examples:
             raise InputError(
                 f"{path} does not look like training JSONL: none of its first {GIVE_UP_AFTER} "
