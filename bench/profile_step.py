@@ -224,6 +224,14 @@ def report(prof, tokens: int, wall: float, a) -> None:
             f"({sum(e.count for e in deq) // a.steps} calls a step: each quantized layer in "
             "forward and again in backward, the head's vocabulary chunks twice)"
         )
+    att = [e for e in events if e.key in ("CausalAttention", "CausalAttentionBackward")]
+    if att:  # models/cpu_attention.py: its bmm count as matmul above, its softmax as the rest
+        us = sum(e.cpu_time_total for e in att)
+        print(
+            f"  {'of which: bf16 attention':26s} {us / 1e6 / a.steps:7.3f} s/step  "
+            f"{us / total:6.1%}  (models/cpu_attention.py, forward and backward: its "
+            "matmuls are counted as matmul above, its softmax and casts as the rest)"
+        )
     if mm_us:
         print(
             f"  matmuls run at {mm_flops / (mm_us / 1e6) / 1e9:,.1f} GFLOP/s; the {a.precision} "
