@@ -94,3 +94,19 @@ def test_every_bf16_whole_sequence_pass_on_a_cpu_takes_it_to_the_same_bits(monke
         inferred = layers.attend(q.bfloat16(), k.bfloat16(), v.bfloat16())
     assert calls == [1, 1, 1] and trained.dtype == torch.bfloat16
     assert torch.equal(trained.detach(), scored) and torch.equal(scored, inferred)
+
+
+def test_a_long_sequence_never_allocates_its_square(monkeypatch):
+    """Scores, mask and probabilities exist a chunk of queries at a time: T=2048 with
+    256 KiB chunks allocates nothing near T x T float32 (16 MiB) in forward or backward."""
+    from torch.profiler import ProfilerActivity, profile
+
+    monkeypatch.setattr(cpu_attention, "CHUNK_BYTES", 256 << 10)
+    T = 2048
+    q = torch.randn(1, 2, T, 8, dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(1, 1, T, 8, dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(1, 1, T, 8, dtype=torch.bfloat16, requires_grad=True)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        cpu_attention.causal_attention(q, k, v).sum().backward()
+    biggest = max(e.cpu_memory_usage for e in prof.events())
+    assert 0 < biggest <= 2 << 20, biggest  # a chunk's float32 scores, not 16 MiB

@@ -183,29 +183,46 @@ def test_plot_draws_the_panels_and_watch_redraws_until_the_run_ends(corpus, tmp_
 
     for title, keys, scale in PANELS:
         assert step_series(tmp_path / "p", keys, scale), title  # each panel has its curve
-    # A live run: --watch draws it again while it goes, and ends when it closes.
+    # A live run: --watch draws it again while it goes, and ends when it closes. The run is
+    # long and is stopped (Ctrl-C) only once the watch has redrawn, so a fast machine cannot
+    # finish it before the first redraw (400 steps once did, under a loaded suite).
+    import os
+    import signal
+
     live = subprocess.Popen(
-        [sys.executable, "-m", "toy", *map(str, argv), "--run-id", "w", "--steps", "400"],
+        [sys.executable, "-m", "toy", *map(str, argv), "--run-id", "w", "--steps", "100000"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
+    watch = None
     try:
         events = tmp_path / "w" / "events.jsonl"
         for _ in range(600):
             if events.is_file() and '"event": "step"' in events.read_text():
                 break
             time.sleep(0.1)
-        watch = subprocess.run(
+        watch = subprocess.Popen(
             [sys.executable, "-m", "toy", "plot", tmp_path / "w", "--out", tmp_path / "w.png",
              "--watch", "0.3"],
-            capture_output=True, text=True, timeout=600,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )  # fmt: skip
-        assert watch.returncode == 0, watch.stderr
-        # It returned only once the run had closed (its last event; the process may still
-        # be tearing down), and had drawn it again on the way.
-        assert json.loads(events.read_text().splitlines()[-1])["event"] == "run_finished"
-        assert "(redraw 1)" in watch.stdout, watch.stdout
+        said = []
+        for line in watch.stdout:  # drawn, then drawn again while the run goes on
+            said.append(line)
+            if "(redraw 1)" in line:
+                break
+        assert any("(redraw 1)" in x for x in said), said
+        assert live.poll() is None  # the run was still going when the watch redrew it
+        live.send_signal(signal.SIGINT)
+        out, err = watch.communicate(timeout=600)
+        assert watch.returncode == 0, err
+        # It returned once the run had closed (its last event), not before.
+        closing = json.loads(events.read_text().splitlines()[-1])["event"]
+        assert closing == "interrupted", closing
     finally:
-        live.kill()
-        live.wait()
+        for p in (live, watch):
+            if p is not None:
+                p.kill()
+                p.wait()
     r = run_toy("plot", tmp_path / "p", "--out", tmp_path / "x.png", "--watch", "0")
     assert r.returncode == 2 and "--watch" in r.stderr

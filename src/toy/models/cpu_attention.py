@@ -54,7 +54,7 @@ def _chunks(B: int, K: int, G: int, T: int) -> list[tuple[int, int]]:
     return [(i0, min(T, i0 + t)) for i0 in range(0, T, t)]
 
 
-def _probs(qc, k, bias, i0: int, scale: float):
+def _probs(qc, k, i0: int, scale: float):
     """Softmax of the scaled causal scores of the queries i0.. of qc (b, K, G, t, D) over
     the keys up to the last of them, k (b, K, T, D): float32 (b, K, G, t, i0 + t). The bf16
     scores are scaled, masked and widened to float32 in one pass (a mixed-dtype add) and
@@ -62,7 +62,8 @@ def _probs(qc, k, bias, i0: int, scale: float):
     b, K, G, t, D = qc.shape
     keys = i0 + t
     s = torch.matmul(qc.reshape(b, K, G * t, D), k[:, :, :keys].transpose(-1, -2))
-    s = torch.add(bias[i0:keys, :keys], s.view(b, K, G, t, keys), alpha=scale)
+    future = torch.full((t, keys), float("-inf")).triu_(i0 + 1)  # this chunk's rows only
+    s = torch.add(future, s.view(b, K, G, t, keys), alpha=scale)
     return torch.softmax(s, dim=-1)
 
 
@@ -73,11 +74,10 @@ class CausalAttention(torch.autograd.Function):
         K = k.shape[1]
         G = H // K
         qg = q.view(B, K, G, T, D)
-        bias = torch.full((T, T), float("-inf")).triu_(1)  # the future
         out = torch.empty(B, K, G, T, D, dtype=q.dtype)
         for i0, i1 in _chunks(B, K, G, T):
             t = i1 - i0
-            p = _probs(qg[:, :, :, i0:i1], k, bias, i0, scale).to(q.dtype)
+            p = _probs(qg[:, :, :, i0:i1], k, i0, scale).to(q.dtype)
             o = torch.matmul(p.view(B, K, G * t, i1), v[:, :, :i1])
             out[:, :, :, i0:i1] = o.view(B, K, G, t, D)
         ctx.save_for_backward(q, k, v, out)
@@ -92,7 +92,6 @@ class CausalAttention(torch.autograd.Function):
         K = k.shape[1]
         G = H // K
         qg = q.view(B, K, G, T, D)
-        bias = torch.full((T, T), float("-inf")).triu_(1)
         go = grad_out.to(q.dtype).reshape(B, K, G, T, D)
         # each row's sum of dO * O: the softmax's backward without the (t, T) product
         delta = (go.float() * out.float()).sum(dim=-1, keepdim=True)  # (B, K, G, T, 1)
@@ -104,7 +103,7 @@ class CausalAttention(torch.autograd.Function):
             kc, vc = k[:, :, :i1], v[:, :, :i1]
             qc = qg[:, :, :, i0:i1]
             goc = go[:, :, :, i0:i1].reshape(B, K, G * t, D)
-            p = _probs(qc, k, bias, i0, scale)
+            p = _probs(qc, k, i0, scale)
             pb = p.to(q.dtype).view(B, K, G * t, i1)
             dv[:, :, :i1] += torch.matmul(pb.transpose(-1, -2), goc)
             dp = torch.matmul(goc, vc.transpose(-1, -2)).view(B, K, G, t, i1)
