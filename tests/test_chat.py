@@ -407,3 +407,16 @@ def test_length_batches_cover_every_sample_within_the_budget_and_keep_their_coun
     # Grouping by length keeps padding low: under 15% of the padded tokens here.
     padded = sum(len(b) * max(lengths[i] for i in b) for b in a)
     assert sum(lengths) / padded > 0.85
+
+
+def test_jsonl_from_a_pipe_is_read(tmp_path):
+    """--data <(...): the token-file check peeks at the start, and a pipe cannot seek back."""
+    import os
+
+    r, w = os.pipe()
+    os.write(w, b'{"prompt": "a", "completion": "b"}\n' * 3)
+    os.close(w)
+    try:
+        assert len(read_chat_jsonl(f"/dev/fd/{r}").examples) == 3
+    finally:
+        os.close(r)

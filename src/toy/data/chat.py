@@ -56,6 +56,7 @@ from jinja2.exceptions import SecurityError, TemplateError, TemplateSyntaxError
 from tokenizers import Tokenizer
 
 from toy.data.sandbox import BoundedSandbox, compile_bounded, render_bounded
+from toy.data.tokens import MAGIC
 from toy.errors import InputError, ToyError, UsageError
 from toy.runs import plural
 from toy.tokenizer import encode_prompt
@@ -390,14 +391,13 @@ def json_lines(path: Path, hint: str):
     except OSError as e:
         raise InputError(f"{path}: cannot read ({e.strerror})")
     with fh:
-        from toy.data.tokens import MAGIC
-
-        if fh.read(len(MAGIC)) == MAGIC:  # `toy prep`'s output where its input belongs
+        # `toy prep`'s output where its input belongs. Peeked, not read and sought back: a
+        # pipe (--data <(...)) cannot seek.
+        if fh.peek(len(MAGIC))[: len(MAGIC)] == MAGIC:
             raise InputError(
                 f"{path} is a token file from `toy prep`, not JSONL: give --data the JSONL "
                 "itself (a token file goes to --corpus, with --recipe from-scratch or lora)"
             )
-        fh.seek(0)
         # Read as bytes and decode per line: one corrupt line must not hide the others.
         for lineno, raw in enumerate(fh, 1):
             try:
