@@ -53,6 +53,10 @@ KINDS = [
 ]
 
 
+# The chunked head's autograd functions (models/losses.py): loss and gradient in forward.
+HEAD_FUNCTIONS = ("_HeadRowsCrossEntropy", "_LinearCrossEntropy", "_TokenLogprobs")
+
+
 def kind(name: str) -> str:
     for k, keys in KINDS:
         if any(s in name for s in keys):
@@ -231,6 +235,15 @@ def report(prof, tokens: int, wall: float, a) -> None:
             f"  {'of which: bf16 attention':26s} {us / 1e6 / a.steps:7.3f} s/step  "
             f"{us / total:6.1%}  (models/cpu_attention.py, forward and backward: its "
             "matmuls are counted as matmul above, its softmax and casts as the rest)"
+        )
+    head = [e for e in events if e.key in HEAD_FUNCTIONS]
+    if head:  # models/losses.py: the head's matmuls count as matmul, its softmax as the rest
+        us = sum(e.cpu_time_total for e in head)
+        print(
+            f"  {'of which: head and loss':26s} {us / 1e6 / a.steps:7.3f} s/step  "
+            f"{us / total:6.1%}  (models/losses.py, the chunked head with its loss and "
+            "gradient: its matmuls are counted as matmul above, under bf16 its softmax as "
+            "the rest)"
         )
     if mm_us:
         print(

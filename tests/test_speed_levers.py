@@ -38,6 +38,39 @@ def test_linear_cross_entropy_matches_cross_entropy_and_its_gradients(monkeypatc
     assert gh[::4].abs().max() == 0
 
 
+@pytest.mark.parametrize("chunk_bytes", [losses.CHUNK_BYTES, 4 * 700 * 40])
+def test_linear_cross_entropy_under_bf16_is_the_float_loss_of_its_bf16_logits(
+    monkeypatch, chunk_bytes
+):
+    """Under bf16 autocast a trained head's chunks take their softmax in one fused bf16
+    pass (losses._bf16_softmax): per-row losses and both gradients are those of float64
+    cross-entropy over the same bf16-rounded logits, within bf16's rounding."""
+    monkeypatch.setattr(losses, "CHUNK_BYTES", chunk_bytes)
+    taken = []
+    fused = losses._bf16_softmax
+    monkeypatch.setattr(losses, "_bf16_softmax", lambda x: taken.append(1) or fused(x))
+    g = torch.Generator().manual_seed(4)
+    h = torch.randn(301, 24, generator=g, requires_grad=True)
+    w = (torch.randn(700, 24, generator=g) * 0.7).requires_grad_()
+    t = torch.randint(0, 700, (301,), generator=g)
+    t[::4] = -100
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = linear_cross_entropy(h, w, t)
+        rows = losses._chunked(h.detach(), w.detach(), t, False, False, per_row=True)[0]
+    got.backward()
+    assert taken
+    hb, wb = h.detach().bfloat16().double(), w.detach().bfloat16().double()
+    hb.requires_grad_(), wb.requires_grad_()
+    z = (hb @ wb.T).bfloat16().double()  # the logits as bf16 makes them
+    want = F.cross_entropy(z, t, ignore_index=-100, reduction="none")
+    assert (rows - want).abs().max() < 4e-3, (rows - want).abs().max()
+    assert abs(got.item() - want.sum().item()) < 4e-3 * len(t)
+    want.sum().backward()
+    for mine, ref in ((h.grad, hb.grad), (w.grad, wb.grad)):
+        assert ((mine.double() - ref).norm() / ref.norm()) < 1e-2
+    assert h.grad[::4].abs().max() == 0
+
+
 def test_linear_cross_entropy_frozen_head_and_no_grad():
     g = torch.Generator().manual_seed(1)
     h = torch.randn(40, 8, generator=g, requires_grad=True)
@@ -161,6 +194,38 @@ def test_vocab_chunked_head_is_one_pass_and_matches_cross_entropy(monkeypatch, s
     assert grad[::5].abs().max() == 0
     loss_only, none = losses._vocab_chunked(h.detach(), head, t, False, softcap)
     assert none is None and torch.allclose(loss_only, want, rtol=1e-12)
+
+
+def test_vocab_chunked_head_under_bf16_is_the_float_loss_of_its_bf16_logits(monkeypatch):
+    """Under bf16 autocast a chunked head takes each chunk's softmax in one fused bf16 pass
+    (losses._vocab_chunked_bf16) and carries each chunk's log-sum-exp from its largest
+    probability. Its per-row losses and gradient are those of float64 cross-entropy over
+    the same bf16-rounded logits within bf16's rounding; rows ignored stay zero."""
+    monkeypatch.setattr(losses, "CHUNK_BYTES", 4 * 64 * 300)  # 300-row chunks: 4, ragged last
+    taken = []
+    fused = losses._vocab_chunked_bf16
+    monkeypatch.setattr(
+        losses, "_vocab_chunked_bf16", lambda *a, **k: taken.append(1) or fused(*a, **k)
+    )
+    g = torch.Generator().manual_seed(5)
+    h = torch.randn(64, 48, generator=g)
+    w = (torch.randn(1000, 48, generator=g) * 0.6).bfloat16()
+    t = torch.randint(0, 1000, (64,), generator=g)
+    t[::7] = -100
+    head = _RowsHead(w)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        rows, grad = losses._vocab_chunked(h, head, t, True, per_row=True)
+        total, _ = losses._vocab_chunked(h, head, t, False)
+    assert taken and head.chunks == 8
+    z = (h.bfloat16() @ w.T).double().requires_grad_()  # the logits as bf16 makes them
+    want = F.cross_entropy(z, t, ignore_index=-100, reduction="none")
+    want.sum().backward()
+    assert (rows - want).abs().max() < 4e-3, (rows - want).abs().max()
+    assert abs(total.item() - want.sum().item()) < 4e-3 * len(t)
+    want_grad = z.grad @ w.double()  # d loss / d h through the bf16 head
+    err = (grad.double() - want_grad).norm() / want_grad.norm()
+    assert err < 1e-2, err
+    assert grad[::7].abs().max() == 0 and rows[::7].abs().max() == 0
 
 
 def test_silu_mul_keeps_two_tensors_and_autograds_gradients_to_the_bit():

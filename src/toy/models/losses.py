@@ -87,21 +87,29 @@ def _chunked(
     loss = torch.zeros(h.shape[0] if per_row else (), dtype=acc, device=h.device)
     grad_h = torch.empty_like(h) if want_h else None
     grad_w = torch.zeros(w.shape, dtype=acc, device=h.device) if want_w else None
+    # bf16: each chunk's softmax in one fused pass over its bf16 logits (_bf16_softmax)
+    fused = dt == torch.bfloat16 and acc == torch.float32 and not softcap and scale == 1.0
     with torch.autocast(h.device.type, enabled=False):
         for i in range(0, h.shape[0], step):
             hc, tc = h[i : i + step], targets[i : i + step]
-            logits, dcap = _cap((hc.to(dt) @ w.T).to(acc), softcap)  # (c, V)
-            if scale != 1.0:
-                logits = logits * scale
             valid = tc != IGNORE
             safe = torch.where(valid, tc, 0)
-            picked = logits.gather(1, safe[:, None]).squeeze(1)
-            # exp(logit - max) once, in place: the log-sum-exp and the softmax both come out
-            # of it (logsumexp and then exp(logits - lse) took two passes of exp and a copy)
-            m = logits.amax(dim=-1)  # (c,)
-            e = logits.sub_(m[:, None]).exp_()
-            total = e.sum(dim=-1)
-            lse = m + torch.log(total)
+            if fused:
+                logits = hc.to(dt) @ w.T  # (c, V) bf16
+                p, lse = _bf16_softmax(logits)
+                picked = logits.gather(1, safe[:, None]).squeeze(1).float()
+            else:
+                logits, dcap = _cap((hc.to(dt) @ w.T).to(acc), softcap)  # (c, V)
+                if scale != 1.0:
+                    logits = logits * scale
+                picked = logits.gather(1, safe[:, None]).squeeze(1)
+                # exp(logit - max) once, in place: the log-sum-exp and the softmax both come
+                # out of it (logsumexp and then exp(logits - lse) took two passes of exp and
+                # a copy)
+                m = logits.amax(dim=-1)  # (c,)
+                e = logits.sub_(m[:, None]).exp_()
+                total = e.sum(dim=-1)
+                lse = m + torch.log(total)
             row_loss = torch.where(valid, lse - picked, 0.0)
             if per_row:
                 loss[i : i + step] = row_loss
@@ -110,14 +118,18 @@ def _chunked(
             if not (want_h or want_w):
                 continue
             # d loss / d logits = softmax - onehot(target), zero on ignored rows; in place.
-            g = e.div_(total[:, None])
-            g.scatter_add_(1, safe[:, None], torch.full_like(picked[:, None], -1.0))
-            g.mul_(valid[:, None])
-            if dcap is not None:
-                g.mul_(dcap)
-            if scale != 1.0:
-                g.mul_(scale)
-            gd = g.to(dt)  # once for both products (a no-op without autocast)
+            if fused:
+                g = p.scatter_add_(1, safe[:, None], torch.full_like(p[:, :1], -1.0))
+                gd = g.mul_(valid[:, None])
+            else:
+                g = e.div_(total[:, None])
+                g.scatter_add_(1, safe[:, None], torch.full_like(picked[:, None], -1.0))
+                g.mul_(valid[:, None])
+                if dcap is not None:
+                    g.mul_(dcap)
+                if scale != 1.0:
+                    g.mul_(scale)
+                gd = g.to(dt)  # once for both products (a no-op without autocast)
             if grad_h is not None:
                 grad_h[i : i + step] = (gd @ w).to(h.dtype)
             if grad_w is None:
@@ -128,7 +140,7 @@ def _chunked(
                 # on a CPU with bf16 units a float32 matmul here was a third of the head.
                 grad_w.add_(gd.T @ hc.to(dt))
             else:
-                grad_w.addmm_(g.T, hc.to(acc))  # float32: the head's own gradient
+                grad_w.addmm_(g.T.to(acc), hc.to(acc))  # float32: the head's own gradient
     return loss, grad_h, grad_w
 
 
@@ -152,6 +164,8 @@ def _vocab_chunked(
     V = head.out_features
     dt = compute_dtype(h)
     acc = torch.promote_types(h.dtype, torch.float32)
+    if dt == torch.bfloat16 and acc == torch.float32 and not softcap and logit_scale == 1.0:
+        return _vocab_chunked_bf16(h, head, targets, want_h, per_row)
     N, C = h.shape
     # Rows per chunk: the (N, rows) logits and the (rows, C) dequantized weights each
     # within about chunk_bytes (a wide model's head would otherwise dequantize 100s of MB).
@@ -202,6 +216,62 @@ def _vocab_chunked(
     if logit_scale != 1.0:
         grad_h.mul_(logit_scale)
     return loss, grad_h.to(h.dtype)
+
+
+def _bf16_softmax(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(softmax, log-sum-exp) of each row of bf16 logits (n, c): the softmax in bf16, from
+    torch's fused kernel (float32 inside, rounded once, the same bits as a float32 softmax
+    cast down); the log-sum-exp in float32, max - log(largest probability), since that
+    probability is 1 / sum exp(logit - max) (rounded to bf16: 2^-9 relative, an error below
+    0.002 in the log-sum-exp, under the bf16 rounding of the logits themselves). The float32
+    way cast the logits up, took the max, subtracted, exponentiated, summed and cast back:
+    six passes over the chunk where this takes three."""
+    p = torch.softmax(logits, dim=-1)
+    return p, logits.amax(dim=-1).float() - torch.log(p.amax(dim=-1).float())
+
+
+def _vocab_chunked_bf16(
+    h: torch.Tensor, head, targets: torch.Tensor, want_h: bool, per_row: bool = False
+):
+    """_vocab_chunked under bf16 autocast, each chunk's softmax and log-sum-exp from
+    _bf16_softmax (the float32 way took 60 ms of a SmolLM2 LoRA step on a Zen 4,
+    docs/performance.md). Chunks combine as an online log-sum-exp L; the gradient's
+    softmax part sum_c exp(lse_c - L) p_c W_c is rescaled when L grows, as _vocab_chunked
+    rescales."""
+    V = head.out_features
+    dt, acc = torch.bfloat16, torch.float32
+    N, C = h.shape
+    budget = chunk_bytes(h.device)
+    step = max(256, min(budget // (4 * max(1, N)), budget // (4 * C)))
+    valid = targets != IGNORE
+    safe = torch.where(valid, targets, 0)
+    hd = h.to(dt)
+    off = torch.autocast(h.device.type, enabled=False)
+    lse = torch.full((N,), float("-inf"), dtype=acc, device=h.device)
+    picked = torch.zeros(N, dtype=acc, device=h.device)
+    soft = torch.zeros(h.shape, dtype=acc, device=h.device) if want_h else None
+    target = torch.zeros(h.shape, dtype=acc, device=h.device) if want_h else None
+    for v0 in range(0, V, step):
+        w = head.rows(v0, min(V, v0 + step), dt)  # (c, C)
+        c = w.shape[0]
+        with off:
+            logits = hd @ w.T  # (N, c) bf16
+            p, chunk = _bf16_softmax(logits)
+        inside = (safe >= v0) & (safe < v0 + c)
+        at = (safe - v0).clamp(0, c - 1)
+        picked += torch.where(inside, logits.gather(1, at[:, None]).squeeze(1).float(), 0.0)
+        new = torch.logaddexp(lse, chunk)
+        if want_h:
+            with off:
+                part = (p @ w).float().mul_(torch.exp(chunk - new)[:, None])
+            soft.mul_(torch.exp(lse - new)[:, None]).add_(part)
+            target.add_(w[at].to(acc) * inside.to(acc)[:, None])
+        lse = new
+    loss = torch.where(valid, lse - picked, 0.0)
+    loss = loss if per_row else loss.sum()
+    if not want_h:
+        return loss, None
+    return loss, soft.sub_(target).mul_(valid[:, None]).to(h.dtype)
 
 
 class _HeadRowsCrossEntropy(torch.autograd.Function):
