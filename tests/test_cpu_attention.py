@@ -59,15 +59,47 @@ def test_matches_float32_attention_as_closely_as_the_flash_kernel(monkeypatch, s
         assert rel(m, r) < 2 * rel(f, r) + 2e-3, (name, rel(m, r), rel(f, r))
 
 
-def test_keeps_no_square_of_the_sequence_for_backward():
+def saved_by(q, k, v) -> list[torch.Tensor]:
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        cpu_attention.causal_attention(q, k, v)
+    return saved
+
+
+def test_keeps_no_square_of_the_sequence_for_backward_above_the_limit(monkeypatch):
     B, H, K, T, D = 1, 4, 2, 64, 8
     q = torch.randn(B, H, T, D, dtype=torch.bfloat16, requires_grad=True)
     k = torch.randn(B, K, T, D, dtype=torch.bfloat16, requires_grad=True)
     v = torch.randn(B, K, T, D, dtype=torch.bfloat16, requires_grad=True)
-    saved = []
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        cpu_attention.causal_attention(q, k, v)
-    assert saved and max(t.numel() for t in saved) <= B * H * T * D  # q, k, v, out: no (T, T)
+    probs = 2 * B * H * T * T  # bf16 bytes, one chunk
+    monkeypatch.setattr(cpu_attention, "KEEP_BYTES", probs - 1)
+    saved = saved_by(q, k, v)
+    assert len(saved) == 4 and max(t.numel() for t in saved) <= B * H * T * D  # q, k, v, out
+    monkeypatch.setattr(cpu_attention, "KEEP_BYTES", probs)
+    saved = saved_by(q, k, v)  # small enough: the probabilities too, (B, K, G, T, T) bf16
+    assert len(saved) == 5 and saved[4].shape == (B, K, H // K, T, T)
+    assert saved[4].dtype == torch.bfloat16
+    with torch.no_grad():  # nothing is kept where no gradient will be asked for
+        assert cpu_attention.causal_attention(q, k, v).grad_fn is None
+
+
+@pytest.mark.parametrize("chunk_bytes", [16 << 20, 16 * 1024])
+def test_kept_and_recomputed_probabilities_give_the_same_bits(monkeypatch, chunk_bytes):
+    """Backward takes the probabilities the forward kept or makes them again from the
+    scores: the output and every gradient are the same bits either way, in one chunk or
+    several, so the memory limit never changes a run's numbers."""
+    monkeypatch.setattr(cpu_attention, "CHUNK_BYTES", chunk_bytes)
+    torch.manual_seed(1)
+    B, H, K, T, D = 2, 6, 2, 40, 16
+    q, k, v = torch.randn(B, H, T, D) * 2, torch.randn(B, K, T, D) * 2, torch.randn(B, K, T, D)
+    go = torch.randn(B, H, T, D)
+    bf = [t.bfloat16() for t in (q, k, v)]
+    monkeypatch.setattr(cpu_attention, "KEEP_BYTES", 1 << 30)
+    kept = run(cpu_attention.causal_attention, *bf, go)
+    monkeypatch.setattr(cpu_attention, "KEEP_BYTES", 0)
+    made = run(cpu_attention.causal_attention, *bf, go)
+    for a, b in zip(kept, made):
+        assert torch.equal(a, b)
 
 
 def test_every_bf16_whole_sequence_pass_on_a_cpu_takes_it_to_the_same_bits(monkeypatch):

@@ -9,9 +9,12 @@ gpt2's bench shape 10.5 against 18, a T512 chat batch 21 against 44 (docs/perfor
 kernels because the query heads that share a K/V head are stacked into one (B, K, G*T,
 D) operand: grouped-query attention costs no copy of K or V.
 
-Memory stays near flash attention's: the forward keeps q, k, v and the output, never the
-probabilities; backward makes them again from the scores (the same bits: the same matmul
-and torch's softmax kernel). Queries go in chunks whose float32 scores fit CHUNK_BYTES,
+Memory: the forward keeps q, k, v and the output and, when they are small, the bf16
+probabilities (KEEP_BYTES a layer: a SmolLM2 LoRA batch of 4 x 256 tokens keeps 3.1 MB a
+layer, and its backward skips the scores' matmul, mask and softmax, 18% of the attention);
+otherwise backward makes them again from the scores, as flash attention does, to the same
+bits (the same matmul and torch's softmax kernel), so a step's numbers do not depend on
+which was done. Queries go in chunks whose float32 scores fit CHUNK_BYTES,
 small enough to stay in the caches between the passes over them, and a chunk of causal
 queries only meets the keys up to its last row: long sequences neither allocate T x T
 per head nor multiply the masked half.
@@ -28,6 +31,11 @@ from __future__ import annotations
 import torch
 
 CHUNK_BYTES = 4 << 20  # float32 scores of one chunk of queries, all heads
+# The bf16 probabilities of one attention call (every chunk) are kept for backward up to
+# this size: n_layer times it at most, against a recomputation of the scores (2-3 ms a
+# layer on a SmolLM2 LoRA batch, a Zen 4). A T512 batch of 4 on SmolLM2 (10.5 MB a layer)
+# and any long sequence recompute; `--checkpointing` keeps one layer's at a time.
+KEEP_BYTES = 8 << 20
 
 
 def wanted(q: torch.Tensor, k: torch.Tensor) -> bool:
@@ -67,6 +75,11 @@ def _probs(qc, k, i0: int, scale: float):
     return torch.softmax(s, dim=-1)
 
 
+def _kept_bytes(B: int, K: int, G: int, chunks: list[tuple[int, int]]) -> int:
+    """Bytes of the bf16 probabilities of every chunk: (B, K, G, i1 - i0, i1) each."""
+    return sum(2 * B * K * G * (i1 - i0) * i1 for i0, i1 in chunks)
+
+
 class CausalAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, scale: float):
@@ -75,18 +88,23 @@ class CausalAttention(torch.autograd.Function):
         G = H // K
         qg = q.view(B, K, G, T, D)
         out = torch.empty(B, K, G, T, D, dtype=q.dtype)
-        for i0, i1 in _chunks(B, K, G, T):
+        chunks = _chunks(B, K, G, T)
+        kept = []  # each chunk's bf16 probabilities, when they are kept for backward
+        keep = any(ctx.needs_input_grad[:3]) and _kept_bytes(B, K, G, chunks) <= KEEP_BYTES
+        for i0, i1 in chunks:
             t = i1 - i0
             p = _probs(qg[:, :, :, i0:i1], k, i0, scale).to(q.dtype)
             o = torch.matmul(p.view(B, K, G * t, i1), v[:, :, :i1])
             out[:, :, :, i0:i1] = o.view(B, K, G, t, D)
-        ctx.save_for_backward(q, k, v, out)
+            if keep:
+                kept.append(p)
+        ctx.save_for_backward(q, k, v, out, *kept)
         ctx.scale = scale
         return out.view(B, H, T, D)
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, out = ctx.saved_tensors
+        q, k, v, out, *kept = ctx.saved_tensors
         scale = ctx.scale
         B, H, T, D = q.shape
         K = k.shape[1]
@@ -98,16 +116,17 @@ class CausalAttention(torch.autograd.Function):
         dq = torch.empty_like(qg)
         dk = torch.zeros(k.shape, dtype=torch.float32)
         dv = torch.zeros(v.shape, dtype=torch.float32)
-        for i0, i1 in _chunks(B, K, G, T):
+        for n, (i0, i1) in enumerate(_chunks(B, K, G, T)):
             t = i1 - i0
             kc, vc = k[:, :, :i1], v[:, :, :i1]
             qc = qg[:, :, :, i0:i1]
             goc = go[:, :, :, i0:i1].reshape(B, K, G * t, D)
-            p = _probs(qc, k, i0, scale)
-            pb = p.to(q.dtype).view(B, K, G * t, i1)
+            p = kept[n] if kept else _probs(qc, k, i0, scale).to(q.dtype)  # (B, K, G, t, i1)
+            pb = p.view(B, K, G * t, i1)
             dv[:, :, :i1] += torch.matmul(pb.transpose(-1, -2), goc)
             dp = torch.matmul(goc, vc.transpose(-1, -2)).view(B, K, G, t, i1)
-            # dS = P * (dP - delta); the scale is applied to the (t, D) products below
+            # dS = P * (dP - delta), P as the forward rounded it (kept or made again: the
+            # same bits); the scale is applied to the (t, D) products below
             ds = torch.sub(dp, delta[:, :, :, i0:i1]).mul_(p).to(q.dtype)
             ds = ds.view(B, K, G * t, i1)
             dq[:, :, :, i0:i1] = torch.matmul(ds, kc).mul_(scale).view(B, K, G, t, D)
