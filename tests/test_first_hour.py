@@ -217,6 +217,48 @@ def test_a_resume_refusal_names_the_file_that_changed(toy_cli, corpus, tmp_path)
     assert code == 2 and str(mine) in err and "corpus_sha256" not in err, err
 
 
+def test_a_corpus_changed_past_4_mib_is_refused_and_an_older_run_still_resumes(
+    toy_cli, corpus, tmp_path
+):
+    """A run records its corpus's every byte (corpus_sha256_full) beside the size and first
+    4 MiB: a token changed past 4 MiB, the file's size kept (a corpus re-made in place),
+    is refused on resume with one line naming the file. A run recorded before the full
+    form resumes on the first alone."""
+    import numpy as np
+
+    from toy.data.tokens import read_tokens, write_tokens
+
+    big = tmp_path / "big.bin"
+    for suffix in (".val.bin", ".tokenizer.json"):
+        big.with_name("big" + suffix).write_bytes(corpus.with_name("c" + suffix).read_bytes())
+    tf = read_tokens(corpus)
+    past = (1 << 22) + 4096  # inside the tokens (an even offset: a low byte), beyond 4 MiB
+    write_tokens(big, np.resize(tf.tokens, past // 2 + 64), tf.vocab_size, tf.tokenizer_hash)
+    code, _, err = scratch(toy_cli, big, tmp_path, "--steps", "2", "--run-id", "r")
+    assert code == 0, err
+    run = tmp_path / "r"
+    assert len(json.loads((run / "run.json").read_text())["job"]["corpus_sha256_full"]) == 64
+
+    def flip() -> None:  # one bit of one token id, in place: the size is kept
+        with open(big, "r+b") as fh:
+            fh.seek(past)
+            b = fh.read(1)[0]
+            fh.seek(past)
+            fh.write(bytes([b ^ 1]))
+
+    flip()
+    code, _, err = toy_cli("train", "--resume", run, "--steps", "4")
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert str(big) in err and "changed since the run started" in err, err
+    assert "sha256" in err and "corpus_sha256" not in err, err
+    flip()  # the bytes the run started on again
+    info = json.loads((run / "run.json").read_text())
+    del info["job"]["corpus_sha256_full"]  # as a run made before it recorded
+    (run / "run.json").write_text(json.dumps(info))
+    code, _, err = toy_cli("train", "--resume", run, "--steps", "3")
+    assert code == 0, err
+
+
 def test_prep_says_when_the_vocabulary_falls_short(toy_cli, tmp_path):
     (tmp_path / "t.txt").write_text("the cat sat on the mat. " * 20)
     code, out, err = toy_cli(

@@ -150,10 +150,29 @@ def test_token_stream_lora(base, toy_cli, tmp_path):
     )
     assert code == 0, err
     code, out, err = train(
-        toy_cli, base, tmp_path, "--corpus", tmp_path / "c.bin", "--steps", "3", "--json"
-    )
+        toy_cli, base, tmp_path, "--corpus", tmp_path / "c.bin", "--steps", "3", "--json",
+        "--run-id", "r",
+    )  # fmt: skip
     assert code == 0, err
     assert len(json.loads(out)["val_losses"]) == 2
+    # The corpus changed in place, its size kept: the resume names it (the run recorded
+    # none of its bytes before), and a run recorded without the fingerprints still resumes.
+    corpus, run = tmp_path / "c.bin", tmp_path / "r"
+    original = corpus.read_bytes()
+    changed = bytearray(original)
+    changed[-2:] = original[-4:-2]  # the last token id replaced by the one before it
+    assert changed != original
+    corpus.write_bytes(bytes(changed))
+    code, _, err = toy_cli("train", "--resume", run, "--steps", "4")
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert str(corpus) in err and "changed since the run started" in err, err
+    corpus.write_bytes(original)
+    info = json.loads((run / "run.json").read_text())
+    for key in ("corpus_sha256", "corpus_sha256_full"):
+        del info["job"][key]  # as a run made before they were recorded
+    (run / "run.json").write_text(json.dumps(info))
+    code, _, err = toy_cli("train", "--resume", run, "--steps", "4")
+    assert code == 0, err
 
 
 def test_resume_is_exact(base, toy_cli, tmp_path):

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 from dataclasses import dataclass
 from importlib import resources
@@ -22,7 +21,7 @@ from tokenizers import Tokenizer
 from toy import tokenizer as toktools
 from toy.data.tokens import tokenizer_beside, tokenizer_path_for, val_path_for, write_tokens
 from toy.errors import InputError, UsageError
-from toy.runs import write_file_atomic
+from toy.runs import cache_dir, write_file_atomic
 
 DEFAULT_VOCAB = 4096
 
@@ -182,13 +181,6 @@ def encode_documents(tok: Tokenizer, docs: list[str]) -> np.ndarray:
 def bundled_text_paths() -> list[Path]:
     root = resources.files("toy") / "data" / "assets" / "shakespeare"
     return sorted(Path(str(p)) for p in root.iterdir() if p.name.endswith(".txt"))
-
-
-def cache_dir() -> Path:
-    base = os.environ.get("TOY_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "toy"
-    )
-    return Path(base)
 
 
 def bundled_corpus(vocab_size: int = DEFAULT_VOCAB) -> Path:

@@ -27,7 +27,7 @@ from toy.data.chat import (
     read_chat_jsonl,
 )
 from toy.errors import InputError
-from toy.runs import fingerprint, plural
+from toy.runs import data_fingerprints, plural
 
 CHAT_BUCKET = 64  # --compile: batch lengths are padded up to a multiple of this
 
@@ -221,7 +221,7 @@ def chat_stream(
     sup = sum(int(sum(m)) for _, m in samples)
     info = {
         "data": str(o.data),
-        "data_sha256": fingerprint(data_path),
+        **data_fingerprints("data", data_path),
         "conversations": len(samples),
         "batches": n,
         "supervised_tokens": sup,
@@ -229,7 +229,8 @@ def chat_stream(
     if train.kind != "messages":
         info["data_format"] = train.kind
     if val_path is not None and not o.val_data:
-        info["val_data"], info["val_data_sha256"] = str(val_path), fingerprint(val_path)
+        info["val_data"] = str(val_path)
+        info.update(data_fingerprints("val_data", val_path))
     notes.append(
         f"{plural(len(samples), 'example')} in "
         f"{plural(n, 'length-grouped batch', 'length-grouped batches')} "

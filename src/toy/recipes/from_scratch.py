@@ -6,7 +6,7 @@ import torch
 
 from toy.models import registry
 from toy.recipes.lm import lm_config, lm_derived, lm_job, open_token_data
-from toy.runs import Project, fingerprint
+from toy.runs import Project, data_fingerprints
 from toy.train.config import RunConfig
 from toy.train.job import Built
 from toy.train.recipe import Recipe
@@ -24,7 +24,7 @@ def build(cfg: RunConfig, project: Project) -> Built:
         "model": mcfg.to_dict(),
         "corpus": str(data.train.path),
         "corpus_tokens": len(data.train),
-        "corpus_sha256": fingerprint(data.train.path),
+        **data_fingerprints("corpus", data.train.path),
         "seq_len": seq_len,
     }
     job = lm_job("from-scratch", model, data, cfg, seq_len, config)

@@ -55,7 +55,7 @@ from toy.recipes.adapter import (
     load_adapted,
     text_side,
 )
-from toy.runs import Project, fingerprint, plural
+from toy.runs import Project, data_fingerprints, plural
 from toy.tokenizer import encode_prompt
 from toy.train import dist
 from toy.train.config import RunConfig
@@ -506,7 +506,7 @@ def build(cfg: RunConfig, project: Project) -> Built:
     )
     info = {
         "data": str(cfg.data),
-        "data_sha256": fingerprint(data_path),
+        **data_fingerprints("data", data_path),
         "prompts": len(train),
         "rewards": [r.spec for r in rewards],
         "num_generations": G,
@@ -518,7 +518,8 @@ def build(cfg: RunConfig, project: Project) -> Built:
         "num_iterations": MU,
     }
     if val_path is not None and not cfg.val_data:
-        info["val_data"], info["val_data_sha256"] = str(val_path), fingerprint(val_path)
+        info["val_data"] = str(val_path)
+        info.update(data_fingerprints("val_data", val_path))
     derived = a.derived()
     epochs, note = cfg.epoch_steps(n_batches, A, "batches of prompts")
     derived.update(epochs)

@@ -19,7 +19,7 @@ from toy.recipes.adapter import (
     load_adapted,
 )
 from toy.recipes.lm import open_token_data, val_windows
-from toy.runs import Project
+from toy.runs import Project, data_fingerprints
 from toy.train import dist
 from toy.train.config import RunConfig
 from toy.train.job import Built, Job
@@ -107,7 +107,11 @@ def token_stream(cfg: RunConfig, project: Project, tok, model_path: Path, seq_le
     val = val_windows(data.val, seq_len, cfg.batch_size * d.world, cfg.seed)
     evals = val.eval_batches(cfg.eval_batches) if val is not None else []
     n_rows = max(1, len(data.train) // seq_len)
-    info = {"corpus": str(data.train.path), "corpus_tokens": len(data.train)}
+    info = {
+        "corpus": str(data.train.path),
+        "corpus_tokens": len(data.train),
+        **data_fingerprints("corpus", data.train.path),
+    }
     return Stream(win.batch, evals, n_rows, info)
 
 

@@ -33,7 +33,7 @@ from toy.recipes.adapter import (
     load_adapted,
     text_side,
 )
-from toy.runs import Project, fingerprint, plural
+from toy.runs import Project, data_fingerprints, plural
 from toy.train import dist
 from toy.train.config import RunConfig
 from toy.train.device import Precision, autocast, resolve_device, resolve_precision
@@ -255,13 +255,14 @@ def build_pairs(
     )
     info = {
         "data": str(cfg.data),
-        "data_sha256": fingerprint(data_path),
+        **data_fingerprints("data", data_path),
         "pairs": len(train),
         "batches": n_batches,
         **own,
     }
     if val_path is not None and not cfg.val_data:
-        info["val_data"], info["val_data_sha256"] = str(val_path), fingerprint(val_path)
+        info["val_data"] = str(val_path)
+        info.update(data_fingerprints("val_data", val_path))
     derived = a.derived()
     epochs, note = cfg.epoch_steps(n_batches, d.world * cfg.grad_accum, "batches")
     derived.update(epochs)

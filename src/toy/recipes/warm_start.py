@@ -42,7 +42,7 @@ from toy.formats.gguf_plan import supported_archs
 from toy.formats.hf_dir import base_fingerprint
 from toy.models import registry
 from toy.recipes.lm import lm_config, lm_derived, lm_job, open_token_data
-from toy.runs import Project, fingerprint
+from toy.runs import Project, data_fingerprints
 from toy.train.config import RunConfig
 from toy.train.job import Built
 from toy.train.recipe import Flag, Recipe
@@ -453,7 +453,7 @@ def build(cfg: RunConfig, project: Project) -> Built:
         "model": mcfg.to_dict(),
         "corpus": str(train.path),
         "corpus_tokens": len(train),
-        "corpus_sha256": fingerprint(train.path),
+        **data_fingerprints("corpus", train.path),
         "seq_len": seq_len,
         "init": init,
         "donor": str(donor.path),

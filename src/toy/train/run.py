@@ -426,7 +426,10 @@ def resume_run(
             continue
         if k in _FINGERPRINTED and _base_matches(k, a, built.job.config):
             continue
-        src = info["job"].get(k.removesuffix("_sha256")) if k.endswith("_sha256") else None
+        if a is None and k.endswith(("_sha256", "_sha256_full")):
+            continue  # a run recorded before this fingerprint was: nothing to compare it to
+        name = k.removesuffix("_full").removesuffix("_sha256")
+        src = info["job"].get(name) if k.endswith(("_sha256", "_sha256_full")) else None
         if _FINGERPRINTED.get(k) in moved:  # given at another path, and not a copy
             flag, now = "--" + _FINGERPRINTED[k], moved[_FINGERPRINTED[k]]
             raise UsageError(
@@ -435,7 +438,7 @@ def resume_run(
             )
         if isinstance(src, str):  # a fingerprint: name the file that changed
             raise UsageError(
-                f"--resume {run_dir}: {src} (the run's {k.removesuffix('_sha256')}) changed "
+                f"--resume {run_dir}: {src} (the run's {name}) changed "
                 "since the run started (its sha256 differs); restore the original file or "
                 "start a new run"
             )
