@@ -306,19 +306,14 @@ def cache_dir() -> Path:
 def data_fingerprints(key: str, path: Path) -> dict[str, str | None]:
     """What a run records of a data file under job key `key` (corpus, data, val_data):
     `{key}_sha256`, the size and first 4 MiB (fingerprint, as runs recorded it before), and
-    `{key}_sha256_full`, the sha256 of every byte (content_fingerprint; a directory: of
-    every file under it), cached as a base's digests are (digests.json in toy's cache
-    folder: read once, then a resume costs a stat). A resume compares both, so a corpus
+    `{key}_sha256_full`, the sha256 of every byte (content_fingerprint), cached as a
+    base's digests are (digests.json in toy's cache folder: read once, then a resume costs
+    a stat). A resume compares both, so a corpus
     changed in place past its first 4 MiB, its size kept, is refused as a base is; a run
     recorded before the full form is checked on the first alone. A pipe (--data <(...))
     has no bytes to read again: None."""
     path = Path(path)
-    cache = cache_dir() / "digests.json"
-    if path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.is_file())
-        full = content_fingerprint(path, files, cache)
-    else:
-        full = content_fingerprint(path, None, cache) if path.is_file() else None
+    full = content_fingerprint(path, cache=cache_dir() / "digests.json") if path.is_file() else None
     return {f"{key}_sha256": fingerprint(path), f"{key}_sha256_full": full}
 
 

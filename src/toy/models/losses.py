@@ -62,6 +62,20 @@ def compute_dtype(h: torch.Tensor) -> torch.dtype:
     return h.dtype
 
 
+def _takes_bf16_softmax(dt: torch.dtype, acc: torch.dtype, softcap: float, scale: float) -> bool:
+    """Whether a head's chunks take _bf16_softmax: bf16 matmuls, a float32 loss, and no
+    soft-cap or temperature on the logits (their float32 path keeps those)."""
+    return dt == torch.bfloat16 and acc == torch.float32 and not softcap and scale == 1.0
+
+
+def _vocab_step(N: int, C: int, device: torch.device) -> int:
+    """Rows of a chunked head per chunk: the (N, rows) logits and the (rows, C) dequantized
+    weights each within about chunk_bytes (a wide model's head would otherwise dequantize
+    100s of MB)."""
+    budget = chunk_bytes(device)
+    return max(256, min(budget // (4 * max(1, N)), budget // (4 * C)))
+
+
 def _chunked(
     h: torch.Tensor,
     weight: torch.Tensor,
@@ -88,7 +102,7 @@ def _chunked(
     grad_h = torch.empty_like(h) if want_h else None
     grad_w = torch.zeros(w.shape, dtype=acc, device=h.device) if want_w else None
     # bf16: each chunk's softmax in one fused pass over its bf16 logits (_bf16_softmax)
-    fused = dt == torch.bfloat16 and acc == torch.float32 and not softcap and scale == 1.0
+    fused = _takes_bf16_softmax(dt, acc, softcap, scale)
     with torch.autocast(h.device.type, enabled=False):
         for i in range(0, h.shape[0], step):
             hc, tc = h[i : i + step], targets[i : i + step]
@@ -164,13 +178,10 @@ def _vocab_chunked(
     V = head.out_features
     dt = compute_dtype(h)
     acc = torch.promote_types(h.dtype, torch.float32)
-    if dt == torch.bfloat16 and acc == torch.float32 and not softcap and logit_scale == 1.0:
+    if _takes_bf16_softmax(dt, acc, softcap, logit_scale):
         return _vocab_chunked_bf16(h, head, targets, want_h, per_row)
     N, C = h.shape
-    # Rows per chunk: the (N, rows) logits and the (rows, C) dequantized weights each
-    # within about chunk_bytes (a wide model's head would otherwise dequantize 100s of MB).
-    budget = chunk_bytes(h.device)
-    step = max(256, min(budget // (4 * max(1, N)), budget // (4 * C)))
+    step = _vocab_step(N, C, h.device)
     valid = targets != IGNORE
     safe = torch.where(valid, targets, 0)
     hd = h.to(dt)  # once; each chunk of rows is dequantized straight into dt, autocast off
@@ -241,8 +252,7 @@ def _vocab_chunked_bf16(
     V = head.out_features
     dt, acc = torch.bfloat16, torch.float32
     N, C = h.shape
-    budget = chunk_bytes(h.device)
-    step = max(256, min(budget // (4 * max(1, N)), budget // (4 * C)))
+    step = _vocab_step(N, C, h.device)
     valid = targets != IGNORE
     safe = torch.where(valid, targets, 0)
     hd = h.to(dt)

@@ -426,10 +426,11 @@ def resume_run(
             continue
         if k in _FINGERPRINTED and _base_matches(k, a, built.job.config):
             continue
-        if a is None and k.endswith(("_sha256", "_sha256_full")):
+        fingerprinted = k.endswith(("_sha256", "_sha256_full"))
+        if a is None and fingerprinted:
             continue  # a run recorded before this fingerprint was: nothing to compare it to
         name = k.removesuffix("_full").removesuffix("_sha256")
-        src = info["job"].get(name) if k.endswith(("_sha256", "_sha256_full")) else None
+        src = info["job"].get(name) if fingerprinted else None
         if _FINGERPRINTED.get(k) in moved:  # given at another path, and not a copy
             flag, now = "--" + _FINGERPRINTED[k], moved[_FINGERPRINTED[k]]
             raise UsageError(
