@@ -107,6 +107,16 @@ def gather_rng_states(device: torch.device | None = None) -> list[dict[str, torc
     return out
 
 
+def all_gather(obj) -> list:
+    """Every rank's `obj` (picklable: CPU tensors, lists, dicts), in rank order, on every
+    rank: [obj] with one process."""
+    if not _INFO.enabled:
+        return [obj]
+    out: list = [None] * _INFO.world
+    dist.all_gather_object(out, obj)
+    return out
+
+
 def barrier() -> None:
     if _INFO.enabled:
         dist.barrier()
@@ -121,10 +131,32 @@ def shard(rows: int, rank: int | None = None, world: int | None = None) -> slice
 
 
 def launch(nproc: int, argv: list[str]) -> int:
-    """`toy train --nproc N ...` = `python -m torch.distributed.run --standalone
-    --nproc-per-node N -m toy train ...` (the same arguments less --nproc)."""
+    """`toy train --nproc N ...`: start N processes of `python -m toy train ...` (the same
+    arguments less --nproc) on this machine, each told its place as torchrun tells it
+    (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE; MASTER_ADDR/MASTER_PORT: a free
+    loopback port, where rank 0's store listens for `init`), with OMP_NUM_THREADS=1 where
+    it is unset, as torchrun sets it (--threads N still sets torch's count in each process:
+    device.Threads). No torchrun agent: no banner, no ChildFailedError traceback, no exit 1
+    for every failure. The exit code is the first failing process's own: 2 for a user's
+    mistake, 1 for a failed run, 128+N for signal N (rank 0's 2, 130 or 143 wins over a 1
+    of a rank that failed first for having lost rank 0).
+
+    When one process fails the others are stopped (SIGTERM a second later, SIGKILL
+    `_GRACE_S` after that), unless it stopped on a signal (130, 143: the others stop with
+    it, checkpoint and all). Each SIGINT or SIGTERM this launcher gets is passed on once to
+    every process and the launcher waits on: a Ctrl-C lets them finish the step in flight
+    and checkpoint, a second stops them at once, a third kills them. The processes have a
+    process group of their own, so that a terminal's Ctrl-C reaches them once, through
+    here, not twice (a second SIGINT would stop them without a checkpoint).
+
+    Rank 0's output is the user's terminal, as it is. The others' stderr comes through here
+    line by line, except their last words (from their `toy train: ...` line on, the same
+    one-line error or interruption rank 0 prints itself): those are shown only where
+    another rank failed first and rank 0 did not tell it."""
+    import signal
     import subprocess
     import sys
+    import time
 
     rest, skip = [], False
     for a in argv:
@@ -134,16 +166,171 @@ def launch(nproc: int, argv: list[str]) -> int:
             skip = True
         elif not a.startswith("--nproc="):
             rest.append(a)
-    return subprocess.call(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            str(nproc),
-            "-m",
-            "toy",
-            *rest,
-        ]
+    base = dict(os.environ)
+    base.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default for N > 1 processes
+    base.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")  # torchrun's, for NCCL on cuda
+    base.pop("TORCHELASTIC_USE_AGENT_STORE", None)  # rank 0 hosts the store, not an agent
+    base.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(_free_port()),
+        WORLD_SIZE=str(nproc),
+        LOCAL_WORLD_SIZE=str(nproc),
     )
+    procs: list[subprocess.Popen] = []
+    signals: list[int] = []  # the signals this launcher got, forwarded as they came
+
+    def forward(signum, frame):
+        signals.append(signum)
+        kill = signals.count(signal.SIGINT) >= 3
+        for p in procs:
+            _send(p, signal.SIGKILL if kill else signum)
+
+    old = {}
+    for s in (signal.SIGINT, signal.SIGTERM):
+        try:
+            old[s] = signal.signal(s, forward)
+        except ValueError:  # not the main thread
+            pass
+    posix = {"process_group": 0, "preexec_fn": _parent_death_signal()} if os.name == "posix" else {}
+    relays: list[_Relay] = []
+    first: tuple[int, int] | None = None  # (rank, exit code) of the first process to fail
+    try:
+        for r in range(nproc):
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "toy", *rest],
+                    env={**base, "RANK": str(r), "LOCAL_RANK": str(r)},
+                    stderr=subprocess.PIPE if r else None,
+                    **posix,
+                )
+            )
+        relays = [_Relay(p.stderr) for p in procs[1:]]  # threads: after the forks
+        stop_at = kill_at = None  # when to SIGTERM, then SIGKILL, the ones still running
+        while True:
+            codes = [p.poll() for p in procs]  # every one, each look (no short cut)
+            for r, c in enumerate(codes):
+                if c and first is None:
+                    first = (r, _exit_code(c))
+                    if first[1] not in _STOPPED:  # a stop on a signal: the others stop with it
+                        stop_at = time.monotonic() + 1.0  # they may end on their own first
+            if all(c is not None for c in codes):
+                break
+            now = time.monotonic()
+            if stop_at is not None and now >= stop_at and not signals:
+                stop_at, kill_at = None, now + _GRACE_S
+                for p in procs:
+                    _send(p, signal.SIGTERM)
+            if kill_at is not None and now >= kill_at:
+                kill_at = None
+                for p in procs:
+                    _send(p, signal.SIGKILL)
+            time.sleep(0.05)
+    finally:
+        for p in procs:  # an error of the launcher's own: leave no process behind
+            if p.poll() is None:
+                _send(p, signal.SIGKILL)
+                p.wait()
+        for s, h in old.items():
+            signal.signal(s, h)
+    for relay in relays:
+        relay.join()
+    if first is None:
+        return 0
+    rank, code = first
+    # Rank 0 told a user's mistake (2) or an interruption (130, 143) itself, the same words
+    # as the others'; after a failed run (1) the first failing rank's words are the cause.
+    said = procs[0].returncode >= 2
+    if said and code == 1:  # a rank that lost rank 0 (a mistake rank 0 alone checks) fails
+        rank, code = 0, procs[0].returncode  # first, with 1: rank 0's is the exit code
+    if rank > 0 and not said:
+        said = relays[rank - 1].say_last_words()
+    if procs[rank].returncode < 0 and not said and not signals:
+        name = signal.Signals(-procs[rank].returncode).name
+        print(f"toy train: error: process {rank} of {nproc} was killed by {name}", file=sys.stderr)
+    return code
+
+
+_GRACE_S = 10.0  # seconds a stopped process has to end after SIGTERM, before SIGKILL
+_STOPPED = (130, 143)  # exit codes of a process that stopped on SIGINT / SIGTERM (checkpointed)
+
+
+def _free_port() -> int:
+    """A TCP port free on the loopback now (the OS picks it)."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _parent_death_signal():
+    """A preexec_fn for the started processes (Linux): SIGTERM when the launcher dies (a
+    SIGKILL, a closed terminal's SIGHUP), so that none trains on, orphaned; a SIGTERM lets
+    it checkpoint and stop, as a Ctrl-C would. None elsewhere. The call is looked up here,
+    before the fork: the child runs one C call, no import."""
+    import signal
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        import ctypes
+
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    return lambda: prctl(1, int(signal.SIGTERM), 0, 0, 0)  # PR_SET_PDEATHSIG
+
+
+def _send(p, signum: int) -> None:
+    if p.poll() is None:
+        try:
+            p.send_signal(signum)
+        except ProcessLookupError:
+            pass
+
+
+def _exit_code(returncode: int) -> int:
+    """A process's exit code as a shell gives it: 128+N for one killed by signal N."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+class _Relay:
+    """A rank's stderr (ranks above 0), copied to ours line by line as it comes, except
+    its last words: from its first `toy ...:` line on (the CLI's one-line error, or its
+    interruption), held until the launcher knows whether rank 0 said the same."""
+
+    def __init__(self, stream):
+        import threading
+
+        self.stream, self.held = stream, []
+        self.thread = threading.Thread(target=self._copy, daemon=True)
+        self.thread.start()
+
+    def _copy(self) -> None:
+        import sys
+
+        for line in iter(self.stream.readline, b""):
+            if self.held or line.startswith(b"toy "):
+                self.held.append(line)
+                continue
+            _write(sys.stderr, line)
+
+    def join(self) -> None:
+        self.thread.join(timeout=5.0)  # a child of the rank's may hold the pipe open
+
+    def say_last_words(self) -> bool:
+        """Print the held lines; whether there were any."""
+        import sys
+
+        for line in self.held:
+            _write(sys.stderr, line)
+        return bool(self.held)
+
+
+def _write(stream, line: bytes) -> None:
+    try:
+        stream.write(line.decode(errors="replace"))
+        stream.flush()
+    except (OSError, ValueError):  # a closed stderr: nothing more to say
+        pass
