@@ -180,7 +180,7 @@ def toy_step(what: str, compile: bool, precision: str = "float32"):
     if compile:
         print(compile_blocks(model, torch.device("cpu")))
     opt = make_adamw(
-        job.trainable(), 1e-4, 0.0, job.params_decay, fused=precision == "bf16"
+        job.trainable(), 1e-4, 0.0, job.decays, fused=precision == "bf16"
     )  # as the loop makes it
 
     def step(k: int) -> int:

@@ -51,6 +51,29 @@ LORA = [
     "5",
 ]
 
+# GRPO: its figures (each reward's mean, the completions' lengths) ride in the losses, so
+# the same bytes mean the same completions and rewards too.
+GRPO = [
+    "--reward",
+    "length",
+    "--reward",
+    "accuracy",
+    "--target-length",
+    "4",
+    "--num-generations",
+    "4",
+    "--max-completion-length",
+    "12",
+    "--seq-len",
+    "96",
+    "--lr",
+    "5e-2",
+    "--steps",
+    "4",
+    "--eval-every",
+    "2",
+]
+
 
 def cases(d: Path) -> dict[str, list[str]]:
     """Name -> `toy train` arguments (each also gets --json --out --run-id)."""
@@ -142,6 +165,25 @@ def cases(d: Path) -> dict[str, list[str]]:
             "--beta",
             "0.3",
         ],
+        "simpo": ["--recipe", "simpo", "--model", d / "base.gguf", "--data", d / "pairs", *LORA],
+        "grpo": ["--recipe", "grpo", "--model", d / "base.gguf", "--data", d / "arith", *GRPO],
+        "grpo reused KL batch-scale": [
+            "--recipe",
+            "grpo",
+            "--model",
+            d / "base.gguf",
+            "--data",
+            d / "arith",
+            *GRPO,
+            "--num-iterations",
+            "2",
+            "--beta",
+            "0.05",
+            "--scale-rewards",
+            "batch",
+            "--loss-type",
+            "grpo",
+        ],
         "vit-tiny": [
             "--recipe",
             "vit-tiny",
@@ -168,6 +210,7 @@ def make_inputs(d: Path) -> None:
     from PIL import Image
 
     from toy.cli.main import main
+    from toy.data.arith import make_arith
     from toy.data.dialogue import conversations, preference_pairs, write_jsonl, write_pairs
     from toy.data.prep import bundled_text_paths
     from toy.tokenizer import train_bpe
@@ -202,6 +245,7 @@ def make_inputs(d: Path) -> None:
     write_llama_gguf(d / "base.gguf", base, tok, qtypes=q8)
     write_jsonl(conversations(plays, 60, seed=1, turns=(1, 2), max_chars=150), d / "chat.jsonl")
     write_pairs(preference_pairs(plays, 40, seed=1, max_chars=120), d / "pairs")
+    make_arith(d / "arith", 24, 4, seed=0)
     assert (
         main(
             [
@@ -262,6 +306,7 @@ def run_all(
         results[name] = {
             "losses": json.dumps(j["losses"]),
             "val_losses": json.dumps(j["val_losses"]),
+            "metrics": json.dumps(j.get("metrics")),  # held-out figures (GRPO's rewards)
         }
     return results
 

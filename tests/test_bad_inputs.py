@@ -328,7 +328,7 @@ def test_a_token_file_given_as_data_is_named_as_one(kit, toy_cli, tmp_path):
     )
     lines = err.strip().splitlines()
     assert code == 2 and len(lines) == 1, lines
-    assert "c.bin is a token file from `toy prep`, not JSONL: give --data the JSONL" in lines[0]
+    assert "c.bin is a token file from `toy prep`, not JSONL: give the JSONL file" in lines[0]
     assert not (tmp_path / "r").exists()
 
 

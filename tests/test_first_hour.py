@@ -220,13 +220,15 @@ def test_a_resume_refusal_names_the_file_that_changed(toy_cli, corpus, tmp_path)
 def test_a_corpus_changed_past_4_mib_is_refused_and_an_older_run_still_resumes(
     toy_cli, corpus, tmp_path
 ):
-    """A run records its corpus's every byte (corpus_sha256_full) beside the size and first
-    4 MiB: a token changed past 4 MiB, the file's size kept (a corpus re-made in place),
-    is refused on resume with one line naming the file. A run recorded before the full
-    form resumes on the first alone."""
+    """A run records its corpus's every byte (corpus_sha256, one digest): a token changed
+    past 4 MiB, the file's size kept (a corpus re-made in place), is refused on resume
+    with one line naming the file. Runs recorded before kept the first 4 MiB's digest,
+    some beside every byte's (corpus_sha256_full): those resume on every byte, and the
+    oldest on the first 4 MiB alone."""
     import numpy as np
 
     from toy.data.tokens import read_tokens, write_tokens
+    from toy.runs import fingerprint
 
     big = tmp_path / "big.bin"
     for suffix in (".val.bin", ".tokenizer.json"):
@@ -237,7 +239,8 @@ def test_a_corpus_changed_past_4_mib_is_refused_and_an_older_run_still_resumes(
     code, _, err = scratch(toy_cli, big, tmp_path, "--steps", "2", "--run-id", "r")
     assert code == 0, err
     run = tmp_path / "r"
-    assert len(json.loads((run / "run.json").read_text())["job"]["corpus_sha256_full"]) == 64
+    job = json.loads((run / "run.json").read_text())["job"]
+    assert len(job["corpus_sha256"]) == 64 and "corpus_sha256_full" not in job
 
     def flip() -> None:  # one bit of one token id, in place: the size is kept
         with open(big, "r+b") as fh:
@@ -246,14 +249,25 @@ def test_a_corpus_changed_past_4_mib_is_refused_and_an_older_run_still_resumes(
             fh.seek(past)
             fh.write(bytes([b ^ 1]))
 
+    def refused() -> None:
+        code, _, err = toy_cli("train", "--resume", run, "--steps", "4")
+        assert code == 2 and len(err.strip().splitlines()) == 1, err
+        assert str(big) in err and "changed since the run started" in err, err
+        assert "sha256" in err and "corpus_sha256" not in err, err
+
     flip()
-    code, _, err = toy_cli("train", "--resume", run, "--steps", "4")
-    assert code == 2 and len(err.strip().splitlines()) == 1, err
-    assert str(big) in err and "changed since the run started" in err, err
-    assert "sha256" in err and "corpus_sha256" not in err, err
-    flip()  # the bytes the run started on again
+    refused()
     info = json.loads((run / "run.json").read_text())
-    del info["job"]["corpus_sha256_full"]  # as a run made before it recorded
+    flip()  # the bytes the run started on again
+    full, first = info["job"]["corpus_sha256"], fingerprint(big)
+    # As a run recorded with both digests: compared on every byte.
+    info["job"].update(corpus_sha256=first, corpus_sha256_full=full)
+    (run / "run.json").write_text(json.dumps(info))
+    flip()
+    refused()
+    flip()
+    # As a run recorded before every byte was: resumes on its first 4 MiB.
+    del info["job"]["corpus_sha256_full"]
     (run / "run.json").write_text(json.dumps(info))
     code, _, err = toy_cli("train", "--resume", run, "--steps", "3")
     assert code == 0, err

@@ -25,6 +25,17 @@ V, C = 96, 32
 READS = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default)
 
 
+class FnJob(Job):
+    """A job of token batches made by `batches(k)`: the default LM loss."""
+
+    def __init__(self, model, batches):
+        super().__init__("t", model)
+        self.batches = batches
+
+    def micro_batch(self, k, live=None):
+        return self.batches(k)
+
+
 class Dispatch(TorchDispatchMode):
     """Counts casts per source tensor storage and host reads."""
 
@@ -150,13 +161,7 @@ def test_a_training_step_reads_the_device_once(monkeypatch):
     tensors by design: not counted). Tensor.tolist reads without a dispatched op: counted
     here by hand."""
     m = tiny()
-    job = Job(
-        recipe="t",
-        model=m,
-        micro_batch=lambda k: batch(k),
-        eval_batches=lambda: [],
-        save_final=lambda p: None,
-    )
+    job = FnJob(m, batch)
     tr = Trainer(
         job,
         RunConfig(steps=3, grad_accum=2, warmup=0),
@@ -190,9 +195,7 @@ def test_prefetch_never_changes_the_batches():
         seen.append(k)
         return batch(k)
 
-    job = Job(
-        recipe="t", model=m, micro_batch=micro, eval_batches=lambda: [], save_final=lambda p: None
-    )
+    job = FnJob(m, micro)
     tr = Trainer(
         job,
         RunConfig(steps=3, grad_accum=2, warmup=0),

@@ -4,8 +4,12 @@ TRL's own _calculate_rewards), and one-line errors naming the function and the s
 
 from __future__ import annotations
 
+import itertools
+import json
 import math
 import re
+import subprocess
+import sys
 import textwrap
 from types import SimpleNamespace
 
@@ -13,6 +17,7 @@ import pytest
 import torch
 
 from toy.data.rewards import (
+    DEFAULT_FORMAT,
     Logs,
     RewardError,
     State,
@@ -21,6 +26,7 @@ from toy.data.rewards import (
     final_answer,
     format_reward,
     length_reward,
+    normalize,
     parse_reward,
     score,
 )
@@ -98,6 +104,131 @@ def test_length_penalty():
     assert length_reward(ids, target_length=10) == [0.0, -0.5, -1.0, -1.0, -2.0]
     r = parse_reward("length", target_length=10)
     assert r.fn(completion_ids=ids[:2]) == [0.0, -0.5]
+
+
+# ------------------------------------------------------------------ hostile completions
+
+# One completion each, of what a policy can write in 64k characters: the built-ins must
+# score each in milliseconds. Before the fix, "1e999999999" made Fraction compute
+# 10**999999999 (minutes, in C, deaf to SIGTERM) and "<answer>" * 8000 took final_answer's
+# regex 2 s, "</think><answer></answer>x" * 2500 the default format regex 0.5 s.
+HOSTILE = """
+N = 64_000
+HOSTILE = {
+    "huge exponent": "<answer>1e999999999</answer>",
+    "huge negative exponent": "<answer>1e-999999999</answer>",
+    "bare huge exponent": "= 1e999999999",
+    "<answer> unclosed": "<answer>" * (N // 8),
+    "</think><answer> unclosed": "</think><answer>" * (N // 16),
+    "format almost": "<think>" + "</think><answer></answer>x" * (N // 26),
+    "format no answer tag": "<think>" + "</think> " * (N // 9) + "</answer>",
+    "60k digits": "<answer>" + "9" * 60_000 + "</answer>",
+    "60k decimals": "<answer>0." + "1" * 60_000 + "</answer>",
+    "60k digits untagged": "9" * 60_000,
+    "grouped": "1" + ",000" * 15_000,
+    "minus run": "-" * N + "1",
+    "U+2212 run": "\u2212" * N,
+    "comma run": "1," * (N // 2),
+    "many numbers": " ".join(map(str, range(12_000)))[:N],
+}
+"""
+
+
+def run_isolated(code: str, timeout: float = 60) -> dict:
+    """`code`'s JSON printout, run in a fresh interpreter: a built-in that hangs (in C, where
+    no signal reaches it) fails the test at `timeout` instead of hanging the suite."""
+    try:
+        r = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout
+        )
+    except subprocess.TimeoutExpired:
+        r = None
+    if r is None:
+        pytest.fail(f"still running after {timeout} s: a built-in reward hangs")
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+def test_hostile_completions_score_in_milliseconds():
+    code = HOSTILE + textwrap.dedent(
+        """
+        import json, time
+        from toy.data.rewards import accuracy, format_reward, length_reward
+        took = {}
+        for name, text in HOSTILE.items():
+            t = time.perf_counter()
+            accuracy([text], answer=["42"])
+            accuracy(["42"], answer=[text])  # an answer column as hostile
+            accuracy([[{"role": "assistant", "content": text}]], answer=["1e999999998"])
+            format_reward([text])
+            length_reward([list(range(len(text)))])
+            took[name] = time.perf_counter() - t
+        print(json.dumps(took))
+        """
+    )
+    took = run_isolated(code)
+    # Each takes under 10 ms here; 2 s in all leaves room for a loaded 2-core CI machine.
+    slow = {k: f"{v:.3f} s" for k, v in sorted(took.items(), key=lambda kv: -kv[1])[:3]}
+    assert sum(took.values()) < 2.0, f"slowest: {slow}"
+
+
+def test_a_huge_exponent_compares_as_text():
+    code = textwrap.dedent(
+        """
+        import json
+        from toy.data.rewards import accuracy
+        tag = "<answer>1e999999999</answer>"
+        print(json.dumps([
+            accuracy([tag, tag, tag], answer=["1e999999999", "1E999999999", "1e999999998"]),
+            accuracy(["<answer>1e-999999999</answer>"], answer=["0"]),
+            accuracy(["<answer>1e5</answer>"], answer=["1e999999999"]),
+        ]))
+        """
+    )
+    assert run_isolated(code) == [[1.0, 1.0, 0.0], [0.0], [0.0]]
+
+
+def test_numbers_compare_by_value_within_bounds():
+    same = [
+        ("42.0", "42"),
+        ("4.2e1", "42"),
+        ("4.2E+1", " 42 "),
+        ("1,000", "1000"),
+        ("\u22123", "-3"),
+        ("2/6", "1/3"),
+        ("5e-1", "0.5"),
+        ("1e300", "1" + "0" * 300),  # 300-digit answers still compare by value
+        ("1e-300", "0." + "0" * 299 + "1"),
+        ("9" * 900 + ".0", "9" * 900),
+        ("PARIS", "paris"),
+    ]
+    for a, b in same:
+        assert normalize(a) == normalize(b), (a[:20], b[:20])
+    assert normalize("41.99") != normalize("42") and normalize("1e300") != normalize("1e301")
+    # Past the bounds a number is text (test_a_huge_exponent_compares_as_text has the
+    # exponents that hang Fraction; these would not, so a regression fails here, not hangs).
+    assert normalize("1e1001") == "1e1001" == normalize(" 1E1001 ")
+    assert normalize("1e1001") != normalize("10e1000")
+    assert normalize("1" * 1001) == "1" * 1001
+    assert normalize("0/0") == "0/0"
+
+
+def test_answer_tag_and_default_format_keep_their_regex_semantics():
+    """final_answer and the default format check, rewritten to run in linear time, agree
+    with the regexes they replace on every short arrangement of the tags."""
+    parts = ["<answer>", "</answer>", "<think>", "</think>", " ", "7", "<", "x"]
+    texts = ["".join(p) for n in range(5) for p in itertools.product(parts, repeat=n)]
+    tag = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+    for t in texts:
+        tags = tag.findall(t)
+        if tags:
+            assert final_answer(t) == tags[-1], t
+    assert final_answer("<answer>a<answer>b</answer>") == "a<answer>b"
+    assert final_answer("<answer>1</answer> 2</answer>") == "1"
+    assert final_answer("<answer>1</answer><answer>2") == "1"
+    same_regex = f"(?:{DEFAULT_FORMAT})"  # not the default's string: the regex path
+    assert format_reward(texts) == format_reward(texts, format_regex=same_regex)
+    assert sum(format_reward(texts)) > 0
 
 
 def test_a_trl_reward_file_loads_by_path_and_scores(rfile):

@@ -93,9 +93,16 @@ def test_threads_flag_reaches_run_json_and_the_losses_do_not_depend_on_it(corpus
         assert info["config"]["threads"] == n and info["device"]["torch_threads"] == n
         losses.append([x["loss"] for x in json.loads(r.stdout)["losses"]])
     assert losses[0] == losses[1]  # byte for byte: the default may change the count mid-run
-    # --resume may change the thread count.
-    r = run_toy("train", "--resume", tmp_path / "t1", "--steps", "4", "--threads", "2")
+    # --resume may change the thread count and where figures go: both take effect, and
+    # run.json says so (the config, and the new segment's device).
+    r = run_toy("train", "--resume", tmp_path / "t1", "--steps", "4", "--threads", "2",
+                "--report-to", "tensorboard")  # fmt: skip
     assert r.returncode == 0, r.stderr[-2000:]
+    assert "(2 threads," in r.stdout, r.stdout
+    info = json.loads((tmp_path / "t1" / "run.json").read_text())
+    assert info["config"]["threads"] == 2 and info["config"]["report_to"] == "tensorboard"
+    assert info["segments"][-1]["device"]["torch_threads"] == 2
+    assert list((tmp_path / "t1" / "tensorboard").glob("events.out.tfevents.*"))
 
 
 @LINUX

@@ -538,7 +538,7 @@ def test_accuracy_from_the_eval_loss_equals_a_separate_pass():
     got = evaluate(job, batches, torch.device("cpu"))["accuracy"]
     correct, total = vit_tiny.accuracy_pass(model.eval(), batches)
     assert got == correct / total
-    assert job.eval_metrics(model, batches)["accuracy"] == got  # no tally: the fallback pass
+    assert job.eval_figures(model, batches)["accuracy"] == got  # no tally: the fallback pass
 
 
 def test_same_seed_same_losses_other_seed_differs(tmp_path, toy_cli):

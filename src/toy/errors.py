@@ -49,3 +49,9 @@ class Interrupted(ToyError):
     def __init__(self, message: str, signum: int):
         super().__init__(message)
         self.exit_code = 128 + signum
+
+
+class SecondInterrupt(KeyboardInterrupt):
+    """The second Ctrl-C of a run (train/loop.py's signal handler): stop at once. Told apart
+    from a KeyboardInterrupt that a user's code raises (a reward function), which is a
+    failed run."""

@@ -9,8 +9,10 @@ from __future__ import annotations
 import datetime as _dt
 import hashlib
 import json
+import math
 import os
 import re
+import socket
 import tempfile
 import time
 import tomllib
@@ -152,6 +154,19 @@ def current_umask() -> int:
     return mask
 
 
+def json_safe(obj: Any) -> Any:
+    """`obj` with every NaN or infinite float as None: JSON has no NaN, and a bare `NaN`
+    (what json.dumps writes by default) breaks every strict reader (jq, JavaScript).
+    A GRPO step whose completions no reward function scored has a NaN mean reward."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    return obj
+
+
 def write_json_atomic(path: Path, obj: Any) -> None:
     """JSON (indented, sorted keys) through write_file_atomic."""
     text = json.dumps(obj, indent=2, sort_keys=True) + "\n"
@@ -211,7 +226,7 @@ class EventLog:
     def emit(self, event: str, **fields: Any) -> dict:
         rec = {"event": event, "time": round(time.time(), 3), **fields}
         if self._fh is not None:
-            self._fh.write(json.dumps(rec, sort_keys=False) + "\n")
+            self._fh.write(json.dumps(json_safe(rec), sort_keys=False, allow_nan=False) + "\n")
             self._fh.flush()
             for sink in self.sinks:
                 sink.write(rec)
@@ -245,16 +260,25 @@ def read_events(run_dir: Path) -> list[dict]:
 
 
 # A run's status, in the words `toy runs` and `toy list` both show. The closing events
-# name theirs; a run started (or resumed) with none after it is "unfinished": it is still
-# training, or its process died without a word (SIGKILL, a power cut, the OOM killer). The
-# log alone cannot tell those apart, so neither "running" nor "killed" is claimed.
+# name theirs; a run started (or resumed) with none after it is "running" while the
+# process its run.json names for that start (this_process) still lives on this host, else
+# "unfinished": its process died without a word (SIGKILL, a power cut, the OOM killer), or
+# runs on another machine, or the run was made before run.json named its process.
 CLOSED = {"run_finished": "finished", "run_failed": "failed", "interrupted": "interrupted"}
 UNFINISHED = "unfinished"
+RUNNING = "running"
 
 
-def run_status(events: list[dict]) -> str:
-    """finished, failed, interrupted (the last start's closing event), unfinished (none
-    yet), or "no events"."""
+def this_process() -> dict[str, Any]:
+    """This process as run.json records it for a start or resume (rank 0's): its pid and
+    host, so that `toy runs` can tell a live run from a killed one."""
+    return {"pid": os.getpid(), "host": socket.gethostname()}
+
+
+def run_status(events: list[dict], info: dict | None = None) -> str:
+    """finished, failed, interrupted (the last start's closing event), running (none yet,
+    and the process of the latest segment in `info`, the run's run.json, still lives),
+    unfinished (none yet otherwise), or "no events"."""
     status = UNFINISHED if events else "no events"
     for e in events:
         kind = e.get("event")
@@ -262,7 +286,87 @@ def run_status(events: list[dict]) -> str:
             status = UNFINISHED
         elif kind in CLOSED:
             status = CLOSED[kind]
+    if status == UNFINISHED and isinstance(info, dict) and _latest_segment_lives(info):
+        status = RUNNING
     return status
+
+
+def dir_status(run_dir: Path) -> str:
+    """run_status of a run directory, read from its events.jsonl and run.json (a missing
+    or unreadable one read as empty)."""
+    try:
+        events = read_events(Path(run_dir))
+    except InputError:
+        events = []
+    try:
+        info = json.loads((Path(run_dir) / "run.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        info = None
+    return run_status(events, info)
+
+
+def _latest_segment_lives(info: dict) -> bool:
+    segments = info.get("segments")
+    if not isinstance(segments, list) or not segments or not isinstance(segments[-1], dict):
+        return False
+    seg = segments[-1]
+    pid, host, started = seg.get("pid"), seg.get("host"), seg.get("started")
+    if not isinstance(pid, int) or isinstance(pid, bool) or not isinstance(host, str):
+        return False  # a run made before run.json named its process
+    if not isinstance(started, (int, float)) or isinstance(started, bool):
+        started = None
+    return process_lives(pid, host, started)
+
+
+def process_lives(pid: int, host: str, started: float | None = None) -> bool:
+    """Whether the process (pid, host) that began a run segment at `started` (epoch
+    seconds, recorded after the process started) still runs. Only this host's processes
+    can be seen: another host's is never said to live. A pid the system has since given
+    to a later process is told apart by that process's start time (Linux's /proc): one
+    that started after the segment did is not the run's. A zombie (killed, not yet
+    reaped by its parent) does not live."""
+    if os.name != "posix" or pid <= 0 or host != socket.gethostname():
+        return False  # os.kill(pid, 0) would end the process on Windows
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # another user's process: it exists
+    except (OSError, OverflowError):
+        return False
+    stat = _proc_stat(pid)
+    if stat is None:
+        return True  # no /proc (macOS), or it just ended: the pid alone says it lives
+    state, began = stat
+    if state in ("Z", "X"):
+        return False
+    # btime is whole seconds and the clock may have been stepped since: a little slack.
+    return started is None or began is None or began <= started + 2.0
+
+
+def _proc_stat(pid: int) -> tuple[str, float | None] | None:
+    """(state letter, start time in epoch seconds or None) of a process, from
+    /proc/PID/stat and /proc/stat's btime; None where /proc cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            text = fh.read().decode("ascii", "replace")
+    except OSError:
+        return None
+    # "pid (comm) state ppid ...": comm may hold spaces and parentheses, so split after
+    # the last ")". starttime is field 22, the 20th after comm, in clock ticks since boot.
+    fields = text[text.rfind(")") + 1 :].split()
+    if len(fields) < 20:
+        return None
+    began = None
+    try:
+        ticks = int(fields[19])
+        with open("/proc/stat") as fh:
+            btime = next(int(ln.split()[1]) for ln in fh if ln.startswith("btime "))
+        began = btime + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, StopIteration, IndexError):
+        pass
+    return fields[0], began
 
 
 def fingerprint(path: Path, limit: int = 1 << 22, files: list[Path] | None = None) -> str:
@@ -305,16 +409,19 @@ def cache_dir() -> Path:
 
 def data_fingerprints(key: str, path: Path) -> dict[str, str | None]:
     """What a run records of a data file under job key `key` (corpus, data, val_data):
-    `{key}_sha256`, the size and first 4 MiB (fingerprint, as runs recorded it before), and
-    `{key}_sha256_full`, the sha256 of every byte (content_fingerprint), cached as a
-    base's digests are (digests.json in toy's cache folder: read once, then a resume costs
-    a stat). A resume compares both, so a corpus
-    changed in place past its first 4 MiB, its size kept, is refused as a base is; a run
-    recorded before the full form is checked on the first alone. A pipe (--data <(...))
-    has no bytes to read again: None."""
+    `{key}_sha256`, the sha256 of every byte (content_fingerprint), cached as a base's
+    digests are (digests.json in toy's cache folder: read once, then a resume costs a
+    stat), so a file changed anywhere in place is refused on resume as a base is. Runs
+    recorded before kept the first 4 MiB's beside it (train/run.py compares them on every
+    byte's, `{key}_sha256_full`). A pipe (--data <(...)) has no bytes to read again: None."""
     path = Path(path)
     full = content_fingerprint(path, cache=cache_dir() / "digests.json") if path.is_file() else None
-    return {f"{key}_sha256": fingerprint(path), f"{key}_sha256_full": full}
+    return {f"{key}_sha256": full}
+
+
+def file_sha256(path: Path) -> str:
+    """sha256 of a small file's bytes (a reward function's code)."""
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
 def content_fingerprint(

@@ -230,13 +230,14 @@ def _describe_adapter_dir(d: Path) -> dict[str, Any]:
 def describe_run(d: Path) -> dict[str, Any]:
     """A run directory as a row: recipe, arch, steps, status (toy.runs.run_status, the
     word `toy runs` shows)."""
-    from toy.runs import UNFINISHED, read_events, run_status
+    from toy.runs import RUNNING, UNFINISHED, read_events, run_status
 
     row: dict[str, Any] = {
         "run_id": d.name,
         "path": str(d),
         "has_final": os.path.isdir(d / "final"),
     }
+    info: Any = None
     try:
         info = json.loads((d / "run.json").read_text())
         if not isinstance(info, dict):
@@ -259,8 +260,8 @@ def describe_run(d: Path) -> dict[str, Any]:
     except ToyError:
         events = []
     last = events[-1] if events else None
-    status = run_status(events)  # the word `toy runs` shows too
-    if status == UNFINISHED:  # where it has got to (the table's note)
+    status = run_status(events, info)  # the word `toy runs` shows too
+    if status in (UNFINISHED, RUNNING):  # where it has got to (the table's note)
         row["last_step"] = next(
             (e.get("step") for e in reversed(events) if e.get("event") == "step"), 0
         )

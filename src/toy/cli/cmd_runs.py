@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from toy.errors import InputError
-from toy.runs import UNFINISHED, find_project, read_events, run_status
+from toy.runs import RUNNING, UNFINISHED, find_project, read_events, run_status
 
 FORMAT = "toy/runs-v1"
 HEADERS = (
@@ -57,8 +57,9 @@ def _num(v: Any) -> float | None:
 
 
 def summarize(run_dir: Path) -> dict[str, Any]:
-    """One run's row. Status: toy.runs.run_status (finished, failed, interrupted, or
-    unfinished: still training, or killed before it could say so), as `toy list` says it."""
+    """One run's row. Status: toy.runs.run_status (finished, failed, interrupted, running:
+    its process still lives on this host, or unfinished: killed before it could say so),
+    as `toy list` says it."""
     info = _read_json(run_dir / "run.json") or {}
     try:
         events = read_events(run_dir)
@@ -105,7 +106,7 @@ def summarize(run_dir: Path) -> dict[str, Any]:
                     k.endswith("_per_s") and _num(v) is not None
                 ):  # the whole run's figure beats the last step's
                     row["items"], row["items_per_s"] = k[: -len("_per_s")], _num(v)
-    row["status"] = run_status(events)
+    row["status"] = run_status(events, info)
     walls = segment_walls(events)
     row["segments"] = len(walls)
     if any(w is not None for w in walls):
@@ -232,7 +233,12 @@ def run(args) -> int:
             t.add_column(h, justify="right" if 4 <= i <= 8 else "left", no_wrap=True)
         for r in rows:
             c = cells(r)
-            style = {"failed": "red", "interrupted": "yellow", UNFINISHED: "cyan"}.get(r["status"])
+            style = {
+                "failed": "red",
+                "interrupted": "yellow",
+                UNFINISHED: "cyan",
+                RUNNING: "green",
+            }.get(r["status"])
             t.add_row(*c[:-1], f"[{style}]{c[-1]}[/]" if style else c[-1])
         console.print(t)
     else:

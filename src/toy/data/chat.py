@@ -395,8 +395,9 @@ def json_lines(path: Path, hint: str):
         # pipe (--data <(...)) cannot seek.
         if fh.peek(len(MAGIC))[: len(MAGIC)] == MAGIC:
             raise InputError(
-                f"{path} is a token file from `toy prep`, not JSONL: give --data the JSONL "
-                "itself (a token file goes to --corpus, with --recipe from-scratch or lora)"
+                f"{path} is a token file from `toy prep`, not JSONL: give the JSONL file "
+                "itself (a token file goes to --corpus or --val-corpus, with --recipe "
+                "from-scratch, warm-start or lora)"
             )
         # Read as bytes and decode per line: one corrupt line must not hide the others.
         for lineno, raw in enumerate(fh, 1):

@@ -9,7 +9,6 @@ with `toy infer` (training finds it with `toy.data.tokens.tokenizer_beside`)."""
 from __future__ import annotations
 
 import hashlib
-import json
 import shutil
 from dataclasses import dataclass
 from importlib import resources
@@ -19,7 +18,14 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from toy import tokenizer as toktools
-from toy.data.tokens import tokenizer_beside, tokenizer_path_for, val_path_for, write_tokens
+from toy.data.chat import json_lines
+from toy.data.tokens import (
+    MAGIC,
+    tokenizer_beside,
+    tokenizer_path_for,
+    val_path_for,
+    write_tokens,
+)
 from toy.errors import InputError, UsageError
 from toy.runs import cache_dir, write_file_atomic
 
@@ -27,7 +33,9 @@ DEFAULT_VOCAB = 4096
 
 
 def read_texts(paths: list[Path]) -> list[str]:
-    """Each .txt file is one document; each .jsonl line with a `text` field is one."""
+    """Each .txt file is one document; each .jsonl line with a `text` field is one. A bad
+    line (not UTF-8, not JSON, a lone surrogate escape, no `text`) is an InputError naming
+    its file and line: a corpus is made once, from the text as it was given."""
     docs: list[str] = []
     for p in paths:
         p = Path(p)
@@ -35,6 +43,13 @@ def read_texts(paths: list[Path]) -> list[str]:
             raise InputError(
                 f"{p}: no such file; pass .txt files or .jsonl files with a 'text' field"
             )
+        with open(p, "rb") as fh:
+            if fh.read(len(MAGIC)) == MAGIC:
+                raise InputError(
+                    f"{p} is a token file from `toy prep` already, not text: train on it with "
+                    f"`toy train --corpus {p}` (prep takes .txt files, or .jsonl files with a "
+                    "'text' field)"
+                )
         if p.suffix == ".jsonl":
             docs.extend(_read_jsonl_texts(p))
         else:
@@ -49,27 +64,17 @@ def read_texts(paths: list[Path]) -> list[str]:
 
 
 def _read_jsonl_texts(p: Path) -> list[str]:
+    """The `text` of each line, read by the reader every JSONL file goes through
+    (data.chat.json_lines: per-line UTF-8, lone surrogate escapes, blank and `#` lines);
+    the first bad line stops prep, named."""
+    hint = 'each line must be {"text": "..."}'
     out = []
-    with open(p, encoding="utf-8", errors="strict") as fh:
-        try:
-            for i, line in enumerate(fh, 1):
-                if not line.strip():
-                    continue
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise InputError(
-                        f'{p}:{i}: not valid JSON ({e.msg}); each line must be {{"text": "..."}}'
-                    )
-                if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
-                    raise InputError(
-                        f'{p}:{i}: no string \'text\' field; each line must be {{"text": "..."}}'
-                    )
-                out.append(obj["text"])
-        except UnicodeDecodeError:
-            raise InputError(
-                f"{p}: not UTF-8 text; each line must be a JSON object with a 'text' field"
-            )
+    for i, obj, reason, detail in json_lines(p, hint):
+        if obj is None:  # a lone surrogate's detail says its own fix
+            raise InputError(f"{p}:{i}: {detail}" + ("" if "surrogate" in reason else f"; {hint}"))
+        if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
+            raise InputError(f"{p}:{i}: no string 'text' field; {hint}")
+        out.append(obj["text"])
     return out
 
 

@@ -28,6 +28,7 @@ calls them on a batch and combines them as TRL does (score's docstring).
 from __future__ import annotations
 
 import asyncio
+import copy
 import functools
 import importlib.util
 import inspect
@@ -42,7 +43,7 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
-from toy.errors import UsageError
+from toy.errors import RunFailed, SecondInterrupt, UsageError
 
 DEFAULT_FORMAT = r"<think>.*?</think>\s*<answer>.*?</answer>"
 DEFAULT_TARGET_LENGTH = 64  # tokens (the `length` reward's default target)
@@ -101,32 +102,59 @@ def text_of(completion: str | list) -> str:
     return completion if isinstance(completion, str) else completion[-1]["content"]
 
 
-_ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+_ANSWER_OPEN, _ANSWER_CLOSE = "<answer>", "</answer>"
 # A number: thousands grouped by commas or not, decimals; a minus sign (ASCII or U+2212)
 # only where no digit or letter precedes it ("25-8" ends in 8, "= -8" in -8).
 _NUMBER = re.compile(r"(?:(?<![\w.])[-\u2212])?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")
 _GROUPED = re.compile(r"[-+]?\d{1,3}(?:,\d{3})+(?:\.\d+)?")
+# A number is compared by value only within these bounds, else as text: Fraction("1e999999999")
+# computes 10**999999999 (minutes of CPU, in C, deaf to SIGTERM), and a policy can write it.
+# 2**1000 has 302 digits; a Fraction this size takes microseconds.
+_MAX_NUMBER_CHARS = 1000
+_MAX_EXPONENT = 1000
 
 
 def normalize(s: Any) -> str | Fraction:
     """An answer compared by value: a number as an exact fraction ("42.0", "42", "4.2e1"
     and "1,000" / "1000" alike, "\u22123" as "-3"), anything else case- and
-    whitespace-folded text."""
+    whitespace-folded text, as is a number too big to compare quickly (over
+    _MAX_NUMBER_CHARS characters, or an exponent past +-_MAX_EXPONENT): "1e999999999"
+    equals "1E999999999" but not "10e999999998"."""
     t = " ".join(str(s).split()).replace("\u2212", "-")
     if _GROUPED.fullmatch(t):
         t = t.replace(",", "")
+    if len(t) > _MAX_NUMBER_CHARS or abs(_exponent(t)) > _MAX_EXPONENT:
+        return t.casefold()
     try:
         return Fraction(t)
-    except (ValueError, ZeroDivisionError):
+    except (ValueError, ArithmeticError):  # ArithmeticError: 0/0, or an int-size limit
         return t.casefold()
+
+
+def _exponent(t: str) -> int:
+    """The exponent Fraction(t) would scale by (10**exponent), 0 where t has none. Fraction's
+    exponent is digits after the last e or E, at the end; int() reads a superset of them."""
+    e = max(t.rfind("e"), t.rfind("E"))
+    try:
+        return int(t[e + 1 :]) if e >= 0 else 0
+    except ValueError:
+        return 0
 
 
 def final_answer(text: str) -> str:
     """What a completion answers: inside its last <answer>...</answer> when it has one,
     else its last number, else its whole text."""
-    tags = _ANSWER.findall(text)
-    if tags:
-        return tags[-1]
+    # The last match of re.findall(r"<answer>(.*?)</answer>", text, re.DOTALL), found by
+    # str.find in one pass: that regex is quadratic where no </answer> follows ("<answer>"
+    # written 8000 times took 2 s), as it rescans the rest of the text from every <answer>.
+    last, pos = None, 0
+    while (start := text.find(_ANSWER_OPEN, pos)) >= 0:
+        end = text.find(_ANSWER_CLOSE, start + len(_ANSWER_OPEN))
+        if end < 0:
+            break  # no later <answer> has a closing tag either
+        last, pos = text[start + len(_ANSWER_OPEN) : end], end + len(_ANSWER_CLOSE)
+    if last is not None:
+        return last
     nums = _NUMBER.findall(text)
     return nums[-1] if nums else text
 
@@ -145,12 +173,30 @@ def accuracy(completions: list, answer: list | None = None, **kwargs) -> list[fl
     ]
 
 
+_THINK_THEN_ANSWER = re.compile(r"</think>\s*<answer>")
+
+
+def _default_format(text: str) -> bool:
+    """re.fullmatch(DEFAULT_FORMAT, text, re.DOTALL), in linear time: the regex is quadratic
+    on "</think><answer></answer>" repeated with text after (0.5 s on 64k characters), as it
+    tries every </answer> after every </think>. Both bodies match anything, so the text
+    matches when it starts with <think>, ends with </answer> and between them has a
+    </think>\\s*<answer>; the first one ends soonest, leaving the answer body the most room."""
+    head, tail = "<think>", _ANSWER_CLOSE
+    if not (text.startswith(head) and text.endswith(tail)):
+        return False
+    m = _THINK_THEN_ANSWER.search(text, len(head))
+    return m is not None and m.end() <= len(text) - len(tail)
+
+
 def format_reward(
     completions: list, format_regex: str = DEFAULT_FORMAT, **kwargs
 ) -> list[float | None]:
     """1.0 where the whole completion, less surrounding whitespace, matches format_regex
     (re.DOTALL: `.` crosses lines), else 0.0. The default: a <think>...</think> part, then
     an <answer>...</answer> part."""
+    if format_regex == DEFAULT_FORMAT:
+        return [float(_default_format(text_of(c).strip())) for c in completions]
     pat = re.compile(format_regex, re.DOTALL)
     return [float(pat.fullmatch(text_of(c).strip()) is not None) for c in completions]
 
@@ -308,9 +354,38 @@ def _preview(prompt: str | list | None) -> str:
     return repr(text if len(text) <= 60 else text[:59] + "\u2026")
 
 
+class _Ended(Exception):
+    """A reward function that raised SystemExit or KeyboardInterrupt: it tried to end the
+    process, which a reward never does."""
+
+    def __init__(self, e: BaseException):
+        super().__init__(e)
+        self.cause = e
+        code = getattr(e, "code", None)
+        self.what = f"sys.exit({code!r})" if isinstance(e, SystemExit) else type(e).__name__
+
+
 def _call(fn: Callable, kwargs: dict) -> Any:
-    out = fn(**kwargs)
-    return asyncio.run(out) if inspect.isawaitable(out) else out
+    try:
+        out = fn(**kwargs)
+        return asyncio.run(out) if inspect.isawaitable(out) else out
+    except SecondInterrupt:
+        raise  # the user's second Ctrl-C: stop at once
+    except (SystemExit, KeyboardInterrupt) as e:
+        raise _Ended(e) from None
+
+
+def _fresh(kwargs: dict) -> dict:
+    """What one function is called with: a copy of every list (prompts, completions, their
+    ids, each column), so a function that edits one in place changes neither the batch the
+    trainer lays out from them nor what the next function sees (TRL passes copies too)."""
+    out = {}
+    for k, v in kwargs.items():
+        if k == "completion_ids":
+            out[k] = [list(ids) for ids in v]
+        else:
+            out[k] = copy.deepcopy(v) if isinstance(v, list) else v
+    return out
 
 
 def _run(r: Reward, kwargs: dict, prompts: list, n: int) -> list[float]:
@@ -318,9 +393,15 @@ def _run(r: Reward, kwargs: dict, prompts: list, n: int) -> list[float]:
     function, the sample (and its prompt) and the fix."""
     fix = f"fix the function: it is called as {SIGNATURE}, one value per completion"
     try:
-        out = _call(r.fn, kwargs)
+        out = _call(r.fn, _fresh(kwargs))
     except UsageError:
         raise  # a built-in's own message (accuracy with no "answer" column)
+    except _Ended as e:
+        raise RunFailed(
+            f"--reward {r.spec}: ended the run with {e.what}{_where(e.cause, r.file)} "
+            f"(first prompt {_preview(prompts[0] if prompts else None)}); a reward function "
+            "returns its rewards and never ends the process: fix the function"
+        ) from None
     except Exception as e:
         # Find the sample that raises on its own: the message can point at its prompt.
         where, msg = (
@@ -331,7 +412,7 @@ def _run(r: Reward, kwargs: dict, prompts: list, n: int) -> list[float]:
             one = {k: (v[i : i + 1] if isinstance(v, list) else v) for k, v in kwargs.items()}
             one["log_extra"], one["log_metric"] = Logs().log_extra, Logs().log_metric
             try:
-                _call(r.fn, one)
+                _call(r.fn, _fresh(one))
             except Exception as e1:
                 where, msg, e = f"sample {i} (prompt {_preview(prompts[i])})", _first_line(e1), e1
                 break

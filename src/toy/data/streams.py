@@ -228,7 +228,7 @@ def chat_stream(
     }
     if train.kind != "messages":
         info["data_format"] = train.kind
-    if val_path is not None and not o.val_data:
+    if val_path is not None:  # a file given or found in a --data directory: checked alike
         info["val_data"] = str(val_path)
         info.update(data_fingerprints("val_data", val_path))
     notes.append(

@@ -15,6 +15,7 @@ from toy import tokenizer as toktools
 from toy.errors import InputError
 from toy.formats.checkpoint import atomic_dir, load_tensors, read_json, save_tensors, write_json
 from toy.models import registry
+from toy.runs import RUNNING, dir_status
 
 
 def model_state(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -60,6 +61,11 @@ def final_dir(path: str | Path, flag: str = "") -> Path:
     if (d / "final").is_dir():
         return d / "final"
     if any((d / name).exists() for name in ("run.json", "events.jsonl", "checkpoints")):
+        if dir_status(d) == RUNNING:
+            raise InputError(
+                f"{where}: has no final/ yet (the run is still training: `toy runs` shows it "
+                "running); wait for it to finish"
+            )
         hint = (
             f"resume it with `toy train --resume {d}`"
             if (d / "checkpoints").is_dir()

@@ -465,14 +465,17 @@ def _nanstd(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     return var.sqrt() if dim is None else var.sqrt().squeeze(dim)
 
 
-def group_advantages(rewards: torch.Tensor, group: int, scale: str = "group") -> torch.Tensor:
+def group_advantages(
+    rewards: torch.Tensor, group: int, scale: str = "group", batch: torch.Tensor | None = None
+) -> torch.Tensor:
     """(N,) advantages of rewards (N,) in groups of `group` consecutive completions (one
     prompt's): the reward minus its GROUP's mean, divided (scale) by the group's std
     ("group", TRL's default), by the whole batch's std ("batch": the mean stays the
     group's), or not at all ("none"); std unbiased (n - 1), plus 1e-4, as TRL. A NaN
     reward (no reward function scored the completion) is left out of its group's mean and
     std and gets advantage 0, as TRL does for rewards that are all None. The batch is the
-    whole step's completions, all processes' (TRL gathers them before this)."""
+    whole step's completions, all processes' (TRL gathers them before this): `batch`, every
+    reward of the step where `rewards` is one micro-batch's (default: `rewards` itself)."""
     if scale not in GRPO_SCALES:
         raise ValueError(f"scale {scale!r}: use one of {', '.join(GRPO_SCALES)}")
     r = rewards.float()
@@ -485,7 +488,8 @@ def group_advantages(rewards: torch.Tensor, group: int, scale: str = "group") ->
             std = _nanstd(grouped, 1) if group > 1 else r.new_zeros(len(grouped))
             std = std.repeat_interleave(group)
         else:
-            std = _nanstd(r) if r.numel() > 1 else r.new_zeros(())
+            every = r if batch is None else batch.float()
+            std = _nanstd(every) if every.numel() > 1 else r.new_zeros(())
         adv = adv / (std + GRPO_STD_EPS)
     return torch.nan_to_num(adv, nan=0.0)
 

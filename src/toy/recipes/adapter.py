@@ -11,9 +11,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -40,6 +40,7 @@ from toy.models.quant_types import BASE_DTYPES
 from toy.runs import Project, plural
 from toy.train import dist
 from toy.train.config import RunConfig
+from toy.train.job import Job
 from toy.train.memory import available_memory
 from toy.train.recipe import Flag
 
@@ -422,14 +423,18 @@ def output_note(output: str) -> str:
     return f"--output: at the end the final adapter (PEFT) is copied to {dest}/"
 
 
-def adapter_saver(cfg: RunConfig, a: Adapted) -> Callable[[Path], None]:
-    """The job's save_final: the PEFT adapter and the tokenizer in final/ (what `toy infer
-    --run` and `toy export` read), then --output's copy."""
-    model, tok = a.model, a.base.tokenizer
-    n_layers, mlx_prefix = a.base.config.n_layer, a.base.mlx_prefix
+class AdapterJob(Job):
+    """A job whose model is a frozen base with LoRA adapters (load_adapted's): final/ holds
+    the PEFT adapter and the tokenizer (what `toy infer --run` and `toy export` read), then
+    --output's copy. lora, the preference recipes and grpo subclass it."""
 
-    def save_final(out: Path) -> None:
-        sd = lora_state_dict(model)  # once, for final/ and --output's mlx-lm form
+    def __init__(self, recipe: str, a: Adapted, cfg: RunConfig, config: dict[str, Any]):
+        super().__init__(recipe, a.model, config)
+        self.adapted, self.cfg = a, cfg
+
+    def save_final(self, out: Path) -> None:
+        cfg, a = self.cfg, self.adapted
+        sd = lora_state_dict(a.model)  # once, for final/ and --output's mlx-lm form
         save_peft_adapter(
             out,
             sd,
@@ -439,33 +444,32 @@ def adapter_saver(cfg: RunConfig, a: Adapted) -> Callable[[Path], None]:
             targets=a.targets,
             base_model_name_or_path=str(a.model_path),
         )
-        tok.save(str(out / "tokenizer.json"))
+        a.base.tokenizer.save(str(out / "tokenizer.json"))
         output = output_of(cfg)
-        if output:
-            # Checked again now: PATH may have changed since the start, or be this very
-            # run's directory (its name was not known then). final/ is written already.
-            why = output_problem(output)
-            if why:
-                raise InputError(f"{why}; the adapter is in {out}, not copied")
-            dest = Path(os.path.abspath(output))
-            if output.endswith(".safetensors"):  # mlx-lm's trainer's --output: its adapter, there
-                save_mlx_adapter(
-                    dest.parent,
-                    sd,
-                    int(cfg.rank),
-                    float(cfg.alpha),
-                    float(cfg.dropout),
-                    n_layers=n_layers,
-                    weights_name=dest.name,
-                    prefix=mlx_prefix,
-                )
-            elif dest != out.resolve():
-                with atomic_dir(dest) as tmp:
-                    for name in ADAPTER_FILES:
-                        if (out / name).is_file():
-                            shutil.copyfile(out / name, tmp / name)
-
-    return save_final
+        if not output:
+            return
+        # Checked again now: PATH may have changed since the start, or be this very run's
+        # directory (its name was not known then). final/ is written already.
+        why = output_problem(output)
+        if why:
+            raise InputError(f"{why}; the adapter is in {out}, not copied")
+        dest = Path(os.path.abspath(output))
+        if output.endswith(".safetensors"):  # mlx-lm's trainer's --output: its adapter, there
+            save_mlx_adapter(
+                dest.parent,
+                sd,
+                int(cfg.rank),
+                float(cfg.alpha),
+                float(cfg.dropout),
+                n_layers=a.base.config.n_layer,
+                weights_name=dest.name,
+                prefix=a.base.mlx_prefix,
+            )
+        elif dest != out.resolve():
+            with atomic_dir(dest) as tmp:
+                for name in ADAPTER_FILES:
+                    if (out / name).is_file():
+                        shutil.copyfile(out / name, tmp / name)
 
 
 # ---------------------------------------------------------------- the base's side of the data

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from toy.models import registry
-from toy.recipes.lm import lm_config, lm_derived, lm_job, open_token_data
+from toy.recipes.lm import WindowJob, lm_config, lm_derived, open_token_data
 from toy.runs import Project, data_fingerprints
 from toy.train.config import RunConfig
 from toy.train.job import Built
@@ -27,7 +27,7 @@ def build(cfg: RunConfig, project: Project) -> Built:
         **data_fingerprints("corpus", data.train.path),
         "seq_len": seq_len,
     }
-    job = lm_job("from-scratch", model, data, cfg, seq_len, config)
+    job = WindowJob("from-scratch", model, data, cfg, seq_len, config)
     return Built(
         job=job,
         arch=cfg.arch,

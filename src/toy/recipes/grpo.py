@@ -8,10 +8,12 @@ pushes the policy toward the better ones. With --beta > 0 a k3 KL term holds it 
 reference: the same base with the adapter switched off, no second model.
 
 Batches come from the live model (Job.live): sampled when their step starts, with a
-generator seeded by (seed, micro-batch, rank), so the same seed gives the same completions
-and a killed run resumes to the same losses; with --num-iterations MU a generation is
-reused for MU steps against the log-probs of the policy that sampled it, and kept in each
-checkpoint (Job.state) so a resume between them reuses it too.
+generator seeded by (seed, global micro-batch), so the same seed gives the same completions
+on any number of processes and a killed run resumes to the same losses; with
+--num-iterations MU a generation is reused for MU steps against the log-probs of the policy
+that sampled it, and kept in each checkpoint (Job.state, every process's own) so a resume
+between them reuses it too. Advantages are set once every micro-batch of the step is made
+(Job.whole_step): --scale-rewards batch divides by the spread of all of the step's rewards.
 """
 
 from __future__ import annotations
@@ -29,13 +31,13 @@ from toy.data.rewards import (
     DEFAULT_FORMAT,
     DEFAULT_TARGET_LENGTH,
     Logs,
-    RewardError,
     State,
     check_columns,
     parse_reward,
     score,
 )
 from toy.data.streams import data_files, hold_out
+from toy.errors import ToyError, UsageError
 from toy.lora import disable_adapter
 from toy.models.losses import (
     GRPO_LOSS_TYPES,
@@ -49,18 +51,18 @@ from toy.models.losses import (
 from toy.models.sample import sample_groups
 from toy.recipes.adapter import (
     ADAPTER_DEFAULTS,
+    AdapterJob,
     adapter_flags,
-    adapter_saver,
     check_adapter_opts,
     load_adapted,
     text_side,
 )
-from toy.runs import Project, data_fingerprints, plural
+from toy.runs import Project, data_fingerprints, file_sha256, plural
 from toy.tokenizer import encode_prompt
 from toy.train import dist
 from toy.train.config import RunConfig
-from toy.train.device import autocast, resolve_device, resolve_precision
-from toy.train.job import Built, Job, Live
+from toy.train.device import autocast
+from toy.train.job import Built
 from toy.train.recipe import Figure, Flag, Recipe
 
 DATA_HELP = (
@@ -182,6 +184,13 @@ FLAGS = (
         check=_positive_int,
         must="be an integer >= 1",
     ),
+    Flag(
+        "reward_changed",
+        False,
+        "with --resume: go on although a --reward file's code changed since the run started "
+        "(a resume refuses that otherwise; run.json records the change)",
+        bool,
+    ),
 )
 # GRPO's step is most of all sampling: a few prompts a step, a gentler LR than SFT's (the
 # updates follow noisy advantages), no warmup to speak of on a short run.
@@ -214,7 +223,7 @@ def check(cfg: RunConfig) -> list[str]:
 
 
 @dataclass
-class Figures:
+class StepStats:
     """A step's figures, gathered as its batches are made and its loss runs."""
 
     rewards: list = field(default_factory=list)  # total reward a completion (NaN: unscored)
@@ -223,29 +232,64 @@ class Figures:
     cut: list = field(default_factory=list)  # True: cut at --max-completion-length
     stats: list = field(default_factory=list)  # grpo_token_losses' stats a micro-batch
 
+    def add_batch(self, b: dict[str, torch.Tensor], names: list[str]) -> None:
+        """A micro-batch's completions: their rewards (each function's, `names` in order),
+        lengths and cuts, as the batch carries them (fig.*)."""
+        self.rewards += b["fig.reward"].tolist()
+        for j, name in enumerate(names):
+            self.funcs.setdefault(name, []).extend(b[f"fig.func{j}"].tolist())
+        self.lengths += b["fig.length"].tolist()
+        self.cut += b["fig.cut"].tolist()
+
+    def add_loss(self, stats: dict[str, torch.Tensor]) -> None:
+        """grpo_token_losses' statistics of a micro-batch (detached)."""
+        self.stats.append(stats)
+
     def take(self) -> dict[str, float]:
-        if not self.rewards:
+        """The step's figures over every process's completions (a collective: every rank
+        calls it after each step), then empty for the next step."""
+        mine = (self.rewards, self.funcs, self.lengths, self.cut, self._token_sums())
+        self.__init__()
+        rewards, funcs, lengths, cut, sums = [], {}, [], [], {}
+        for r, f, n, c, t in dist.all_gather(mine):
+            rewards += r
+            lengths += n
+            cut += c
+            for name, vals in f.items():
+                funcs.setdefault(name, []).extend(vals)
+            for key, v in t.items():
+                sums[key] = sums.get(key, 0.0) + v
+        if not rewards:
             return {}
-        r = np.array(self.rewards, dtype=np.float64)
+        r = np.array(rewards, dtype=np.float64)
         out = {
-            "reward": float(np.nanmean(r)) if np.isfinite(r).any() else float("nan"),
+            "reward": _nanmean(r),
             "reward_std": float(np.nanstd(r)) if np.isfinite(r).any() else float("nan"),
         }
-        for name, vals in self.funcs.items():
-            v = np.array(vals, dtype=np.float64)
-            out[name] = float(np.nanmean(v)) if np.isfinite(v).any() else float("nan")
-        n = np.array(self.lengths)
+        for name, vals in funcs.items():
+            out[name] = _nanmean(vals)
+        n = np.array(lengths)
         out.update(
             completion_length=float(n.mean()),
             completion_length_min=float(n.min()),
             completion_length_max=float(n.max()),
-            clipped_share=float(np.mean(self.cut)),
+            clipped_share=float(np.mean(cut)),
         )
-        tokens = sum(float(s["tokens"]) for s in self.stats) or 1.0
+        tokens = sums.get("tokens") or 1.0
         for key, name in (("clip_ratio/region", "clip_ratio"), ("kl", "kl")):
-            if self.stats and key in self.stats[0]:
-                out[name] = sum(float(s[key]) * float(s["tokens"]) for s in self.stats) / tokens
-        self.__init__()
+            if key in sums:
+                out[name] = sums[key] / tokens
+        return out
+
+    def _token_sums(self) -> dict[str, float]:
+        """The loss's statistics of this process, each summed over its tokens."""
+        out: dict[str, float] = {}
+        for st in self.stats:
+            tokens = float(st["tokens"])
+            out["tokens"] = out.get("tokens", 0.0) + tokens
+            for key in ("clip_ratio/region", "kl"):
+                if key in st:
+                    out[key] = out.get(key, 0.0) + float(st[key]) * tokens
         return out
 
 
@@ -277,14 +321,297 @@ def completion_logps(
     return torch.cat(parts).index_select(0, torch.argsort(order))
 
 
+class PromptEncoder:
+    """A prompt's token ids as the policy sees it: through the chat template where the
+    base has one (a user turn, or the prompt's messages), cut from the left to `room`
+    tokens (its end is what the completion follows); `cut` counts the prompts cut."""
+
+    def __init__(self, side, room: int):
+        self.side, self.room, self.cut = side, room, 0
+
+    def __call__(self, p: Prompt) -> list[int]:
+        side = self.side
+        if side.template is not None:
+            text = render_template(
+                side.template, list(p.chat), True, side.bos or "", side.eos or ""
+            )
+        else:
+            text = p.text if p.text is not None else "\n".join(m["content"] for m in p.chat)
+        ids = encode_prompt(side.tok, text)
+        if len(ids) > self.room:
+            self.cut += 1
+            ids = ids[-self.room :]
+        side.check_vocab(ids)
+        return ids
+
+
+class Generations:
+    """The generation a step's micro-batches were sampled in, kept for reuse while
+    --num-iterations MU > 1: step s uses the batches sampled at step s - s % MU. What a
+    checkpoint keeps of it (state) and what a resume restores (load_state) is every
+    process's own."""
+
+    def __init__(self, reuse: int):
+        self.reuse = reuse  # MU
+        self.batches: dict[int, dict[str, torch.Tensor]] = {}  # micro-batch m -> its batch
+        self.step = -1  # the 0-based step that sampled them
+
+    def of(self, s: int) -> int:
+        """The 0-based step whose generation step s uses."""
+        return s - s % self.reuse
+
+    def get(self, s: int, m: int) -> dict[str, torch.Tensor] | None:
+        """Micro-batch m of step s's generation where it is kept, else None."""
+        if self.of(s) != self.step:
+            self.batches.clear()
+            self.step = self.of(s)
+        return self.batches.get(m)
+
+    def keep(self, m: int, b: dict[str, torch.Tensor]) -> None:
+        if self.reuse > 1:
+            self.batches[m] = b
+
+    def state(self) -> dict[str, torch.Tensor]:
+        if self.reuse == 1:
+            return {}
+        out = {"generation": torch.tensor([self.step])}
+        for m, b in self.batches.items():
+            out.update({f"{m}.{k}": v.contiguous() for k, v in b.items()})
+        return out
+
+    def load_state(self, saved: list[dict[str, torch.Tensor]], per_step: int, d) -> None:
+        """The micro-batches this process needs from every saved process's: global
+        micro-batch m * world + rank of a step is the same whatever the process count
+        (prompts_of, the loop's live seeds), so a run resumed on another number of
+        processes takes each from the rank that made it."""
+        self.batches.clear()
+        steps = {int(st["generation"]) for st in saved if "generation" in st}
+        self.step = steps.pop() if len(steps) == 1 else -1
+        if self.step < 0:
+            return
+        for m in range(per_step):
+            g = m * d.world + d.rank
+            src, was = saved[g % len(saved)], g // len(saved)
+            mine = {k.split(".", 1)[1]: v for k, v in src.items() if k.startswith(f"{was}.")}
+            if mine:
+                self.batches[m] = mine
+
+
+class GRPOJob(AdapterJob):
+    """GRPO's run, in the order a step meets it: micro_batch samples the completions of a
+    batch of prompts (or takes them from the kept generation), scores them and lays them
+    out; whole_step sets their advantages once every micro-batch of every process is made;
+    loss is the clipped surrogate over their tokens; step_figures the step's rewards and
+    lengths; eval_figures each reward's mean over one greedy completion a held-out prompt."""
+
+    items_name = "completion_tokens"
+    live = True
+    eval_loss = False
+
+    def __init__(self, a, cfg, config, train, val, rewards, stops, side, state):
+        super().__init__("grpo", a, cfg, config)
+        self.units = "completion tokens" if cfg.loss_type in ("dapo", "bnpo") else "completions"
+        self.train, self.val, self.rewards, self.stops = train, val, rewards, stops
+        self.tok, self.pad = side.tok, side.pad
+        self.reward_state = state  # what reward functions get as trainer_state
+        self.group = cfg.num_generations
+        self.length = cfg.max_completion_length
+        self.per = cfg.batch_size  # prompts a micro-batch
+        self.accum = cfg.grad_accum
+        self.eps_high = cfg.epsilon_high if cfg.epsilon_high is not None else cfg.epsilon
+        self.d = dist.info()
+        # global batches of per * world prompts in one pass over them
+        self.n_batches = max(1, math.ceil(len(train) / (self.per * self.d.world)))
+        self.orders: dict[int, np.ndarray] = {}
+        self.generations = Generations(cfg.num_iterations)
+        self.stats = StepStats()
+
+    # ------------------------------------------------------------ batches
+
+    def prompts_of(self, j: int) -> list[tuple[Prompt, list[int]]]:
+        """Global prompt batch j's share of this process: each epoch a fresh order."""
+        d, per = self.d, self.per
+        epoch, i = divmod(j * d.world + d.rank, self.n_batches * d.world)
+        if epoch not in self.orders:
+            self.orders.clear()
+            rng = np.random.default_rng([self.cfg.seed, epoch, 17])
+            self.orders[epoch] = rng.permutation(len(self.train))
+        idx = self.orders[epoch][i * per : (i + 1) * per].tolist()
+        if not idx:  # a last partial batch that this process has no share of
+            idx = self.orders[epoch][:per].tolist()
+        return [self.train[t] for t in idx]
+
+    def micro_batch(self, k: int, live=None) -> dict[str, torch.Tensor]:
+        s, m = divmod(k, self.accum)  # optimizer step (0-based), micro-batch within it
+        b = self.generations.get(s, m)
+        if b is None:
+            gen = self.generations.of(s) // self.generations.reuse  # the generation's number
+            b = self.sample(self.prompts_of(gen * self.accum + m), live, s + 1)
+            self.generations.keep(m, b)
+        self.stats.add_batch(b, [r.name for r in self.rewards])  # a reused one's again
+        return b
+
+    def sample(self, group: list[tuple[Prompt, list[int]]], live, step: int) -> dict:
+        """Sample `group` completions a prompt, score them, and lay the batch out."""
+        G = self.group
+        groups = sample_groups(
+            live.model,
+            [ids for _, ids in group],
+            G,
+            self.length,
+            temperature=self.cfg.temperature,
+            top_p=self.cfg.top_p,
+            generator=live.generator,
+            stop_ids=self.stops,
+            max_rows=len(group) * G,
+        )  # every completion of the step in one batch
+        comps = [c for g in groups for c in g]
+        prompts = [p for p, _ in group for _ in range(G)]
+        self.reward_state.global_step = step - 1
+        cols = {
+            k: [v for v in vs for _ in range(G)] for k, vs in columns([p for p, _ in group]).items()
+        }
+        per_func, total = self.score([p.value for p in prompts], comps, cols, step)
+        b = completion_rows([ids for _, ids in group for _ in range(G)], comps, self.pad)
+        # The figures ride in the batch: a reused generation (--num-iterations), kept in a
+        # checkpoint, shows the same ones again after a resume.
+        b["fig.reward"] = torch.tensor(total, dtype=torch.float32).double()
+        b["fig.length"] = torch.tensor([len(c.ids) for c in comps])
+        b["fig.cut"] = torch.tensor([not c.stopped for c in comps])
+        for j, vals in enumerate(per_func):
+            b[f"fig.func{j}"] = torch.tensor(vals, dtype=torch.float64)
+        on = {k: v.to(live.device) for k, v in b.items()}
+        if self.generations.reuse > 1:  # the sampling policy's log-probs, for later reuse
+            b["old"] = self.logps(live.model, on).float().cpu()
+        if self.cfg.beta > 0:  # the reference: the base with the adapter off
+            with disable_adapter(live.model):
+                b["ref"] = self.logps(live.model, on).float().cpu()
+        _, b["count"] = grpo_loss_sum(
+            torch.zeros_like(b["mask"]), b["mask"], self.cfg.loss_type, self.length
+        )
+        return b
+
+    def score(self, prompts: list, comps: list, cols: dict, step: int):
+        """(each reward's values, the weighted total) of completions `comps`."""
+        texts = [self.tok.decode(c.ids, skip_special_tokens=True) for c in comps]
+        try:
+            return score(
+                self.rewards, prompts, texts, [c.ids for c in comps], cols,
+                self.reward_state, Logs(),
+            )  # fmt: skip
+        except ToyError as e:  # a reward function's: say when it came
+            e.step = step
+            raise
+
+    def whole_step(self, batches: list[dict]) -> list[dict]:
+        """The advantages of a step's new generation, once every micro-batch of every
+        process is made: with --scale-rewards batch, divided by the spread of all of the
+        step's rewards (a collective), so accumulation and the process count never change
+        the objective. A reused generation (--num-iterations) keeps its own."""
+        fresh = [b for b in batches if "adv" not in b]
+        rewards = [b["fig.reward"].float() for b in fresh]
+        every = None
+        if self.cfg.scale_rewards == "batch":  # every process takes part, each step
+            parts = [r for mine in dist.all_gather(rewards) for r in mine]
+            every = torch.cat(parts) if parts else None
+        for b, r in zip(fresh, rewards):
+            b["adv"] = group_advantages(r, self.group, self.cfg.scale_rewards, every)
+        return batches
+
+    def prepare(self, batch):
+        return batch
+
+    def count(self, batch) -> int:
+        return int(batch["count"])
+
+    def n_items(self, batch) -> int:
+        return int(batch["mask"].sum())
+
+    # ------------------------------------------------------------ loss and figures
+
+    def logps(self, model, b: dict[str, torch.Tensor]) -> torch.Tensor:
+        return completion_logps(model, b, self.cfg.temperature)
+
+    def loss(self, model, b):
+        cfg = self.cfg
+        lp = self.logps(model, b)
+        per_token, st = grpo_token_losses(
+            lp, b.get("old"), b.get("ref"), b["adv"], b["mask"], cfg.epsilon, self.eps_high,
+            cfg.beta,
+        )  # fmt: skip
+        self.stats.add_loss({k: v.detach() for k, v in st.items()})
+        return grpo_loss_sum(per_token, b["mask"], cfg.loss_type, self.length)
+
+    def step_figures(self) -> dict[str, float]:
+        return self.stats.take()
+
+    def eval_batches(self) -> list[dict[str, torch.Tensor]]:
+        """The held-out prompts, by index: eval_figures samples their completions."""
+        return [{"prompt": torch.arange(len(self.val))}] if self.val else []
+
+    @torch.no_grad()
+    def eval_figures(self, model, batches) -> dict[str, float]:
+        """Each reward's mean on the held-out prompts: one greedy completion each."""
+        val = [self.val[int(i)] for b in batches for i in b["prompt"]]
+        with autocast(self.device, self.precision):
+            groups = sample_groups(
+                model, [ids for _, ids in val], 1, self.length, temperature=0.0,
+                generator=None, stop_ids=self.stops,
+            )  # fmt: skip
+        comps = [g[0] for g in groups]
+        cols = columns([p for p, _ in val])
+        per_func, total = self.score([p.value for p, _ in val], comps, cols, self.step_now())
+        out = {"reward": _nanmean(total)}
+        for r, vals in zip(self.rewards, per_func):
+            out[r.name] = _nanmean(vals)
+        out["completion_length"] = float(np.mean([len(c.ids) for c in comps]))
+        return out
+
+    def step_now(self) -> int:
+        return self.reward_state.global_step + 1
+
+    # ------------------------------------------------------------ checkpoints
+
+    def state(self) -> dict[str, torch.Tensor]:
+        return self.generations.state()
+
+    def load_state(self, states: list[dict[str, torch.Tensor]]) -> None:
+        self.generations.load_state(states, self.accum, self.d)
+
+
+def _nanmean(values) -> float:
+    v = np.array(values, dtype=np.float64)
+    return float(np.nanmean(v)) if np.isfinite(v).any() else float("nan")
+
+
+def completion_rows(prompts: list[list[int]], comps: list, pad: int) -> dict[str, torch.Tensor]:
+    """Each prompt + its completion as a right-padded row ("ids" (N, L)); a completion's
+    tokens ("tgt" (N, T), IGNORE past its end), the position whose hidden state predicts
+    each ("pos": token j + 1 is predicted at j, so from len(prompt) - 1 on) and "mask"."""
+    L = max(len(s) + len(c.ids) for s, c in zip(prompts, comps))
+    T = max(len(c.ids) for c in comps)
+    N = len(comps)
+    ids = torch.full((N, L), pad, dtype=torch.long)
+    pos = torch.zeros((N, T), dtype=torch.long)
+    tgt = torch.full((N, T), IGNORE, dtype=torch.long)
+    for r, (s, c) in enumerate(zip(prompts, comps)):
+        row = s + c.ids
+        ids[r, : len(row)] = torch.tensor(row)
+        n = len(c.ids)
+        pos[r, :n] = torch.arange(len(s) - 1, len(s) - 1 + n)
+        tgt[r, :n] = torch.tensor(c.ids)
+    return {"ids": ids, "pos": pos, "tgt": tgt, "mask": (tgt != IGNORE).float()}
+
+
 def build(cfg: RunConfig, project: Project) -> Built:
+    """The job from the flags: the base and its adapters, the prompts (--data, held out
+    or --val-data) encoded once, the reward functions; every input checked here."""
     a = load_adapted(cfg, project, "grpo")
     base, notes = a.base, a.notes
     data_path, val_path = data_files(cfg.data, cfg.val_data)
-    strict = bool(cfg.strict)
 
     def read(path):
-        pf = read_prompts(path, strict=strict)
+        pf = read_prompts(path, strict=cfg.strict)
         if pf.skipped:
             notes.append(f"warning: {path}: {pf.summary()}")
         if not pf.prompts:
@@ -294,215 +621,39 @@ def build(cfg: RunConfig, project: Project) -> Built:
     train_pf = read(data_path)
     val_pf = read(val_path) if val_path is not None else None
     regex = cfg.format_regex or DEFAULT_FORMAT
-    rewards = [parse_reward(s, regex, int(cfg.target_length)) for s in cfg.reward]
+    rewards = [parse_reward(s, regex, cfg.target_length) for s in cfg.reward]
     check_columns(rewards, list(columns(train_pf.prompts)), data_path)
-    texts = not train_pf.conversational
-    side = text_side(cfg, base, "prompt" if texts else "messages", notes)
-    tok = side.tok
-    G, T = int(cfg.num_generations), int(cfg.max_completion_length)
-    room = int(a.seq_len) - T  # what a prompt may hold beside its completion
-    cut = [0]
-
-    def encode(p: Prompt) -> list[int]:
-        if side.template is not None:
-            text = render_template(
-                side.template, list(p.chat), True, side.bos or "", side.eos or ""
-            )
-        else:
-            text = p.text if p.text is not None else "\n".join(m["content"] for m in p.chat)
-        ids = encode_prompt(tok, text)
-        if len(ids) > room:  # the prompt's end is what the completion follows
-            cut[0] += 1
-            ids = ids[-room:]
-        side.check_vocab(ids)
-        return ids
-
+    side = text_side(cfg, base, "messages" if train_pf.conversational else "prompt", notes)
+    T = cfg.max_completion_length
+    room = a.seq_len - T  # what a prompt may hold beside its completion
+    if room < 1:  # the length checked is the one used: --seq-len lowered to the context
+        cap = "the model's context" if a.seq_len < (cfg.seq_len or 0) else "--max-seq-len"
+        raise UsageError(
+            f"--max-completion-length {T} leaves no room for a prompt in {cap} of "
+            f"{a.seq_len} tokens; give --max-completion-length below {a.seq_len}"
+        )
+    encode = PromptEncoder(side, room)
     train = [(p, encode(p)) for p in train_pf.prompts]
     val = [(p, encode(p)) for p in val_pf.prompts] if val_pf is not None else None
     if val is None:
         train, val = hold_out(train, cfg.seed, notes, "prompt")
-    if cut[0]:
+    if encode.cut:
         notes.append(
-            f"{plural(cut[0], 'prompt')} cut from the left to {room} tokens (--max-seq-len "
+            f"{plural(encode.cut, 'prompt')} cut from the left to {room} tokens (--max-seq-len "
             f"{a.seq_len} less --max-completion-length {T})"
         )
-    val = val[: int(cfg.eval_batches) * int(cfg.batch_size)]
+    val = val[: cfg.eval_batches * cfg.batch_size]
     stops = set(base.special.stops) or (
         {base.special.eos} if base.special.eos is not None else set()
     )
-    pad = side.pad
-    d = dist.info()
-    per = int(cfg.batch_size)  # prompts a micro-batch
-    n_batches = max(1, math.ceil(len(train) / (per * d.world)))
-    A, MU = int(cfg.grad_accum), int(cfg.num_iterations)
-    temp, top_p, beta = float(cfg.temperature), float(cfg.top_p), float(cfg.beta)
-    eps = float(cfg.epsilon)
-    eps_high = float(cfg.epsilon_high) if cfg.epsilon_high is not None else eps
-    loss_type, scale = str(cfg.loss_type), str(cfg.scale_rewards)
-    model = a.model
-    figs = Figures()
-    orders: dict[int, np.ndarray] = {}
-    kept: dict[int, dict[str, torch.Tensor]] = {}  # micro-batch m of the generation reused
-    kept_gen = [-1]
-    state = State(max_steps=int(cfg.steps or 0))
-
-    def prompts_of(j: int) -> list[tuple[Prompt, list[int]]]:
-        """Global prompt batch j's share of this process: each epoch a fresh order."""
-        epoch, i = divmod(j * d.world + d.rank, n_batches * d.world)
-        if epoch not in orders:
-            orders.clear()
-            orders[epoch] = np.random.default_rng([cfg.seed, epoch, 17]).permutation(len(train))
-        idx = orders[epoch][i * per : (i + 1) * per].tolist()
-        if not idx:  # a last partial batch that this process has no share of
-            idx = orders[epoch][:per].tolist()
-        return [train[t] for t in idx]
-
-    def token_logps(m, b: dict[str, torch.Tensor]) -> torch.Tensor:
-        return completion_logps(m, b, temp)
-
-    def make(group: list[tuple[Prompt, list[int]]], live: Live, step: int) -> dict:
-        """Sample G completions a prompt, score them, and lay the batch out."""
-        groups = sample_groups(
-            live.model,
-            [ids for _, ids in group],
-            G,
-            T,
-            temperature=temp,
-            top_p=top_p,
-            generator=live.generator,
-            stop_ids=stops,
-            max_rows=len(group) * G,
-        )  # every completion of the step in one batch
-        comps = [c for g in groups for c in g]
-        prompts = [p for p, _ in group for _ in range(G)]
-        texts = [tok.decode(c.ids, skip_special_tokens=True) for c in comps]
-        cols = {
-            k: [v for v in vs for _ in range(G)] for k, vs in columns([p for p, _ in group]).items()
-        }
-        state.global_step = step - 1
-        try:
-            per_func, total = score(
-                rewards,
-                [p.value for p in prompts],
-                texts,
-                [c.ids for c in comps],
-                cols,
-                state,
-                Logs(),
-            )
-        except RewardError as e:
-            e.step = step
-            raise
-        total_t = torch.tensor(total, dtype=torch.float32)
-        adv = group_advantages(total_t, G, scale)
-        # Rows: prompt + completion, right-padded; the hidden state at position j predicts
-        # token j + 1, so a completion's tokens are predicted from len(prompt) - 1 on.
-        seqs = [ids for _, ids in group for _ in range(G)]
-        L = max(len(s) + len(c.ids) for s, c in zip(seqs, comps))
-        Tc = max(len(c.ids) for c in comps)
-        N = len(comps)
-        ids = torch.full((N, L), pad, dtype=torch.long)
-        pos = torch.zeros((N, Tc), dtype=torch.long)
-        tgt = torch.full((N, Tc), IGNORE, dtype=torch.long)
-        for r, (s, c) in enumerate(zip(seqs, comps)):
-            row = s + c.ids
-            ids[r, : len(row)] = torch.tensor(row)
-            n = len(c.ids)
-            pos[r, :n] = torch.arange(len(s) - 1, len(s) - 1 + n)
-            tgt[r, :n] = torch.tensor(c.ids)
-        mask = (tgt != IGNORE).float()
-        b = {"ids": ids, "pos": pos, "tgt": tgt, "mask": mask, "adv": adv}
-        # The figures ride in the batch: a reused generation (--num-iterations), kept in a
-        # checkpoint, shows the same ones again after a resume.
-        b["fig.reward"] = total_t.double()
-        b["fig.length"] = torch.tensor([len(c.ids) for c in comps])
-        b["fig.cut"] = torch.tensor([not c.stopped for c in comps])
-        for j, vals in enumerate(per_func):
-            b[f"fig.func{j}"] = torch.tensor(vals, dtype=torch.float64)
-        dev = {k: v.to(live.device) for k, v in b.items()}
-        if MU > 1:  # the log-probs of the policy that sampled them, for the later iterations
-            b["old"] = token_logps(live.model, dev).float().cpu()
-        if beta > 0:
-            with disable_adapter(live.model):
-                b["ref"] = token_logps(live.model, dev).float().cpu()
-        _, count = grpo_loss_sum(torch.zeros_like(mask), mask, loss_type, T)
-        b["count"] = count
-        return b
-
-    def micro_batch(k: int, live: Live) -> dict[str, torch.Tensor]:
-        s, m = divmod(k, A)  # optimizer step (0-based), micro-batch within it
-        gen = s - s % MU  # the step whose generation this one uses
-        if gen != kept_gen[0]:
-            kept.clear()
-            kept_gen[0] = gen
-        if m not in kept:
-            b = make(prompts_of((gen // MU) * A + m), live, s + 1)
-            if MU > 1:
-                kept[m] = b
-        else:  # reused: the generation's figures are this step's too
-            b = kept[m]
-        figs.rewards += b["fig.reward"].tolist()
-        for j, r in enumerate(rewards):
-            figs.funcs.setdefault(r.name, []).extend(b[f"fig.func{j}"].tolist())
-        figs.lengths += b["fig.length"].tolist()
-        figs.cut += b["fig.cut"].tolist()
-        return b
-
-    def loss(m, b):
-        lp = token_logps(m, b)
-        ptl, stats = grpo_token_losses(
-            lp, b.get("old"), b.get("ref"), b["adv"], b["mask"], eps, eps_high, beta
-        )
-        figs.stats.append({k: v.detach() for k, v in stats.items()})
-        return grpo_loss_sum(ptl, b["mask"], loss_type, T)
-
-    def job_state() -> dict[str, torch.Tensor]:
-        out = {"generation": torch.tensor([kept_gen[0]])}
-        for m, b in kept.items():
-            out.update({f"{m}.{k}": v.contiguous() for k, v in b.items()})
-        return out
-
-    def load_state(saved: dict[str, torch.Tensor]) -> None:
-        kept.clear()
-        kept_gen[0] = int(saved["generation"]) if "generation" in saved else -1
-        for key, v in saved.items():
-            if key != "generation":
-                m, name = key.split(".", 1)
-                kept.setdefault(int(m), {})[name] = v
-
-    dev = resolve_device(cfg.device)
-    precision = resolve_precision(cfg.precision, dev)
-
-    @torch.no_grad()
-    def eval_metrics(m, batches) -> dict[str, float]:
-        """Each reward's mean on the held-out prompts: one greedy completion each."""
-        with autocast(dev, precision):
-            groups = sample_groups(
-                m, [ids for _, ids in val], 1, T, temperature=0.0, generator=None, stop_ids=stops
-            )
-        comps = [g[0] for g in groups]
-        texts = [tok.decode(c.ids, skip_special_tokens=True) for c in comps]
-        try:
-            per_func, total = score(
-                rewards, [p.value for p, _ in val], texts, [c.ids for c in comps],
-                columns([p for p, _ in val]), state, Logs(),
-            )  # fmt: skip
-        except RewardError as e:
-            e.step = state.global_step + 1
-            raise
-        out = {"reward": float(np.nanmean(total)) if np.isfinite(total).any() else float("nan")}
-        for r, vals in zip(rewards, per_func):
-            v = np.array(vals, dtype=np.float64)
-            out[r.name] = float(np.nanmean(v)) if np.isfinite(v).any() else float("nan")
-        out["completion_length"] = float(np.mean([len(c.ids) for c in comps]))
-        return out
-
+    G, per, MU = cfg.num_generations, cfg.batch_size, cfg.num_iterations
     notes.append(
         f"{data_path}: {plural(len(train), 'prompt')}, {per} a micro-batch x {G} completions "
-        f"of up to {T} tokens at temperature {temp:g}; {plural(len(val), 'held-out prompt')} "
-        f"(one greedy completion each at every evaluation); rewards: "
+        f"of up to {T} tokens at temperature {cfg.temperature:g}; "
+        f"{plural(len(val), 'held-out prompt')} (one greedy completion each at every "
+        "evaluation); rewards: "
         + ", ".join(f"{r.name} x{r.weight:g}" for r in rewards)
-        + ("; KL to the base with the adapter off" if beta > 0 else "")
+        + ("; KL to the base with the adapter off" if cfg.beta > 0 else "")
     )
     info = {
         "data": str(cfg.data),
@@ -511,41 +662,35 @@ def build(cfg: RunConfig, project: Project) -> Built:
         "rewards": [r.spec for r in rewards],
         "num_generations": G,
         "max_completion_length": T,
-        "temperature": temp,
-        "loss_type": loss_type,
-        "scale_rewards": scale,
-        "beta": beta,
+        "temperature": cfg.temperature,
+        "loss_type": cfg.loss_type,
+        "scale_rewards": cfg.scale_rewards,
+        "beta": cfg.beta,
         "num_iterations": MU,
     }
-    if val_path is not None and not cfg.val_data:
+    if val_path is not None:  # a file given or found in a --data directory: checked alike
         info["val_data"] = str(val_path)
         info.update(data_fingerprints("val_data", val_path))
+    # The code of each reward file, checked on resume as the data is (--reward-changed).
+    info["reward_files"] = {str(r.file): file_sha256(r.file) for r in rewards if r.file}
+    state = State(max_steps=cfg.steps or 0)
+    job = GRPOJob(a, cfg, {**a.config, **info}, train, val, rewards, stops, side, state)
     derived = a.derived()
-    epochs, note = cfg.epoch_steps(n_batches, A, "batches of prompts")
+    # An epoch reaches every prompt: a generation takes grad_accum batches of prompts and
+    # is used for MU steps.
+    epochs, note = cfg.epoch_steps(job.n_batches, cfg.grad_accum, "batches of prompts", MU)
     derived.update(epochs)
     notes += [note] if note else []
-    job = Job(
-        recipe="grpo",
-        model=model,
-        micro_batch=micro_batch,
-        eval_batches=lambda: [{}] if val else [],
-        save_final=adapter_saver(cfg, a),
-        config={**a.config, **info},
-        loss=loss,
-        count=lambda b: int(b["count"]),
-        units="completion tokens" if loss_type in ("dapo", "bnpo") else "completions",
-        n_items=lambda b: int(b["mask"].sum()),
-        items_name="completion_tokens",
-        eval_metrics=eval_metrics if val else None,
-        step_metrics=figs.take,
-        live=True,
-        state=job_state if MU > 1 else None,
-        load_state=load_state if MU > 1 else None,
-        eval_loss=False,
-    )
     n_params, note = a.sizes()
     notes.append(note)
-    return Built(job=job, arch=base.arch, params=n_params, notes=notes, derived=derived)
+    return Built(
+        job=job,
+        arch=base.arch,
+        params=n_params,
+        notes=notes,
+        derived=derived,
+        may_change={"reward_files": "reward_changed"},
+    )
 
 
 RECIPE = Recipe(

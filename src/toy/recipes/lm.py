@@ -1,6 +1,6 @@
 """What the decoder-LM recipes share (not a recipe itself): the token data (corpus,
 validation split and the tokenizer that made them, resolved and checked in one place),
-the model config from flags, and the Job that trains on token windows. from_scratch.py,
+the model config from flags, and the Job that trains on token windows (WindowJob). from_scratch.py,
 warm_start.py and lora.py (token streams) build on it; no recipe imports another.
 """
 
@@ -186,44 +186,47 @@ def lm_derived(cfg: RunConfig, train: TokenFile, seq_len: int, notes: list[str])
     return {"seq_len": seq_len, **epochs}
 
 
-def lm_job(
-    recipe: str,
-    model: nn.Module,
-    data: TokenData,
-    cfg: RunConfig,
-    seq_len: int,
-    config: dict[str, Any],
-    export: Callable[[], nn.Module] | None = None,
-    **job_fields: Any,
-) -> Job:
+class WindowJob(Job):
     """Next-token training on random windows of the corpus, validation on fixed windows
-    of its validation split. `final/` gets `export()` (default: the model itself) as a
-    plain model directory with the tokenizer; `job_fields` go to Job as they are."""
-    d = dist.info()
-    win = Windows(
-        data.train,
-        seq_len,
-        cfg.batch_size,
-        cfg.seed,
-        world=d.world,
-        rank=d.rank,
-        accum=cfg.grad_accum,
-    )
-    # Every rank evaluates the same global set: eval_batches batches of the global batch size.
-    val_win = val_windows(data.val, seq_len, cfg.batch_size * d.world, cfg.seed)
-    tokenizer = data.tokenizer_path or data.tokenizer
+    of its validation split; its loss is Job's, the next-token cross-entropy at every
+    position (lm_loss). `final/` gets `export()` (default: the model itself) as a plain
+    model directory with the tokenizer."""
 
-    def save_final(out: Path) -> None:
+    def __init__(
+        self,
+        recipe: str,
+        model: nn.Module,
+        data: TokenData,
+        cfg: RunConfig,
+        seq_len: int,
+        config: dict[str, Any],
+        export: Callable[[], nn.Module] | None = None,
+    ):
+        super().__init__(recipe, model, config)
+        d = dist.info()
+        self.windows = Windows(
+            data.train,
+            seq_len,
+            cfg.batch_size,
+            cfg.seed,
+            world=d.world,
+            rank=d.rank,
+            accum=cfg.grad_accum,
+        )
+        # Every rank evaluates the same global set: eval_batches batches of the global size.
+        self.val = val_windows(data.val, seq_len, cfg.batch_size * d.world, cfg.seed)
+        self.n_eval = cfg.eval_batches
+        self.tokenizer = data.tokenizer_path or data.tokenizer
+        self.export = export
+
+    def micro_batch(self, k: int, live=None) -> dict[str, torch.Tensor]:
+        return self.windows.batch(k)
+
+    def eval_batches(self) -> list[dict[str, torch.Tensor]]:
+        return self.val.eval_batches(self.n_eval) if self.val is not None else []
+
+    def save_final(self, out: Path) -> None:
         with torch.no_grad():
-            m = export() if export is not None else model
-        save_model_dir(out, m, extra={"recipe": recipe, "train": config}, tokenizer=tokenizer)
-
-    return Job(
-        recipe=recipe,
-        model=model,
-        micro_batch=win.batch,
-        eval_batches=(lambda: val_win.eval_batches(cfg.eval_batches)) if val_win else (lambda: []),
-        save_final=save_final,
-        config=config,
-        **job_fields,
-    )
+            m = self.export() if self.export is not None else self.model
+        extra = {"recipe": self.recipe, "train": self.config}
+        save_model_dir(out, m, extra=extra, tokenizer=self.tokenizer)

@@ -7,13 +7,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
 from toy.data.streams import Stream
 from toy.data.tokens import Windows
 from toy.recipes.adapter import (
     ADAPTER_DEFAULTS,
     Adapted,
+    AdapterJob,
     adapter_flags,
-    adapter_saver,
     chat_data,
     check_adapter_opts,
     load_adapted,
@@ -22,7 +24,7 @@ from toy.recipes.lm import open_token_data, val_windows
 from toy.runs import Project, data_fingerprints
 from toy.train import dist
 from toy.train.config import RunConfig
-from toy.train.job import Built, Job
+from toy.train.job import Built, lm_loss
 from toy.train.recipe import Recipe
 
 DATA_HELP = (
@@ -49,6 +51,26 @@ def check_opts(cfg: RunConfig) -> list[str]:
     return p + check_adapter_opts(cfg)
 
 
+class LoraJob(AdapterJob):
+    """Supervised fine-tuning of the adapters: the next-token cross-entropy over the
+    supervised tokens (every assistant turn and its end-of-turn token of a chat, a
+    completion, every token of text or of a token window), normalised by their count over
+    the whole step."""
+
+    def __init__(self, a: Adapted, cfg: RunConfig, config: dict, stream: Stream):
+        super().__init__("lora", a, cfg, config)
+        self.stream = stream
+
+    def micro_batch(self, k: int, live=None) -> dict[str, torch.Tensor]:
+        return self.stream.micro_batch(k)
+
+    def eval_batches(self) -> list[dict[str, torch.Tensor]]:
+        return self.stream.evals
+
+    def loss(self, model, batch):
+        return lm_loss(model, batch)
+
+
 def build(cfg: RunConfig, project: Project) -> Built:
     a: Adapted = load_adapted(cfg, project, "lora")
     tok, notes = a.base.tokenizer, a.notes
@@ -64,14 +86,7 @@ def build(cfg: RunConfig, project: Project) -> Built:
     epochs, note = cfg.epoch_steps(stream.n_batches, per_step, unit)
     derived.update(epochs)
     notes += [note] if note else []
-    job = Job(
-        recipe="lora",
-        model=a.model,
-        micro_batch=stream.micro_batch,
-        eval_batches=lambda: stream.evals,
-        save_final=adapter_saver(cfg, a),
-        config=config,
-    )
+    job = LoraJob(a, cfg, config, stream)
     n_params, note = a.sizes()
     notes.append(note)
     # Every --data form (chat, prompt/completion, text) is batched the same way, by length

@@ -2,7 +2,7 @@
 (--data FILE|DIR, --val-data, held-out share), the batches of pairs, the reference
 log-probs (DPO: the same base with the adapter switched off, computed once per pair and
 kept: the base is frozen, so they never change, and later epochs run the policy only),
-the figures (rewards, margin, preference accuracy), and the Job.
+the figures (rewards, margin, preference accuracy), and the job (PairJob).
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from toy.lora import disable_adapter
 from toy.models.losses import sequence_logprobs
 from toy.recipes.adapter import (
     ADAPTER_DEFAULTS,
+    AdapterJob,
     adapter_flags,
-    adapter_saver,
     check_adapter_opts,
     load_adapted,
     text_side,
@@ -36,8 +36,8 @@ from toy.recipes.adapter import (
 from toy.runs import Project, data_fingerprints, plural
 from toy.train import dist
 from toy.train.config import RunConfig
-from toy.train.device import Precision, autocast, resolve_device, resolve_precision
-from toy.train.job import Built, Job
+from toy.train.device import Precision, autocast
+from toy.train.job import Built
 from toy.train.recipe import Figure
 
 PAIR_DEFAULTS = {**ADAPTER_DEFAULTS, "batch_size": 4, "lr": 5e-5, "min_lr": 5e-6}
@@ -81,7 +81,7 @@ def batches_unit(cfg: RunConfig) -> str:
     return "batches"
 
 
-def figures(rc: torch.Tensor, rr: torch.Tensor, across: bool = False) -> dict[str, float]:
+def pair_figures(rc: torch.Tensor, rr: torch.Tensor, across: bool = False) -> dict[str, float]:
     """The preference figures of the pairs seen: mean rewards, margin and accuracy (the
     share whose chosen reward is above the rejected one's). `across`: over the pairs every
     process saw (a DDP step's global batch: each process holds its own pairs' rewards)."""
@@ -96,7 +96,7 @@ def figures(rc: torch.Tensor, rr: torch.Tensor, across: bool = False) -> dict[st
     return dict(zip(("reward_chosen", "reward_rejected", "margin", "pref_accuracy"), vals))
 
 
-class Figures:
+class Tally:
     """Rewards gathered as the loss runs (detached, on the device): the step's, read once
     after the step (one host read), and an evaluation's."""
 
@@ -109,13 +109,13 @@ class Figures:
     def take(self, training: bool) -> dict[str, float]:
         """The figures gathered since the last take. A training step's are summed over the
         processes (each saw its own pairs; every process takes them, as the loop calls
-        step_metrics on every rank); an evaluation's are every process's own (each
+        step_figures on every rank); an evaluation's are every process's own (each
         evaluates all the held-out batches)."""
         got, self.seen[training] = self.seen[training], []
         if not got:
             return {}
         rc, rr = torch.cat([a for a, _ in got]), torch.cat([b for _, b in got])
-        return figures(rc, rr, across=training)
+        return pair_figures(rc, rr, across=training)
 
 
 def answer_logps(model, b: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -128,7 +128,8 @@ def answer_logps(model, b: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch
 
 class References:
     """The reference log-probs of every pair: the base alone (adapters off), computed the
-    first time a pair is met and kept. `computed` counts the pairs that took a pass."""
+    first time a pair is met and kept, in the run's precision (at step 0 the two passes
+    are the same). `computed` counts the pairs that took a pass."""
 
     def __init__(self, model, n: int, precision: Precision | None = None):
         self.model = model
@@ -172,6 +173,54 @@ def pair_micro_batches(
         return pair_batch([(j, encoded[j]) for j in members], pad, bucket, budget)
 
     return batch, n
+
+
+class PairJob(AdapterJob):
+    """Preference pairs: each batch holds B chosen rows then B rejected ones, with the
+    reference log-probs of each pair where the loss reads them (DPO); the loss is the
+    recipe's (`pair_loss(model, batch, tally) -> (sum over pairs, pairs)`), normalised by
+    the pairs of the whole step."""
+
+    units = "pairs"
+
+    def __init__(self, recipe, a, cfg, config, micro, evals, n_pairs, pair_loss, reference):
+        super().__init__(recipe, a, cfg, config)
+        self.micro, self.evals, self.n_pairs = micro, evals, n_pairs
+        self.pair_loss, self.reference = pair_loss, reference
+        self.references: References | None = None  # made by bind, in the run's precision
+        self.tally = Tally()
+        self.filled: list = []
+
+    def bind(self, device, precision) -> None:
+        super().bind(device, precision)
+        if self.reference:
+            self.references = References(self.model, self.n_pairs, precision)
+
+    def fill(self, b: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return self.references.fill(b) if self.references is not None else b
+
+    def micro_batch(self, k: int, live=None) -> dict[str, torch.Tensor]:
+        return self.fill(self.micro(k))
+
+    def eval_batches(self) -> list[dict[str, torch.Tensor]]:
+        if not self.filled:  # once the model is on its device: the references pass there
+            self.filled.extend(self.fill(b) for b in self.evals)
+        return self.filled
+
+    def prepare(self, batch):
+        return batch
+
+    def count(self, batch) -> int:
+        return int(batch["pair"].numel())
+
+    def loss(self, model, batch):
+        return self.pair_loss(model, batch, self.tally)
+
+    def step_figures(self) -> dict[str, float]:
+        return self.tally.take(True)
+
+    def eval_figures(self, model, batches) -> dict[str, float]:
+        return self.tally.take(False)
 
 
 def build_pairs(
@@ -230,19 +279,6 @@ def build_pairs(
     evals = [
         pair_batch(val_items[i * per : (i + 1) * per], pad, bucket, budget) for i in range(n_eval)
     ]
-    refs = None
-    if reference:  # in the run's precision, so a zero adapter's first loss is exactly log 2
-        dev = resolve_device(cfg.device)
-        refs = References(a.model, len(train) + len(val), resolve_precision(cfg.precision, dev))
-    fill = refs.fill if refs is not None else (lambda b: b)
-    figs = Figures()
-    eval_ready: list = []
-
-    def eval_batches() -> list[dict[str, torch.Tensor]]:
-        if not eval_ready:  # once the model is on its device: the references pass there
-            eval_ready.extend(fill(b) for b in evals)
-        return eval_ready
-
     notes.append(
         f"{data_path}: {plural(len(train), 'preference pair')} in "
         f"{plural(n_batches, 'batch', 'batches')} of {plural(per, 'pair')}; "
@@ -260,27 +296,16 @@ def build_pairs(
         "batches": n_batches,
         **own,
     }
-    if val_path is not None and not cfg.val_data:
+    if val_path is not None:  # a file given or found in a --data directory: checked alike
         info["val_data"] = str(val_path)
         info.update(data_fingerprints("val_data", val_path))
     derived = a.derived()
     epochs, note = cfg.epoch_steps(n_batches, d.world * cfg.grad_accum, "batches")
     derived.update(epochs)
     notes += [note] if note else []
-    job = Job(
-        recipe=recipe,
-        model=a.model,
-        micro_batch=lambda k: fill(micro(k)),
-        eval_batches=eval_batches,
-        save_final=adapter_saver(cfg, a),
-        config={**a.config, **info},
-        loss=lambda model, b: loss(model, b, figs),
-        count=lambda b: int(b["pair"].numel()),
-        units="pairs",
-        eval_metrics=lambda model, batches: figs.take(False),
-        step_metrics=lambda: figs.take(True),
-    )
-    job.references = refs  # the tests count the reference passes
+    config = {**a.config, **info}
+    n_pairs = len(train) + len(val)
+    job = PairJob(recipe, a, cfg, config, micro, evals, n_pairs, loss, reference)
     n_params, note = a.sizes()
     notes.append(note)
     return Built(job=job, arch=base.arch, params=n_params, notes=notes, derived=derived)

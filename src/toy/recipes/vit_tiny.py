@@ -249,20 +249,14 @@ def make_job(
     if val_source is not None and val is not None:
         config["val_skipped"] = val.skipped.counts()
 
-    def save_final(d: Path) -> None:
-        save_model_dir(
-            d,
-            model,
-            extra={
-                "recipe": NAME,
-                "classes": train.classes,
-                "image_size": vcfg.image_size,
-                "channels": channels,
-                "normalize": "x / 127.5 - 1",
-                "train": config,
-            },
-        )
-
+    final = {
+        "recipe": NAME,
+        "classes": train.classes,
+        "image_size": vcfg.image_size,
+        "channels": channels,
+        "normalize": "x / 127.5 - 1",
+        "train": config,
+    }
     notes.insert(
         0,
         f"{len(train)} training images in {len(train.classes)} classes from {source}"
@@ -273,23 +267,7 @@ def make_job(
             f"skipped files in {source}: {train.skipped.describe()} "
             f"(e.g. {next(iter(train.skipped.examples.values()))})"
         )
-    tally = _Tally()
-    job = Job(
-        recipe=NAME,
-        model=model,
-        micro_batch=batches.batch,
-        eval_batches=(lambda: val_batches.eval_batches(cfg.eval_batches))
-        if val_batches
-        else (lambda: []),
-        save_final=save_final,
-        config=config,
-        loss=tally.loss,
-        count=count,
-        n_items=count,
-        items_name="images",
-        eval_metrics=tally.accuracy,
-        params_decay=decays,
-    )
+    job = ViTJob(model, config, batches, val_batches, cfg.eval_batches, final)
     return Built(job=job, arch="vit", params=model.num_params(), notes=notes, derived=derived)
 
 
@@ -309,28 +287,49 @@ def choose_augment(cfg: RunConfig, n_train: int) -> tuple[str, str]:
     )
 
 
-def decays(name: str, p: torch.Tensor) -> bool:
-    """Weight decay on matrices only: positions and the class token are 3-D tensors but
-    are embeddings, and shrinking them toward zero only blurs where a patch is (timm
-    exempts them too)."""
-    return p.dim() >= 2 and name not in ("pos_embed", "cls_token")
-
-
-def count(batch: dict[str, torch.Tensor]) -> int:
-    return int(batch["labels"].numel())
-
-
-class _Tally:
-    """The loss, and accuracy from the same forward pass.
+class ViTJob(Job):
+    """Image classification: cross-entropy over a batch's images, normalised by the images
+    of the whole step, and the held-out accuracy from the same forward pass.
 
     The loop's eval calls `loss` on every held-out batch (model in eval mode) and then
-    `accuracy` on the same batches: counting correct predictions during the loss saves
+    `eval_figures` on the same batches: counting correct predictions during the loss saves
     a second pass over the validation set. If the tallied image count does not match
     the batches (anyone else called the loss in eval mode), accuracy is recomputed."""
 
-    def __init__(self) -> None:
+    items_name = "images"
+    units = "images"
+
+    def __init__(self, model, config, batches, val_batches, n_eval: int, final: dict):
+        super().__init__(NAME, model, config)
+        self.batches, self.val_batches, self.n_eval = batches, val_batches, n_eval
+        self.final = final  # what final/'s config records beside the model
         self.correct = 0
         self.total = 0
+
+    def micro_batch(self, k: int, live=None) -> dict[str, torch.Tensor]:
+        return self.batches.batch(k)
+
+    def eval_batches(self) -> list[dict[str, torch.Tensor]]:
+        vb = self.val_batches
+        return vb.eval_batches(self.n_eval) if vb is not None else []
+
+    def prepare(self, batch):
+        return batch
+
+    def count(self, batch: dict[str, torch.Tensor]) -> int:
+        return int(batch["labels"].numel())
+
+    def n_items(self, batch: dict[str, torch.Tensor]) -> int:
+        return int(batch["labels"].numel())
+
+    def decays(self, name: str, p: torch.Tensor) -> bool:
+        """Weight decay on matrices only: positions and the class token are 3-D tensors
+        but are embeddings, and shrinking them toward zero only blurs where a patch is
+        (timm exempts them too)."""
+        return p.dim() >= 2 and name not in ("pos_embed", "cls_token")
+
+    def save_final(self, out: Path) -> None:
+        save_model_dir(out, self.model, extra=self.final)
 
     def loss(
         self, model: nn.Module, batch: dict[str, torch.Tensor]
@@ -346,7 +345,7 @@ class _Tally:
             labels.numel()
         )
 
-    def accuracy(
+    def eval_figures(
         self, model: nn.Module, batches: list[dict[str, torch.Tensor]]
     ) -> dict[str, float]:
         n = sum(int(b["labels"].numel()) for b in batches)

@@ -41,7 +41,7 @@ from toy.formats.gguf_header import read_gguf_header
 from toy.formats.gguf_plan import supported_archs
 from toy.formats.hf_dir import base_fingerprint
 from toy.models import registry
-from toy.recipes.lm import lm_config, lm_derived, lm_job, open_token_data
+from toy.recipes.lm import WindowJob, lm_config, lm_derived, open_token_data
 from toy.runs import Project, data_fingerprints
 from toy.train.config import RunConfig
 from toy.train.job import Built
@@ -340,19 +340,79 @@ def fold(model: nn.Module) -> nn.Module:
     return plain.to(sd["embed_tokens.weight"].device)
 
 
-class EmbedFreeze:
-    """Job.frozen for --freeze-embed-steps: the parameter names to hold still at a step.
+class WarmStartJob(WindowJob):
+    """Token windows (WindowJob) with the donor's embedding: held still for the first
+    --freeze-embed-steps steps, and trained at --embed-lr-scale x the LR.
 
-    The loop sets their gradients to None after backward (and after the DDP/FSDP
-    reduction, which would otherwise hand back a zero gradient), so AdamW skips them
-    outright: a zero gradient would still let decoupled weight decay shrink them. Named,
-    not held by reference, because FSDP replaces the parameter objects."""
+    Frozen parameters: the loop sets their gradients to None after backward (and after
+    the DDP/FSDP reduction, which would otherwise hand back a zero gradient), so AdamW
+    skips them outright: a zero gradient would still let decoupled weight decay shrink
+    them. Named, not held by reference, because FSDP replaces the parameter objects."""
 
-    def __init__(self, names: list[str], n: int):
-        self.names, self.n = tuple(names), n
+    def __init__(self, *args, frozen: list[str], freeze_steps: int, embed_scale: float, **kw):
+        super().__init__(*args, **kw)
+        self.frozen_names, self.freeze_steps = tuple(frozen), freeze_steps
+        self.embed_scale = embed_scale
 
-    def __call__(self, step: int) -> tuple[str, ...]:
-        return self.names if step <= self.n else ()  # a pure function of the step: resume-safe
+    def frozen(self, step: int) -> tuple[str, ...]:
+        # a pure function of the step: resume-safe
+        return self.frozen_names if step <= self.freeze_steps else ()
+
+    def lr_scale(self, name: str) -> float:
+        return self.embed_scale if name.startswith("embed_tokens.") else 1.0
+
+
+def start_embedding(
+    model: nn.Module, donor: Donor, init: str, d_model: int, vocab: int, seed: int
+) -> tuple[bool, list[str], list[str]]:
+    """Start `model`'s embedding from the donor's table as --init says: scratch (random,
+    the baseline), donor (the rows as they are, or through a trainable random lens where
+    the widths differ) or pca (through a lens on the table's principal axes). Returns
+    (whether a lens sits over the frozen table, the parameters --freeze-embed-steps
+    holds, the notes)."""
+    notes: list[str] = []
+    lens = init == "pca" or (init == "donor" and donor.width != d_model)
+    frozen = [
+        "embed_tokens.lens.weight" if lens else "embed_tokens.weight"
+    ]  # tied: lm_head shares it
+    src = f"{donor.path.name}'s token embedding ({donor.rows} x {donor.width}, {donor.table_type})"
+    if init != "scratch":
+        table = donor.table(vocab)
+        if not torch.isfinite(table).all():
+            raise InputError(
+                f"--donor {donor.path}: '{EMBED}' holds NaN or inf values; the file is damaged"
+            )
+        if not lens:
+            with torch.no_grad():
+                model.embed_tokens.weight.copy_(table)
+            notes.append(f"embedding: {src}, first {vocab} rows copied as they are")
+        else:
+            table = centre(table)  # the mean row, shared by every token, would swamp the inputs
+            if init == "donor":
+                install_lens(model, table, lens_init(table, d_model, seed))
+                notes.append(
+                    f"embedding: {src}, centred (frozen) @ a trainable random lens "
+                    f"{donor.width} -> {d_model} (product starts at RMS {INIT_STD}); "
+                    "the tied head uses the same product"
+                )
+            else:
+                axes, var = principal_axes(table, d_model)
+                install_lens(
+                    model, table, scaled_lens(table, axes.T)
+                )  # rows: the axes, largest variance first
+                share = float(var.sum()) / float(table.double().var(0, unbiased=False).sum())
+                notes.append(
+                    f"embedding: {src}, centred (frozen) @ a trainable lens {donor.width} -> "
+                    f"{d_model} that starts on its top {d_model} principal axes "
+                    f"({share:.1%} of its variance; product at RMS {INIT_STD}); the tied head uses "
+                    "the same product"
+                )
+        del table
+    else:
+        notes.append(
+            f"embedding: random N(0, 0.02) (the baseline); tokenizer from {donor.path.name}"
+        )
+    return lens, frozen, notes
 
 
 # ------------------------------------------------------------------ build
@@ -384,47 +444,8 @@ def build(cfg: RunConfig, project: Project) -> Built:
     torch.manual_seed(cfg.seed)
     model = registry.build_model(mcfg)
     notes: list[str] = list(seq_notes)
-    lens = init == "pca" or (init == "donor" and donor.width != mcfg.d_model)
-    frozen = [
-        "embed_tokens.lens.weight" if lens else "embed_tokens.weight"
-    ]  # tied: lm_head shares it
-    src = f"{donor.path.name}'s token embedding ({donor.rows} x {donor.width}, {donor.table_type})"
-    if init != "scratch":
-        table = donor.table(vocab)
-        if not torch.isfinite(table).all():
-            raise InputError(
-                f"--donor {donor.path}: '{EMBED}' holds NaN or inf values; the file is damaged"
-            )
-        if not lens:
-            with torch.no_grad():
-                model.embed_tokens.weight.copy_(table)
-            notes.append(f"embedding: {src}, first {vocab} rows copied as they are")
-        else:
-            table = centre(table)  # the mean row, shared by every token, would swamp the inputs
-            if init == "donor":
-                install_lens(model, table, lens_init(table, mcfg.d_model, cfg.seed))
-                notes.append(
-                    f"embedding: {src}, centred (frozen) @ a trainable random lens "
-                    f"{donor.width} -> {mcfg.d_model} (product starts at RMS {INIT_STD}); "
-                    "the tied head uses the same product"
-                )
-            else:
-                axes, var = principal_axes(table, mcfg.d_model)
-                install_lens(
-                    model, table, scaled_lens(table, axes.T)
-                )  # rows: the axes, largest variance first
-                share = float(var.sum()) / float(table.double().var(0, unbiased=False).sum())
-                notes.append(
-                    f"embedding: {src}, centred (frozen) @ a trainable lens {donor.width} -> "
-                    f"{mcfg.d_model} that starts on its top {mcfg.d_model} principal axes "
-                    f"({share:.1%} of its variance; product at RMS {INIT_STD}); the tied head uses "
-                    "the same product"
-                )
-        del table
-    else:
-        notes.append(
-            f"embedding: random N(0, 0.02) (the baseline); tokenizer from {donor.path.name}"
-        )
+    lens, frozen, said = start_embedding(model, donor, init, mcfg.d_model, vocab, cfg.seed)
+    notes += said
     if donor.rows > vocab and init != "scratch":
         notes.append(
             f"{donor.rows - vocab} padding rows of the donor table beyond the vocabulary are unused"
@@ -442,10 +463,8 @@ def build(cfg: RunConfig, project: Project) -> Built:
             else ""
         )
     )
-    freeze = None
     n_freeze = int(cfg.freeze_embed_steps)
     if n_freeze > 0:
-        freeze = EmbedFreeze(frozen, n_freeze)
         notes.append(f"{'lens' if lens else 'embedding'} frozen for steps 1..{n_freeze}")
     config = {
         "recipe": NAME,
@@ -470,7 +489,7 @@ def build(cfg: RunConfig, project: Project) -> Built:
     if scale != 1.0:
         notes.append(f"{'lens' if lens else 'embedding'} LR: {scale:g} x --lr (--embed-lr-scale)")
     config["embed_lr_scale"] = scale
-    job = lm_job(
+    job = WarmStartJob(
         NAME,
         model,
         data,
@@ -478,8 +497,9 @@ def build(cfg: RunConfig, project: Project) -> Built:
         seq_len,
         config,
         export=lambda: fold(model),
-        frozen=freeze,
-        lr_scale=lambda name: scale if name.startswith("embed_tokens.") else 1.0,
+        frozen=frozen,
+        freeze_steps=n_freeze,
+        embed_scale=scale,
     )
     return Built(
         job=job,

@@ -138,18 +138,20 @@ class RunConfig:
         return {**{k: getattr(self, k) for k in self.keys()}, **self.opts}
 
     def epoch_steps(
-        self, n_units: int, per_step: int, unit: str
+        self, n_units: int, per_step: int, unit: str, repeat: int = 1
     ) -> tuple[dict[str, Any], str | None]:
         """--epochs as a step count: each epoch is one pass over the `n_units` training
         units (token windows, images, chat batches), `per_step` of them a step (the global
-        batch). Returns (derived, note); nothing when --steps counts (a resumed run keeps its
-        own count)."""
+        batch), each step's units used for `repeat` steps (GRPO's --num-iterations).
+        Returns (derived, note); nothing when --steps counts (a resumed run keeps its own
+        count)."""
         if self.steps is not None or self.epochs is None:
             return {}, None
-        steps = self.epochs * math.ceil(max(1, n_units) / per_step)
+        steps = self.epochs * math.ceil(max(1, n_units) / per_step) * repeat
+        again = f", each used for {repeat} steps" if repeat > 1 else ""
         return {"steps": steps}, (
             f"{plural(self.epochs, 'epoch')} of {n_units:,} {_units(unit, n_units)}, "
-            f"{per_step:,} a step = {plural(steps, 'step')}"
+            f"{per_step:,} a step{again} = {plural(steps, 'step')}"
         )
 
     # ------------------------------------------------------------------ reading
@@ -171,7 +173,7 @@ def _units(unit: str, n: int) -> str:
 
 
 # What `--resume` may change; everything else must match the run's recorded config.
-RESUME_MAY_CHANGE = ("steps", "device", "compile", "threads", "report_to")
+RESUME_MAY_CHANGE = ("steps", "device", "compile", "threads", "report_to", "reward_changed")
 
 
 def resolve(
@@ -180,11 +182,14 @@ def resolve(
     recipe: str,
     recipe_defaults: dict[str, Any],
     others: Collection[str] = (),
+    many: Collection[str] = (),
 ) -> RunConfig:
     """flags (`cli`, None = not given) > toy.toml [train.<recipe>] > [train] > the recipe's
     defaults (its own flags' and the general ones it changes) > RunConfig's. `others`: the
     keys of the other recipes' flags, which toy.toml's [train] may hold for them (ignored
-    here); any other unknown toy.toml key is an error naming it."""
+    here); any other unknown toy.toml key is an error naming it. `many`: the keys of
+    repeatable flags, whose toy.toml value may be one string (`reward = "length"`) or a
+    list of them."""
     if cli.get("epochs") is not None and cli.get("steps") is not None:
         raise UsageError("--epochs and --steps conflict: give one (--epochs sets the step count)")
     out = {**RunConfig.defaults(), **recipe_defaults}
@@ -198,7 +203,7 @@ def resolve(
             raise UsageError(
                 f"toy.toml [train] has unknown key {k!r}; valid: {', '.join(sorted(out))}"
             )
-        out[key] = v
+        out[key] = [v] if key in many and isinstance(v, str) else v
     out.update({k: v for k, v in cli.items() if v is not None and k in out})
     out["recipe"] = recipe
     steps_given = cli.get("steps") is not None or "steps" in table

@@ -1,10 +1,11 @@
-"""What a recipe declares: the model, which parameters train, the batch stream and the
-loss. The loop (loop.py) owns everything else."""
+"""What a recipe declares, as a class the loop calls by name (Job): the model, which
+parameters train, the batch stream, the loss, the figures and what a resume needs; the
+loop (loop.py) owns everything else."""
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Collection
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,7 @@ from toy.models.losses import IGNORE, head_cross_entropy
 class Live:
     """What a batch made from the live model is made with (Job.live): the model as the
     step finds it (eval mode, no gradients, under the run's autocast), on the run's device,
-    and a generator seeded by (seed, micro-batch index, rank). The same seed, data, machine
+    and a generator seeded by (seed, global micro-batch index). The same seed, data, machine
     and weights give the same batch; a resumed run restores the weights exactly, so it
     makes the batches its unbroken twin made, with no sampling state to keep."""
 
@@ -29,82 +30,123 @@ class Live:
     device: torch.device
 
 
-def live_seed(seed: int, k: int, rank: int) -> int:
-    """The sampling generator's seed for micro-batch `k` of process `rank`."""
-    digest = hashlib.sha256(f"toy-live/{seed}/{k}/{rank}".encode()).digest()
+def live_seed(seed: int, g: int) -> int:
+    """The sampling generator's seed for global micro-batch `g` (k * world + rank for
+    process rank's micro-batch k: the same batch whatever the process count)."""
+    digest = hashlib.sha256(f"toy-live/{seed}/{g}/0".encode()).digest()
     return int.from_bytes(digest[:8], "little") & (2**63 - 1)
 
 
-@dataclass
 class Job:
-    recipe: str
-    model: nn.Module
-    # micro_batch(k) -> dict of CPU tensors for global micro-batch index k. It must be a
-    # pure function of k (and the seed): that is what makes resume exact. With `live`,
-    # micro_batch(k, Live) -> the batch made from the model as it stands before its step
-    # (sampled with Live.generator): a pure function of k, the seed and the weights.
-    micro_batch: Callable[..., dict[str, torch.Tensor]]
-    # Held-out batches, the same list at every eval (empty: no validation).
-    eval_batches: Callable[[], list[dict[str, torch.Tensor]]]
-    # Writes the ready-to-use model (or adapter) into a directory.
-    save_final: Callable[[Path], None]
-    # Flags/choices that identify the run (recorded in run.json, checked on resume).
-    config: dict[str, Any] = field(default_factory=dict)
-    # Loss over one micro-batch: (sum of the per-unit losses, number of units), a unit being
-    # what `count` counts (supervised tokens; the pairs of a preference batch).
-    loss: (
-        Callable[[nn.Module, dict[str, torch.Tensor]], tuple[torch.Tensor, torch.Tensor]] | None
-    ) = None
-    # The units of a batch that its loss is normalised by (supervised tokens, pairs), known
-    # once the batch is made and before its forward pass: the loop divides every
-    # micro-batch's loss sum by the total over the whole accumulation step.
-    count: Callable[[dict[str, torch.Tensor]], int] | None = None
-    units: str = "supervised tokens"  # what count counts, as an error names it
-    # Tokens (or images) a batch feeds through the model, for throughput.
-    n_items: Callable[[dict[str, torch.Tensor]], int] | None = None
-    items_name: str = "tokens"
-    # Optional extra eval metrics (e.g. accuracy): model -> {"name": value}
-    eval_metrics: Callable[[nn.Module, list[dict[str, torch.Tensor]]], dict[str, float]] | None = (
-        None
-    )
-    # Modules whose weights decay; default: every trainable tensor with 2+ dims.
-    params_decay: Callable[[str, torch.Tensor], bool] | None = None
-    # LR multiplier by parameter name (as in trainable()); default 1 for every parameter.
-    lr_scale: Callable[[str], float] | None = None
-    # Names (as in trainable()) of parameters to hold still during step s (1-based). The
-    # loop drops their gradients (sets them to None) after backward and after the DDP/FSDP
-    # reduction, so clipping ignores them and AdamW skips them: no moment update and no
-    # decoupled weight decay (a zero gradient would still decay them). It must be a pure
-    # function of the step, so a resumed run freezes the same steps.
-    frozen: Callable[[int], Collection[str]] | None = None
-    # Host-side work on a batch before it is copied to the device (the LM loss: the
-    # indices of the supervised positions, so the device is never asked for a count).
-    prepare: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None
-    # Figures of the step just taken, beside its loss (preference recipes: rewards, margin,
-    # accuracy): read once after each step, recorded with the loss, printed on its line.
-    step_metrics: Callable[[], dict[str, float]] | None = None
-    # Batches made from the live model (micro_batch(k, Live)): made when their step starts,
-    # never ahead of it (the step before changes the weights they are sampled from).
-    live: bool = False
-    # What the job keeps between steps that a resume needs besides the weights (GRPO: the
-    # generation batch it reuses --num-iterations times): saved in each checkpoint as
-    # tensors, given back by load_state on resume (rank 0's).
-    state: Callable[[], dict[str, torch.Tensor]] | None = None
-    load_state: Callable[[dict[str, torch.Tensor]], None] | None = None
-    # False: the held-out batches have no loss, only eval_metrics (GRPO's rewards of
-    # greedy completions): no val_loss is recorded.
-    eval_loss: bool = True
+    """A recipe's run as the loop (loop.py) calls it, by name: its model and which of its
+    parameters train, its batches, its loss, its figures, what a checkpoint keeps and
+    what the run leaves in final/. A recipe subclasses it and overrides what differs; the
+    defaults are a decoder LM's (next-token cross-entropy over the supervised tokens), so
+    a recipe that trains on token windows or chat data writes only its batches and its
+    final/. The loop owns everything else: accumulation, clipping, the LR schedule, AdamW,
+    evaluation, checkpoints, resume, processes, events.
 
-    def __post_init__(self) -> None:
-        if self.prepare is None:
-            self.prepare = lm_prepare if self.loss in (None, lm_loss) else (lambda b: b)
-        self.loss = self.loss or lm_loss
-        self.count = self.count or lm_count
-        self.n_items = self.n_items or (lambda b: int(b["ids"].numel()))
-        self.params_decay = self.params_decay or (lambda name, p: p.dim() >= 2)
+    The loop hands the job its device and precision (`bind`) before any batch or loss:
+    a job never resolves them again."""
+
+    units = "supervised tokens"  # what count() counts, as an error names it
+    items_name = "tokens"  # what n_items() counts, for throughput ("images", ...)
+    # Batches made from the live model (micro_batch(k, Live)): made when their step
+    # starts, never ahead of it (the step before changes the weights they are sampled
+    # from). GRPO's; a teacher's samples and online DPO would be too.
+    live = False
+    # False: the held-out batches have no loss, only eval_figures (GRPO's rewards of
+    # greedy completions): no val_loss is recorded.
+    eval_loss = True
+
+    def __init__(self, recipe: str, model: nn.Module, config: dict[str, Any] | None = None):
+        self.recipe = recipe
+        self.model = model
+        # Flags/choices that identify the run (recorded in run.json, checked on resume).
+        self.config: dict[str, Any] = dict(config or {})
+        self.device = torch.device("cpu")
+        self.precision: Any = None  # train.device.Precision (None: float32)
+
+    def bind(self, device: torch.device, precision: Any) -> None:
+        """The run's device and precision, from the loop, before any batch."""
+        self.device, self.precision = device, precision
+
+    # ------------------------------------------------------------ batches
+
+    def micro_batch(self, k: int, live: Live | None = None) -> dict[str, torch.Tensor]:
+        """Global micro-batch k (0-based; step s's are (s-1) * grad_accum + m) as CPU
+        tensors: a pure function of k and the seed, which makes resume exact. A live job's
+        is made from `live.model` as it stands before its step, sampled with
+        `live.generator`: a pure function of k, the seed and the weights."""
+        raise NotImplementedError
+
+    def eval_batches(self) -> list[dict[str, torch.Tensor]]:
+        """Held-out batches, the same list at every evaluation (empty: no validation)."""
+        return []
+
+    def prepare(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Host-side work on a batch before its copy to the device (the LM loss: the
+        indices of its supervised positions, so the device is never asked for a count)."""
+        return lm_prepare(batch)
+
+    def count(self, batch: dict[str, torch.Tensor]) -> int:
+        """The units of a batch its loss is normalised by (supervised tokens, pairs), known
+        on the host before its forward: the loop divides every micro-batch's loss sum by
+        the total over the whole accumulation step (and every process)."""
+        return lm_count(batch)
+
+    def n_items(self, batch: dict[str, torch.Tensor]) -> int:
+        """Tokens (or images) a batch feeds through the model, for throughput."""
+        return int(batch["ids"].numel())
+
+    def whole_step(self, batches: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
+        """A live step's micro-batches once all are made, called on every process together
+        (a collective): what needs the whole step's batches, every process's, before its
+        loss (GRPO's --scale-rewards batch: the step's reward spread)."""
+        return batches
+
+    # ------------------------------------------------------------ loss and figures
+
+    def loss(
+        self, model: nn.Module, batch: dict[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sum of the per-unit losses, units) over one micro-batch: by default the next-
+        token cross-entropy summed over the supervised targets (lm_loss)."""
+        return lm_loss(model, batch)
+
+    def step_figures(self) -> dict[str, float]:
+        """The figures of the step just taken, beside its loss (rewards, margins): read
+        once after each step on every process, recorded with the loss, shown on its line.
+        The recipe declares them (train/recipe.py Figure)."""
+        return {}
+
+    def eval_figures(
+        self, model: nn.Module, batches: list[dict[str, torch.Tensor]]
+    ) -> dict[str, float]:
+        """Held-out figures beside the validation loss (accuracy, mean reward)."""
+        return {}
+
+    # ------------------------------------------------------------ the optimizer
 
     def trainable(self) -> list[tuple[str, nn.Parameter]]:
         return [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+
+    def decays(self, name: str, p: torch.Tensor) -> bool:
+        """Whether AdamW decays this parameter: every trainable tensor of 2+ dims."""
+        return p.dim() >= 2
+
+    def lr_scale(self, name: str) -> float:
+        """This parameter's LR as a multiple of the schedule's."""
+        return 1.0
+
+    def frozen(self, step: int) -> Collection[str]:
+        """Names of parameters held still during step `step` (1-based): the loop drops their
+        gradients after backward and the reduction, so clipping ignores them and AdamW
+        skips them (no moment update, no decay). A pure function of the step, so a resumed
+        run freezes the same steps."""
+        return ()
+
+    # ------------------------------------------------------------ checkpoints and the end
 
     def trainable_state(self) -> dict[str, torch.Tensor]:
         """The tensors a checkpoint must hold to resume: every trainable parameter (tied
@@ -112,6 +154,20 @@ class Job:
         tables, a frozen base's quantized blocks, a donor's embedding table), so the resumed
         run's rebuilt model already has them."""
         return {n: p.detach() for n, p in self.trainable()}
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """What the job keeps between steps that a resume needs besides the weights (GRPO:
+        the generation it reuses --num-iterations times), as tensors: saved in each
+        checkpoint, every process's own."""
+        return {}
+
+    def load_state(self, states: list[dict[str, torch.Tensor]]) -> None:
+        """Every saved process's state(), in rank order (the run may resume on another
+        number of processes: each rank takes what its micro-batches need)."""
+
+    def save_final(self, out: Path) -> None:
+        """Write the ready-to-use model (or adapter) into directory `out`."""
+        raise NotImplementedError
 
 
 def lm_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -172,3 +228,6 @@ class Built:
     # What a step's micro-batch is, in words, where it is not --batch-size rows (chat data's
     # token budget): the run's first line says it.
     batch: str = ""
+    # Job config keys that a resume may find changed when the user says so (key -> the
+    # flag that says it: GRPO's reward_files -> reward_changed); run.json records the change.
+    may_change: dict[str, str] = field(default_factory=dict)

@@ -46,6 +46,23 @@ class Figure:
     span: tuple[float, float] | None = None
     every: bool = False
 
+    @property
+    def curve_key(self) -> str:
+        """The key of this figure's value in its --json curve's entries."""
+        return self.key if self.every else "accuracy"
+
+    def point(self, evaluation: dict[str, Any]) -> dict[str, Any]:
+        """One entry of its --json curve, from an evaluation's record {"step", figures}."""
+        if self.every:
+            return {"step": evaluation["step"]} | {
+                k: v for k, v in evaluation.items() if k != "step"
+            }
+        return {"step": evaluation["step"], "accuracy": evaluation[self.key]}
+
+    def curve(self, evaluations: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Its --json curve over a run's evaluations (those that hold it)."""
+        return [self.point(m) for m in evaluations if self.key in m]
+
 
 def _no_problems(cfg: RunConfig) -> list[str]:
     return []
@@ -85,7 +102,24 @@ class Recipe:
 
     def config(self, **overrides: Any) -> RunConfig:
         """Defaults, then the recipe's, then overrides: how scripts and tests build one."""
-        return RunConfig.build({**self.flag_defaults(), **overrides, "recipe": self.name})
+        return self.typed(
+            RunConfig.build({**self.flag_defaults(), **overrides, "recipe": self.name})
+        )
+
+    def typed(self, cfg: RunConfig) -> RunConfig:
+        """`cfg` with each of the recipe's own values as its Flag's type says (toy.toml's
+        `beta = 1` and run.json's numbers are read as given): a recipe reads cfg.beta as a
+        float, never casting it."""
+        typed = {}
+        for f in self.own():
+            v = cfg.opts.get(f.key)
+            if v is None or f.type not in (float, bool):
+                continue
+            if f.type is float and isinstance(v, int) and not isinstance(v, bool):
+                typed[f.key] = float(v)
+            elif f.type is bool and isinstance(v, int):
+                typed[f.key] = bool(v)
+        return cfg.replace(**typed) if typed else cfg
 
     def problems(self, cfg: RunConfig) -> list[str]:
         """Every problem with the recipe's flags: each flag's check, then the recipe's."""

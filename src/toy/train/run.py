@@ -30,12 +30,15 @@ from toy.formats.checkpoint import list_checkpoints, read_json
 from toy.formats.hf_dir import same_base
 from toy.models import registry
 from toy.runs import (
+    RUNNING,
     EventLog,
     Project,
     check_run_id,
     create_run_dir,
+    dir_status,
     make_run_id,
     plural,
+    this_process,
     write_json_atomic,
 )
 from toy.train import dist
@@ -60,7 +63,8 @@ SHORT_RUN = 20  # fewer optimizer steps than this rarely move a loss: say so
 
 @dataclass
 class Outcome:
-    """A finished run, for the command line to print."""
+    """A finished run, for the command line to print: `record()` with --json, else
+    `done_line()`."""
 
     run_id: str
     run_dir: Path
@@ -70,6 +74,50 @@ class Outcome:
     precision: Precision
     res: TrainResult
     main: bool  # rank 0: the process that speaks
+    figures: tuple[Figure, ...] = ()  # the recipe's
+
+    def finals(self) -> list[tuple[Figure, list[dict]]]:
+        """The recipe's figures that close a run, with their held-out curves."""
+        return [(f, f.curve(self.res.metrics)) for f in self.figures if f.final]
+
+    def record(self) -> dict[str, Any]:
+        """--json's object ("format": "toy/train-v1")."""
+        res, job = self.res, self.built.job
+        out = {
+            "format": "toy/train-v1",
+            "run_id": self.run_id,
+            "run_dir": str(self.run_dir),
+            "recipe": self.cfg.recipe,
+            "arch": self.built.arch,
+            "device": self.device.type,
+            "precision": self.precision.name,
+            "precision_reason": self.precision.reason,
+            "seed": self.cfg.seed,
+            "steps": self.cfg.steps,
+            "params": self.built.params,
+            "losses": res.losses,
+            "val_losses": res.val_losses,
+            f"{job.items_name}_per_s": res.items_per_s,
+            "wall_s": round(res.wall_s, 3),
+            "peak_mem_bytes": res.peak_mem_bytes,
+        }
+        if res.metrics:
+            out["metrics"] = res.metrics
+        out.update({f.json_key: curve for f, curve in self.finals() if curve and f.json_key})
+        return out
+
+    def done_line(self) -> str:
+        """The text mode's last line: losses, the final figures, speed, memory, where."""
+        res, job = self.res, self.built.job
+        last = res.losses[-1]["loss"] if res.losses else None
+        val = f", val loss {res.val_losses[-1]['loss']:.4f}" if res.val_losses else ""
+        val += "".join(f", {f.label} {c[-1][f.curve_key]:.4f}" for f, c in self.finals() if c)
+        speed = f", {res.items_per_s:,.0f} {job.items_name}/s" if res.items_per_s else ""
+        mem = f", peak memory {res.peak_mem_bytes / 1e9:.2f} GB" if res.peak_mem_bytes else ""
+        return (
+            f"done: loss {last:.4f}{val}{speed}{mem}, {res.wall_s:.1f}s; "
+            f"model in {self.run_dir / 'final'}"
+        )
 
 
 # ------------------------------------------------------------------ the config
@@ -84,6 +132,30 @@ def unknown_recipe(name: str, recipes: dict[str, Recipe]) -> str:
     )
 
 
+def check_recipe_flags(recipe: str, cli: dict, recipes: dict[str, Recipe]) -> None:
+    """A flag of another recipe given on this one's run is a mistake, not a no-op: say
+    which recipe takes it (the first in the recipe table's order that does)."""
+    problems = []
+    # recipe -> {config key: flag} of its own flags (less the general flags it merely
+    # aliases, such as the adapter recipes' --max-seq-len)
+    owned = {name: {f.key: f.option for f in r.own()} for name, r in recipes.items()}
+    takers: dict[str, list[str]] = {}  # flag -> the recipes that take it
+    for name, flags in owned.items():
+        if name == recipe:
+            continue
+        for key, flag in flags.items():
+            if cli.get(key) is not None and key not in owned.get(recipe, {}):
+                takers.setdefault(flag, []).append(name)
+    for flag, names in takers.items():
+        also = f" (and {', '.join(names[1:])})" if len(names) > 1 else ""
+        problems.append(
+            f"{flag} is a {names[0]} recipe flag{also}; the {recipe} recipe does not take it "
+            f"(drop it, or train with --recipe {names[0]})"
+        )
+    if problems:
+        raise UsageError("; ".join(problems))
+
+
 def resolve_config(cli: dict[str, Any], project: Project, recipes: dict[str, Recipe]) -> RunConfig:
     """The resolved config (flags > toy.toml [train.<recipe>] > [train] > the recipe's
     defaults > RunConfig's), checked: every problem at once, by flag."""
@@ -91,8 +163,12 @@ def resolve_config(cli: dict[str, Any], project: Project, recipes: dict[str, Rec
     if name not in recipes:
         raise UsageError(unknown_recipe(name, recipes))
     recipe = recipes[name]
+    check_recipe_flags(name, cli, recipes)
     others = {f.key for r in recipes.values() for f in r.own()}
-    cfg = resolve(cli, project.train_defaults, name, recipe.flag_defaults(), others)
+    many = {f.key for f in recipe.own() if f.many}
+    cfg = recipe.typed(
+        resolve(cli, project.train_defaults, name, recipe.flag_defaults(), others, many)
+    )
     archs = registry.arch_names()
     found = problems(
         cfg, archs, registry.preset_names(cfg.arch) if cfg.arch in archs else None
@@ -258,9 +334,16 @@ def new_run(
         "machine": {"platform": platform.platform(), "cpu_count": _cpu_count()},
         "command": sys.argv,
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        **this_process(),  # pid and host: `toy runs` says "running" while it lives
         "distributed": distributed,
         "segments": [
-            {"from_step": 0, "steps": cfg.steps, "world_size": d.world, "started": time.time()}
+            {
+                "from_step": 0,
+                "steps": cfg.steps,
+                "world_size": d.world,
+                "started": time.time(),
+                **this_process(),
+            }
         ],
     }
     if d.is_main:
@@ -299,6 +382,7 @@ def _saved_config(info: dict, run_dir: Path, recipes: dict[str, Recipe]) -> RunC
     own = {f.key for f in recipes[name].own()}
     if "config" in info:
         cfg = RunConfig.from_record(info["config"], own, source=str(run_dir / "run.json"))
+        cfg = recipes[name].typed(cfg)
         if "precision" in info["config"]:
             return cfg
     else:
@@ -348,6 +432,11 @@ def resume_run(
         raise UsageError(
             f"--resume {run_dir}: no run.json there; give a run directory made by `toy train`"
         )
+    if dist.info().is_main and dir_status(run_dir) == RUNNING:  # two writers of one run
+        raise UsageError(
+            f"--resume {run_dir}: the run is still training (its process lives); wait for it "
+            "to end, or stop it (Ctrl-C checkpoints), then resume"
+        )
     info = read_json(run_dir / "run.json")
     saved = _saved_config(info, run_dir, recipes)
     for k, v in cli.items():
@@ -379,7 +468,7 @@ def resume_run(
                 f"--steps {cli['steps']} is below the run's {saved.steps}; it may only be raised"
             )
         cfg = cfg.replace(steps=cli["steps"])
-    for k in ("device", "compile", *_FINGERPRINTED.values()):
+    for k in ("device", "compile", "threads", "report_to", *_FINGERPRINTED.values()):
         if cli.get(k) is not None:
             cfg = cfg.replace(**{k: cli[k]})
     if done >= cfg.steps:
@@ -417,9 +506,22 @@ def resume_run(
     run_cfg = rescale_for_world(cfg, saved_world, d.world, recipe.batch_unit(cfg))
     built = recipe.build(run_cfg, project)
     moved = {}  # a base's job key -> its path now, where it is given at another path
+    info["job"], first_4mib = _one_digest(info["job"])
+    changed = {}  # job key -> what changed in it, where the user's flag lets it
     for k in sorted(set(built.job.config) | set(info["job"])):
         a, b = info["job"].get(k), json.loads(json.dumps(built.job.config.get(k)))
         if a == b or _same_base(k, a, b):
+            continue
+        if k in built.may_change:  # e.g. a reward file's code: only when the user says so
+            flag = built.may_change[k]
+            if not cli.get(flag):
+                raise UsageError(
+                    f"--resume {run_dir}: {_what_changed(a, b)} changed since the run started "
+                    f"(its sha256 differs); restore it, or pass --{flag.replace('_', '-')} to "
+                    "go on with it as it is now (run.json records the change)"
+                )
+            changed[k] = {"was": a, "now": b}
+            info["job"][k] = b
             continue
         if f"{k}_sha256" in info["job"] and k in _FINGERPRINTED.values():
             moved[k] = b  # its bytes are compared under its fingerprint key
@@ -437,6 +539,8 @@ def resume_run(
                 f"--resume {run_dir}: {flag} {now} is not the base the run started on ({src}): "
                 "its bytes differ; pass that file or a copy of it, or start a new run"
             )
+        if k in first_4mib and isinstance(src, str) and _first_4mib_matches(src, a):
+            continue  # a run recorded before every byte was: checked on its first 4 MiB
         if isinstance(src, str):  # a fingerprint: name the file that changed
             raise UsageError(
                 f"--resume {run_dir}: {src} (the run's {name}) changed "
@@ -456,7 +560,15 @@ def resume_run(
             "reason": info.get("precision", {}).get("reason", "recorded before --precision"),
         }
         info.setdefault("segments", []).append(
-            {"from_step": done, "steps": cfg.steps, "world_size": d.world, "started": time.time()}
+            {
+                "from_step": done,
+                "steps": cfg.steps,
+                "world_size": d.world,
+                "started": time.time(),
+                **this_process(),
+                "device": device_info(device),  # this segment's (--device, --threads)
+                **({"changed": changed} if changed else {}),
+            }
         )
         write_json_atomic(run_dir / "run.json", info)
     events = EventLog(run_dir / "events.jsonl", enabled=d.is_main)
@@ -471,6 +583,37 @@ def resume_run(
     return _execute(
         run_cfg, built, run_dir, device, precision, events, last, json_mode, recipe.figures
     )
+
+
+_DATA_KEYS = ("corpus", "data", "val_data")  # the job keys of data files (data_fingerprints)
+
+
+def _one_digest(job: dict) -> tuple[dict, set[str]]:
+    """A run's job record with one digest a data file, and the keys still holding only a
+    first-4-MiB digest. Runs recorded before kept that one as {key}_sha256, some beside
+    every byte's as {key}_sha256_full; today's {key}_sha256 is every byte's, so an older
+    run is compared on every byte where it has them, else on its first 4 MiB."""
+    out = dict(job)
+    for k in [k for k in job if k.endswith("_sha256_full")]:
+        if job[k] is not None:
+            out[k.removesuffix("_full")] = job[k]
+        del out[k]
+    older = {f"{k}_sha256" for k in _DATA_KEYS if f"{k}_sha256_full" not in job}
+    return out, {k for k in older if out.get(k) is not None}
+
+
+def _first_4mib_matches(path: str, recorded: str) -> bool:
+    from toy.runs import fingerprint
+
+    return Path(path).is_file() and fingerprint(Path(path)) == recorded
+
+
+def _what_changed(was, now) -> str:
+    """The entries of a recorded {file: digest} that differ now, named, or the record."""
+    if isinstance(was, dict) and isinstance(now, dict):
+        names = [k for k in sorted(set(was) | set(now)) if was.get(k) != now.get(k)]
+        return ", ".join(names) or "it"
+    return f"{was!r} -> {now!r}"
 
 
 # ------------------------------------------------------------------ the loop, and closing the run
@@ -538,6 +681,9 @@ def _execute(
         if not isinstance(e, RunFailed) and step is not None and step <= 1:
             raise e  # bad input met before the first step (a reward function): exit 2
         raise e if isinstance(e, RunFailed) else RunFailed(e.message, step=step)
+    except SystemExit as e:  # a user's code (a reward file) that ends the process
+        close("run_failed", error=f"SystemExit({e.code!r})")
+        raise RunFailed(f"the run was ended by sys.exit({e.code!r}) in code it called")
     except Exception as e:
         log = run_dir / ("error.log" if main_rank else f"error-rank{dist.info().rank}.log")
         log.write_text(traceback.format_exc())
@@ -554,7 +700,7 @@ def _execute(
         peak_mem_bytes=res.peak_mem_bytes,
         **{f"{built.job.items_name}_per_s": res.items_per_s},
     )
-    return Outcome(run_dir.name, run_dir, cfg, built, device, precision, res, main_rank)
+    return Outcome(run_dir.name, run_dir, cfg, built, device, precision, res, main_rank, figures)
 
 
 def _cpu_count() -> int:
