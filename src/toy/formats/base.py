@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -80,6 +81,9 @@ class Base:
     # Where mlx-lm holds the model body (its adapters' tensor names): `model.`, or a
     # multimodal Gemma 3 directory's `language_model.model.`.
     mlx_prefix: str = "model."
+    # A GGUF read as stored: drops a block tensor's pages of the file's map from this
+    # process once it has been read (formats/gguf.py: page_dropper); None: nothing to drop.
+    drop_pages: Callable[[torch.Tensor], None] | None = None
 
     @property
     def default_targets(self) -> str:

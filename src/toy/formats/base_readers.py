@@ -78,13 +78,19 @@ def held_as(probe: Base, path: str | os.PathLike, dtype: str) -> Base:
     asks. A GGUF's blocks are dequantized from the probe, with the dequantization and row
     order read_gguf's float path uses (the same bits, tested), rather than read again: its
     header parsed and its tokenizer built from 49k merges a second time took ~0.25 s of a
-    float32 reply (loaded 2-core Zen 4). Other kinds are read again."""
+    float32 reply (loaded 2-core Zen 4). Other kinds are read again.
+
+    Each weight is written into one tensor piece by piece (quant.dequantize_held: no heap
+    holes between the weights), and its blocks' pages leave this process once read
+    (probe.drop_pages; touched again, they are read from the file again). A SmolLM2-135M
+    float32 reply peaked here at its weights plus the whole file's pages (92 MiB) plus
+    57-80 MiB of heap holes (docs/performance.md)."""
     import dataclasses
 
     import torch
 
     from toy.formats.base import QuantTensor
-    from toy.models.quant import QuantSpec
+    from toy.models.quant import QuantSpec, dequantize_held
 
     if dtype == "quantized":
         return probe
@@ -98,8 +104,14 @@ def held_as(probe: Base, path: str | os.PathLike, dtype: str) -> Base:
     sd = {}
     for name, t in probe.state_dict.items():
         if isinstance(t, QuantTensor):
-            t = t.spec.dequantize(t.parts)
-        if dtype == "bfloat16" and t.dim() == 2:  # the norms stay float32, as read_gguf's
+            # straight in bfloat16: the same bits as the float32 weight cast, as read_gguf's
+            w = dequantize_held(
+                t.parts[0], t.spec, torch.bfloat16 if dtype == "bfloat16" else torch.float32
+            )
+            if probe.drop_pages is not None:
+                probe.drop_pages(t.parts[0])
+            t = w
+        elif dtype == "bfloat16" and t.dim() == 2:  # the norms stay float32, as read_gguf's
             t = t.to(torch.bfloat16)
         sd[name] = t.contiguous()
-    return dataclasses.replace(probe, state_dict=sd, base_dtype=dtype, notes=[])
+    return dataclasses.replace(probe, state_dict=sd, base_dtype=dtype, notes=[], drop_pages=None)

@@ -83,13 +83,19 @@ def row_bytes(qtype: int, n_cols: int) -> int:
 
 
 def dequantize(
-    raw: torch.Tensor, qtype: int, n_cols: int, dtype: torch.dtype = torch.float32
+    raw: torch.Tensor,
+    qtype: int,
+    n_cols: int,
+    dtype: torch.dtype = torch.float32,
+    *,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """(rows, row_bytes) uint8 GGUF data of type `qtype` -> (rows, n_cols) in `dtype`.
 
     Any leading shape works: (..., row_bytes) -> (..., n_cols). The float32 result equals
     `gguf.quants.dequantize` bit for bit; other dtypes are that result cast once. An F32
-    tensor asked for in float32 comes back as a view of `raw` (no copy).
+    tensor asked for in float32 comes back as a view of `raw` (no copy). `out`: a
+    contiguous tensor of that shape and dtype written instead of a new one (returned).
     """
     block_size, type_size, name = _check_type(qtype)
     if raw.dtype != torch.uint8:
@@ -103,9 +109,18 @@ def dequantize(
     raw = raw.contiguous()
     if not torch.compiler.is_compiling() and raw.storage_offset() % 4:
         raw = raw.clone()  # the f16 / int32 views need an aligned start, as GGUF tensors have
+    if out is not None and (
+        tuple(out.shape) != (*lead, n_cols) or out.dtype != dtype or not out.is_contiguous()
+    ):
+        raise ValueError(
+            f"out must be a contiguous {dtype} tensor of shape {(*lead, n_cols)}, got "
+            f"{out.dtype} {tuple(out.shape)}"
+        )
     if block_size == 1:  # plain floats: reinterpret the bytes
-        return raw.view(_FLOATS[qtype]).reshape(*lead, n_cols).to(dtype)
-    return _KERNELS[qtype](raw.view(-1, type_size), dtype).reshape(*lead, n_cols)
+        w = raw.view(_FLOATS[qtype]).reshape(*lead, n_cols)
+        return w.to(dtype) if out is None else out.copy_(w)
+    flat = None if out is None else out.view(-1, block_size)
+    return _KERNELS[qtype](raw.view(-1, type_size), dtype, flat).reshape(*lead, n_cols)
 
 
 _FLOATS = {F32: torch.float32, F16: torch.float16, BF16: torch.bfloat16}
@@ -300,12 +315,18 @@ def codes(raw: torch.Tensor, qtype: int):
 def _from_codes(qtype: int):
     block = QUANT_TYPES[qtype][0]
 
-    def kernel(b: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    def kernel(
+        b: torch.Tensor, dtype: torch.dtype = torch.float32, into: torch.Tensor | None = None
+    ) -> torch.Tensor:
         # q * s (+ z) computed in float32 and written once, straight in `dtype` (bf16 under
         # autocast: no float32 copy of the weight is made): the same bits as the float32
-        # weight cast to dtype, one pass over the codes instead of four.
+        # weight cast to dtype, one pass over the codes instead of four. `into`: the
+        # (n, block) tensor to write (dequantize's out).
         q, s, z = CODES[qtype](b)
-        out = torch.empty(q.shape, dtype=dtype, device=b.device)
+        if into is None:
+            out = torch.empty(q.shape, dtype=dtype, device=b.device)
+        else:
+            out = into.view(q.shape)
         if z is None:
             torch.mul(q, s, out=out)
         else:
@@ -435,6 +456,41 @@ def dequantize_weight(
             return dequantize(blocks[rows], spec.qtype, spec.shape[1], dtype)
         w = dequantize(blocks, spec.qtype, spec.shape[1], dtype)
         return half_split_rows(w, spec.qk_heads) if spec.qk_heads else w
+
+
+# A weight dequantized once at load (a base held in float32 or bfloat16) is made this much
+# float32 at a time: on SmolLM2's float32 load, pieces of 4 or 16 MiB still left 75-97 MiB
+# of heap holes, 1 MiB 8-11 MiB, at the same speed (one thread, 2026-11-28).
+LOAD_PIECE_BYTES = 1 << 20
+
+
+def dequantize_held(
+    blocks: torch.Tensor,
+    spec: QuantSpec,
+    dtype: torch.dtype = torch.float32,
+    piece_bytes: int | None = None,
+) -> torch.Tensor:
+    """dequantize_weight's whole weight, bit for bit, for a base held dequantized. The one
+    tensor returned is allocated first and written in place piece by piece: whole rows of
+    about `piece_bytes` (default LOAD_PIECE_BYTES) of float32; Q/K: whole heads, whose
+    rows are un-interleaved within the head. Made whole, each weight's transients (its
+    unpacked codes, its own result, Q/K's un-interleaved copy) were freed between the
+    weights kept after them, and glibc's heap kept those holes resident for the whole run
+    (57-80 MiB of SmolLM2's float32 load; docs/performance.md); a piece's transients are
+    the next piece's memory."""
+    rows, cols = spec.shape
+    unit = rows // spec.qk_heads if spec.qk_heads else 1
+    step = max(1, (piece_bytes or LOAD_PIECE_BYTES) // (4 * cols * unit)) * unit
+    out = torch.empty(rows, cols, dtype=dtype, device=blocks.device)
+    with torch.profiler.record_function("toy::dequantize"):
+        for r in range(0, rows, step):
+            piece = blocks[r : r + step]
+            if spec.qk_heads:
+                w = dequantize(piece, spec.qtype, cols, dtype)
+                out[r : r + step] = half_split_rows(w, w.shape[0] // unit)
+            else:
+                dequantize(piece, spec.qtype, cols, dtype, out=out[r : r + step])
+    return out
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
