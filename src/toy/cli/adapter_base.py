@@ -1,4 +1,4 @@
-"""The base an adapter run (lora, dpo, orpo, simpo) adapts (a GGUF file or a model
+"""The base an adapter run (a recipe whose final/ is a LoRA adapter) adapts (a GGUF file or a model
 directory), found one way by `toy infer` and `toy export`.
 
 An adapter run records its base twice: adapter_config.json's `base_model_name_or_path`

@@ -99,7 +99,7 @@ def curves(run_dir: Path) -> tuple[list[tuple[int, float]], list[tuple[int, floa
 
 def figure_curves(run_dir: Path) -> list[tuple[Figure, list[tuple[int, float]]]]:
     """(figure, its held-out (step, value) curve) of each figure the run's recipe declares
-    for the plot (dpo, orpo: the preference accuracy); [] for others."""
+    for the plot (Figure.plot: a preference accuracy, an agreement); [] for others."""
     from toy.formats.checkpoint import read_json
     from toy.recipes import load_recipe, recipe_names
 

@@ -48,8 +48,9 @@ def build_parser(only: str | None = "all") -> Parser:
 
     p = Parser(
         prog="toy",
-        description="Train small neural networks: decoder LMs from scratch, "
-        "LoRA on GGUF bases, ViT-Tiny. Run `toy COMMAND --help` for a command's flags.",
+        description="Train small neural networks: decoder LMs from scratch, LoRA, "
+        "preference and RL tuning and distillation of the model you run (GGUF, transformers, "
+        "MLX), ViT-Tiny. Run `toy COMMAND --help` for a command's flags.",
     )
     from toy import __version__
 

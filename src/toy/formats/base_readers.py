@@ -1,5 +1,5 @@
 """The base readers, in one table: kind -> probe, read, describe. Every caller that takes
-a base (the LoRA recipe, warm-start's donor, `toy infer`, `toy export`, `toy describe`)
+a base (an adapter recipe's base, a donor, a teacher, `toy infer`, `toy export`, `toy describe`)
 asks this table which kind a path is and how to read or describe it; the readers never
 import each other (formats/base.py holds what they share).
 

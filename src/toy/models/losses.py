@@ -600,3 +600,82 @@ def grpo_loss_sum(
     if loss_type == "dr_grpo":
         return x.sum(), x.new_tensor(float(len(x) * max_completion_length))
     raise ValueError(f"loss_type {loss_type!r}: use one of {', '.join(GRPO_LOSS_TYPES)}")
+
+
+# ------------------------------------------------------------------ distillation
+
+
+def generalized_jsd(
+    student: torch.Tensor, teacher: torch.Tensor, beta: float, temperature: float = 1.0
+) -> torch.Tensor:
+    """(N,) the generalized Jensen-Shannon divergence of each row of logits (N, V), summed
+    over the vocabulary, at `temperature`, in float32: TRL's
+    GKDTrainer.generalized_jsd_loss per token (Agarwal et al., 2023, eq. 1). beta 0:
+    the forward KL(teacher || student) (classic knowledge distillation); 1: the reverse
+    KL(student || teacher); between: beta KL(teacher || M) + (1 - beta) KL(student || M)
+    with the mixture M = beta teacher + (1 - beta) student (0.5: the JSD)."""
+    s = torch.log_softmax(student.float() / temperature, -1)
+    t = torch.log_softmax(teacher.float() / temperature, -1)
+    if beta == 0:
+        return (t.exp() * (t - s)).sum(-1)
+    if beta == 1:
+        return (s.exp() * (s - t)).sum(-1)
+    b = torch.tensor(beta, dtype=s.dtype, device=s.device)
+    m = torch.logsumexp(torch.stack([s + torch.log1p(-b), t + torch.log(b)]), 0)
+    return beta * (t.exp() * (t - m)).sum(-1) + (1 - beta) * (s.exp() * (s - m)).sum(-1)
+
+
+def head_matrix(head: torch.nn.Module, dtype: torch.dtype) -> torch.Tensor:
+    """A decoder head's (V, C) weight: the parameter itself (a trained head keeps its
+    gradient), or a frozen quantized head's rows dequantized once."""
+    if isinstance(head, QuantLinear):
+        return head.rows(0, head.out_features, dtype)
+    return head.weight
+
+
+def _logits(h: torch.Tensor, w: torch.Tensor, softcap: float) -> torch.Tensor:
+    """float32 logits of rows h through weight w (the matmul in autocast's dtype where it
+    is on), soft-capped where the model caps them."""
+    z = (h @ w.T if torch.is_autocast_enabled(h.device.type) else h @ w.T.to(h.dtype)).float()
+    return softcap * torch.tanh(z / softcap) if softcap else z
+
+
+def _jsd_chunk(h_s, w_s, h_t, w_t, caps: tuple[float, float], beta: float, temp: float):
+    s = _logits(h_s, w_s, caps[0])
+    with torch.no_grad():
+        t = _logits(h_t, w_t, caps[1])
+    return generalized_jsd(s, t, beta, temp).sum(), (s.argmax(-1) == t.argmax(-1)).sum()
+
+
+def distill_divergence(
+    h_s: torch.Tensor,
+    head_s: torch.nn.Module,
+    h_t: torch.Tensor,
+    head_t: torch.nn.Module,
+    beta: float,
+    temperature: float = 1.0,
+    caps: tuple[float, float] = (0.0, 0.0),
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(summed generalized JSD, positions where the two top-1 tokens agree) over N
+    positions: the student's hidden states h_s (N, C_s) through its head, the teacher's
+    h_t (N, C_t) through its own (the teacher frozen: no gradient), with each model's
+    final soft-cap `caps`. The (N, V) logits of the two never exist whole: rows run in
+    chunks of about CHUNK_BYTES of float32 logits, each recomputed in backward
+    (activation checkpointing) rather than kept, so a step holds one chunk's logits at a
+    time (SmolLM2's V 49,152: 85 rows a chunk on a CPU; Gemma 3's 262,144: 16)."""
+    from torch.utils.checkpoint import checkpoint
+
+    dt = compute_dtype(h_s)
+    w_s = head_matrix(head_s, dt)
+    with torch.no_grad():
+        w_t = head_matrix(head_t, dt)
+    total = h_s.new_zeros((), dtype=torch.float32)
+    agree = torch.zeros((), dtype=torch.long, device=h_s.device)
+    n = chunk_rows(int(w_s.shape[0]), h_s.device)
+    for i in range(0, h_s.shape[0], n):
+        args = (h_s[i : i + n], w_s, h_t[i : i + n], w_t, caps, beta, temperature)
+        grad = torch.is_grad_enabled() and (h_s.requires_grad or w_s.requires_grad)
+        d, a = checkpoint(_jsd_chunk, *args, use_reentrant=False) if grad else _jsd_chunk(*args)
+        total = total + d
+        agree = agree + a
+    return total, agree

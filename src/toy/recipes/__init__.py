@@ -15,6 +15,7 @@ RECIPES = {
     "orpo": "toy.recipes.orpo",
     "simpo": "toy.recipes.simpo",
     "grpo": "toy.recipes.grpo",
+    "distill": "toy.recipes.distill",
     "vit-tiny": "toy.recipes.vit_tiny",
 }
 

@@ -1,4 +1,5 @@
-"""What the adapter recipes (lora, dpo, orpo) share; not a recipe itself. Each trains a
+"""What the adapter recipes share (every recipe whose job is an AdapterJob, and distill's
+LoRA student); not a recipe itself. Each trains a
 LoRA adapter on a frozen base read as the user has it (a GGUF file, a transformers or MLX
 directory): the base resolved and loaded, the adapters applied, the flags they all take
 (with their checks), the --output policy, the final adapter saved (PEFT in final/, and
@@ -27,6 +28,7 @@ from toy.data.streams import (
     data_files,
     read_chat_files,
 )
+from toy.data.tokens import Windows
 from toy.errors import InputError, UsageError
 from toy.formats.base import Base
 from toy.formats.base_readers import held_as, read_base
@@ -37,7 +39,8 @@ from toy.formats.peft import save_peft_adapter
 from toy.lora import VALID_TARGETS, apply_lora, lora_state_dict
 from toy.models.quant import count_params, resident_bytes
 from toy.models.quant_types import BASE_DTYPES
-from toy.runs import Project, plural
+from toy.recipes.lm import open_token_data, val_windows
+from toy.runs import Project, data_fingerprints, plural
 from toy.train import dist
 from toy.train.config import RunConfig
 from toy.train.job import Job
@@ -426,50 +429,54 @@ def output_note(output: str) -> str:
 class AdapterJob(Job):
     """A job whose model is a frozen base with LoRA adapters (load_adapted's): final/ holds
     the PEFT adapter and the tokenizer (what `toy infer --run` and `toy export` read), then
-    --output's copy. lora, the preference recipes and grpo subclass it."""
+    --output's copy. Every adapter recipe's job subclasses it."""
 
     def __init__(self, recipe: str, a: Adapted, cfg: RunConfig, config: dict[str, Any]):
         super().__init__(recipe, a.model, config)
         self.adapted, self.cfg = a, cfg
 
     def save_final(self, out: Path) -> None:
-        cfg, a = self.cfg, self.adapted
-        sd = lora_state_dict(a.model)  # once, for final/ and --output's mlx-lm form
-        save_peft_adapter(
-            out,
+        save_adapter(self.cfg, self.adapted, out)
+
+
+def save_adapter(cfg: RunConfig, a: Adapted, out: Path) -> None:
+    """final/ of an adapter run: the PEFT adapter and the tokenizer, then --output's copy."""
+    sd = lora_state_dict(a.model)  # once, for final/ and --output's mlx-lm form
+    save_peft_adapter(
+        out,
+        sd,
+        rank=int(cfg.rank),
+        alpha=float(cfg.alpha),
+        dropout=float(cfg.dropout),
+        targets=a.targets,
+        base_model_name_or_path=str(a.model_path),
+    )
+    a.base.tokenizer.save(str(out / "tokenizer.json"))
+    output = output_of(cfg)
+    if not output:
+        return
+    # Checked again now: PATH may have changed since the start, or be this very run's
+    # directory (its name was not known then). final/ is written already.
+    why = output_problem(output)
+    if why:
+        raise InputError(f"{why}; the adapter is in {out}, not copied")
+    dest = Path(os.path.abspath(output))
+    if output.endswith(".safetensors"):  # mlx-lm's trainer's --output: its adapter, there
+        save_mlx_adapter(
+            dest.parent,
             sd,
-            rank=int(cfg.rank),
-            alpha=float(cfg.alpha),
-            dropout=float(cfg.dropout),
-            targets=a.targets,
-            base_model_name_or_path=str(a.model_path),
+            int(cfg.rank),
+            float(cfg.alpha),
+            float(cfg.dropout),
+            n_layers=a.base.config.n_layer,
+            weights_name=dest.name,
+            prefix=a.base.mlx_prefix,
         )
-        a.base.tokenizer.save(str(out / "tokenizer.json"))
-        output = output_of(cfg)
-        if not output:
-            return
-        # Checked again now: PATH may have changed since the start, or be this very run's
-        # directory (its name was not known then). final/ is written already.
-        why = output_problem(output)
-        if why:
-            raise InputError(f"{why}; the adapter is in {out}, not copied")
-        dest = Path(os.path.abspath(output))
-        if output.endswith(".safetensors"):  # mlx-lm's trainer's --output: its adapter, there
-            save_mlx_adapter(
-                dest.parent,
-                sd,
-                int(cfg.rank),
-                float(cfg.alpha),
-                float(cfg.dropout),
-                n_layers=a.base.config.n_layer,
-                weights_name=dest.name,
-                prefix=a.base.mlx_prefix,
-            )
-        elif dest != out.resolve():
-            with atomic_dir(dest) as tmp:
-                for name in ADAPTER_FILES:
-                    if (out / name).is_file():
-                        shutil.copyfile(out / name, tmp / name)
+    elif dest != out.resolve():
+        with atomic_dir(dest) as tmp:
+            for name in ADAPTER_FILES:
+                if (out / name).is_file():
+                    shutil.copyfile(out / name, tmp / name)
 
 
 # ---------------------------------------------------------------- the base's side of the data
@@ -543,3 +550,28 @@ def chat_data(cfg: RunConfig, base: Base, seq_len: int, notes: list[str]) -> Str
     chat = read_chat_files(*files, bool(cfg.strict), notes)
     side = text_side(cfg, base, chat[0].kind, notes)
     return chat_stream(stream_opts(cfg), files, chat, side, seq_len, notes)
+
+
+def token_stream(cfg: RunConfig, project: Project, tok, model_path: Path, seq_len: int) -> Stream:
+    """Random windows of a token file made with the base's tokenizer (checked by its hash),
+    and fixed windows of its validation split."""
+    data = open_token_data(cfg, project, tokenizer=tok, tokenizer_source=str(model_path))
+    d = dist.info()
+    win = Windows(
+        data.train,
+        seq_len,
+        cfg.batch_size,
+        cfg.seed,
+        world=d.world,
+        rank=d.rank,
+        accum=cfg.grad_accum,
+    )
+    val = val_windows(data.val, seq_len, cfg.batch_size * d.world, cfg.seed)
+    evals = val.eval_batches(cfg.eval_batches) if val is not None else []
+    n_rows = max(1, len(data.train) // seq_len)
+    info = {
+        "corpus": str(data.train.path),
+        "corpus_tokens": len(data.train),
+        **data_fingerprints("corpus", data.train.path),
+    }
+    return Stream(win.batch, evals, n_rows, info)

@@ -1,7 +1,7 @@
 """What the decoder-LM recipes share (not a recipe itself): the token data (corpus,
 validation split and the tokenizer that made them, resolved and checked in one place),
-the model config from flags, and the Job that trains on token windows (WindowJob). from_scratch.py,
-warm_start.py and lora.py (token streams) build on it; no recipe imports another.
+the model config from flags, and the Job that trains on token windows (WindowJob). The
+recipes that train on a corpus build on it; no recipe imports another.
 """
 
 from __future__ import annotations

@@ -1,16 +1,13 @@
 """LoRA fine-tune of a frozen base (GGUF file, transformers or MLX directory): chat JSONL
 (loss on every assistant turn), prompt/completion pairs, text, or a token stream. Only
 the adapters train; the output is a PEFT adapter directory. What it shares with the other
-adapter recipes (dpo, orpo) is in adapter.py."""
+adapter recipes is in adapter.py."""
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import torch
 
 from toy.data.streams import Stream
-from toy.data.tokens import Windows
 from toy.recipes.adapter import (
     ADAPTER_DEFAULTS,
     Adapted,
@@ -19,9 +16,9 @@ from toy.recipes.adapter import (
     chat_data,
     check_adapter_opts,
     load_adapted,
+    token_stream,
 )
-from toy.recipes.lm import open_token_data, val_windows
-from toy.runs import Project, data_fingerprints
+from toy.runs import Project
 from toy.train import dist
 from toy.train.config import RunConfig
 from toy.train.job import Built, lm_loss
@@ -100,34 +97,6 @@ def build(cfg: RunConfig, project: Project) -> Built:
     return Built(
         job=job, arch=a.base.arch, params=n_params, notes=notes, derived=derived, batch=batch
     )
-
-
-# ---------------------------------------------------------------- token stream
-
-
-def token_stream(cfg: RunConfig, project: Project, tok, model_path: Path, seq_len: int) -> Stream:
-    """Random windows of a token file made with the base's tokenizer (checked by its hash),
-    and fixed windows of its validation split."""
-    data = open_token_data(cfg, project, tokenizer=tok, tokenizer_source=str(model_path))
-    d = dist.info()
-    win = Windows(
-        data.train,
-        seq_len,
-        cfg.batch_size,
-        cfg.seed,
-        world=d.world,
-        rank=d.rank,
-        accum=cfg.grad_accum,
-    )
-    val = val_windows(data.val, seq_len, cfg.batch_size * d.world, cfg.seed)
-    evals = val.eval_batches(cfg.eval_batches) if val is not None else []
-    n_rows = max(1, len(data.train) // seq_len)
-    info = {
-        "corpus": str(data.train.path),
-        "corpus_tokens": len(data.train),
-        **data_fingerprints("corpus", data.train.path),
-    }
-    return Stream(win.batch, evals, n_rows, info)
 
 
 RECIPE = Recipe(

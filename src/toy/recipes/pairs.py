@@ -1,4 +1,4 @@
-"""What the preference recipes (dpo, orpo) share; not a recipe itself: the pair data
+"""What the preference recipes (those built on build_pairs) share; not a recipe: the pair data
 (--data FILE|DIR, --val-data, held-out share), the batches of pairs, the reference
 log-probs (DPO: the same base with the adapter switched off, computed once per pair and
 kept: the base is frozen, so they never change, and later epochs run the policy only),
@@ -41,7 +41,7 @@ from toy.train.job import Built
 from toy.train.recipe import Figure
 
 PAIR_DEFAULTS = {**ADAPTER_DEFAULTS, "batch_size": 4, "lr": 5e-5, "min_lr": 5e-6}
-# DPO's and ORPO's own: three passes over a small user set (20-80 pairs) at an LR that
+# The preference recipes' own: three passes over a small user set (20-80 pairs) at an LR that
 # moves it, chosen on SmolLM2-135M over a "prefix" set, a "terse answers" set and the
 # bundled pairs (docs/results.md, "Preference defaults for small sets"); a --steps given
 # anywhere replaces the epochs.
@@ -233,7 +233,7 @@ def build_pairs(
 ) -> Built:
     """The preference job: `loss(model, batch, figures)` -> (sum over pairs, pairs);
     `own`: the recipe's own settings recorded in run.json; `reference`: whether the
-    loss reads reference log-probs (DPO) or not (ORPO)."""
+    loss reads reference log-probs (DPO's) or not."""
     a = load_adapted(cfg, project, recipe)
     base, tok, notes = a.base, a.base.tokenizer, a.notes
     data_path, val_path = data_files(cfg.data, cfg.val_data)

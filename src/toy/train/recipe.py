@@ -6,7 +6,7 @@ module for optional attributes. A recipe's own flags are declared once, as `Flag
 each come its argparse line (the default written into the help by code), its place in
 the run's config (RunConfig.opts, recorded flat in run.json and checked on resume) and
 its check. A recipe's own figures are declared once, as `Figure`s: the loop records
-whatever a job's step_metrics / eval_metrics return, and the progress line, the done line,
+whatever a job's step_figures / eval_figures return, and the progress line, the done line,
 --json and `toy plot` show what the recipe declares, naming no recipe's metric themselves.
 """
 
@@ -26,7 +26,7 @@ __all__ = ["Figure", "Flag", "Recipe"]
 @dataclass(frozen=True)
 class Figure:
     """A figure a recipe's job reports beside the loss: in step events and lines
-    (step_metrics) and in evaluations (eval_metrics), under `key`.
+    (step_figures) and in evaluations (eval_figures), under `key`.
 
     - `label`: its name in words ("held-out preference accuracy").
     - `final`: the done line ends with its last evaluated value, and --json carries its
