@@ -169,3 +169,33 @@ def test_bad_input_is_one_line_before_any_work(kit, tmp_path):
                 "--data", kit["chat"], "--out", tmp_path / "runs")  # fmt: skip
     assert r.returncode == 2 and r.stderr.startswith(f"toy train: error: --teacher {kit['chat']}")
     assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.llamacpp
+def test_the_shrunk_students_gguf_runs_in_llamacpp_to_toys_greedy_text(kit, tmp_path, toy_cli):
+    """The student's GGUF (`toy export --format gguf` of final/) loads in llama.cpp, and
+    its greedy continuation of a prompt is toy's, token for token, for 16 tokens."""
+    pytest.importorskip("llama_cpp")
+    from test_llamacpp import _cpp_greedy, _llama
+
+    from toy.formats.base_readers import read_base
+    from toy.models.sample import sample_groups
+    from toy.tokenizer import encode_prompt
+
+    r = distill(kit, tmp_path, "g", "--keep-layers", "0,2,3", "--steps", "4", "--lr", "3e-3")
+    assert r.returncode == 0, r.stderr[-3000:]
+    gguf = tmp_path / "student.gguf"
+    code, _, err = toy_cli("export", tmp_path / "g", "--format", "gguf", "--out", gguf)
+    assert code == 0, err
+    base = read_base(gguf, "float32")
+    assert base.config.n_layer == 3
+    model = base.build_model()
+    stops = set(base.special.stops)
+    for prompt in ("ROMEO. What light", "Is this a dagger which I see"):
+        ids = encode_prompt(base.tokenizer, prompt)
+        with torch.no_grad():
+            toy = sample_groups(model, [ids], 1, 16, temperature=0.0, generator=None,
+                                stop_ids=stops)[0][0].ids  # fmt: skip
+        toy = list(toy[:-1] if toy and toy[-1] in stops else toy)  # llama.cpp's stop: not kept
+        cpp = _cpp_greedy(_llama(gguf), ids, 16, stops)
+        assert cpp == toy and cpp, (prompt, cpp, toy)

@@ -378,7 +378,7 @@ def load_adapted(cfg: RunConfig, project: Project, recipe: str) -> Adapted:
     del base.state_dict  # the model holds the only copy of the base
     # Validation of rank/alpha/targets happens here, before any data work.
     wrapped = apply_lora(
-        model, targets, int(cfg.rank), float(cfg.alpha), float(cfg.dropout), int(cfg.seed)
+        model, targets, int(cfg.rank), cfg.alpha, cfg.dropout, int(cfg.seed)
     )
     seq_len = int(cfg.seq_len)
     notes: list[str] = list(base.notes) + ([why] if why else [])
@@ -406,7 +406,7 @@ def load_adapted(cfg: RunConfig, project: Project, recipe: str) -> Adapted:
         "model": str(model_path),
         "model_sha256": base_fingerprint(model_path),
         "rank": int(cfg.rank),
-        "alpha": float(cfg.alpha),
+        "alpha": cfg.alpha,
         "targets": targets,
         "seq_len": seq_len,
         "base_dtype": dtype,
@@ -446,8 +446,8 @@ def save_adapter(cfg: RunConfig, a: Adapted, out: Path) -> None:
         out,
         sd,
         rank=int(cfg.rank),
-        alpha=float(cfg.alpha),
-        dropout=float(cfg.dropout),
+        alpha=cfg.alpha,
+        dropout=cfg.dropout,
         targets=a.targets,
         base_model_name_or_path=str(a.model_path),
     )
@@ -466,8 +466,8 @@ def save_adapter(cfg: RunConfig, a: Adapted, out: Path) -> None:
             dest.parent,
             sd,
             int(cfg.rank),
-            float(cfg.alpha),
-            float(cfg.dropout),
+            cfg.alpha,
+            cfg.dropout,
             n_layers=a.base.config.n_layer,
             weights_name=dest.name,
             prefix=a.base.mlx_prefix,

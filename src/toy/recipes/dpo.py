@@ -60,7 +60,7 @@ DEFAULTS = {**PAIR_DEFAULTS, "lr": 1e-3, "min_lr": 1e-4, "epochs": SMALL_SET_EPO
 
 
 def build(cfg: RunConfig, project: Project) -> Built:
-    beta, smooth, sft = float(cfg.beta), float(cfg.label_smoothing), float(cfg.sft_weight)
+    beta, smooth, sft = cfg.beta, cfg.label_smoothing, cfg.sft_weight
 
     def loss(model, b, figs):
         s, _ = answer_logps(model, b)  # (2B,): chosen rows, then rejected

@@ -36,7 +36,7 @@ DEFAULTS = {**PAIR_DEFAULTS, "lr": 2e-3, "min_lr": 2e-4, "epochs": SMALL_SET_EPO
 
 
 def build(cfg: RunConfig, project: Project) -> Built:
-    lam = float(cfg.orpo_lambda)
+    lam = cfg.orpo_lambda
 
     def loss(model, b, figs):
         s, h = answer_logps(model, b)  # (2B,): chosen rows, then rejected

@@ -59,7 +59,7 @@ def simpo_loss(
 
 
 def build(cfg: RunConfig, project: Project) -> Built:
-    beta, gamma = float(cfg.beta), float(cfg.gamma)
+    beta, gamma = cfg.beta, cfg.gamma
 
     def loss(model, b, figs):
         s, _ = answer_logps(model, b)  # (2B,): chosen rows, then rejected

@@ -485,7 +485,7 @@ def build(cfg: RunConfig, project: Project) -> Built:
     }
     # None: a run recorded before the flag existed (its embedding trained at 1 x --lr);
     # resume then reports the changed job config instead of failing here.
-    scale = 1.0 if cfg.embed_lr_scale is None else float(cfg.embed_lr_scale)
+    scale = 1.0 if cfg.embed_lr_scale is None else cfg.embed_lr_scale
     if scale != 1.0:
         notes.append(f"{'lens' if lens else 'embedding'} LR: {scale:g} x --lr (--embed-lr-scale)")
     config["embed_lr_scale"] = scale
