@@ -277,6 +277,57 @@ def test_jsonl_skips_and_counts(tmp_path):
     )  # no assistant turn, or only an empty one
 
 
+# One check of a {"role", "content"} message list (data/chat.py check_messages), one wording a
+# problem, in the chat, pair and prompt readers: (messages, reason counted, detail; KEY is the
+# line's key that holds the list).
+BAD_MESSAGES = [
+    ("hello", '"KEY" not a list', '"KEY" must be a list of {"role", "content"} messages, got str'),
+    ([], 'empty "KEY"', '"KEY" is empty; give at least one {"role", "content"} message'),
+    ([1], "message not an object", 'KEY[0] must be a {"role", "content"} object, got int'),
+    (
+        [{"role": "bot", "content": "x"}],
+        "unknown role",
+        "KEY[0] has unknown role 'bot' (use one of: system, user, assistant)",
+    ),
+    ([{"role": "user"}], "content not a string", 'KEY[0] "content" must be a string, got NoneType'),
+]
+
+
+@pytest.mark.parametrize(
+    "msgs,reason,detail", BAD_MESSAGES, ids=["list", "empty", "object", "role", "content"]
+)
+def test_one_message_check_one_wording_in_every_reader(tmp_path, msgs, reason, detail):
+    from toy.data.preference import parse_pair, read_pairs
+    from toy.data.prompts import read_prompts
+
+    user = [{"role": "user", "content": "Who is there?"}]
+    # Chat JSONL: counted by the reason, warned as FILE:LINE: detail.
+    p = write_lines(tmp_path / "c.jsonl", [GOOD, json.dumps({"messages": msgs})])
+    warnings: list[str] = []
+    chat = read_chat_jsonl(p, strict=False, warn=warnings.append)
+    key = "messages"
+    assert dict(chat.skipped) == {reason.replace("KEY", key): 1}
+    assert warnings == [f"{p}:2: {detail.replace('KEY', key)}; line skipped"]
+    # A preference pair's answers: the same reason and detail, naming "chosen".
+    bad = {"prompt": user, "chosen": msgs, "rejected": [{"role": "assistant", "content": "No."}]}
+    key = "chosen"
+    assert parse_pair(bad) == (None, reason.replace("KEY", key), detail.replace("KEY", key))
+    good = {"prompt": "Who?", "chosen": "Me.", "rejected": "None."}
+    f = write_lines(tmp_path / "pairs.jsonl", [json.dumps(good), json.dumps(bad)])
+    pf = read_pairs(f)
+    assert dict(pf.skipped) == {reason.replace("KEY", key): 1}
+    assert pf.first == {reason.replace("KEY", key): 2}
+    # A GRPO prompt's messages (a string or an empty list is a prompt of another kind).
+    if isinstance(msgs, list) and msgs:
+        f = write_lines(
+            tmp_path / "prompts.jsonl", ['{"prompt": "ok"}', json.dumps({"prompt": msgs})]
+        )
+        assert dict(read_prompts(f).skipped) == {reason: 1}
+        with pytest.raises(InputError) as e:
+            read_prompts(f, strict=True)
+        assert str(e.value).startswith(f"{f}:2: {detail.replace('KEY', 'prompt')}; each line")
+
+
 def test_jsonl_default_warns_on_stderr(tmp_path, capsys):
     p = write_lines(tmp_path / "c.jsonl", [GOOD, "{oops"])
     chat = read_chat_jsonl(p, strict=False)

@@ -142,7 +142,7 @@ def test_every_bad_line_kind_is_counted_with_its_first_line(base, toy_cli, tmp_p
         "1 not a JSON object (line 11)",
         "1 chosen == rejected (line 13)",
         "1 empty answer (line 14)",
-        "1 bad messages (line 15)",
+        "1 unknown role (line 15)",  # the wording of data/chat.py's check_messages
         "1 cannot fit --max-seq-len (line 16)",
     ):
         assert needle in line, (needle, line)

@@ -80,11 +80,14 @@ def test_bad_lines_are_counted_by_reason_with_their_first_line(tmp_path):
         "no prompt": 1,
         "empty prompt": 3,
         "prompt not a string or messages": 2,
-        "bad messages": 3,
+        "unknown role": 1,
+        "bad messages": 1,
+        "content not a string": 1,
         "lone surrogate escape": 1,
         "reserved column": 1,
     }
-    assert pf.first["empty prompt"] == 5 and pf.first["bad messages"] == 10
+    assert pf.first["empty prompt"] == 5 and pf.first["unknown role"] == 10
+    assert pf.first["bad messages"] == 11 and pf.first["content not a string"] == 12
     s = pf.summary()
     assert s.startswith("skipped 13 lines: ")
     assert "3 empty prompt (first line 5)" in s and "1 no prompt (line 4)" in s

@@ -1,10 +1,12 @@
 """Batched group sampling (models/sample.py), the generator of GRPO's completions: greedy rows
 equal `generate`, the draws are a function of the seed, rows end at their own stop ids and
 leave the batch, the batched logits are the single-row ones, and an unmerged LoRA adapter on
-a quantized GGUF base samples as `generate` does on it."""
+a quantized GGUF base samples as `generate` does on it. One sampler: `toy infer` (generate)
+and sample_groups(n=1) give the same tokens for the same seed and prompt."""
 
 from __future__ import annotations
 
+import json
 import math
 import sys
 from pathlib import Path
@@ -87,6 +89,7 @@ def test_top_k_and_top_p_keep_each_rows_best_tokens(monkeypatch):
         assert [r.ids for r in draw(model, 3, n=3, max_new=8, **opts)] == [want] * 3
     drawn = record_draws(monkeypatch)
     draw(model, 3, n=4, max_new=6, top_k=5, top_p=0.5)
+    assert len(drawn) == 6  # one draw a step: the checks below ran on every one of them
     for probs in drawn:
         kept = (probs > 0).sum(-1)
         assert probs.shape[0] == 4 and (kept >= 1).all() and (kept <= 5).all()
@@ -322,3 +325,89 @@ def test_batches_of_max_rows_and_each_rows_own_context():
     a = sample_groups(model, PROMPTS, 4, 8, generator=gen(), stop_ids=set())
     b = sample_groups(model, PROMPTS, 4, 8, generator=gen(), stop_ids=set())
     assert [[r.ids for r in g] for g in a] == [[r.ids for r in g] for g in b]
+
+
+# ---------------------------------------------------------------- one sampler: infer and GRPO
+
+# (temperature, top_k, top_p): top-k, top-p, both, plain temperature, greedy.
+OPTIONS = [(0.8, 20, 1.0), (0.8, 0, 0.9), (1.2, 20, 0.8), (1.0, 0, 1.0), (0.0, 0, 1.0)]
+
+
+def one_row(model, prompt, max_new, temperature, top_k, top_p, seed, stop_ids=frozenset()):
+    """sample_groups(n=1)'s tokens, with a generator seeded as GRPO's (on the model's device),
+    the stop id that ended them left off (generate does not yield it)."""
+    gen = torch.Generator().manual_seed(seed)
+    (row,) = sample_groups(
+        model,
+        [prompt],
+        1,
+        max_new,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        generator=gen,
+        stop_ids=set(stop_ids),
+    )[0]
+    return row.ids[:-1] if row.stopped else row.ids
+
+
+@pytest.mark.parametrize("opts", OPTIONS, ids=["top_k", "top_p", "both", "plain", "greedy"])
+def test_generate_draws_as_a_group_of_one(opts):
+    """generate (toy infer's decode) and sample_groups at batch size 1: the same seed and
+    prompt, the same tokens, and another seed other tokens where it samples."""
+    model = tiny_model()
+    for seed in (0, 5):
+        got = list(generate(model, PROMPT, 24, *opts, seed=seed))
+        assert len(got) == 24 and got == one_row(model, PROMPT, 24, *opts, seed)
+    if opts[0] > 0:
+        assert list(generate(model, PROMPT, 24, *opts, seed=0)) != one_row(
+            model, PROMPT, 24, *opts, 1
+        )
+
+
+@pytest.fixture(scope="module")
+def f32_base(tmp_path_factory) -> Path:
+    """A tiny float32 llama GGUF with a byte-level BPE tokenizer and ChatML."""
+    from tokenizers import Tokenizer
+
+    path = tmp_path_factory.mktemp("sample") / "tiny.gguf"
+    model = tiny_model(vocab_size=model_dirs.VOCAB, max_seq_len=128)
+    tok = Tokenizer.from_str(model_dirs.tokenizer_json())
+    return write_llama_gguf(path, model, tok)
+
+
+@pytest.mark.parametrize("opts", OPTIONS, ids=["top_k", "top_p", "both", "plain", "greedy"])
+def test_toy_infer_draws_as_a_grpo_group_of_one(f32_base, toy_cli, opts):
+    """`toy infer --seed S` and sample_groups(n=1) with a generator seeded S (GRPO's path) on
+    the same model and prompt: the same tokens, at every sampling option both support."""
+    from toy.cli.cmd_infer import load_base_lm
+    from toy.tokenizer import encode_prompt
+
+    temperature, top_k, top_p = opts
+    prompt, n, seed = "The quick brown fox", 20, 11
+    code, out, err = toy_cli(
+        "infer",
+        "--model",
+        f32_base,
+        "--base-dtype",
+        "float32",
+        "--prompt",
+        prompt,
+        "--seed",
+        seed,
+        "--temperature",
+        temperature,
+        "--top-k",
+        top_k,
+        "--top-p",
+        top_p,
+        "--max-new-tokens",
+        n,
+        "--json",
+    )
+    assert code == 0, err
+    report = json.loads(out)
+    lm = load_base_lm(f32_base, None, "cpu", "float32")
+    ids = one_row(lm.model, encode_prompt(lm.tok, prompt), n, *opts, seed, lm.stop)
+    assert ids and report["tokens"] == len(ids)
+    assert report["text"] == prompt + lm.tok.decode(ids)

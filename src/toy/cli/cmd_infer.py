@@ -115,7 +115,13 @@ def add_parser(sub) -> None:
         metavar="P",
         help="nucleus sampling mass (default 1.0: off)",
     )
-    p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="sampling seed: the tokens are drawn as GRPO draws a group of one (models/sample.py), "
+        "so the same seed and prompt give the same tokens there (default 0)",
+    )
     p.add_argument(
         "--device",
         choices=("cpu", "cuda", "metal"),

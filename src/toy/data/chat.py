@@ -259,39 +259,59 @@ def _check_line(obj: Any) -> tuple[Example | None, str, str]:
     )
 
 
-def _check_conversation(msgs: Any) -> tuple[Conversation | None, str, str]:
-    if not isinstance(msgs, list):
+MESSAGE = '{"role", "content"}'  # a message, as the checks below name it
+# A prompt (a pair's, a GRPO prompt's) must end with a question, not an answer.
+ENDS_WITH_REPLY = "the prompt ends with an assistant turn, not a question"
+
+
+def check_messages(x: Any, key: str) -> tuple[Conversation | None, str, str]:
+    """The one check of a list of chat messages, for every reader of them (chat JSONL's
+    "messages", a preference pair's "prompt"/"chosen"/"rejected", a GRPO prompt's
+    "prompt"): (messages, "", "") when `x`, the value of a line's key `key`, is a non-empty
+    list of {"role", "content"} objects, each role one of ROLES and each content a string
+    (a message's other keys dropped: the template sees only these); else (None, reason,
+    detail), one wording a problem: `reason` what skipped lines are counted by, `detail`
+    the offending part of the line and what it must be (the reader puts FILE:LINE before
+    it)."""
+    if not isinstance(x, list):
         return (
             None,
-            '"messages" not a list',
-            f'"messages" must be a list, got {type(msgs).__name__}',
+            f'"{key}" not a list',
+            f'"{key}" must be a list of {MESSAGE} messages, got {type(x).__name__}',
         )
-    if not msgs:
-        return None, 'empty "messages"', '"messages" is empty'
+    if not x:
+        return None, f'empty "{key}"', f'"{key}" is empty; give at least one {MESSAGE} message'
     out: Conversation = []
-    for j, m in enumerate(msgs):
+    for j, m in enumerate(x):
         if not isinstance(m, dict):
             return (
                 None,
                 "message not an object",
-                f"messages[{j}] must be an object, got {type(m).__name__}",
+                f"{key}[{j}] must be a {MESSAGE} object, got {type(m).__name__}",
             )
         role, content = m.get("role"), m.get("content")
         if role not in ROLES:
             return (
                 None,
                 "unknown role",
-                f"messages[{j}] has unknown role {role!r} (use one of: {', '.join(ROLES)})",
+                f"{key}[{j}] has unknown role {role!r} (use one of: {', '.join(ROLES)})",
             )
         if not isinstance(content, str):
             return (
                 None,
                 "content not a string",
-                (f'messages[{j}] "content" must be a string, got {type(content).__name__}'),
+                f'{key}[{j}] "content" must be a string, got {type(content).__name__}',
             )
-        out.append(
-            {"role": role, "content": content}
-        )  # extra keys dropped: the template sees only these
+        out.append({"role": role, "content": content})  # extra keys dropped
+    return out, "", ""
+
+
+def _check_conversation(msgs: Any) -> tuple[Conversation | None, str, str]:
+    """A chat line's "messages": check_messages, and at least one assistant reply with
+    content."""
+    out, reason, detail = check_messages(msgs, "messages")
+    if out is None:
+        return None, reason, detail
     # An empty reply would supervise nothing but the end-of-turn marker: no conversation
     # made only of those is worth a step.
     replies = [m for m in out if m["role"] == "assistant"]
@@ -396,8 +416,8 @@ def json_lines(path: Path, hint: str):
         if fh.peek(len(MAGIC))[: len(MAGIC)] == MAGIC:
             raise InputError(
                 f"{path} is a token file from `toy prep`, not JSONL: give the JSONL file "
-                "itself (a token file goes to --corpus or --val-corpus, with --recipe "
-                "from-scratch, warm-start or lora)"
+                "itself (a token file goes to --corpus or --val-corpus, with a recipe that "
+                "takes a corpus: `toy train --help` lists them)"
             )
         # Read as bytes and decode per line: one corrupt line must not hide the others.
         for lineno, raw in enumerate(fh, 1):

@@ -1,5 +1,5 @@
 """Preference pairs -> (ids, answer mask) for a chosen and a rejected answer: the data of
-DPO and ORPO, one JSON object a line, in TRL's three forms:
+the preference recipes, one JSON object a line, in TRL's three forms:
 
     standard:        {"prompt": "...", "chosen": "...", "rejected": "..."}
     conversational:  {"prompt": [messages], "chosen": [{"role": "assistant", ...}],
@@ -39,11 +39,12 @@ from typing import Any
 import torch
 
 from toy.data.chat import (
+    ENDS_WITH_REPLY,
     IGNORE_INDEX,
-    ROLES,
     ConversationError,
     Example,
     SkipCounts,
+    check_messages,
     encode_example,
     json_lines,
     window_chars,
@@ -73,22 +74,6 @@ class Pair:
     text: str | None = None
 
 
-def _messages(x: Any, where: str) -> tuple[list[dict] | None, str]:
-    if not isinstance(x, list) or not x:
-        return None, f'"{where}" must be a non-empty list of messages'
-    out = []
-    for j, m in enumerate(x):
-        if not isinstance(m, dict) or m.get("role") not in ROLES:
-            return (
-                None,
-                f'{where}[{j}] must be a {{"role", "content"}} message (role one of {ROLES})',
-            )
-        if not isinstance(m.get("content"), str):
-            return None, f'{where}[{j}] "content" must be a string'
-        out.append({"role": m["role"], "content": m["content"]})
-    return out, ""
-
-
 def parse_pair(obj: Any) -> tuple[Pair | None, str, str]:
     """(pair, "", "") or (None, reason, detail) for one JSON object."""
     if not isinstance(obj, dict):
@@ -104,10 +89,12 @@ def parse_pair(obj: Any) -> tuple[Pair | None, str, str]:
             return None, "missing key", f'{what} "prompt": a standard pair needs a prompt string'
         pair = Pair(({"role": "user", "content": p},), c, r, text=p)
     else:
-        cm, why = _messages(c, "chosen")
-        rm, why2 = (_messages(r, "rejected")) if cm is not None else (None, why)
-        if cm is None or rm is None:
-            return None, "bad messages", why or why2
+        cm, reason, detail = check_messages(c, "chosen")
+        rm = None
+        if cm is not None:
+            rm, reason, detail = check_messages(r, "rejected")
+        if rm is None:
+            return None, reason, detail
         if p is None:  # implicit prompt: the leading messages both answers share
             n = 0
             while n < min(len(cm), len(rm)) - 1 and cm[n] == rm[n]:
@@ -116,9 +103,9 @@ def parse_pair(obj: Any) -> tuple[Pair | None, str, str]:
             if not prompt:
                 return None, "bad messages", "chosen and rejected share no leading message"
         else:
-            prompt, why = _messages(p, "prompt")
+            prompt, reason, detail = check_messages(p, "prompt")
             if prompt is None:
-                return None, "bad messages", why
+                return None, reason, detail
         if len(cm) != 1 or len(rm) != 1 or {cm[0]["role"], rm[0]["role"]} != {"assistant"}:
             return (
                 None,
@@ -126,7 +113,7 @@ def parse_pair(obj: Any) -> tuple[Pair | None, str, str]:
                 "each answer must be one assistant message after the prompt",
             )
         if prompt[-1]["role"] == "assistant":
-            return None, "bad messages", "the prompt ends with an assistant turn, not a question"
+            return None, "bad messages", ENDS_WITH_REPLY
         pair = Pair(tuple(prompt), cm[0]["content"], rm[0]["content"])
     if not pair.chosen.strip() or not pair.rejected.strip():
         return None, "empty answer", "an answer is empty (nothing to prefer)"

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from toy.data.chat import ROLES, SkipCounts, json_lines
+from toy.data.chat import ENDS_WITH_REPLY, SkipCounts, check_messages, json_lines
 from toy.errors import InputError
 
 SCHEMA = (
@@ -74,23 +74,6 @@ class Prompt:
         return self.messages
 
 
-def _messages(x: list) -> tuple[tuple | None, str]:
-    """(messages, "") or (None, detail) for a conversational prompt."""
-    out = []
-    for j, m in enumerate(x):
-        if not isinstance(m, dict) or m.get("role") not in ROLES:
-            return (
-                None,
-                f'prompt[{j}] must be a {{"role", "content"}} message (role one of {ROLES})',
-            )
-        if not isinstance(m.get("content"), str):
-            return None, f'prompt[{j}] "content" must be a string'
-        out.append({"role": m["role"], "content": m["content"]})  # extra keys dropped
-    if out[-1]["role"] == "assistant":
-        return None, "the prompt ends with an assistant turn, not a question"
-    return tuple(out), ""
-
-
 def parse_prompt(obj: Any, line: int = 0) -> tuple[Prompt | None, str, str]:
     """(prompt, "", "") or (None, reason, detail) for one JSON object."""
     if not isinstance(obj, dict):
@@ -105,9 +88,11 @@ def parse_prompt(obj: Any, line: int = 0) -> tuple[Prompt | None, str, str]:
     if not p or (isinstance(p, str) and not p.strip()):
         return None, "empty prompt", '"prompt" is empty (nothing to answer)'
     if isinstance(p, list):
-        msgs, detail = _messages(p)
+        msgs, reason, detail = check_messages(p, "prompt")
         if msgs is None:
-            return None, "bad messages", detail
+            return None, reason, detail
+        if msgs[-1]["role"] == "assistant":
+            return None, "bad messages", ENDS_WITH_REPLY
         if not any(m["content"].strip() for m in msgs):
             return None, "empty prompt", "every message of the prompt is empty"
     clash = [k for k in obj if k in RESERVED]
@@ -120,7 +105,7 @@ def parse_prompt(obj: Any, line: int = 0) -> tuple[Prompt | None, str, str]:
     cols = {k: v for k, v in obj.items() if k != "prompt" and k not in DROPPED}
     if isinstance(p, str):
         return Prompt(text=p, columns=cols, line=line), "", ""
-    return Prompt(messages=msgs, columns=cols, line=line), "", ""
+    return Prompt(messages=tuple(msgs), columns=cols, line=line), "", ""
 
 
 @dataclass

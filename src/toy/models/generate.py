@@ -1,4 +1,12 @@
-"""Sampling with a KV cache: prefill the prompt once, then one token per forward."""
+"""Streaming one-row generation with a KV cache (`toy infer`): prefill the prompt once,
+then one token per forward, each token yielded as it comes.
+
+The tokens are drawn by models/sample.py's one sampler (`pick`: temperature, then top-k,
+then top-p; temperature <= 0 is greedy; `draw`'s inverse-CDF draw), from a generator that
+`sample.seeded` makes as GRPO's are made (on the model's device, seeded once), so the same
+seed and prompt give the same tokens here as `sample_groups(..., n=1)` gives at batch
+size 1. What this adds to that sampler: a token at a time, and a cache carried across
+calls (an interactive chat's turns)."""
 
 from __future__ import annotations
 
@@ -7,35 +15,13 @@ from collections.abc import Iterator
 import torch
 import torch.nn as nn
 
-
-def sample_next(
-    logits: torch.Tensor, temperature: float, top_k: int, top_p: float, gen: torch.Generator | None
-) -> int:
-    """logits: (V,). temperature 0 is greedy."""
-    if temperature <= 0:
-        return int(torch.argmax(logits))
-    logits = logits.float() / temperature
-    if top_k > 0 and top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    if 0.0 < top_p < 1.0:
-        sorted_p, order = torch.sort(probs, descending=True)
-        # Keep the smallest prefix whose mass reaches top_p (always at least one token).
-        drop = sorted_p.cumsum(-1) - sorted_p > top_p
-        sorted_p[drop] = 0.0
-        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
-        probs /= probs.sum()
-    return int(torch.multinomial(probs, 1, generator=gen))
+from toy.models.sample import last_logits, pick, seeded
 
 
 def next_logits(model: nn.Module, ids: torch.Tensor, cache) -> torch.Tensor:
-    """The logits (V,) after the last of ids (1, T), through the decoder contract: the head
-    runs on the last position only (a prompt's other positions need no logits)."""
-    logits = model.lm_head(model.hidden(ids, cache)[0, -1])
-    if model.final_softcap:
-        logits = model.final_softcap * torch.tanh(logits / model.final_softcap)
-    return logits
+    """The logits (V,) after the last of ids (1, T): `sample.last_logits` of the one row
+    (the head on the last position only, soft-capped where the model caps)."""
+    return last_logits(model, ids, cache)[0]
 
 
 @torch.no_grad()
@@ -51,7 +37,8 @@ def generate(
     cache=None,
 ) -> Iterator[int]:
     """Yield new token ids one at a time (stops at a stop id, which is not yielded, or when
-    the model's context is full).
+    the model's context is full). Sampled by `sample.pick` from `sample.seeded(device,
+    seed)`: one draw a token, in order, as `sample_groups` draws for one row.
 
     The KV cache holds the prompt and the new tokens, no more: len(prompt) + max_new_tokens
     positions (at most the context), not the model's whole context. Pass `cache` (from
@@ -69,14 +56,14 @@ def generate(
     room = limit - cache.pos
     if room < 1:
         raise ValueError(f"the cache already holds the model's whole context ({limit} tokens)")
-    gen = torch.Generator(device="cpu").manual_seed(seed)
+    gen = seeded(device, seed) if temperature > 0 else None
     ids = torch.tensor([prompt_ids[-room:]], device=device)
-    logits = next_logits(model, ids, cache)
+    logits = last_logits(model, ids, cache)  # (1, V)
     for _ in range(max_new_tokens):
-        nxt = sample_next(logits.cpu(), temperature, top_k, top_p, gen)
+        nxt = int(pick(logits, temperature, top_k, top_p, gen))
         if stop_ids and nxt in stop_ids:
             return
         yield nxt
         if cache.pos >= limit:
             return  # context full
-        logits = next_logits(model, torch.tensor([[nxt]], device=device), cache)
+        logits = last_logits(model, torch.tensor([[nxt]], device=device), cache)

@@ -1,13 +1,13 @@
 """Batched sampling for on-policy recipes (GRPO): n completions of each prompt at once.
 
-    gen = torch.Generator(device=model_device).manual_seed(seed)
+    gen = seeded(model_device, seed)  # torch.Generator(device=...).manual_seed(seed)
     groups = sample_groups(model, prompts, n=8, max_new_tokens=128, generator=gen,
                            stop_ids={eos})
 
 Every prompt's n rows decode as one batch (up to `max_rows` rows), one token per forward,
-the head on the last position only (the logits capped as `generate.next_logits` caps
-them). Each prompt is prefilled once (batch 1, at its own positions) and its keys/values
-copied to its n rows, right-aligned: the prompts end at the same slot, a shorter one's
+the head on the last position only (`last_logits`, soft-capped where the model caps).
+Each prompt is prefilled once (batch 1, at its own positions) and its keys/values copied
+to its n rows, right-aligned: the prompts end at the same slot, a shorter one's
 rows left-padded (`KVCache.pad`: those slots are never attended to, and each row's
 rotary positions count from its own first token), so rows of prompts of any lengths share
 every decode step. A row that samples a stop id is dropped from the batch (its cache rows
@@ -15,17 +15,19 @@ too), so later steps compute only the rows still going. The model runs as it is:
 adapter applied unmerged (base + scale * B(A x)), on a float or a quantized base, under
 the caller's autocast if one is on (no dtype is forced).
 
-Sampling per row follows `generate.sample_next` (temperature, then top-k, then top-p),
-vectorised over the rows; temperature <= 0 is greedy (argmax, no draw).
+`pick` and `draw` are toy's one sampler: GRPO's rows here and `toy infer`'s tokens
+(models/generate.py, a generator from `seeded`) go through them, so the same seed and
+prompt give the same tokens in both at batch size 1. Per row: temperature, then top-k,
+then top-p, vectorised over the rows; temperature <= 0 is greedy (argmax, no draw).
 
-Determinism: every draw comes from the `generator` given (on the logits' device), none
-from torch's global RNG (the model runs in eval mode while sampling, so dropout draws
-nothing). Each decode step makes exactly one draw call (`draw`: one float64 uniform a
-row, against the live rows' probabilities (R, V), rows in their original order minus the
-dropped ones). Steps run in order, batches
-in the order of the prompts. So the completions are a pure function of
-the seed, the model, the prompts, n and the sampling options (on one torch build and
-device): the same seed gives the same ids, byte for byte.
+Determinism: every draw comes from the `generator` given (`seeded`: on the logits'
+device, a cpu one for mps), none from torch's global RNG (the model runs in eval mode while
+sampling, so dropout draws nothing). Each decode step makes exactly one draw call (`draw`:
+one float64 uniform a row, against the live rows' probabilities (R, V), rows in their
+original order minus the dropped ones). Steps run in order, batches in the order of the
+prompts. So the completions are a pure function of the seed, the model, the prompts, n and
+the sampling options (on one torch build and device): the same seed gives the same ids,
+byte for byte.
 """
 
 from __future__ import annotations
@@ -53,7 +55,10 @@ def pick(
     top_p: float,
     generator: torch.Generator | None,
 ) -> torch.Tensor:
-    """One token per row of logits (R, V): (R,) ids, by `generate.sample_next`'s rules."""
+    """One token per row of logits (R, V): (R,) ids. Temperature <= 0: each row's argmax
+    (no draw). Else the logits over temperature (in float32); top_k > 0 keeps each row's k
+    largest (ties with the k-th kept too); 0 < top_p < 1 keeps each row's smallest prefix,
+    most likely first, whose mass reaches top_p (at least one token); one `draw`."""
     if temperature <= 0:
         return logits.argmax(-1)
     logits = logits.float() / temperature
@@ -75,16 +80,28 @@ def draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor
     49k small probabilities add up without loss). torch.multinomial draws R x V exponentials
     instead: 24 ms a step for 32 rows of SmolLM2's 49,152 ids, a third of a batched decode
     step on a 2-core Zen 4, against 0.8 ms here. A zero-probability id is never drawn (the
-    running sum does not rise there), but at float64's last bit."""
+    running sum does not rise there), but at float64's last bit. The draw runs on the
+    generator's device (a cpu one for an mps model: `seeded`), the ids come back on probs'."""
+    home = probs.device
+    if generator is not None and generator.device.type != home.type:
+        probs = probs.to(generator.device)
     cdf = probs.double().cumsum(-1)  # (R, V)
     u = torch.rand(probs.shape[0], 1, generator=generator, dtype=torch.float64, device=probs.device)
     ids = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(-1)
-    return ids.clamp_(max=probs.shape[-1] - 1)
+    return ids.clamp_(max=probs.shape[-1] - 1).to(home)
+
+
+def seeded(device: torch.device | str, seed: int) -> torch.Generator:
+    """The generator `draw` draws from for a model on `device`, seeded with `seed`: on that
+    device, as the training loop makes GRPO's, except on Apple's mps (no float64 there for
+    `draw`'s running sum), where it is a cpu one."""
+    device = torch.device(device)
+    return torch.Generator(device="cpu" if device.type == "mps" else device).manual_seed(seed)
 
 
 def last_logits(model: nn.Module, ids: torch.Tensor, cache) -> torch.Tensor:
     """The logits (B, V) after the last position of ids (B, T): the head on that position
-    only, capped as `generate.next_logits` caps them."""
+    only, soft-capped (final_softcap * tanh(logits / final_softcap)) where the model caps."""
     logits = model.lm_head(model.hidden(ids, cache)[:, -1])
     if model.final_softcap:
         logits = model.final_softcap * torch.tanh(logits / model.final_softcap)

@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor
 from toy.errors import Interrupted, RunFailed, SecondInterrupt
 from toy.formats import checkpoint as ckpt
 from toy.models.decode import compile_unavailable
+from toy.models.sample import seeded
 from toy.runs import MMAP_THRESHOLD_LOW_MEMORY, EventLog, plural, tune_malloc
 from toy.train import dist
 from toy.train.config import RunConfig
@@ -318,8 +319,8 @@ class Trainer:
         try:
             out = []
             for k in ks:
-                gen = torch.Generator(device=self.device)
-                gen.manual_seed(live_seed(self.cfg.seed, k * self.d.world + self.d.rank))
+                # the one sampler's generator (models/sample.py: a cpu one on mps)
+                gen = seeded(self.device, live_seed(self.cfg.seed, k * self.d.world + self.d.rank))
                 with torch.no_grad(), autocast(self.device, self.precision), _eager():
                     out.append(self.job.micro_batch(k, Live(model, gen, self.device)))
             return out
