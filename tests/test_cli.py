@@ -500,7 +500,7 @@ def test_flag_typos_suggest_a_flag_and_point_to_the_commands_help(argv, needle, 
 
 ERRORS = [
     (["train", "--corpus", "nope/missing.bin"], "nope/missing.bin"),
-    (["train", "--recipe", "bogus"], "valid: dpo, from-scratch"),
+    (["train", "--recipe", "bogus"], "valid: distill, dpo, from-scratch"),
     (["train", "--arch", "bogus"], "valid: gpt2, llama"),
     (["train", "--preset", "bogus"], "valid:"),
     (["train", "--steps", "0"], "--steps"),

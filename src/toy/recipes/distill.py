@@ -72,6 +72,7 @@ FLAGS = (
         "first and last kept, or their indices (0,2,4,...); every weight trains, final/ is a "
         "model of the teacher's family (instead of --model BASE's LoRA adapter)",
         metavar="N|I,J,...",
+        shown=": none, the student is --model's adapter",
     ),
     Flag(
         "beta",
