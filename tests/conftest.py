@@ -1,22 +1,12 @@
-import importlib.util
 import os
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from helpers.common import run_toy
 
 # Nothing is ever fetched from a model hub: transformers/peft run offline in tests.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-
-ROOT = Path(__file__).resolve().parents[1]
-
-# mlx-lm (a test-only dependency) makes MLX directories and is the MLX reference.
-needs_mlx = pytest.mark.skipif(
-    importlib.util.find_spec("mlx_lm") is None,
-    reason="mlx-lm (a test-only dependency) makes MLX directories and is the MLX reference",
-)
 
 # Under pytest-xdist (`make test` runs two workers on a 2-core machine) each worker and the
 # processes it starts use one thread: two workers of two threads each would oversubscribe
@@ -47,40 +37,8 @@ def toy_cli(capsys):
     return run
 
 
-def run_toy(*argv, cwd=None, timeout=600, env=None):
-    """Run the real `python -m toy` in a subprocess."""
-    import subprocess
-
-    e = dict(os.environ)
-    e.update(env or {})
-    return subprocess.run(
-        [sys.executable, "-m", "toy", *map(str, argv)],
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=e,
-    )
-
-
-def drop_isa_caps(monkeypatch) -> None:
-    """Unset the variables that hold the kernels below the CPU (bench --isa avx2's, or a
-    shell's): a test sees the machine as a user with none set would."""
-    from toy.models.decode import ISA_CAP_VARS
-
-    for var in ISA_CAP_VARS:
-        monkeypatch.delenv(var, raising=False)
-
-
-def assert_every_parameter_learns(model) -> None:
-    """After a backward pass: every parameter has a finite, non-zero gradient."""
-    for name, p in model.named_parameters():
-        assert p.grad is not None, name
-        assert torch.isfinite(p.grad).all(), name
-        assert p.grad.abs().sum() > 0, name
-
-
-# The modules of the longest single tests (minutes each on 2 cores), started first.
+# The modules of the longest single tests (minutes each on 2 cores; tests/walks/), started
+# first. Named by basename: they are unique across tests/ (area folders, no __init__.py).
 LONGEST = ("test_newcomer.py", "test_preference_walk.py", "test_real_dirs.py")
 
 

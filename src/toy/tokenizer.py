@@ -351,7 +351,8 @@ def from_gguf_metadata(meta: dict, source: str | None = None) -> Tokenizer:
       byte fallback, and merges rebuilt from the scores (see `_sentencepiece`).
 
     Both give the same ids as transformers' GGUF loader (`AutoTokenizer.from_pretrained(
-    dir, gguf_file=...)`), which tests/test_gguf.py and tests/test_tokenizer_spm.py check.
+    dir, gguf_file=...)`), which tests/formats/test_gguf.py and
+    tests/data/test_tokenizer_spm.py check.
     Control and unknown tokens become special added tokens, user-defined ones plain added
     tokens, so all are matched whole in text, as llama.cpp does. If the file asks for BOS/EOS
     (add_bos_token), a post-processor adds them when encoding with add_special_tokens=True.

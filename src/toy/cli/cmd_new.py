@@ -44,8 +44,9 @@ eval_batches = 8
 # Conversations in data/chat.jsonl: one epoch of LoRA on SmolLM2 over them is a couple of
 # minutes on 2 cores, long enough for the held-out loss to fall visibly.
 CHATS = 240
-# Preference pairs in data/pairs/: the set the DPO walk measures (tests/test_preference_walk.py,
-# README): 68 to train on, 12 held out, speeches of at most 80 characters.
+# Preference pairs in data/pairs/: the set the DPO walk measures
+# (tests/walks/test_preference_walk.py, README): 68 to train on, 12 held out, speeches of at
+# most 80 characters.
 PAIRS, PAIR_CHARS = 80, 80
 FIRST_STEPS = 300  # the first run `toy new` suggests (README's too)
 # Arithmetic questions in data/arith/: the GRPO walk's task (README, docs/results.md).

@@ -14,7 +14,7 @@ from toy.recipes import RECIPES  # a table of names: imports no recipe
 
 # Each command's module and its one-line help. Only the command being run is imported
 # (and builds its full parser): torch loads in about a second, and `toy --help`, `toy runs`,
-# `toy describe` and `toy list` never need it. tests/test_cli.py checks these lines
+# `toy describe` and `toy list` never need it. tests/cli/test_cli.py checks these lines
 # against the modules' own.
 COMMANDS = {
     "new": ("cmd_new", "create a project directory"),

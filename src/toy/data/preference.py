@@ -9,7 +9,7 @@ the preference recipes, one JSON object a line, in TRL's three forms:
 
 A standard prompt is a user turn through the model's chat template where it has one (as
 a prompt/completion line is for SFT), else the texts are joined and the answer ends with
-EOS. The three forms of one pair give the same ids and mask (tests/test_preference.py).
+EOS. The three forms of one pair give the same ids and mask (tests/data/test_preference.py).
 
 The mask marks the answer's tokens (its content and the end-of-turn marker after it, as
 data/chat.py marks an assistant turn), nothing of the prompt: a sequence's log-probability

@@ -23,7 +23,7 @@ Numerics: the scores come out of a bf16 matmul (rounded to bf16, as an eager
 implementation under autocast rounds them), the softmax and the gradient's row sums are
 float32, the probabilities and dS meet V, K and Q in bf16 (as in the flash kernel), and
 K/V gradients are summed over chunks in float32. Output and gradients are as near a
-float32 attention as the flash kernel's (tests/test_cpu_attention.py).
+float32 attention as the flash kernel's (tests/models/test_cpu_attention.py).
 """
 
 from __future__ import annotations

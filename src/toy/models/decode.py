@@ -25,7 +25,7 @@ few torch lines of `_matvec4` / `_matvec8`; the kernels are compiled once per sh
 in inductor's cache folder, which later processes load without tracing (_compile).
 Every product and sum is float32: the result equals the dequantized float32 matmul within
 float32 rounding (the sums are
-only reordered, multiply-adds fused; tests/test_decode.py holds it to 1e-5).
+only reordered, multiply-adds fused; tests/models/test_decode.py holds it to 1e-5).
 
 More than one row (a prompt's prefill) dequantizes the packed codes and multiplies, as
 before. The file's blocks are no longer read after packing: `pack` asks the kernel to

@@ -377,9 +377,7 @@ def load_adapted(cfg: RunConfig, project: Project, recipe: str) -> Adapted:
     model = base.build_model()
     del base.state_dict  # the model holds the only copy of the base
     # Validation of rank/alpha/targets happens here, before any data work.
-    wrapped = apply_lora(
-        model, targets, int(cfg.rank), cfg.alpha, cfg.dropout, int(cfg.seed)
-    )
+    wrapped = apply_lora(model, targets, int(cfg.rank), cfg.alpha, cfg.dropout, int(cfg.seed))
     seq_len = int(cfg.seq_len)
     notes: list[str] = list(base.notes) + ([why] if why else [])
     resident = resident_bytes(model)

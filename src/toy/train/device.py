@@ -199,7 +199,7 @@ class Threads:
     given, else the cores other programs leave free, looked at again every few seconds
     (`check`, between optimizer steps) and changed when two looks in a row agree. The
     thread count changes no result: the same losses, byte for byte, on 1 and 2 threads
-    (tests/test_threads.py)."""
+    (tests/train/test_threads.py)."""
 
     EVERY = 2.0  # seconds between looks while training
 

@@ -1,0 +1,2 @@
+"""Code the test modules share (tests/ is on pytest's pythonpath): no test module imports
+another."""

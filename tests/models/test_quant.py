@@ -1,0 +1,148 @@
+"""toy.models.quant.dequantize against gguf.quants.dequantize, bit for bit.
+
+Blocks come from gguf's own quantizer where it has one, and from random bytes with the
+f16 scale fields set on purpose otherwise (gguf-py cannot quantize the K-quants), with
+extreme scales too: max finite, subnormals, zeros of both signs, negatives.
+"""
+
+import numpy as np
+import pytest
+import torch
+from gguf.constants import GGML_QUANT_SIZES
+from gguf.quants import dequantize as gguf_dequantize
+from gguf.quants import quantize as gguf_quantize
+from helpers.quant import BLOCK_TYPES, T, random_blocks  # noqa: F401
+
+from toy.models import quant
+from toy.models.quant import dequantize, row_bytes
+
+FLOAT_TYPES = [T.F32, T.F16, T.BF16]
+QUANTIZABLE = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.BF16, T.F16, T.F32]
+EXTREME_F16 = np.array(
+    [
+        0x7BFF,
+        0xFBFF,
+        0x0001,
+        0x8001,
+        0x03FF,
+        0x83FF,
+        0x0400,
+        0x0000,
+        0x8000,
+        0x3C00,
+        0xBC00,
+        0x1234,
+        0x9234,
+    ],
+    dtype=np.uint16,
+)  # 65504, -65504, 2^-24, ...
+NONFINITE_F16 = np.array([0x7C00, 0xFC00, 0x7E00, 0xFE01, 0x7C01], dtype=np.uint16)  # +-inf, NaNs
+
+
+def same_bits(ours: torch.Tensor, ref: np.ndarray, nan_aware: bool = False) -> None:
+    ref_t = torch.from_numpy(np.ascontiguousarray(ref, dtype=np.float32))
+    assert ours.dtype == torch.float32 and ours.shape == ref_t.shape
+    a, b = ours.view(torch.int32), ref_t.view(torch.int32)
+    if nan_aware:  # a NaN's payload may differ between two NaN-producing ops; NaN-ness may not
+        both_nan = ours.isnan() & ref_t.isnan()
+        assert torch.equal(ours.isnan(), ref_t.isnan())
+        a, b = a[~both_nan], b[~both_nan]
+    bad = (a != b).nonzero()
+    assert bad.numel() == 0, (
+        f"{bad.shape[0]} values differ, first at {bad[0].tolist()}: "
+        f"{ours[tuple(bad[0])].item()!r} vs {ref_t[tuple(bad[0])].item()!r}"
+    )
+
+
+def reference(raw: np.ndarray, qtype) -> np.ndarray:
+    with np.errstate(all="ignore"):  # inf * 0 in the non-finite cases
+        return gguf_dequantize(raw, qtype)
+
+
+def check(raw: np.ndarray, qtype, cols: int, nan_aware: bool = False) -> None:
+    ours = dequantize(torch.from_numpy(raw), int(qtype), cols)
+    same_bits(ours, reference(raw, qtype), nan_aware)
+
+
+def test_type_table_matches_gguf():
+    for qtype, (block, size, name) in quant.QUANT_TYPES.items():
+        assert T(qtype).name == name and GGML_QUANT_SIZES[T(qtype)] == (block, size)
+    for qtype, name in quant.OTHER_TYPE_NAMES.items():
+        assert T(qtype).name == name
+    assert set(quant.QUANT_TYPES) == {int(t) for t in BLOCK_TYPES + FLOAT_TYPES}
+
+
+@pytest.mark.parametrize("qtype", QUANTIZABLE, ids=lambda t: t.name)
+def test_gguf_quantized_data(qtype):
+    rng = np.random.default_rng(int(qtype))
+    # rows of very different magnitudes, one all-zero row, one constant row
+    x = rng.standard_normal((6, 256)).astype(np.float32) * np.float32(
+        [[1e-6], [0.02], [1], [300], [0], [1]]
+    )
+    x[5] = 0.7
+    raw = np.asarray(gguf_quantize(x, qtype)).view(np.uint8).reshape(6, -1)
+    check(raw, qtype, 256)
+
+
+@pytest.mark.parametrize("qtype", BLOCK_TYPES, ids=lambda t: t.name)
+def test_random_blocks(qtype):
+    check(random_blocks(qtype, 4, 1024, None, seed=int(qtype)), qtype, 1024)
+
+
+@pytest.mark.parametrize("qtype", BLOCK_TYPES, ids=lambda t: t.name)
+def test_extreme_scales(qtype):
+    check(random_blocks(qtype, 8, 1024, EXTREME_F16, seed=100 + int(qtype)), qtype, 1024)
+
+
+@pytest.mark.parametrize("qtype", BLOCK_TYPES, ids=lambda t: t.name)
+def test_nonfinite_scales(qtype):
+    # inf * 0 and NaN scales make NaNs; which NaN bits come out is the hardware's business
+    scales = np.concatenate([EXTREME_F16, NONFINITE_F16])
+    check(random_blocks(qtype, 4, 1024, scales, seed=200 + int(qtype)), qtype, 1024, nan_aware=True)
+
+
+@pytest.mark.parametrize("qtype", FLOAT_TYPES, ids=lambda t: t.name)
+def test_float_types_every_bit_pattern(qtype):
+    # all 2^16 halves / bfloat16s (NaNs included); random bit patterns for F32
+    if qtype == T.F32:
+        raw = np.random.default_rng(0).integers(0, 256, size=(16, 4096), dtype=np.uint8)
+    else:
+        raw = np.arange(1 << 16, dtype=np.uint16).view(np.uint8).reshape(64, -1)
+    cols = raw.shape[1] // GGML_QUANT_SIZES[qtype][1]
+    ours = dequantize(torch.from_numpy(raw), int(qtype), cols)
+    same_bits(ours, reference(raw, qtype), nan_aware=qtype == T.F16)  # F16: signalling NaNs
+
+
+def test_shapes_dtypes_and_leading_dims():
+    raw = random_blocks(T.Q4_K, 6, 512, None, seed=1)
+    ref = gguf_dequantize(raw, T.Q4_K)
+    assert row_bytes(int(T.Q4_K), 512) == raw.shape[1] == 288
+    out = dequantize(torch.from_numpy(raw), int(T.Q4_K), 512)
+    assert out.shape == (6, 512)
+    same_bits(dequantize(torch.from_numpy(raw).view(2, 3, -1), int(T.Q4_K), 512).view(6, 512), ref)
+    same_bits(dequantize(torch.from_numpy(raw[0]), int(T.Q4_K), 512)[None], ref[:1])
+    # non-contiguous input (every other row)
+    same_bits(dequantize(torch.from_numpy(raw)[::2], int(T.Q4_K), 512), ref[::2])
+    # a start at an odd byte of the storage (not a GGUF layout, but it must still work)
+    shifted = torch.zeros(raw.size + 1, dtype=torch.uint8)
+    shifted[1:] = torch.from_numpy(raw).view(-1)
+    same_bits(dequantize(shifted[1:].view(6, -1), int(T.Q4_K), 512), ref)
+    assert dequantize(torch.zeros(0, 288, dtype=torch.uint8), int(T.Q4_K), 512).shape == (0, 512)
+    # other dtypes: the float32 result cast once
+    for dtype in (torch.bfloat16, torch.float16):
+        half = dequantize(torch.from_numpy(raw), int(T.Q4_K), 512, dtype=dtype)
+        assert half.dtype == dtype and torch.equal(half, torch.from_numpy(ref).to(dtype))
+
+
+def test_errors():
+    raw = torch.zeros(2, 18, dtype=torch.uint8)
+    with pytest.raises(ValueError, match=r"IQ2_XXS \(id 16\)"):
+        dequantize(raw, 16, 32)
+    with pytest.raises(ValueError, match="id 99"):
+        dequantize(raw, 99, 32)
+    with pytest.raises(ValueError, match="whole blocks of 32"):
+        row_bytes(int(T.Q4_0), 48)
+    with pytest.raises(ValueError, match="takes 36 bytes"):
+        dequantize(raw, int(T.Q4_0), 64)
+    with pytest.raises(ValueError, match="uint8"):
+        dequantize(raw.to(torch.int8), int(T.Q4_0), 32)

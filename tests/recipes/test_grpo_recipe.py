@@ -1,0 +1,252 @@
+"""GRPO (`toy train --recipe grpo`, issue 45) through the command line on a tiny llama GGUF:
+the figures on every step line, in events, --json and `toy plot`; the held-out reward
+rising under a reward the tiny model can meet (the completion's length); the same seed
+giving the same lines, and SIGKILL then --resume giving the unbroken run's lines (with
+--num-iterations 2, whose reused generation rides in the checkpoint); a reward function
+that fails, before the first step (exit 2) and later (run_failed, the checkpoint kept);
+final/ read by infer and every export; token_logprobs (the per-token head) against a
+plain log-softmax, on a float and a quantized head."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from helpers.common import run_toy
+from helpers.gguf_fixtures import tiny_model, write_llama_gguf  # noqa: E402
+from helpers.runs import step_lines, wait_for_checkpoint  # noqa: E402
+
+from toy.data.arith import make_arith  # noqa: E402
+from toy.data.prep import bundled_text_paths  # noqa: E402
+from toy.tokenizer import train_bpe  # noqa: E402
+
+# The tiny model can learn to end early: the length reward at a 4-token target. Eight
+# completions a prompt: with four, a stop (the only signal at first) came rarely enough
+# that half of the seeds tried had not learnt by step 30.
+SHORT = ["--reward", "length", "--target-length", "4", "--num-generations", "8"]
+RUN = ["--max-completion-length", "16", "--seq-len", "96", "--lr", "5e-2"]
+
+
+@pytest.fixture(scope="module")
+def kit(tmp_path_factory):
+    d = tmp_path_factory.mktemp("grpo")
+    text = bundled_text_paths()[0].read_text()[:40000] + " 0 1 2 3 4 5 6 7 8 9 + - x = ?"
+    tok = train_bpe([text[i : i + 400] for i in range(0, len(text), 400)], vocab_size=400)
+    tok.add_special_tokens(["<|im_start|>", "<|im_end|>"])
+    model = tiny_model(vocab_size=tok.get_vocab_size(with_added_tokens=True), max_seq_len=256)
+    make_arith(d / "arith", 40, 8, seed=0)
+    return {"gguf": write_llama_gguf(d / "base.gguf", model, tok), "data": d / "arith", "d": d}
+
+
+def train(kit, out, run_id, *extra, timeout=600):
+    r = run_toy(
+        "train", "--recipe", "grpo", "--model", kit["gguf"], "--data", kit["data"], *SHORT,
+        *RUN, "--out", out, "--run-id", run_id, *extra, timeout=timeout,
+    )  # fmt: skip
+    return r
+
+
+def test_grpo_learns_and_shows_its_figures(kit, tmp_path, toy_cli):
+    r = train(kit, tmp_path, "a", "--steps", "30", "--eval-every", "10", "--json")
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(r.stdout)
+    vals = res["val_rewards"]
+    assert [v["step"] for v in vals] == [0, 10, 20, 30]
+    assert vals[0]["reward"] == pytest.approx(-3.0)  # every greedy completion cut at 16
+    # Learnt: the sampled completions' reward over the last five steps, and the best
+    # held-out evaluation after step 0. Not the last evaluation alone: it is greedy, and
+    # where the stop token and another are near even, rounding decides it. A change of
+    # bf16 rounding (issue 46) left seed 0's sampled reward at -0.39 by step 30, as before,
+    # and its greedy one at -2.1 (before: -0.5); seeds 1-3 ended at -0.44 to -0.97.
+    steps = res["losses"]
+    early, late = (sum(r["reward"] for r in rows) / 5 for rows in (steps[:5], steps[-5:]))
+    assert late > early + 1.0, (early, late)
+    assert max(v["reward"] for v in vals[1:]) > vals[0]["reward"] + 1.0, vals
+    assert vals[-1]["length"] == vals[-1]["reward"] and "completion_length" in vals[-1]
+    first = res["losses"][0]
+    for key in ("reward", "reward_std", "length", "completion_length", "completion_length_min",
+                "completion_length_max", "clipped_share", "clip_ratio"):  # fmt: skip
+        assert key in first, key
+    assert "kl" not in first  # --beta 0: no reference pass, no KL
+    assert res["val_losses"] == []  # GRPO's evaluation is its rewards
+    run = Path(res["run_dir"])
+    events = [json.loads(x) for x in (run / "events.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in events if e["event"] == "eval"] == [0, 10, 20, 30]
+    assert all("reward" in e for e in events if e["event"] == "step")
+    code, out, err = toy_cli("plot", run, "--out", tmp_path / "p.png")
+    assert code == 0, err
+    # final/ is an adapter like any other: infer and every export take it.
+    code, out, err = toy_cli(
+        "infer", "--run", run, "--chat", "What is 2 + 2?", "--max-new-tokens", "4"
+    )
+    assert code == 0, err
+    for fmt, dest in (("gguf-lora", "a.gguf"), ("peft", "peft"), ("mlx", "mlx")):
+        code, _, err = toy_cli("export", run, "--format", fmt, "--out", tmp_path / dest)
+        assert code == 0, err
+    info = json.loads((run / "run.json").read_text())
+    assert info["config"]["reward"] == ["length"] and info["job"]["num_generations"] == 8
+
+
+@pytest.mark.parametrize("mu", ["1", "2"])
+def test_same_seed_same_lines_and_sigkill_resumes_exactly(kit, tmp_path, mu):
+    steps = ["--steps", "32", "--save-every", "4", "--num-iterations", mu, "--beta", "0.05"]
+    ref = train(kit, tmp_path, "ref", *steps)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    lines = step_lines(ref.stdout)
+    assert len(lines) == 32 and any(" kl " in ln for ln in lines)
+    again = train(kit, tmp_path, "again", *steps)
+    assert step_lines(again.stdout) == lines  # the same completions, the same bytes
+    argv = [sys.executable, "-m", "toy", "train", "--recipe", "grpo", "--model", str(kit["gguf"])]
+    argv += ["--data", str(kit["data"]), *SHORT, *RUN, "--out", str(tmp_path), "--run-id", "k"]
+    p = subprocess.Popen([*argv, *steps], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for_checkpoint(tmp_path / "k", p)
+    p.send_signal(signal.SIGKILL)
+    before, _ = p.communicate()
+    r = run_toy("train", "--resume", tmp_path / "k")
+    assert r.returncode == 0, r.stderr[-3000:]
+    resumed = step_lines(r.stdout)
+    first = int(resumed[0].split()[1])
+    assert first > 1
+    kept = [ln for ln in step_lines(before) if int(ln.split()[1]) < first]
+    assert kept + resumed == lines
+
+
+def test_a_reward_that_fails_names_itself_the_sample_and_the_fix(kit, tmp_path):
+    f = tmp_path / "rw.py"
+    f.write_text(
+        "def boom(prompts, completions, **kw):\n"
+        "    return [1 / 0 for _ in completions]\n"
+        "def later(prompts, completions, trainer_state=None, **kw):\n"
+        "    if trainer_state.global_step >= 6:\n"
+        "        raise RuntimeError('the judge went away')\n"
+        "    return [0.0 for _ in completions]\n"
+        "def short(prompts, completions, **kw):\n"
+        "    return [1.0]\n"
+    )
+    r = train(kit, tmp_path, "b", "--reward", f"{f}:boom", "--steps", "3")
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert f"{f}:boom" in lines[-1] and "ZeroDivisionError" in lines[-1] and "sample" in lines[-1]
+    r = train(kit, tmp_path, "s", "--reward", f"{f}:short", "--steps", "3")
+    assert r.returncode == 2 and "short" in r.stderr.splitlines()[-1], r.stderr
+    r = train(kit, tmp_path, "l", "--reward", f"{f}:later", "--steps", "12", "--save-every", "5")
+    assert r.returncode == 1 and "the judge went away" in r.stderr, r.stderr
+    events = [json.loads(x) for x in (tmp_path / "l" / "events.jsonl").read_text().splitlines()]
+    assert events[-1]["event"] == "run_failed" and events[-1]["step"] == 7
+    assert (tmp_path / "l" / "checkpoints" / "step-000005" / "state.json").is_file()
+    r = train(kit, tmp_path, "n", "--reward", "bogus", "--steps", "3")
+    assert r.returncode == 2 and "--reward bogus" in r.stderr and "accuracy" in r.stderr
+
+
+def test_a_flag_and_a_file_checked_before_anything_runs(kit, tmp_path):
+    bad = tmp_path / "p.jsonl"
+    bad.write_text('{"prompt": "What is 1 + 1?"}\nnot json\n{"question": "?"}\n')
+    r = run_toy(
+        "train", "--recipe", "grpo", "--model", kit["gguf"], "--data", bad, "--reward",
+        "accuracy", "--out", tmp_path,
+    )  # fmt: skip
+    assert r.returncode == 2 and "'answer' column" in r.stderr, r.stderr
+    r = run_toy(
+        "train", "--recipe", "grpo", "--model", kit["gguf"], "--data", bad, "--reward", "length",
+        "--out", tmp_path, "--steps", "1", "--num-generations", "2", "--max-completion-length",
+        "4", "--seq-len", "64",
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert "not valid JSON (line 2)" in r.stdout and "no prompt (line 3)" in r.stdout, r.stdout
+    r = run_toy(
+        "train", "--recipe", "grpo", "--model", kit["gguf"], "--data", kit["data"], "--reward",
+        "length", "--num-generations", "1", "--loss-type", "ppo", "--out", tmp_path,
+    )  # fmt: skip
+    assert r.returncode == 2 and "--loss-type" in r.stderr, r.stderr
+    r = run_toy(
+        "train", "--recipe", "grpo", "--model", kit["gguf"], "--data", kit["data"], "--reward",
+        "length", "--num-generations", "1", "--out", tmp_path,
+    )  # fmt: skip
+    assert r.returncode == 2 and "--num-generations must be an integer >= 2" in r.stderr
+
+
+@pytest.mark.parametrize("quantized", [False, True])
+def test_token_logprobs_equal_a_plain_log_softmax(quantized):
+    """The per-token head GRPO scores completions with: log p(target) at a temperature
+    (after the soft-cap), its gradient wrt the hidden states, on a float head and on one
+    over GGUF blocks (Q8_0)."""
+    import torch.nn as nn
+
+    from toy.models.losses import IGNORE, token_logprobs
+    from toy.models.quant import QuantLinear, QuantSpec
+
+    torch.manual_seed(0)
+    N, C, V = 29, 32, 96
+    lin = nn.Linear(C, V, bias=False).requires_grad_(False)
+    head, w = lin, lin.weight
+    if quantized:
+        import gguf
+
+        q = gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType.Q8_0)
+        spec = QuantSpec(int(gguf.GGMLQuantizationType.Q8_0), (V, C))
+        head = QuantLinear(torch.from_numpy(q), spec)
+        w = head.rows(0, V, torch.float32)
+    h = torch.randn(N, C, requires_grad=True)
+    t = torch.randint(0, V, (N,))
+    t[3] = IGNORE
+    for cap, temp in ((0.0, 1.0), (0.0, 0.6), (8.0, 1.4)):
+        lp = token_logprobs(h, head, t, cap, temp)
+        z = h @ w.T
+        z = cap * torch.tanh(z / cap) if cap else z
+        ref = torch.log_softmax(z / temp, -1).gather(1, t.clamp(min=0)[:, None]).squeeze(1)
+        ref = torch.where(t != IGNORE, ref, 0.0)
+        torch.testing.assert_close(lp, ref, atol=1e-5, rtol=1e-5)
+        g = torch.randn(N)
+        (a,) = torch.autograd.grad((lp * g).sum(), h)
+        (b,) = torch.autograd.grad((ref * g).sum(), h)
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_chunked_completion_logprobs_equal_one_padded_forward():
+    """GRPO's log-prob forward runs its rows shortest first, in chunks each cut to its own
+    longest row: the log-probs and their gradients are those of one forward over the whole
+    right-padded batch, in the rows' own order, whatever the chunk size."""
+    from toy.models.losses import IGNORE
+    from toy.recipes.grpo import completion_logps
+
+    model = tiny_model()  # float32
+    model.lm_head.weight.requires_grad_(False)  # as an adapter recipe's head (frozen)
+    g = torch.Generator().manual_seed(0)
+    prompts = [[5, 17, 42], [3, 1, 4, 1, 5, 9], [2, 7], [11, 12, 13, 14]]
+    comps = [int(n) for n in torch.randint(1, 20, (len(prompts) * 2,), generator=g)]
+    rows = [(prompts[i // 2], torch.randint(3, 90, (n,), generator=g).tolist())
+            for i, n in enumerate(comps)]  # fmt: skip
+    L, T = max(len(p) + len(c) for p, c in rows), max(comps)
+    ids = torch.zeros((len(rows), L), dtype=torch.long)
+    pos = torch.zeros((len(rows), T), dtype=torch.long)
+    tgt = torch.full((len(rows), T), IGNORE, dtype=torch.long)
+    for r, (p, c) in enumerate(rows):
+        ids[r, : len(p) + len(c)] = torch.tensor(p + c)
+        pos[r, : len(c)] = torch.arange(len(p) - 1, len(p) - 1 + len(c))
+        tgt[r, : len(c)] = torch.tensor(c)
+    b = {"ids": ids, "pos": pos, "tgt": tgt, "mask": (tgt != IGNORE).float()}
+    weights = torch.randn(pos.shape, generator=g)
+
+    def run(chunk):
+        model.zero_grad()
+        lp = completion_logps(model, b, 0.8, chunk)
+        (lp * weights).sum().backward()
+        return lp.detach(), [p.grad.clone() for p in model.parameters() if p.requires_grad]
+
+    # The reference: one forward over the padded batch, by hand.
+    with torch.no_grad():
+        z = model(ids)[torch.arange(len(rows))[:, None], pos] / 0.8  # (N, T, V)
+        ref = torch.log_softmax(z, -1).gather(2, tgt.clamp(min=0)[..., None]).squeeze(2)
+        ref = torch.where(tgt != IGNORE, ref, 0.0)
+    whole, grads = run(len(rows))
+    torch.testing.assert_close(whole, ref, atol=1e-5, rtol=1e-5)
+    for chunk in (1, 3):
+        lp, gs = run(chunk)
+        torch.testing.assert_close(lp, whole, atol=1e-5, rtol=1e-5)
+        for a, w in zip(gs, grads):
+            torch.testing.assert_close(a, w, atol=1e-5, rtol=1e-4)

@@ -1,0 +1,171 @@
+"""The real SmolLM2-135M-Instruct as a transformers directory and as its MLX 4-bit twin
+(scripts/get-smollm2-dirs.sh makes both from the GGUF, offline): toy's greedy text equals
+each client's, a LoRA run on the MLX twin learns, and its adapter, loaded by mlx-lm itself,
+gives toy's adapted text; the same from a GGUF base. Slow: real models, real clients."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from helpers.common import run_toy  # noqa: E402
+from helpers.gguf_fixtures import smollm2_gguf  # noqa: E402,F401
+from helpers.real_model import smol_dirs  # noqa: F401
+
+QUESTION = "What is the capital of France? Answer in one sentence."
+GREEDY = ["--temperature", "0", "--max-new-tokens", "20"]
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        importlib.util.find_spec("mlx_lm") is None, reason="needs mlx-lm (test extra)"
+    ),
+]
+
+
+# mlx-lm computes in the dtype of the model's float tensors: bfloat16 for the MLX twin (made
+# from SmolLM2's bf16 weights), which mlx runs at ~0.8 s a token on this Linux CPU (44 s a
+# greedy answer here) and whose rounding splits near ties ("Paris." / "Paris, France.") from
+# toy's float32 by the thread count. The reference casts its float tensors (scales, biases,
+# norms, the adapter; bf16 -> float32 is exact) to float32 after loading: the same files and
+# the same codes, computed as toy computes them, 5 s a greedy answer.
+def mlx_greedy(model_dir: Path, adapter: Path | None = None) -> str:
+    """mlx_lm.generate's greedy answer to QUESTION, in a process of its own, computed in
+    float32 (MLX_F32)."""
+    code = (
+        "import sys\nimport mlx.core as mx\nfrom mlx_lm import load, generate\n"
+        "from mlx_lm.sample_utils import make_sampler\n"
+        f"m, t = load({str(model_dir)!r}, adapter_path={str(adapter) if adapter else None!r})\n"
+        "m.set_dtype(mx.float32)\n"
+        "p = t.apply_chat_template("
+        f"[{{'role': 'user', 'content': {QUESTION!r}}}], add_generation_prompt=True)\n"
+        "print(generate(m, t, prompt=p, max_tokens=20, sampler=make_sampler(0.0)))\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return r.stdout.strip()
+
+
+_GREEDY: dict[tuple, str] = {}
+
+
+def toy_greedy(*argv) -> str:
+    """`toy infer ... --chat QUESTION`'s greedy answer, once per argv in this process (the
+    base's answer serves two tests)."""
+    if argv not in _GREEDY:
+        r = run_toy("infer", *argv, "--chat", QUESTION, *GREEDY)
+        assert r.returncode == 0, r.stderr
+        _GREEDY[argv] = r.stdout.strip()
+    return _GREEDY[argv]
+
+
+def test_greedy_text_equals_transformers_on_the_directory(smol_dirs):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    hf_dir, _ = smol_dirs
+    tok = AutoTokenizer.from_pretrained(hf_dir)
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    ids = tok.apply_chat_template(
+        [{"role": "user", "content": QUESTION}],
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
+    )["input_ids"]
+    out = model.generate(ids, max_new_tokens=20, do_sample=False)
+    want = tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True).strip()
+    assert toy_greedy("--model", hf_dir) == want
+
+
+def test_greedy_text_equals_mlx_lm_on_the_mlx_twin(smol_dirs):
+    _, mlx_dir = smol_dirs
+    assert toy_greedy("--model", mlx_dir) == mlx_greedy(mlx_dir)
+
+
+def _chat(tmp_path: Path) -> Path:
+    from toy.data.dialogue import conversations, write_jsonl
+    from toy.data.prep import bundled_text_paths
+
+    d = tmp_path / "data"
+    d.mkdir()
+    convs = conversations(bundled_text_paths(), 120, seed=5, turns=(1, 2), max_chars=200)
+    write_jsonl(convs[:108], d / "train.jsonl")
+    write_jsonl(convs[108:], d / "valid.jsonl")
+    return d
+
+
+def _lora(base: Path, data: Path, out: Path, steps: int = 5, *extra) -> dict:
+    r = run_toy(
+        "train",
+        "--recipe",
+        "lora",
+        "--model-path",
+        base,
+        "--data",
+        data,
+        "--out",
+        out,
+        "--run-id",
+        "r",
+        "--steps",
+        steps,
+        "--lr",
+        "4e-3",
+        "--warmup",
+        "0",
+        "--batch-size",
+        "4",
+        "--max-seq-len",
+        "256",
+        "--rank",
+        "8",
+        "--alpha",
+        "16",
+        "--json",
+        *extra,
+        timeout=1800,
+    )
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_lora_on_the_mlx_twin_learns_and_mlx_lm_runs_its_adapter(smol_dirs, tmp_path):
+    _, mlx_dir = smol_dirs
+    res = _lora(mlx_dir, _chat(tmp_path), tmp_path / "runs")
+    val = [v["loss"] for v in res["val_losses"]]
+    assert val[-1] < val[0] - 0.05, val  # the held-out loss falls
+    run = tmp_path / "runs" / "r"
+    r = run_toy("export", run, "--format", "mlx", "--out", tmp_path / "adapter")
+    assert r.returncode == 0, r.stderr
+    adapted = toy_greedy("--run", run)
+    assert adapted != toy_greedy("--model", mlx_dir)  # the adapter changes the answer
+    assert mlx_greedy(mlx_dir, tmp_path / "adapter") == adapted
+
+
+def test_an_adapter_trained_on_the_gguf_runs_in_mlx_lm(smol_dirs, smollm2_gguf, tmp_path):
+    """The GGUF's weights, converted to MLX unquantized (float32, so mlx-lm computes as toy
+    does), take the adapter a run on the GGUF made: mlx-lm's adapted text equals toy's on the
+    same weights."""
+    from mlx_lm import convert
+
+    hf_dir, _ = smol_dirs
+    mlx_f32 = tmp_path / "mlx-f32"
+    fixed = tmp_path / "hf"
+    shutil.copytree(hf_dir, fixed)
+    cfg = json.loads(
+        (fixed / "config.json").read_text()
+    )  # mlx-lm reads rope_theta at the top level only
+    cfg["rope_theta"] = (cfg.get("rope_parameters") or {}).get("rope_theta", cfg.get("rope_theta"))
+    (fixed / "config.json").write_text(json.dumps(cfg))
+    convert(str(fixed), str(mlx_f32), dtype="float32")
+    # an adapter, not learning: two steps move it off zero; its held-out loss is not read
+    _lora(smollm2_gguf, _chat(tmp_path), tmp_path / "runs", 2, "--eval-batches", "1")
+    run = tmp_path / "runs" / "r"
+    assert run_toy("export", run, "--format", "mlx", "--out", tmp_path / "adapter").returncode == 0
+    ours = toy_greedy("--model", mlx_f32, "--adapter", run)
+    assert mlx_greedy(mlx_f32, tmp_path / "adapter") == ours
