@@ -93,9 +93,14 @@ def test_many_rows_take_the_dequantized_weight():
     """A prompt (more than one row) multiplies by the unpacked weight: float32 matmul."""
     lin, w = linear(T.Q4_K, 24, 256, seed=5)
     decode.pack(lin)
-    x = torch.randn(2, 5, 256)
+    x = torch.randn(2, 5, 256, generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
-        assert torch.allclose(lin(x), x @ w.t(), rtol=1e-5, atol=1e-5)
+        got, want = lin(x), x @ w.t()
+        # float32 sums of 256 products in another order: off by a few ulps of the summed
+        # magnitudes, not of the result (an output near 0 from terms near 100 moved ~5e-5,
+        # past a flat 1e-5, with an unseeded x in some suite orders)
+        bound = 1e-5 * (x.abs() @ w.abs().t()) + 1e-6
+        assert ((got - want).abs() <= bound).all(), (got - want).abs().max()
 
 
 def test_packing_keeps_the_blocks_and_shares_a_tied_head():
