@@ -672,9 +672,9 @@ def distill_divergence(
     total = h_s.new_zeros((), dtype=torch.float32)
     agree = torch.zeros((), dtype=torch.long, device=h_s.device)
     n = chunk_rows(int(w_s.shape[0]), h_s.device)
+    grad = torch.is_grad_enabled() and (h_s.requires_grad or w_s.requires_grad)
     for i in range(0, h_s.shape[0], n):
         args = (h_s[i : i + n], w_s, h_t[i : i + n], w_t, caps, beta, temperature)
-        grad = torch.is_grad_enabled() and (h_s.requires_grad or w_s.requires_grad)
         d, a = checkpoint(_jsd_chunk, *args, use_reentrant=False) if grad else _jsd_chunk(*args)
         total = total + d
         agree = agree + a

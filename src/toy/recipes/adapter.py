@@ -28,7 +28,6 @@ from toy.data.streams import (
     data_files,
     read_chat_files,
 )
-from toy.data.tokens import Windows
 from toy.errors import InputError, UsageError
 from toy.formats.base import Base
 from toy.formats.base_readers import held_as, read_base
@@ -39,7 +38,7 @@ from toy.formats.peft import save_peft_adapter
 from toy.lora import VALID_TARGETS, apply_lora, lora_state_dict
 from toy.models.quant import count_params, resident_bytes
 from toy.models.quant_types import BASE_DTYPES
-from toy.recipes.lm import open_token_data, val_windows
+from toy.recipes.lm import open_token_data, token_windows
 from toy.runs import Project, data_fingerprints, plural
 from toy.train import dist
 from toy.train.config import RunConfig
@@ -554,17 +553,7 @@ def token_stream(cfg: RunConfig, project: Project, tok, model_path: Path, seq_le
     """Random windows of a token file made with the base's tokenizer (checked by its hash),
     and fixed windows of its validation split."""
     data = open_token_data(cfg, project, tokenizer=tok, tokenizer_source=str(model_path))
-    d = dist.info()
-    win = Windows(
-        data.train,
-        seq_len,
-        cfg.batch_size,
-        cfg.seed,
-        world=d.world,
-        rank=d.rank,
-        accum=cfg.grad_accum,
-    )
-    val = val_windows(data.val, seq_len, cfg.batch_size * d.world, cfg.seed)
+    win, val = token_windows(data, cfg, seq_len)
     evals = val.eval_batches(cfg.eval_batches) if val is not None else []
     n_rows = max(1, len(data.train) // seq_len)
     info = {

@@ -39,8 +39,7 @@ from toy.recipes.adapter import (
 from toy.runs import Project, plural
 from toy.train import dist
 from toy.train.config import RunConfig
-from toy.train.device import autocast
-from toy.train.job import Built, Job, lm_prepare
+from toy.train.job import Built, Job
 from toy.train.recipe import Figure, Flag, Recipe
 
 DATA_HELP = (
@@ -268,7 +267,8 @@ class DistillJob(Job):
         self.cfg, self.student, self.teacher, self.stream = cfg, student, teacher, stream
         self.sums = torch.zeros(3, dtype=torch.float64)  # divergence, agreeing, tokens: a step's
         self.held = torch.zeros(3, dtype=torch.float64)  # the same, an evaluation's
-        self.teacher_ce: float | None = None
+        self.teacher_ce: float | None = None  # its held-out cross-entropy, once known
+        self.teacher_sum = 0.0  # its summed cross-entropy over the first evaluation
 
     def bind(self, device, precision) -> None:
         super().bind(device, precision)
@@ -281,12 +281,9 @@ class DistillJob(Job):
         return self.stream.evals
 
     def _positions(self, model, b) -> tuple[torch.Tensor, torch.Tensor]:
-        """(hidden states (N, C), targets (N,)) at the batch's supervised positions."""
-        idx = (
-            b["sup_idx"]
-            if "sup_idx" in b
-            else lm_prepare({"targets": b["targets"].cpu()})["sup_idx"].to(b["targets"].device)
-        )
+        """(hidden states (N, C), targets (N,)) at the batch's supervised positions (the
+        loop prepares every batch: Job.prepare's sup_idx)."""
+        idx = b["sup_idx"]
         h = model.hidden(b["ids"]).flatten(0, 1).index_select(0, idx)
         return h, b["targets"].flatten().index_select(0, idx)
 
@@ -306,6 +303,9 @@ class DistillJob(Job):
             total = (1 - cfg.ce_weight) * div + cfg.ce_weight * ce
         else:  # held out: the loss is the data's cross-entropy (val_loss)
             self.held += seen.cpu()
+            if self.teacher_ce is None:  # the first evaluation: the teacher's own, once
+                t_ce = head_cross_entropy(h_t, self.teacher.lm_head, tgt, caps[1])
+                self.teacher_sum += float(t_ce)
             total = ce
         return total, torch.tensor(len(tgt))
 
@@ -323,17 +323,8 @@ class DistillJob(Job):
     def eval_figures(self, model, batches) -> dict[str, float]:
         held, self.held = self.held, torch.zeros(3, dtype=torch.float64)
         out = self._take(held, across=False)
-        if self.teacher_ce is None and batches:  # once: the teacher's own held-out loss
-            total, n = 0.0, 0
-            for b in batches:
-                b = {k: v.to(self.device) for k, v in b.items()}
-                with autocast(self.device, self.precision):
-                    h, tgt = self._positions(self.teacher, b)
-                    total += float(
-                        head_cross_entropy(h, self.teacher.lm_head, tgt, self.teacher.final_softcap)
-                    )
-                n += len(tgt)
-            self.teacher_ce = total / max(1, n)
+        if self.teacher_ce is None and held[2] > 0:  # from the same pass as the student's
+            self.teacher_ce = self.teacher_sum / float(held[2])
             out["teacher_val_loss"] = self.teacher_ce
         return out
 

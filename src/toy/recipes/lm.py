@@ -186,6 +186,22 @@ def lm_derived(cfg: RunConfig, train: TokenFile, seq_len: int, notes: list[str])
     return {"seq_len": seq_len, **epochs}
 
 
+def token_windows(data: TokenData, cfg: RunConfig, seq_len: int) -> tuple[Windows, Windows | None]:
+    """(random training windows of this process's share, fixed validation windows): every
+    rank evaluates the same global set, eval_batches batches of the global batch size."""
+    d = dist.info()
+    train = Windows(
+        data.train,
+        seq_len,
+        cfg.batch_size,
+        cfg.seed,
+        world=d.world,
+        rank=d.rank,
+        accum=cfg.grad_accum,
+    )
+    return train, val_windows(data.val, seq_len, cfg.batch_size * d.world, cfg.seed)
+
+
 class WindowJob(Job):
     """Next-token training on random windows of the corpus, validation on fixed windows
     of its validation split; its loss is Job's, the next-token cross-entropy at every
@@ -203,18 +219,7 @@ class WindowJob(Job):
         export: Callable[[], nn.Module] | None = None,
     ):
         super().__init__(recipe, model, config)
-        d = dist.info()
-        self.windows = Windows(
-            data.train,
-            seq_len,
-            cfg.batch_size,
-            cfg.seed,
-            world=d.world,
-            rank=d.rank,
-            accum=cfg.grad_accum,
-        )
-        # Every rank evaluates the same global set: eval_batches batches of the global size.
-        self.val = val_windows(data.val, seq_len, cfg.batch_size * d.world, cfg.seed)
+        self.windows, self.val = token_windows(data, cfg, seq_len)
         self.n_eval = cfg.eval_batches
         self.tokenizer = data.tokenizer_path or data.tokenizer
         self.export = export
