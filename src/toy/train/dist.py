@@ -156,7 +156,6 @@ def launch(nproc: int, argv: list[str]) -> int:
     import signal
     import subprocess
     import sys
-    import time
 
     rest, skip = [], False
     for a in argv:
@@ -166,16 +165,7 @@ def launch(nproc: int, argv: list[str]) -> int:
             skip = True
         elif not a.startswith("--nproc="):
             rest.append(a)
-    base = dict(os.environ)
-    base.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default for N > 1 processes
-    base.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")  # torchrun's, for NCCL on cuda
-    base.pop("TORCHELASTIC_USE_AGENT_STORE", None)  # rank 0 hosts the store, not an agent
-    base.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(_free_port()),
-        WORLD_SIZE=str(nproc),
-        LOCAL_WORLD_SIZE=str(nproc),
-    )
+    base = _worker_env(nproc)
     procs: list[subprocess.Popen] = []
     signals: list[int] = []  # the signals this launcher got, forwarded as they came
 
@@ -205,26 +195,7 @@ def launch(nproc: int, argv: list[str]) -> int:
                 )
             )
         relays = [_Relay(p.stderr) for p in procs[1:]]  # threads: after the forks
-        stop_at = kill_at = None  # when to SIGTERM, then SIGKILL, the ones still running
-        while True:
-            codes = [p.poll() for p in procs]  # every one, each look (no short cut)
-            for r, c in enumerate(codes):
-                if c and first is None:
-                    first = (r, _exit_code(c))
-                    if first[1] not in _STOPPED:  # a stop on a signal: the others stop with it
-                        stop_at = time.monotonic() + 1.0  # they may end on their own first
-            if all(c is not None for c in codes):
-                break
-            now = time.monotonic()
-            if stop_at is not None and now >= stop_at and not signals:
-                stop_at, kill_at = None, now + _GRACE_S
-                for p in procs:
-                    _send(p, signal.SIGTERM)
-            if kill_at is not None and now >= kill_at:
-                kill_at = None
-                for p in procs:
-                    _send(p, signal.SIGKILL)
-            time.sleep(0.05)
+        first = _wait(procs, signals)
     finally:
         for p in procs:  # an error of the launcher's own: leave no process behind
             if p.poll() is None:
@@ -248,6 +219,52 @@ def launch(nproc: int, argv: list[str]) -> int:
         name = signal.Signals(-procs[rank].returncode).name
         print(f"toy train: error: process {rank} of {nproc} was killed by {name}", file=sys.stderr)
     return code
+
+
+def _worker_env(nproc: int) -> dict[str, str]:
+    """The environment every worker shares: torchrun's variables for a standalone run of
+    `nproc` processes on this machine (each adds its RANK and LOCAL_RANK)."""
+    base = dict(os.environ)
+    base.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default for N > 1 processes
+    base.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")  # torchrun's, for NCCL on cuda
+    base.pop("TORCHELASTIC_USE_AGENT_STORE", None)  # rank 0 hosts the store, not an agent
+    base.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(_free_port()),
+        WORLD_SIZE=str(nproc),
+        LOCAL_WORLD_SIZE=str(nproc),
+    )
+    return base
+
+
+def _wait(procs: list, signals: list[int]) -> tuple[int, int] | None:
+    """Wait for every worker; (rank, exit code) of the first to fail, or None. Once one
+    fails (not on a signal), the others get SIGTERM a second later, then SIGKILL _GRACE_S
+    after that, unless the launcher itself is forwarding a user's signals."""
+    import signal
+    import time
+
+    first = None
+    stop_at = kill_at = None  # when to SIGTERM, then SIGKILL, the ones still running
+    while True:
+        codes = [p.poll() for p in procs]  # every one, each look (no short cut)
+        for r, c in enumerate(codes):
+            if c and first is None:
+                first = (r, _exit_code(c))
+                if first[1] not in _STOPPED:  # a stop on a signal: the others stop with it
+                    stop_at = time.monotonic() + 1.0  # they may end on their own first
+        if all(c is not None for c in codes):
+            return first
+        now = time.monotonic()
+        if stop_at is not None and now >= stop_at and not signals:
+            stop_at, kill_at = None, now + _GRACE_S
+            for p in procs:
+                _send(p, signal.SIGTERM)
+        if kill_at is not None and now >= kill_at:
+            kill_at = None
+            for p in procs:
+                _send(p, signal.SIGKILL)
+        time.sleep(0.05)
 
 
 _GRACE_S = 10.0  # seconds a stopped process has to end after SIGTERM, before SIGKILL
