@@ -36,7 +36,10 @@ def kit(tmp_path_factory):
     V = tok.get_vocab_size(with_added_tokens=True)
     teacher = tiny_model(seed=1, vocab_size=V, n_layer=4, max_seq_len=256)
     other = train_bpe([text[i : i + 400] for i in range(0, len(text), 400)], vocab_size=380)
-    write_jsonl(conversations(plays, 60, seed=1, turns=(1, 2), max_chars=150), d / "chat.jsonl")
+    chats = conversations(plays, 60, seed=1, turns=(1, 2), max_chars=150)
+    write_jsonl(chats, d / "chat.jsonl")
+    prompts = [{"prompt": [m for m in c["messages"][:-1] if m["role"] != "system"]} for c in chats]
+    write_jsonl(prompts, d / "prompts.jsonl")
     return {
         "teacher": write_llama_gguf(d / "teacher.gguf", teacher, tok),
         "student": write_llama_gguf(
@@ -46,6 +49,7 @@ def kit(tmp_path_factory):
             d / "other.gguf", tiny_model(seed=2, vocab_size=other.get_vocab_size()), other
         ),
         "chat": d / "chat.jsonl",
+        "prompts": d / "prompts.jsonl",
     }
 
 
@@ -128,8 +132,14 @@ def test_a_lora_student_with_ce_weight_1_is_loras_run(kit, tmp_path):
     assert (tmp_path / "d" / "final" / "adapter_model.safetensors").is_file()
 
 
-def test_sigkill_then_resume_gives_the_unbroken_lines(kit, tmp_path):
+ON_POLICY = ["--lmbda", "1", "--max-completion-length", "12"]
+
+
+@pytest.mark.parametrize("policy", ["off", "on"])
+def test_sigkill_then_resume_gives_the_unbroken_lines(kit, tmp_path, policy):
     steps = ["--keep-layers", "2", "--steps", "30", "--save-every", "3", "--lr", "1e-3"]
+    if policy == "on":  # every batch the student's own completions of --prompts
+        steps += ["--prompts", str(kit["prompts"]), *ON_POLICY]
     ref = distill(kit, tmp_path, "ref", *steps)
     assert ref.returncode == 0, ref.stderr[-3000:]
     lines = step_lines(ref.stdout)
@@ -157,6 +167,26 @@ def test_bad_input_is_one_line_before_any_work(kit, tmp_path, toy_cli):
         ([], ["--model BASE", "--keep-layers N"]),
         (["--keep-layers", "2", "--beta", "1.5"], ["--beta must be in [0, 1]"]),
         (["--keep-layers", "2", "--ce-weight", "2"], ["--ce-weight must be in [0, 1]"]),
+        (["--keep-layers", "2", "--lmbda", "0.5"], ["--lmbda 0.5", "--prompts FILE"]),
+        (["--keep-layers", "2", "--seq-kd"], ["--seq-kd", "--prompts FILE"]),
+        (
+            ["--keep-layers", "2", "--lmbda", "1.5", "--prompts", kit["prompts"]],
+            ["--lmbda must be in [0, 1]"],
+        ),
+        (["--keep-layers", "2", "--prompts", kit["prompts"]], ["--lmbda L > 0", "--seq-kd"]),
+        (
+            [
+                "--keep-layers",
+                "2",
+                "--prompts",
+                kit["prompts"],
+                "--lmbda",
+                "1",
+                "--max-completion-length",
+                "96",
+            ],
+            ["--max-completion-length 96", "below 96"],
+        ),
     ]
     args = [a if a is not None else kit["chat"] for a in RUN]
     for extra, words in cases:  # in this process: each is refused before any work
@@ -199,3 +229,67 @@ def test_the_shrunk_students_gguf_runs_in_llamacpp_to_toys_greedy_text(kit, tmp_
         toy = list(toy[:-1] if toy and toy[-1] in stops else toy)  # llama.cpp's stop: not kept
         cpp = _cpp_greedy(_llama(gguf), ids, 16, stops)
         assert cpp == toy and cpp, (prompt, cpp, toy)
+
+
+def test_on_policy_batches_are_the_students_or_the_teachers_samples(kit, tmp_path):
+    """--lmbda 1: every micro-batch is the student's own completion of its prompts, sampled
+    from the live student with the loop's seeded generator; --seq-kd alone: the teacher's.
+    The job's batch equals a completion sampled directly from that model with the same
+    generator, its targets the completion's tokens only; a mixed run (--lmbda 0.5 --seq-kd
+    with --data) shows the sampled completions' length on the step lines."""
+    from toy.models.sample import sample_groups, seeded
+    from toy.recipes.distill import RECIPE
+    from toy.runs import Project
+    from toy.train.job import Live, live_seed, lm_prepare
+
+    base = dict(teacher=str(kit["teacher"]), keep_layers="2", seq_len=96,
+                batch_size=2, prompts=str(kit["prompts"]), max_completion_length=12,
+                steps=2)  # fmt: skip
+    for extra, who in (({"lmbda": 1.0}, "student"), ({"seq_kd": True}, "teacher")):
+        cfg = RECIPE.config(**base, **extra)
+        job = RECIPE.build(cfg, Project(root=None)).job
+        assert job.live and job.sampled.who(0) == who
+        gen = seeded(torch.device("cpu"), live_seed(cfg.seed, 1))
+        b = job.micro_batch(1, Live(job.model, gen, torch.device("cpu")))
+        model = job.model if who == "student" else job.teacher
+        group = job.sampled.batches(1)
+        gen = seeded(torch.device("cpu"), live_seed(cfg.seed, 1))
+        comps = sample_groups(model, [ids for _, ids in group], 1, 12, temperature=1.0,
+                              generator=gen, stop_ids=job.sampled.stops, max_rows=2)  # fmt: skip
+        for r, ((_, prompt), (c,)) in enumerate(zip(group, comps)):
+            row = prompt + list(c.ids)
+            assert b["ids"][r, : len(row) - 1].tolist() == row[:-1]
+            tgt = b["targets"][r]
+            assert tgt[tgt != -100].tolist() == list(c.ids)
+            assert (tgt[: len(prompt) - 1] == -100).all()
+        assert int(lm_prepare(b)["sup_idx"].numel()) == sum(len(c.ids) for (c,) in comps)
+    r = distill(kit, tmp_path, "mix", "--keep-layers", "2", "--steps", "4", "--prompts",
+                kit["prompts"], "--lmbda", "0.5", "--seq-kd", "--max-completion-length", "12",
+                "--json")  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    steps = json.loads(r.stdout)["losses"]
+    assert all(0 < s["completion_length"] <= 12 for s in steps), steps
+
+
+def test_two_processes_give_one_process_steps(kit, tmp_path):
+    """On-policy and data batches mixed (--lmbda 0.5): which micro-batch is sampled, its
+    prompts and its generator follow the global micro-batch index, so one process
+    accumulating two micro-batches and two processes of one each take the same steps,
+    within float32's order."""
+    common = ["--keep-layers", "2", "--steps", "4", "--prompts", str(kit["prompts"]),
+              "--lmbda", "0.5", "--max-completion-length", "12", "--precision", "float32",
+              "--lr", "1e-3"]  # fmt: skip
+    one = distill(kit, tmp_path, "one", *common, "--grad-accum", "2")
+    two = distill(kit, tmp_path, "two", *common, "--nproc", "2")
+    assert one.returncode == 0, one.stderr[-3000:]
+    assert two.returncode == 0, two.stderr[-3000:]
+    rec = [
+        [json.loads(x) for x in (tmp_path / n / "events.jsonl").read_text().splitlines()]
+        for n in ("one", "two")
+    ]
+    a, b = ([e for e in r if e["event"] == "step"] for r in rec)
+    assert len(a) == len(b) == 4
+    for x, y in zip(a, b):
+        for key in ("loss", "grad_norm", "divergence", "agreement"):
+            assert x[key] == pytest.approx(y[key], rel=1e-4, abs=1e-6), (key, x, y)
+        assert x.get("completion_length") == y.get("completion_length")

@@ -1,4 +1,4 @@
-"""Prompts for GRPO: one JSON object a line, in TRL's two forms,
+"""Prompts for GRPO and on-policy distillation: one JSON object a line, in TRL's two forms,
 
     standard:        {"prompt": "What is 17 + 25?", "answer": "42"}
     conversational:  {"prompt": [{"role": "system", "content": "..."},
@@ -27,13 +27,25 @@ line is an InputError instead.
 from __future__ import annotations
 
 import copy
+import math
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from toy.data.chat import ENDS_WITH_REPLY, SkipCounts, check_messages, json_lines
+import numpy as np
+import torch
+
+from toy.data.chat import (
+    ENDS_WITH_REPLY,
+    IGNORE_INDEX,
+    SkipCounts,
+    check_messages,
+    json_lines,
+    render_template,
+)
 from toy.errors import InputError
+from toy.tokenizer import encode_prompt
 
 SCHEMA = (
     'each line must be a prompt: {"prompt": "...", ...} or {"prompt": [{"role": '
@@ -163,3 +175,86 @@ def columns(prompts: list[Prompt]) -> dict[str, list]:
     are copies, so a reward function that edits one changes no later batch."""
     names = dict.fromkeys(k for p in prompts for k in p.columns)
     return {k: [copy.deepcopy(p.columns.get(k)) for p in prompts] for k in names}
+
+
+# --------------------------------------------------------------------------- prompts to rows
+
+
+class PromptEncoder:
+    """A prompt's token ids as the policy sees it: through the chat template where the
+    base has one (a user turn, or the prompt's messages), cut from the left to `room`
+    tokens (its end is what the completion follows); `cut` counts the prompts cut."""
+
+    def __init__(self, side, room: int):
+        self.side, self.room, self.cut = side, room, 0
+
+    def __call__(self, p: Prompt) -> list[int]:
+        side = self.side
+        if side.template is not None:
+            text = render_template(
+                side.template, list(p.chat), True, side.bos or "", side.eos or ""
+            )
+        else:
+            text = p.text if p.text is not None else "\n".join(m["content"] for m in p.chat)
+        ids = encode_prompt(side.tok, text)
+        if len(ids) > self.room:
+            self.cut += 1
+            ids = ids[-self.room :]
+        side.check_vocab(ids)
+        return ids
+
+
+class PromptBatches:
+    """Global prompt batch j's share of process `rank` among `world`: `per` prompts, each
+    pass over them (epoch) in a fresh order seeded by (seed, epoch), so batch j is the same
+    whatever the process count. `n_batches` global batches make an epoch."""
+
+    def __init__(self, items: list, per: int, seed: int, world: int = 1, rank: int = 0):
+        self.items, self.per, self.seed, self.world, self.rank = items, per, seed, world, rank
+        self.n_batches = max(1, math.ceil(len(items) / (per * world)))
+        self.orders: dict[int, np.ndarray] = {}
+
+    def __call__(self, j: int) -> list:
+        per = self.per
+        epoch, i = divmod(j * self.world + self.rank, self.n_batches * self.world)
+        if epoch not in self.orders:
+            self.orders.clear()
+            rng = np.random.default_rng([self.seed, epoch, 17])
+            self.orders[epoch] = rng.permutation(len(self.items))
+        idx = self.orders[epoch][i * per : (i + 1) * per].tolist()
+        if not idx:  # a last partial batch that this process has no share of
+            idx = self.orders[epoch][:per].tolist()
+        return [self.items[t] for t in idx]
+
+
+def completion_rows(prompts: list[list[int]], comps: list, pad: int) -> dict[str, torch.Tensor]:
+    """Each prompt + its completion as a right-padded row ("ids" (N, L)); a completion's
+    tokens ("tgt" (N, T), IGNORE_INDEX past its end), the position whose hidden state predicts
+    each ("pos": token j + 1 is predicted at j, so from len(prompt) - 1 on) and "mask"."""
+    L = max(len(s) + len(c.ids) for s, c in zip(prompts, comps))
+    T = max(len(c.ids) for c in comps)
+    N = len(comps)
+    ids = torch.full((N, L), pad, dtype=torch.long)
+    pos = torch.zeros((N, T), dtype=torch.long)
+    tgt = torch.full((N, T), IGNORE_INDEX, dtype=torch.long)
+    for r, (s, c) in enumerate(zip(prompts, comps)):
+        row = s + c.ids
+        ids[r, : len(row)] = torch.tensor(row)
+        n = len(c.ids)
+        pos[r, :n] = torch.arange(len(s) - 1, len(s) - 1 + n)
+        tgt[r, :n] = torch.tensor(c.ids)
+    return {"ids": ids, "pos": pos, "tgt": tgt, "mask": (tgt != IGNORE_INDEX).float()}
+
+
+def completion_targets(prompts: list[list[int]], comps: list, pad: int) -> dict[str, torch.Tensor]:
+    """Each prompt + its completion as a next-token batch, as chat data's (ids (N, L - 1),
+    targets: the completion's tokens where they are predicted, IGNORE_INDEX elsewhere): the
+    loss of a language model on sampled completions."""
+    L = max(len(s) + len(c.ids) for s, c in zip(prompts, comps))
+    ids = torch.full((len(comps), L), pad, dtype=torch.long)
+    targets = torch.full((len(comps), L - 1), IGNORE_INDEX, dtype=torch.long)
+    for r, (s, c) in enumerate(zip(prompts, comps)):
+        row = list(s) + list(c.ids)
+        ids[r, : len(row)] = torch.tensor(row)
+        targets[r, len(s) - 1 : len(row) - 1] = torch.tensor(list(c.ids))
+    return {"ids": ids[:, :-1], "targets": targets}

@@ -53,9 +53,11 @@ def data_files(data: str, val_data: str | None) -> tuple[Path, Path | None]:
     return path, val
 
 
-def hold_out(samples: list, seed: int, notes: list[str], what: str) -> tuple[list, list]:
-    """(train, validation): a deterministic 5% (at least one) held out of --data when it
-    has 20 or more samples; none otherwise."""
+def hold_out(
+    samples: list, seed: int, notes: list[str], what: str, flag: str = "--data"
+) -> tuple[list, list]:
+    """(train, validation): a deterministic 5% (at least one) held out of `flag`'s file
+    when it has 20 or more samples; none otherwise."""
     n_val = max(1, len(samples) // 20) if len(samples) >= 20 else 0
     perm = np.random.default_rng([seed, 7]).permutation(len(samples))
     val_idx = set(perm[:n_val].tolist())
@@ -63,8 +65,12 @@ def hold_out(samples: list, seed: int, notes: list[str], what: str) -> tuple[lis
     train = [x for i, x in enumerate(samples) if i not in val_idx]
     if n_val:
         notes.append(
-            f"validation: {plural(n_val, what)} held out of --data (give --val-data or a data "
-            "directory's valid.jsonl to choose)"
+            f"validation: {plural(n_val, what)} held out of {flag}"
+            + (
+                " (give --val-data or a data directory's valid.jsonl to choose)"
+                if flag == "--data"
+                else ""
+            )
         )
     return train, val
 

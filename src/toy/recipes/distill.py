@@ -11,6 +11,14 @@ next-token distribution is pulled toward the teacher's by the generalized JSD
 (models/losses.py: generalized_jsd, TRL's GKD meaning of --beta) at --temperature,
 computed in chunks of positions (distill_divergence: neither model's logits exist
 whole), mixed with the data's own cross-entropy by --ce-weight.
+
+On-policy (TRL GKD's lmbda and seq_kd): with --prompts FILE (GRPO's prompt forms), a
+--lmbda share of the micro-batches are the student's own completions of a batch of
+prompts, graded by the teacher at every token; with --seq-kd the other micro-batches'
+completions are the teacher's samples. Those are live batches (Job.live): sampled when
+their step starts with the loop's generator seeded by (seed, global micro-batch), so a
+killed run resumes to the same losses, on any number of processes. Which micro-batch is
+sampled is a pure function of (seed, its global index).
 """
 
 from __future__ import annotations
@@ -18,8 +26,17 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+import numpy as np
 import torch
 
+from toy.data.prompts import (
+    PromptBatches,
+    PromptEncoder,
+    completion_targets,
+    no_prompts,
+    read_prompts,
+)
+from toy.data.streams import hold_out
 from toy.errors import InputError, UsageError
 from toy.formats.base import Base
 from toy.formats.base_readers import base_kind, read_base
@@ -27,6 +44,7 @@ from toy.formats.hf_dir import base_fingerprint
 from toy.formats.model_dir import save_model_dir
 from toy.models.losses import distill_divergence, head_cross_entropy
 from toy.models.quant import count_params, resident_bytes
+from toy.models.sample import sample_groups
 from toy.recipes.adapter import (
     ADAPTER_DEFAULTS,
     adapter_flags,
@@ -34,11 +52,13 @@ from toy.recipes.adapter import (
     check_adapter_opts,
     load_adapted,
     save_adapter,
+    text_side,
     token_stream,
 )
-from toy.runs import Project, plural
+from toy.runs import Project, data_fingerprints, plural
 from toy.train import dist
 from toy.train.config import RunConfig
+from toy.train.device import autocast
 from toy.train.job import Built, Job
 from toy.train.recipe import Figure, Flag, Recipe
 
@@ -100,6 +120,40 @@ FLAGS = (
         check=_unit,
         must="be in [0, 1]",
     ),
+    Flag(
+        "prompts",
+        None,
+        'prompts for on-policy batches, in GRPO\'s forms ({"prompt": "..."} or a list of '
+        "messages a line): read with --lmbda or --seq-kd",
+        metavar="FILE",
+        shown=": none",
+    ),
+    Flag(
+        "lmbda",
+        0.0,
+        "the share of micro-batches whose completions the student samples from --prompts, "
+        "graded by the teacher at every token (on-policy, TRL GKD's lmbda)",
+        float,
+        shown="0",
+        check=_unit,
+        must="be in [0, 1]",
+    ),
+    Flag(
+        "seq_kd",
+        False,
+        "the other micro-batches' completions of --prompts sampled by the teacher "
+        "(sequence-level KD, TRL GKD's seq_kd)",
+        bool,
+    ),
+    Flag(
+        "max_completion_length",
+        128,
+        "new tokens a sampled completion may have; it ends at its EOS before",
+        int,
+        check=lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1,
+        must="be an integer >= 1",
+        metavar="N",
+    ),
 )
 DEFAULTS = {**ADAPTER_DEFAULTS, "lr": 2e-4, "min_lr": 2e-5}
 # The held-out agreement on the done line and in --json (the divergence and, at step 0,
@@ -122,8 +176,28 @@ def check(cfg: RunConfig) -> list[str]:
     p = []
     if not cfg.teacher:
         p.append("give --teacher MODEL (a GGUF file, a transformers or an MLX directory)")
-    if not cfg.data and not cfg.corpus:
-        p.append("give --data chat.jsonl or --corpus tokens.bin")
+    sampled = bool(cfg.lmbda) or bool(cfg.seq_kd)
+    if sampled and not cfg.prompts:
+        what = f"--lmbda {cfg.lmbda:g}" if cfg.lmbda else "--seq-kd"
+        p.append(
+            f"{what} samples completions of prompts: give --prompts FILE "
+            '({"prompt": "..."} a line, as GRPO reads)'
+        )
+    if cfg.prompts and not sampled:
+        p.append(
+            "--prompts is read for on-policy batches only: give --lmbda L > 0 (the student "
+            "samples) or --seq-kd (the teacher samples)"
+        )
+    all_sampled = cfg.prompts and (cfg.lmbda == 1 or cfg.seq_kd)
+    if not cfg.data and not cfg.corpus and not all_sampled:
+        p.append(
+            "give --data chat.jsonl or --corpus tokens.bin"
+            + (
+                f" (--lmbda {cfg.lmbda:g} leaves the other batches to the data)"
+                if cfg.prompts and sampled
+                else ""
+            )
+        )
     if cfg.data and cfg.corpus:
         p.append("--data and --corpus conflict: give one")
     if cfg.keep_layers is not None and cfg.model:
@@ -252,6 +326,44 @@ def shrunk_student(cfg: RunConfig, teacher_path: Path) -> Student:
     return Student(model, small, seq_len, record, notes)
 
 
+# ------------------------------------------------------------------ on-policy batches
+
+
+class Sampled:
+    """--prompts' batches whose completions a model samples: the student's own for a
+    --lmbda share of the micro-batches (which ones: a pure function of the seed and the
+    global micro-batch index), the teacher's for the rest with --seq-kd. A sampled batch is
+    a next-token batch (completion_targets): the loss grades the completion's tokens."""
+
+    def __init__(self, cfg: RunConfig, train: list, val: list, stops: set[int], pad: int):
+        d = dist.info()
+        self.cfg, self.val, self.stops, self.pad = cfg, val, stops, pad
+        self.world, self.rank = d.world, d.rank
+        self.batches = PromptBatches(train, cfg.batch_size, cfg.seed, d.world, d.rank)
+
+    def who(self, k: int) -> str | None:
+        """Who samples micro-batch k of this process ("student", "teacher"), or None (a
+        data batch). The draw is the global micro-batch's, as the loop's live seeds are."""
+        g = k * self.world + self.rank
+        if (
+            self.cfg.lmbda
+            and np.random.default_rng([self.cfg.seed, g, 31]).random() < self.cfg.lmbda
+        ):
+            return "student"
+        return "teacher" if self.cfg.seq_kd else None
+
+    def rows(self, model, group: list, generator, temperature: float) -> dict[str, torch.Tensor]:
+        """One completion of each prompt of `group` sampled from `model`, as a batch."""
+        prompts = [ids for _, ids in group]
+        comps = sample_groups(
+            model, prompts, 1, self.cfg.max_completion_length, temperature=temperature,
+            generator=generator, stop_ids=self.stops, max_rows=len(prompts),
+        )  # fmt: skip
+        b = completion_targets(prompts, [g[0] for g in comps], self.pad)
+        b["fig.sampled"] = torch.tensor([len(g[0].ids) for g in comps], dtype=torch.float64)
+        return b
+
+
 # ------------------------------------------------------------------ the job
 
 
@@ -262,9 +374,13 @@ class DistillJob(Job):
     Held out: the cross-entropy (val_loss), the divergence, the top-1 agreement with the
     teacher, and once the teacher's own cross-entropy."""
 
-    def __init__(self, cfg: RunConfig, student: Student, teacher: torch.nn.Module, stream, config):
+    def __init__(self, cfg, student: Student, teacher, stream, sampled: Sampled | None, config):
         super().__init__("distill", student.model, config)
         self.cfg, self.student, self.teacher, self.stream = cfg, student, teacher, stream
+        self.sampled = sampled
+        self.live = sampled is not None  # sampled batches come from the models as they are
+        self.lengths: list[float] = []  # the step's sampled completions' lengths
+        self.evals: list | None = None
         self.sums = torch.zeros(3, dtype=torch.float64)  # divergence, agreeing, tokens: a step's
         self.held = torch.zeros(3, dtype=torch.float64)  # the same, an evaluation's
         self.teacher_ce: float | None = None  # its held-out cross-entropy, once known
@@ -275,10 +391,27 @@ class DistillJob(Job):
         self.teacher.to(device)
 
     def micro_batch(self, k: int, live=None) -> dict[str, torch.Tensor]:
-        return self.stream.micro_batch(k)
+        who = self.sampled.who(k) if self.sampled is not None else None
+        if who is None:
+            return self.stream.micro_batch(k)
+        model = live.model if who == "student" else self.teacher
+        b = self.sampled.rows(model, self.sampled.batches(k), live.generator, self.cfg.temperature)
+        self.lengths += b.pop("fig.sampled").tolist()
+        return b
 
     def eval_batches(self) -> list[dict[str, torch.Tensor]]:
-        return self.stream.evals
+        """The data's held-out batches; with prompts alone, the teacher's greedy completion
+        of each held-out prompt, sampled once (the same batches every evaluation)."""
+        if self.stream is not None:
+            return self.stream.evals
+        if self.evals is None:
+            s = self.sampled
+            self.evals = []
+            with autocast(self.device, self.precision):
+                for i in range(0, len(s.val), self.cfg.batch_size):
+                    b = s.rows(self.teacher, s.val[i : i + self.cfg.batch_size], None, 0.0)
+                    self.evals.append({k: v for k, v in b.items() if not k.startswith("fig.")})
+        return self.evals
 
     def _positions(self, model, b) -> tuple[torch.Tensor, torch.Tensor]:
         """(hidden states (N, C), targets (N,)) at the batch's supervised positions (the
@@ -317,7 +450,14 @@ class DistillJob(Job):
 
     def step_figures(self) -> dict[str, float]:
         sums, self.sums = self.sums, torch.zeros(3, dtype=torch.float64)
-        return self._take(sums, across=True)
+        out = self._take(sums, across=True)
+        if self.sampled is not None:  # the step's sampled completions' mean length
+            n = torch.tensor([sum(self.lengths), len(self.lengths)], dtype=torch.float64)
+            n = dist.all_sum(n.to(self.device)).cpu()
+            self.lengths = []
+            if n[1]:
+                out["completion_length"] = float(n[0] / n[1])
+        return out
 
     @torch.no_grad()
     def eval_figures(self, model, batches) -> dict[str, float]:
@@ -335,6 +475,49 @@ class DistillJob(Job):
             return
         extra = {"recipe": "distill", "train": self.config}
         save_model_dir(out, self.model, extra=extra, tokenizer=s.base.tokenizer)
+
+
+def prompt_side(cfg: RunConfig, student: Student, held: bool, notes: list[str]) -> Sampled:
+    """--prompts read and encoded as the student sees them (through its chat template),
+    cut from the left to leave --max-completion-length; held out (5%, when there is no
+    data to hold out from) for the teacher's greedy completions the evaluations grade."""
+    path = Path(cfg.prompts)
+    pf = read_prompts(path, strict=cfg.strict)
+    if pf.skipped:
+        notes.append(f"warning: {path}: {pf.summary()}")
+    if not pf.prompts:
+        raise no_prompts(path, pf)
+    T = cfg.max_completion_length
+    room = student.seq_len - T
+    if room < 1:
+        raise UsageError(
+            f"--max-completion-length {T} leaves no room for a prompt in --max-seq-len "
+            f"{student.seq_len}; give --max-completion-length below {student.seq_len}"
+        )
+    kind = "messages" if pf.conversational else "prompt"
+    side = text_side(cfg, student.base, kind, notes)
+    encode = PromptEncoder(side, room)
+    items = [(p, encode(p)) for p in pf.prompts]
+    train, val = hold_out(items, cfg.seed, notes, "prompt", "--prompts") if held else (items, [])
+    if encode.cut:
+        notes.append(f"{plural(encode.cut, 'prompt')} cut from the left to {room} tokens")
+    special = student.base.special
+    stops = set(special.stops) or ({special.eos} if special.eos is not None else set())
+    who = []
+    if cfg.lmbda:
+        who.append(
+            "every micro-batch the student's"
+            if cfg.lmbda == 1
+            else f"a share of {cfg.lmbda:g} of the micro-batches the student's"
+        )
+    if cfg.seq_kd:
+        who.append("the rest the teacher's" if cfg.lmbda else "every one the teacher's")
+    notes.append(
+        f"{path}: {plural(len(train), 'prompt')}, completions of up to {T} tokens at "
+        f"temperature {cfg.temperature:g}: " + ", ".join(who)
+    )
+    val = val[: cfg.eval_batches * cfg.batch_size]
+    return Sampled(cfg, train, val, stops, side.pad)
 
 
 def read_teacher(path: Path) -> tuple[Base, torch.nn.Module]:
@@ -372,15 +555,30 @@ def build(cfg: RunConfig, project: Project) -> Built:
         + (f", {cfg.ce_weight:g} x the data's cross-entropy" if cfg.ce_weight else "")
     )
     d = dist.info()
+    stream, info = None, {}
     if cfg.data:
         stream = chat_data(cfg, student.base, student.seq_len, notes)
         unit, per_step = "batches", d.world * cfg.grad_accum
-    else:
+    elif cfg.corpus:
         stream = token_stream(cfg, project, student.base.tokenizer, teacher_path, student.seq_len)
         unit, per_step = "rows", cfg.batch_size * d.world * cfg.grad_accum
+    sampled = prompt_side(cfg, student, stream is None, notes) if cfg.prompts else None
+    if stream is None:  # every batch sampled: an epoch is a pass over the prompts
+        n_batches, unit, per_step = sampled.batches.n_batches, "batches of prompts", cfg.grad_accum
+    else:
+        n_batches, info = stream.n_batches, stream.info
+    if sampled is not None:
+        info = {
+            **info,
+            "prompts": str(cfg.prompts),
+            **data_fingerprints("prompts", Path(cfg.prompts)),
+            "lmbda": cfg.lmbda,
+            "seq_kd": bool(cfg.seq_kd),
+            "max_completion_length": cfg.max_completion_length,
+        }
     config = {
         **student.config,
-        **stream.info,
+        **info,
         "recipe": "distill",
         "teacher": str(teacher_path),
         "teacher_sha256": base_fingerprint(teacher_path),
@@ -390,10 +588,10 @@ def build(cfg: RunConfig, project: Project) -> Built:
         "seq_len": student.seq_len,
     }
     derived = {"seq_len": student.seq_len}
-    epochs, note = cfg.epoch_steps(stream.n_batches, per_step, unit)
+    epochs, note = cfg.epoch_steps(n_batches, per_step, unit)
     derived.update(epochs)
     notes += [note] if note else []
-    job = DistillJob(cfg, student, teacher, stream, config)
+    job = DistillJob(cfg, student, teacher, stream, sampled, config)
     n_train = sum(p.numel() for p in student.model.parameters() if p.requires_grad)
     notes.append(f"{plural(n_train, 'trainable parameter')}")
     arch = t_base.arch if student.adapted is None else student.base.arch

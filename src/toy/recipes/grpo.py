@@ -18,14 +18,20 @@ between them reuses it too. Advantages are set once every micro-batch of the ste
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from toy.data.chat import render_template
-from toy.data.prompts import Prompt, columns, no_prompts, read_prompts
+from toy.data.prompts import (
+    Prompt,
+    PromptBatches,
+    PromptEncoder,
+    columns,
+    completion_rows,
+    no_prompts,
+    read_prompts,
+)
 from toy.data.rewards import (
     BUILTINS,
     DEFAULT_FORMAT,
@@ -42,7 +48,6 @@ from toy.lora import disable_adapter
 from toy.models.losses import (
     GRPO_LOSS_TYPES,
     GRPO_SCALES,
-    IGNORE,
     group_advantages,
     grpo_loss_sum,
     grpo_token_losses,
@@ -58,7 +63,6 @@ from toy.recipes.adapter import (
     text_side,
 )
 from toy.runs import Project, data_fingerprints, file_sha256, plural
-from toy.tokenizer import encode_prompt
 from toy.train import dist
 from toy.train.config import RunConfig
 from toy.train.device import autocast
@@ -321,30 +325,6 @@ def completion_logps(
     return torch.cat(parts).index_select(0, torch.argsort(order))
 
 
-class PromptEncoder:
-    """A prompt's token ids as the policy sees it: through the chat template where the
-    base has one (a user turn, or the prompt's messages), cut from the left to `room`
-    tokens (its end is what the completion follows); `cut` counts the prompts cut."""
-
-    def __init__(self, side, room: int):
-        self.side, self.room, self.cut = side, room, 0
-
-    def __call__(self, p: Prompt) -> list[int]:
-        side = self.side
-        if side.template is not None:
-            text = render_template(
-                side.template, list(p.chat), True, side.bos or "", side.eos or ""
-            )
-        else:
-            text = p.text if p.text is not None else "\n".join(m["content"] for m in p.chat)
-        ids = encode_prompt(side.tok, text)
-        if len(ids) > self.room:
-            self.cut += 1
-            ids = ids[-self.room :]
-        side.check_vocab(ids)
-        return ids
-
-
 class Generations:
     """The generation a step's micro-batches were sampled in, kept for reuse while
     --num-iterations MU > 1: step s uses the batches sampled at step s - s % MU. What a
@@ -420,9 +400,8 @@ class GRPOJob(AdapterJob):
         self.accum = cfg.grad_accum
         self.eps_high = cfg.epsilon_high if cfg.epsilon_high is not None else cfg.epsilon
         self.d = dist.info()
-        # global batches of per * world prompts in one pass over them
-        self.n_batches = max(1, math.ceil(len(train) / (self.per * self.d.world)))
-        self.orders: dict[int, np.ndarray] = {}
+        self.batches = PromptBatches(train, self.per, cfg.seed, self.d.world, self.d.rank)
+        self.n_batches = self.batches.n_batches
         self.generations = Generations(cfg.num_iterations)
         self.stats = StepStats()
 
@@ -430,16 +409,7 @@ class GRPOJob(AdapterJob):
 
     def prompts_of(self, j: int) -> list[tuple[Prompt, list[int]]]:
         """Global prompt batch j's share of this process: each epoch a fresh order."""
-        d, per = self.d, self.per
-        epoch, i = divmod(j * d.world + d.rank, self.n_batches * d.world)
-        if epoch not in self.orders:
-            self.orders.clear()
-            rng = np.random.default_rng([self.cfg.seed, epoch, 17])
-            self.orders[epoch] = rng.permutation(len(self.train))
-        idx = self.orders[epoch][i * per : (i + 1) * per].tolist()
-        if not idx:  # a last partial batch that this process has no share of
-            idx = self.orders[epoch][:per].tolist()
-        return [self.train[t] for t in idx]
+        return self.batches(j)
 
     def micro_batch(self, k: int, live=None) -> dict[str, torch.Tensor]:
         s, m = divmod(k, self.accum)  # optimizer step (0-based), micro-batch within it
@@ -582,25 +552,6 @@ class GRPOJob(AdapterJob):
 def _nanmean(values) -> float:
     v = np.array(values, dtype=np.float64)
     return float(np.nanmean(v)) if np.isfinite(v).any() else float("nan")
-
-
-def completion_rows(prompts: list[list[int]], comps: list, pad: int) -> dict[str, torch.Tensor]:
-    """Each prompt + its completion as a right-padded row ("ids" (N, L)); a completion's
-    tokens ("tgt" (N, T), IGNORE past its end), the position whose hidden state predicts
-    each ("pos": token j + 1 is predicted at j, so from len(prompt) - 1 on) and "mask"."""
-    L = max(len(s) + len(c.ids) for s, c in zip(prompts, comps))
-    T = max(len(c.ids) for c in comps)
-    N = len(comps)
-    ids = torch.full((N, L), pad, dtype=torch.long)
-    pos = torch.zeros((N, T), dtype=torch.long)
-    tgt = torch.full((N, T), IGNORE, dtype=torch.long)
-    for r, (s, c) in enumerate(zip(prompts, comps)):
-        row = s + c.ids
-        ids[r, : len(row)] = torch.tensor(row)
-        n = len(c.ids)
-        pos[r, :n] = torch.arange(len(s) - 1, len(s) - 1 + n)
-        tgt[r, :n] = torch.tensor(c.ids)
-    return {"ids": ids, "pos": pos, "tgt": tgt, "mask": (tgt != IGNORE).float()}
 
 
 def build(cfg: RunConfig, project: Project) -> Built:
