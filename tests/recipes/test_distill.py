@@ -8,6 +8,7 @@ SIGKILL and --resume give the unbroken run's lines; bad input is one line, exit 
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -178,6 +179,20 @@ def test_bad_input_is_one_line_before_any_work(kit, tmp_path, toy_cli):
             [
                 "--keep-layers",
                 "2",
+                "--teacher-top-k",
+                "16",
+                "--prompts",
+                kit["prompts"],
+                "--lmbda",
+                "1",
+            ],
+            ["--teacher-top-k", "on-policy"],
+        ),
+        (["--keep-layers", "2", "--teacher-top-k", "402"], ["--teacher-top-k 402", "402 tokens"]),
+        (
+            [
+                "--keep-layers",
+                "2",
                 "--prompts",
                 kit["prompts"],
                 "--lmbda",
@@ -293,3 +308,52 @@ def test_two_processes_give_one_process_steps(kit, tmp_path):
         for key in ("loss", "grad_norm", "divergence", "agreement"):
             assert x[key] == pytest.approx(y[key], rel=1e-4, abs=1e-6), (key, x, y)
         assert x.get("completion_length") == y.get("completion_length")
+
+
+def test_teacher_top_k(kit, tmp_path):
+    """--teacher-top-k K: with K = V - 1 (the rest one token) the losses are the whole
+    vocabulary's within float32 rounding; the kept file lies in the run with what it was
+    made from; a run killed and resumed with its file damaged makes it again and gives
+    the unbroken run's lines; the teacher model is let go once it is kept."""
+    f32 = ["--keep-layers", "2", "--steps", "4", "--precision", "float32", "--json"]
+    full = distill(kit, tmp_path, "full", *f32)
+    near = distill(kit, tmp_path, "near", *f32, "--teacher-top-k", "401")
+    assert full.returncode == 0 and near.returncode == 0, near.stderr[-3000:]
+    a, b = json.loads(full.stdout), json.loads(near.stdout)
+    for x, y in zip(a["losses"] + a["val_agreements"], b["losses"] + b["val_agreements"]):
+        for key in ("divergence", "agreement", "loss"):
+            if key in x:
+                assert y[key] == pytest.approx(x[key], rel=1e-5, abs=1e-7), (key, x, y)
+    assert a["val_agreements"][0]["teacher_val_loss"] == pytest.approx(
+        b["val_agreements"][0]["teacher_val_loss"], rel=1e-6
+    )
+    kept = json.loads((tmp_path / "near" / "teacher_top_k.json").read_text())
+    assert kept["made_from"]["k"] == 401 and len(kept["sha256"]) == 64
+
+    steps = ["--keep-layers", "2", "--steps", "6", "--save-every", "3", "--teacher-top-k", "16"]
+    ref = distill(kit, tmp_path, "ref", *steps)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    shutil.copytree(tmp_path / "ref", tmp_path / "cut")  # as if killed after step 3
+    shutil.rmtree(tmp_path / "cut" / "checkpoints" / "step-000006")
+    data = tmp_path / "cut" / "teacher_top_k.safetensors"
+    raw = bytearray(data.read_bytes())
+    raw[-100:-90] = bytes(10)  # damaged where the tensors lie
+    data.write_bytes(bytes(raw))
+    r = run_toy("train", "--resume", tmp_path / "cut")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert step_lines(r.stdout) == step_lines(ref.stdout)[3:]
+    assert data.read_bytes() == (tmp_path / "ref" / "teacher_top_k.safetensors").read_bytes()
+
+
+def test_a_kept_teacher_is_let_go(kit, tmp_path):
+    from toy.recipes.distill import RECIPE
+    from toy.runs import Project
+
+    cfg = RECIPE.config(teacher=str(kit["teacher"]), keep_layers="2", seq_len=96, batch_size=2,
+                        data=str(kit["chat"]), teacher_top_k=8, steps=2)  # fmt: skip
+    job = RECIPE.build(cfg, Project(root=None)).job
+    job.bind(torch.device("cpu"), None, tmp_path)
+    assert job.teacher is None and (tmp_path / "teacher_top_k.safetensors").is_file()
+    b = job.micro_batch(0)
+    assert b["t_ids"].shape == (int((b["targets"] != -100).sum()), 8)
+    assert torch.all(b["t_lp"][:, :-1] >= b["t_lp"][:, 1:])  # highest first

@@ -810,17 +810,26 @@ class ChatBatches:
     def __len__(self) -> int:
         return self.n
 
-    def _make(self, members: list[int]) -> dict[str, torch.Tensor]:
+    def make(self, members: list[int]) -> dict[str, torch.Tensor]:
+        """The batch of samples `members`, one a row in their order."""
         return to_batch([self.samples[j] for j in members], self.pad, self.bucket, self.seq_len)
 
-    def batch(self, k: int) -> dict[str, torch.Tensor]:
-        """Global micro-batch k is `world` batches; this rank takes its own. Batch j of the
-        run is batch j % n of epoch j // n."""
+    def members(self, k: int) -> list[int]:
+        """The samples of this rank's share of global micro-batch k, in their rows' order.
+        Batch j of the run is batch j % n of epoch j // n."""
         epoch, i = divmod(k * self.world + self.rank, self.n)
         if epoch not in self._epochs:
             self._epochs.clear()
             self._epochs[epoch] = length_batches(self.lengths, self.budget, self.seed, epoch)
-        return self._make(self._epochs[epoch][i])
+        return self._epochs[epoch][i]
+
+    def batch(self, k: int) -> dict[str, torch.Tensor]:
+        """Global micro-batch k is `world` batches; this rank takes its own."""
+        return self.make(self.members(k))
+
+    def partition(self) -> list[list[int]]:
+        """Epoch 0's batches: every sample once."""
+        return self._epochs.get(0) or length_batches(self.lengths, self.budget, self.seed, 0)
 
     def eval_batches(self, n: int) -> list[dict[str, torch.Tensor]]:
         """Epoch 0's batches, or n of them spread over the lengths (the batches sorted by
@@ -832,7 +841,7 @@ class ChatBatches:
             batches = [
                 batches[b] for b in sorted(by_length[i] for i in spread_sample(len(batches), n))
             ]
-        return [self._make(b) for b in batches]
+        return [self.make(b) for b in batches]
 
 
 # --------------------------------------------------------------------------- encoding a file

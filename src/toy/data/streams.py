@@ -110,6 +110,7 @@ class Stream:
     evals: list[dict[str, torch.Tensor]]
     n_batches: int
     info: dict[str, Any] = field(default_factory=dict)
+    chat: Any = None  # chat data's ChatBatches: which samples each batch holds
 
 
 @dataclass(frozen=True)
@@ -242,4 +243,4 @@ def chat_stream(
         f"{plural(n, 'length-grouped batch', 'length-grouped batches')} "
         f"of up to {budget:,} tokens; {sup:,} supervised tokens"
     )
-    return Stream(batches.batch, evals, n, info)
+    return Stream(batches.batch, evals, n, info, chat=batches)

@@ -616,6 +616,12 @@ def generalized_jsd(
     with the mixture M = beta teacher + (1 - beta) student (0.5: the JSD)."""
     s = torch.log_softmax(student.float() / temperature, -1)
     t = torch.log_softmax(teacher.float() / temperature, -1)
+    return jsd_of_logprobs(s, t, beta)
+
+
+def jsd_of_logprobs(s: torch.Tensor, t: torch.Tensor, beta: float) -> torch.Tensor:
+    """(N,) generalized_jsd of two rows of normalised log-probs (N, B), over any B buckets:
+    the vocabulary, or a teacher's top K and the rest of its mass (topk_divergence)."""
     if beta == 0:
         return (t.exp() * (t - s)).sum(-1)
     if beta == 1:
@@ -676,6 +682,78 @@ def distill_divergence(
     for i in range(0, h_s.shape[0], n):
         args = (h_s[i : i + n], w_s, h_t[i : i + n], w_t, caps, beta, temperature)
         d, a = checkpoint(_jsd_chunk, *args, use_reentrant=False) if grad else _jsd_chunk(*args)
+        total = total + d
+        agree = agree + a
+    return total, agree
+
+
+# ------------------------------------------------------------------ a teacher's top K
+
+
+def _topk_chunk(h_t, w_t, cap: float, k: int, temp: float):
+    z = _logits(h_t, w_t, cap) / temp
+    lse = torch.logsumexp(z, -1, keepdim=True)
+    top, ids = z.topk(k, -1)  # sorted: the teacher's top-1 first
+    rest = torch.logsumexp(z.scatter(-1, ids, float("-inf")), -1) - lse[:, 0]
+    return ids.to(torch.int32), top - lse, rest
+
+
+@torch.no_grad()
+def teacher_topk(
+    h_t: torch.Tensor, head_t: torch.nn.Module, k: int, temperature: float = 1.0, cap: float = 0.0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A teacher's K most likely next tokens at each of N positions, at `temperature`: their
+    ids (N, K) int32, highest first, their log-probs (N, K) and the log of the mass of
+    all the others (N,), in float32, the logits made chunk by chunk (distill_divergence's
+    chunks). K < V: the rest always holds some mass."""
+    w_t = head_matrix(head_t, compute_dtype(h_t))
+    n = chunk_rows(int(w_t.shape[0]), h_t.device)
+    parts = [_topk_chunk(h_t[i : i + n], w_t, cap, k, temperature) for i in range(0, len(h_t), n)]
+    if not parts:
+        e = h_t.new_zeros((0, k), dtype=torch.float32)
+        return e.to(torch.int32), e, e[:, 0]
+    return tuple(torch.cat(p) for p in zip(*parts))
+
+
+def _topk_jsd_chunk(h_s, w_s, cap: float, ids, t_lp, t_rest, beta: float, temp: float):
+    z = _logits(h_s, w_s, cap) / temp
+    lse = torch.logsumexp(z, -1, keepdim=True)
+    idx = ids.long()
+    s_top = z.gather(-1, idx) - lse
+    s_rest = torch.logsumexp(z.scatter(-1, idx, float("-inf")), -1, keepdim=True) - lse
+    s = torch.cat([s_top, s_rest], -1)
+    t = torch.cat([t_lp.float(), t_rest.float()[:, None]], -1)
+    return jsd_of_logprobs(s, t, beta).sum(), (z.argmax(-1) == idx[:, 0]).sum()
+
+
+def topk_divergence(
+    h_s: torch.Tensor,
+    head_s: torch.nn.Module,
+    ids: torch.Tensor,
+    t_lp: torch.Tensor,
+    t_rest: torch.Tensor,
+    beta: float,
+    temperature: float = 1.0,
+    cap: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """distill_divergence against a teacher kept as its top K (teacher_topk): the
+    generalized JSD over K + 1 buckets, the teacher's K tokens and the rest of the
+    vocabulary, the student's distribution gathered into the same buckets (its log-probs
+    at those K ids and the log of its mass elsewhere); and the positions where the
+    student's top-1 token is the teacher's. In chunks of rows, each recomputed in
+    backward, as distill_divergence."""
+    from torch.utils.checkpoint import checkpoint
+
+    w_s = head_matrix(head_s, compute_dtype(h_s))
+    total = h_s.new_zeros((), dtype=torch.float32)
+    agree = torch.zeros((), dtype=torch.long, device=h_s.device)
+    n = chunk_rows(int(w_s.shape[0]), h_s.device)
+    grad = torch.is_grad_enabled() and (h_s.requires_grad or w_s.requires_grad)
+    for i in range(0, h_s.shape[0], n):
+        sl = slice(i, i + n)
+        args = (h_s[sl], w_s, cap, ids[sl], t_lp[sl], t_rest[sl], beta, temperature)
+        f = _topk_jsd_chunk
+        d, a = checkpoint(f, *args, use_reentrant=False) if grad else f(*args)
         total = total + d
         agree = agree + a
     return total, agree

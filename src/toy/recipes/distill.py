@@ -12,6 +12,12 @@ next-token distribution is pulled toward the teacher's by the generalized JSD
 computed in chunks of positions (distill_divergence: neither model's logits exist
 whole), mixed with the data's own cross-entropy by --ce-weight.
 
+With --teacher-top-k K the teacher is kept as its K most likely tokens a position (and
+the mass of the rest), made in one pass over --data before the first step, saved in the
+run directory (formats/topk.py: checked on resume, made again where it does not match),
+after which the teacher model is let go: the loss is the generalized JSD over those K + 1
+buckets (models/losses.py: topk_divergence).
+
 On-policy (TRL GKD's lmbda and seq_kd): with --prompts FILE (GRPO's prompt forms), a
 --lmbda share of the micro-batches are the student's own completions of a batch of
 prompts, graded by the teacher at every token; with --seq-kd the other micro-batches'
@@ -24,6 +30,7 @@ sampled is a pure function of (seed, its global index).
 from __future__ import annotations
 
 import dataclasses
+import gc
 from pathlib import Path
 
 import numpy as np
@@ -37,12 +44,19 @@ from toy.data.prompts import (
     read_prompts,
 )
 from toy.data.streams import hold_out
-from toy.errors import InputError, UsageError
+from toy.errors import InputError, ToyError, UsageError
 from toy.formats.base import Base
 from toy.formats.base_readers import base_kind, read_base
 from toy.formats.hf_dir import base_fingerprint
 from toy.formats.model_dir import save_model_dir
-from toy.models.losses import distill_divergence, head_cross_entropy
+from toy.formats.topk import TOPK_FILE, read_topk, write_topk
+from toy.models.losses import (
+    IGNORE,
+    distill_divergence,
+    head_cross_entropy,
+    teacher_topk,
+    topk_divergence,
+)
 from toy.models.quant import count_params, resident_bytes
 from toy.models.sample import sample_groups
 from toy.recipes.adapter import (
@@ -59,7 +73,7 @@ from toy.runs import Project, data_fingerprints, plural
 from toy.train import dist
 from toy.train.config import RunConfig
 from toy.train.device import autocast
-from toy.train.job import Built, Job
+from toy.train.job import Built, Job, lm_prepare
 from toy.train.recipe import Figure, Flag, Recipe
 
 DATA_HELP = (
@@ -119,6 +133,18 @@ FLAGS = (
         shown="0",
         check=_unit,
         must="be in [0, 1]",
+    ),
+    Flag(
+        "teacher_top_k",
+        None,
+        "keep the teacher as its K most likely tokens a position and the mass of the rest, "
+        "made in one pass over --data and saved in the run; the teacher is then let go "
+        "(K < its vocabulary)",
+        int,
+        metavar="K",
+        shown=": none, the whole vocabulary at every step",
+        check=lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1,
+        must="be an integer >= 1",
     ),
     Flag(
         "prompts",
@@ -200,6 +226,16 @@ def check(cfg: RunConfig) -> list[str]:
         )
     if cfg.data and cfg.corpus:
         p.append("--data and --corpus conflict: give one")
+    if cfg.teacher_top_k is not None and (cfg.corpus or sampled):
+        why = (
+            "--corpus's windows are drawn afresh each step"
+            if cfg.corpus
+            else ("on-policy batches are new each step")
+        )
+        p.append(
+            f"--teacher-top-k keeps the teacher over --data's examples, and {why}: give "
+            "--data chat.jsonl, or leave --teacher-top-k out"
+        )
     if cfg.keep_layers is not None and cfg.model:
         p.append(
             "--keep-layers (a shrunk copy of the teacher) and --model (a LoRA adapter on "
@@ -364,6 +400,103 @@ class Sampled:
         return b
 
 
+# ------------------------------------------------------------------ the teacher's top K
+
+
+class KeptTeacher:
+    """The teacher as its top K at every supervised position of --data (--teacher-top-k):
+    one pass over every training example (epoch 0's batches: each example once) and every
+    held-out batch; each example's positions kept in order, so any later batch is its
+    examples' rows joined (in the order lm_prepare's sup_idx takes them). Saved in the run
+    directory with what it was made from, and on resume read back where that matches."""
+
+    def __init__(self, cfg: RunConfig, stream, config: dict):
+        self.k, self.temperature, self.stream = cfg.teacher_top_k, cfg.temperature, stream
+        self.meta = {
+            "k": self.k,
+            "temperature": self.temperature,
+            **{
+                key: config.get(key)
+                for key in ("teacher_sha256", "data_sha256", "val_data_sha256", "seq_len")
+            },
+            "examples": len(stream.chat.samples),
+            "held_out_batches": len(stream.evals),
+        }
+        self.t: dict[str, torch.Tensor] = {}
+
+    def load_or_make(self, path: Path | None, teacher, device, precision) -> None:
+        d = dist.info()
+        t, why = read_topk(path, self.meta) if path is not None else (None, "")
+        if t is None:
+            if d.is_main or path is None:
+                t = self.make(teacher, device, precision)
+                if path is not None:
+                    write_topk(path, t, self.meta)
+            dist.barrier()
+            if t is None:  # another rank: the main one's file
+                t, why = read_topk(path, self.meta)
+                if t is None:
+                    raise ToyError(f"{path}: {why} (made by rank 0 a moment ago)")
+        self.t = t
+
+    @torch.no_grad()
+    def make(self, teacher, device, precision) -> dict[str, torch.Tensor]:
+        chat = self.stream.chat
+        per: dict[int, tuple] = {}
+        with autocast(device, precision):
+            for members in chat.partition():
+                parts, _ = self._pass(teacher, chat.make(members), device, ce=False)
+                per.update(zip(members, parts))
+            out = self._join([per[j] for j in range(len(chat.samples))], "train")
+            evals, ce = [], []
+            for b in self.stream.evals:
+                parts, summed = self._pass(teacher, b, device)
+                evals.append(tuple(torch.cat(x) for x in zip(*parts)))
+                ce.append(summed)
+        out.update(self._join(evals, "val"))
+        out["val.ce"] = torch.tensor(ce, dtype=torch.float64)
+        return out
+
+    def _pass(self, teacher, b, device, ce: bool = True) -> tuple[list[tuple], float]:
+        """The teacher's top K at batch b's supervised positions, split by row, and its
+        summed cross-entropy on the batch's targets (the held-out figure)."""
+        b = lm_prepare(b)
+        on = {k: v.to(device) for k, v in b.items()}
+        h = teacher.hidden(on["ids"]).flatten(0, 1).index_select(0, on["sup_idx"])
+        ids, lp, rest = teacher_topk(h, teacher.lm_head, self.k, self.temperature,
+                                     teacher.final_softcap)  # fmt: skip
+        summed = 0.0
+        if ce:
+            tgt = on["targets"].flatten().index_select(0, on["sup_idx"])
+            summed = float(head_cross_entropy(h, teacher.lm_head, tgt, teacher.final_softcap))
+        rows = (b["targets"] != IGNORE).sum(1).tolist()
+        cut = lambda x: torch.split(x.cpu(), rows)  # noqa: E731
+        return list(zip(cut(ids), cut(lp), cut(rest))), summed
+
+    @staticmethod
+    def _join(parts: list[tuple], name: str) -> dict[str, torch.Tensor]:
+        counts = torch.tensor([0] + [len(p[0]) for p in parts])
+        out = {f"{name}.offsets": torch.cumsum(counts, 0)}
+        for i, key in enumerate(("ids", "lp", "rest")):
+            out[f"{name}.{key}"] = torch.cat([p[i] for p in parts])
+        return out
+
+    def _slices(self, name: str, which: list[int]) -> dict[str, torch.Tensor]:
+        o = self.t[f"{name}.offsets"].tolist()
+        pick = lambda key: torch.cat([self.t[f"{name}.{key}"][o[j] : o[j + 1]] for j in which])  # noqa: E731
+        return {"t_ids": pick("ids"), "t_lp": pick("lp"), "t_rest": pick("rest")}
+
+    def train_batch(self, members: list[int]) -> dict[str, torch.Tensor]:
+        return {**self.stream.chat.make(members), **self._slices("train", members)}
+
+    def evals(self) -> list[dict[str, torch.Tensor]]:
+        ce = self.t["val.ce"]
+        return [
+            {**b, **self._slices("val", [i]), "t_ce": ce[i : i + 1]}
+            for i, b in enumerate(self.stream.evals)
+        ]
+
+
 # ------------------------------------------------------------------ the job
 
 
@@ -378,6 +511,7 @@ class DistillJob(Job):
         super().__init__("distill", student.model, config)
         self.cfg, self.student, self.teacher, self.stream = cfg, student, teacher, stream
         self.sampled = sampled
+        self.kept = KeptTeacher(cfg, stream, config) if cfg.teacher_top_k else None
         self.live = sampled is not None  # sampled batches come from the models as they are
         self.lengths: list[float] = []  # the step's sampled completions' lengths
         self.evals: list | None = None
@@ -386,12 +520,20 @@ class DistillJob(Job):
         self.teacher_ce: float | None = None  # its held-out cross-entropy, once known
         self.teacher_sum = 0.0  # its summed cross-entropy over the first evaluation
 
-    def bind(self, device, precision) -> None:
-        super().bind(device, precision)
-        self.teacher.to(device)
+    def bind(self, device, precision, run_dir=None) -> None:
+        super().bind(device, precision, run_dir)
+        if self.kept is None:
+            self.teacher.to(device)
+            return
+        path = run_dir / TOPK_FILE if run_dir is not None else None
+        self.kept.load_or_make(path, self.teacher, device, precision)
+        self.teacher = None  # kept as its top K: the model is let go
+        gc.collect()
 
     def micro_batch(self, k: int, live=None) -> dict[str, torch.Tensor]:
         who = self.sampled.who(k) if self.sampled is not None else None
+        if self.kept is not None:
+            return self.kept.train_batch(self.stream.chat.members(k))
         if who is None:
             return self.stream.micro_batch(k)
         model = live.model if who == "student" else self.teacher
@@ -402,6 +544,8 @@ class DistillJob(Job):
     def eval_batches(self) -> list[dict[str, torch.Tensor]]:
         """The data's held-out batches; with prompts alone, the teacher's greedy completion
         of each held-out prompt, sampled once (the same batches every evaluation)."""
+        if self.kept is not None:
+            return self.kept.evals()
         if self.stream is not None:
             return self.stream.evals
         if self.evals is None:
@@ -423,12 +567,19 @@ class DistillJob(Job):
     def loss(self, model, b):
         cfg = self.cfg
         h, tgt = self._positions(model, b)
-        with torch.no_grad():
-            h_t, _ = self._positions(self.teacher, b)
-        caps = (model.final_softcap, self.teacher.final_softcap)
-        div, agree = distill_divergence(
-            h, model.lm_head, h_t, self.teacher.lm_head, cfg.beta, cfg.temperature, caps
-        )
+        if "t_ids" in b:  # the teacher kept as its top K
+            div, agree = topk_divergence(
+                h, model.lm_head, b["t_ids"], b["t_lp"], b["t_rest"], cfg.beta,
+                cfg.temperature, model.final_softcap,
+            )  # fmt: skip
+            h_t = None
+        else:
+            with torch.no_grad():
+                h_t, _ = self._positions(self.teacher, b)
+            caps = (model.final_softcap, self.teacher.final_softcap)
+            div, agree = distill_divergence(
+                h, model.lm_head, h_t, self.teacher.lm_head, cfg.beta, cfg.temperature, caps
+            )
         ce = head_cross_entropy(h, model.lm_head, tgt, model.final_softcap)
         seen = torch.stack([div.detach().double(), agree.double(), h.new_tensor(len(tgt)).double()])
         if model.training:
@@ -436,9 +587,11 @@ class DistillJob(Job):
             total = (1 - cfg.ce_weight) * div + cfg.ce_weight * ce
         else:  # held out: the loss is the data's cross-entropy (val_loss)
             self.held += seen.cpu()
-            if self.teacher_ce is None:  # the first evaluation: the teacher's own, once
+            if self.teacher_ce is None and h_t is not None:  # the teacher's own, once
                 t_ce = head_cross_entropy(h_t, self.teacher.lm_head, tgt, caps[1])
                 self.teacher_sum += float(t_ce)
+            elif self.teacher_ce is None:  # from the pass that kept its top K
+                self.teacher_sum += float(b["t_ce"].sum())
             total = ce
         return total, torch.tensor(len(tgt))
 
@@ -591,6 +744,19 @@ def build(cfg: RunConfig, project: Project) -> Built:
     epochs, note = cfg.epoch_steps(n_batches, per_step, unit)
     derived.update(epochs)
     notes += [note] if note else []
+    if cfg.teacher_top_k is not None:
+        K, V = cfg.teacher_top_k, t_base.config.vocab_size
+        if K >= V:
+            raise UsageError(
+                f"--teacher-top-k {K}: the teacher has {V:,} tokens; give K below that "
+                "(16 or 64 keep most of a position's mass)"
+            )
+        mb = info["supervised_tokens"] * (8 * K + 4) / 1e6
+        notes.append(
+            f"the teacher kept as its top {K} at each of {info['supervised_tokens']:,} "
+            f"supervised positions (about {mb:,.1f} MB, {TOPK_FILE} in the run), made before "
+            "step 1; the teacher is then let go"
+        )
     job = DistillJob(cfg, student, teacher, stream, sampled, config)
     n_train = sum(p.numel() for p in student.model.parameters() if p.requires_grad)
     notes.append(f"{plural(n_train, 'trainable parameter')}")

@@ -191,8 +191,8 @@ class PairJob(AdapterJob):
         self.tally = Tally()
         self.filled: list = []
 
-    def bind(self, device, precision) -> None:
-        super().bind(device, precision)
+    def bind(self, device, precision, run_dir=None) -> None:
+        super().bind(device, precision, run_dir)
         if self.reference:
             self.references = References(self.model, self.n_pairs, precision)
 

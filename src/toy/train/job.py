@@ -67,8 +67,9 @@ class Job:
         self.device = torch.device("cpu")
         self.precision: Any = None  # train.device.Precision (None: float32)
 
-    def bind(self, device: torch.device, precision: Any) -> None:
-        """The run's device and precision, from the loop, before any batch."""
+    def bind(self, device: torch.device, precision: Any, run_dir: Path | None = None) -> None:
+        """The run's device and precision and its directory (None: a run kept nowhere),
+        from the loop, before any batch."""
         self.device, self.precision = device, precision
 
     # ------------------------------------------------------------ batches

@@ -221,7 +221,7 @@ class Trainer:
         self.d = dist.info()
         self.ckpt_root = run_dir / "checkpoints" if run_dir is not None else None
         self.model = job.model.to(device)
-        job.bind(device, self.precision)
+        job.bind(device, self.precision, run_dir)
         if cfg.checkpointing:
             self.model.checkpointing = True
             # the low-memory mode: freed blocks go back at once
