@@ -23,12 +23,14 @@ LAYERS = [
 ]
 RANK = {name: i for i, name in enumerate(LAYERS)}
 # What recipes share without being recipes: the recipe table, the decoder-LM part and
-# the adapter recipes' part (base, flags, --output, the final adapter, chat data), and
+# the adapter recipes' part (base, flags, --output, the final adapter, chat data), the
+# donor embedding a fresh model starts from (warm-start, distill), and
 # the preference recipes' part (pairs, references, figures).
 SHARED_RECIPE_PARTS = (
     "toy.recipes",
     "toy.recipes.lm",
     "toy.recipes.adapter",
+    "toy.recipes.donor",
     "toy.recipes.pairs",
 )
 

@@ -189,6 +189,11 @@ def test_bad_input_is_one_line_before_any_work(kit, tmp_path, toy_cli):
             ["--teacher-top-k", "on-policy"],
         ),
         (["--keep-layers", "2", "--teacher-top-k", "402"], ["--teacher-top-k 402", "402 tokens"]),
+        (["--keep-layers", "2", "--init", "donor"], ["--keep-layers and --init", "give one"]),
+        (
+            ["--init", "pca", "--preset", "tiny", "--d-model", "128", "--n-head", "2"],
+            ["--init pca", "--d-model 128", "width 64"],
+        ),
         (
             [
                 "--keep-layers",
@@ -357,3 +362,35 @@ def test_a_kept_teacher_is_let_go(kit, tmp_path):
     b = job.micro_batch(0)
     assert b["t_ids"].shape == (int((b["targets"] != -100).sum()), 8)
     assert torch.all(b["t_lp"][:, :-1] >= b["t_lp"][:, 1:])  # highest first
+
+
+def test_a_fresh_student_warm_started_from_the_teacher(kit, tmp_path, toy_cli):
+    """--init pca: a fresh llama of the shape flags whose embedding is a trainable lens over
+    the teacher's centred table; it learns, and final/ is a plain llama (the lens folded
+    into its embedding) that `toy export --format gguf` writes and reads back, its
+    embedding the folded product."""
+    r = distill(kit, tmp_path, "f", "--init", "pca", "--preset", "tiny", "--n-layer", "2",
+                "--d-model", "32", "--n-head", "2", "--steps", "12", "--eval-every", "12",
+                "--lr", "3e-3", "--json")  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(r.stdout)
+    curve = res["val_agreements"]
+    assert curve[-1]["divergence"] < curve[0]["divergence"], curve
+    info = json.loads((tmp_path / "f" / "run.json").read_text())["job"]
+    assert info["student"] == "fresh" and info["init"] == "pca" and info["lens"] is True
+    assert info["student_model"]["n_layer"] == 2 and info["student_model"]["d_model"] == 32
+    gguf = tmp_path / "f.gguf"
+    code, _, err = toy_cli("export", tmp_path / "f", "--format", "gguf", "--out", gguf)
+    assert code == 0, err
+    from safetensors.torch import load_file
+
+    from toy.formats.base_readers import read_base
+
+    final = load_file(str(tmp_path / "f" / "final" / "model.safetensors"))
+    assert final["embed_tokens.weight"].shape == (402, 32)
+    model = read_base(gguf, "float32").build_model()
+    ids = torch.tensor([[5, 17, 33, 90]])
+    with torch.no_grad():
+        emb = model.embed_tokens.weight
+    torch.testing.assert_close(emb, final["embed_tokens.weight"], atol=1e-6, rtol=1e-5)
+    assert model(ids).shape == (1, 4, 402)

@@ -20,7 +20,7 @@ from toy.runs import Project  # noqa: E402
 def pca_project(table: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Coordinates of the centred rows of `table` on its top-k principal axes (the
     recipe's principal_axes) and the variance along each: ((n, k), (k,)), float32."""
-    from toy.recipes.warm_start import centre, principal_axes
+    from toy.recipes.donor import centre, principal_axes
 
     axes, var = principal_axes(table, k)
     return (centre(table).double() @ axes).float(), var
@@ -93,7 +93,7 @@ def test_every_mode_shares_the_scratch_init_outside_the_embedding(donor):
 
 def test_lens_shape_gradients_and_fold(donor, tmp_path):
     from toy.formats.model_dir import load_model_dir
-    from toy.recipes.warm_start import LensEmbedding
+    from toy.recipes.donor import LensEmbedding
 
     built = build(donor, init="donor", d_model=32, n_head=4, n_kv_head=2)
     m, job = built.job.model, built.job
@@ -101,7 +101,7 @@ def test_lens_shape_gradients_and_fold(donor, tmp_path):
     assert isinstance(emb, LensEmbedding)
     assert emb.lens.weight.shape == (32, 64)  # nn.Linear(donor width 64 -> d_model 32)
     assert "embed_tokens.table" not in dict(m.named_parameters())  # the donor table is frozen
-    from toy.recipes.warm_start import centre
+    from toy.recipes.donor import centre
 
     assert torch.equal(
         emb.table, centre(donor["table"][: donor["vocab"]])
@@ -126,7 +126,7 @@ def test_lens_shape_gradients_and_fold(donor, tmp_path):
 
 
 def test_lens_starts_semi_orthogonal_at_the_init_scale():
-    from toy.recipes.warm_start import INIT_STD, lens_init
+    from toy.recipes.donor import INIT_STD, lens_init
 
     g = torch.Generator().manual_seed(0)
     for width, d in ((64, 32), (32, 64), (48, 48)):
@@ -148,7 +148,7 @@ def test_lens_starts_semi_orthogonal_at_the_init_scale():
 def test_pca_is_a_lens_on_the_centred_table_starting_at_its_principal_axes(donor):
     # A trained PCA table lost the donor's geometry within tens of steps (Adam moves
     # every row by about one LR per entry); a frozen centred table and a lens keep it.
-    from toy.recipes.warm_start import INIT_STD, LensEmbedding
+    from toy.recipes.donor import INIT_STD, LensEmbedding
 
     V = donor["vocab"]
     built = build(donor, init="pca", d_model=32, n_head=4, n_kv_head=2)
@@ -180,7 +180,7 @@ def test_donor_lens_reads_the_centred_table(donor):
 @pytest.mark.parametrize("init,width", [("scratch", 64), ("donor", 64), ("donor", 32), ("pca", 32)])
 def test_embedding_trains_at_embed_lr_scale_times_lr(donor, toy_cli, tmp_path, init, width):
     # The default (3) applies to every init, scratch included, so the baseline gets it too.
-    from toy.recipes.warm_start import EMBED_LR_SCALE
+    from toy.recipes.donor import EMBED_LR_SCALE
 
     assert EMBED_LR_SCALE == 3.0
     shape = [] if width == 64 else ["--d-model", "32", "--n-head", "4", "--n-kv-head", "2"]
@@ -237,7 +237,7 @@ def test_pca_at_full_width_is_a_rotation(donor):
     d0 = torch.cdist(table.double(), table.double())
     assert torch.allclose(torch.cdist(proj.double(), proj.double()), d0, atol=1e-4)
     # Through the recipe: that rotation times one factor (RMS 0.02), components by variance.
-    from toy.recipes.warm_start import INIT_STD
+    from toy.recipes.donor import INIT_STD
 
     emb = build(donor, init="pca").job.model.embed_tokens.weight.detach()
     assert abs(float(emb.pow(2).mean().sqrt()) - INIT_STD) < 1e-6
@@ -399,7 +399,7 @@ def test_read_gguf_tensor_reads_one_tensor(donor):
 
 
 def test_quantized_donor_is_dequantized(donor, tmp_path):
-    from toy.recipes.warm_start import open_donor
+    from toy.recipes.donor import open_donor
 
     q = write_llama_gguf(
         tmp_path / "q8.gguf",

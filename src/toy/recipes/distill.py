@@ -5,7 +5,9 @@ quantized blocks (no float copy), run without gradients.
 The student is a LoRA adapter on --model BASE (a smaller base with the teacher's
 vocabulary), or a shrunk copy of the teacher (--keep-layers N: N of its blocks, evenly
 spaced, the first and last kept; or a list of indices: DistilBERT's and Minitron's
-start), all of whose weights train. Off-policy: at every supervised position of the data
+start), all of whose weights train, or a fresh llama of --preset's shape whose embedding
+starts from the teacher's (--init donor|pca|scratch, as warm-start's from its donor).
+Off-policy: at every supervised position of the data
 (lora's forms: chat JSONL, prompt/completion, {"text"}, or a token corpus) the student's
 next-token distribution is pulled toward the teacher's by the generalized JSD
 (models/losses.py: generalized_jsd, TRL's GKD meaning of --beta) at --temperature,
@@ -50,6 +52,7 @@ from toy.formats.base_readers import base_kind, read_base
 from toy.formats.hf_dir import base_fingerprint
 from toy.formats.model_dir import save_model_dir
 from toy.formats.topk import TOPK_FILE, read_topk, write_topk
+from toy.models import registry
 from toy.models.losses import (
     IGNORE,
     distill_divergence,
@@ -69,6 +72,8 @@ from toy.recipes.adapter import (
     text_side,
     token_stream,
 )
+from toy.recipes.donor import EMBED_LR_SCALE, INITS, fold, open_donor, start_embedding
+from toy.recipes.lm import lm_shape
 from toy.runs import Project, data_fingerprints, plural
 from toy.train import dist
 from toy.train.config import RunConfig
@@ -106,6 +111,16 @@ FLAGS = (
         "model of the teacher's family (instead of --model BASE's LoRA adapter)",
         metavar="N|I,J,...",
         shown=": none, the student is --model's adapter",
+    ),
+    Flag(
+        "init",
+        None,
+        "the student as a fresh llama (--preset and the shape flags, as from-scratch) whose "
+        "embedding starts from the teacher's: donor (its rows; through a trainable lens where "
+        "the widths differ), pca (a lens on its top --d-model principal axes) or scratch "
+        "(random: the baseline)",
+        choices=INITS,
+        shown=": none",
     ),
     Flag(
         "beta",
@@ -236,15 +251,26 @@ def check(cfg: RunConfig) -> list[str]:
             f"--teacher-top-k keeps the teacher over --data's examples, and {why}: give "
             "--data chat.jsonl, or leave --teacher-top-k out"
         )
-    if cfg.keep_layers is not None and cfg.model:
-        p.append(
-            "--keep-layers (a shrunk copy of the teacher) and --model (a LoRA adapter on "
-            "another base) are two students: give one"
+    kinds = [
+        f
+        for f, given in (
+            ("--model", cfg.model),
+            ("--keep-layers", cfg.keep_layers is not None),
+            ("--init", cfg.init),
         )
-    if cfg.keep_layers is None and not cfg.model:
+        if given
+    ]
+    if len(kinds) > 1:
+        p.append(
+            f"{' and '.join(kinds)} are {len(kinds)} students: give one (--model: a LoRA adapter "
+            "on another base; --keep-layers: a shrunk copy of the teacher; --init: a fresh "
+            "model)"
+        )
+    if not kinds:
         p.append(
             "give the student: --model BASE (a LoRA adapter on a smaller base with the "
-            "teacher's vocabulary) or --keep-layers N (a shrunk copy of the teacher)"
+            "teacher's vocabulary), --keep-layers N (a shrunk copy of the teacher) or --init "
+            "donor (a fresh llama of --preset's shape, its embedding the teacher's)"
         )
     if cfg.keep_layers is not None:
         try:
@@ -326,6 +352,8 @@ class Student:
     config: dict
     notes: list[str]
     adapted: object | None = None  # the LoRA student's Adapted (final/: its adapter)
+    export: object | None = None  # the model final/ holds, where not `model` (a folded lens)
+    embed_scale: float = 1.0  # the embedding's LR, x --lr
 
 
 def lora_student(cfg: RunConfig, project: Project) -> Student:
@@ -360,6 +388,40 @@ def shrunk_student(cfg: RunConfig, teacher_path: Path) -> Student:
     ]
     record = {"student": "shrunk", "keep_layers": keep, "student_model": config.to_dict()}
     return Student(model, small, seq_len, record, notes)
+
+
+def fresh_student(cfg: RunConfig, teacher: Base, teacher_path: Path) -> Student:
+    """A fresh llama of --preset's shape over the teacher's vocabulary, its embedding
+    started from the teacher's as warm-start starts one from its donor (recipes/donor.py),
+    the rest as from-scratch's with the same seed; final/ a plain llama."""
+    donor = open_donor(teacher_path)
+    vocab = teacher.config.vocab_size
+    notes: list[str] = []
+    mcfg, seq_len, problems = lm_shape(cfg, "llama", vocab, notes)
+    if cfg.init == "pca" and mcfg.d_model > donor.width:
+        problems.append(
+            f"--init pca: --d-model {mcfg.d_model} exceeds the teacher's width {donor.width}; "
+            "lower --d-model or give --init donor (a trainable lens)"
+        )
+    if donor.rows < vocab:
+        problems.append(
+            f"--teacher {teacher_path}: its embedding has {donor.rows:,} rows for {vocab:,} "
+            "tokens; give --init scratch"
+        )
+    if problems:
+        raise UsageError("; ".join(problems))
+    torch.manual_seed(cfg.seed)
+    model = registry.build_model(mcfg)
+    lens, _, said = start_embedding(model, donor, cfg.init, mcfg.d_model, vocab, cfg.seed)
+    notes += said
+    notes.append(
+        f"student: a fresh llama, {mcfg.n_layer} blocks of width {mcfg.d_model}, "
+        f"{plural(count_params(model), 'parameter')}; its embedding trains at "
+        f"{EMBED_LR_SCALE:g} x --lr"
+    )
+    record = {"student": "fresh", "init": cfg.init, "lens": lens, "student_model": mcfg.to_dict()}
+    return Student(model, teacher, seq_len, record, notes, export=lambda: fold(model),
+                   embed_scale=EMBED_LR_SCALE)  # fmt: skip
 
 
 # ------------------------------------------------------------------ on-policy batches
@@ -621,13 +683,17 @@ class DistillJob(Job):
             out["teacher_val_loss"] = self.teacher_ce
         return out
 
+    def lr_scale(self, name: str) -> float:
+        return self.student.embed_scale if name.startswith("embed_tokens.") else 1.0
+
     def save_final(self, out: Path) -> None:
         s = self.student
         if s.adapted is not None:  # a LoRA student: its adapter, as lora's final/
             save_adapter(self.cfg, s.adapted, out)
             return
         extra = {"recipe": "distill", "train": self.config}
-        save_model_dir(out, self.model, extra=extra, tokenizer=s.base.tokenizer)
+        model = s.export() if s.export is not None else self.model
+        save_model_dir(out, model, extra=extra, tokenizer=s.base.tokenizer)
 
 
 def prompt_side(cfg: RunConfig, student: Student, held: bool, notes: list[str]) -> Sampled:
@@ -694,6 +760,9 @@ def build(cfg: RunConfig, project: Project) -> Built:
     if cfg.keep_layers is not None:
         student = shrunk_student(cfg, teacher_path)
         where = "the shrunk student"
+    elif cfg.init:
+        student = fresh_student(cfg, t_base, teacher_path)
+        where = "the fresh student"
     else:
         student = lora_student(cfg, project)
         where = f"--model {cfg.model}"
@@ -760,7 +829,7 @@ def build(cfg: RunConfig, project: Project) -> Built:
     job = DistillJob(cfg, student, teacher, stream, sampled, config)
     n_train = sum(p.numel() for p in student.model.parameters() if p.requires_grad)
     notes.append(f"{plural(n_train, 'trainable parameter')}")
-    arch = t_base.arch if student.adapted is None else student.base.arch
+    arch = "llama" if cfg.init else t_base.arch if student.adapted is None else student.base.arch
     return Built(
         job=job, arch=arch, params=count_params(student.model), notes=notes, derived=derived
     )

@@ -130,6 +130,20 @@ def lm_config(cfg: RunConfig, arch: str, train: TokenFile, notes: list[str] | No
     """The model config from --preset and the shape flags, with vocab_size from the
     corpus, and the training sequence length (--seq-len, else the preset's context).
     Every shape problem is reported at once as a UsageError naming its flag."""
+    mcfg, seq_len, problems = lm_shape(cfg, arch, train.vocab_size, notes)
+    if len(train) < seq_len + 1:
+        problems.append(
+            f"--seq-len {seq_len} is longer than the corpus {train.path} ({len(train)} tokens); "
+            "lower it or prep more text"
+        )
+    if problems:
+        raise UsageError("; ".join(problems))
+    return mcfg, seq_len
+
+
+def lm_shape(cfg: RunConfig, arch: str, vocab: int, notes: list[str] | None = None):
+    """(the model config from --preset and the shape flags over `vocab` tokens, the training
+    sequence length, the shape's problems, each naming its flag)."""
     if arch not in registry.lm_archs():
         hint = "; train images with --recipe vit-tiny" if arch == "vit" else ""
         raise UsageError(
@@ -144,7 +158,7 @@ def lm_config(cfg: RunConfig, arch: str, train: TokenFile, notes: list[str] | No
         mcfg = registry.build_config(
             arch,
             cfg.preset,
-            train.vocab_size,
+            vocab,
             n_layer=cfg.n_layer,
             d_model=cfg.d_model,
             n_head=cfg.n_head,
@@ -164,15 +178,7 @@ def lm_config(cfg: RunConfig, arch: str, train: TokenFile, notes: list[str] | No
             "a preset with a longer context (--preset) is the usual choice"
         )
     mcfg.max_seq_len = max(mcfg.max_seq_len, seq_len)
-    problems = registry.check_config(mcfg)
-    if len(train) < seq_len + 1:
-        problems.append(
-            f"--seq-len {seq_len} is longer than the corpus {train.path} ({len(train)} tokens); "
-            "lower it or prep more text"
-        )
-    if problems:
-        raise UsageError("; ".join(problems))
-    return mcfg, seq_len
+    return mcfg, seq_len, registry.check_config(mcfg)
 
 
 def lm_derived(cfg: RunConfig, train: TokenFile, seq_len: int, notes: list[str]) -> dict[str, Any]:
