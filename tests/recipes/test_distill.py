@@ -223,8 +223,9 @@ def test_bad_input_is_one_line_before_any_work(kit, tmp_path, toy_cli):
 
 @pytest.mark.llamacpp
 def test_the_shrunk_students_gguf_runs_in_llamacpp_to_toys_greedy_text(kit, tmp_path, toy_cli):
-    """The student's GGUF (`toy export --format gguf` of final/) loads in llama.cpp, and
-    its greedy continuation of a prompt is toy's, token for token, for 16 tokens."""
+    """The student's GGUF (`toy export --format gguf` of final/) carries the teacher GGUF's
+    tokenizer keys whole, loads in llama.cpp, and its greedy continuation of a prompt is
+    toy's, token for token, for 16 tokens."""
     pytest.importorskip("llama_cpp")
     from helpers.llamacpp import _cpp_greedy, _llama
 
@@ -237,6 +238,12 @@ def test_the_shrunk_students_gguf_runs_in_llamacpp_to_toys_greedy_text(kit, tmp_
     gguf = tmp_path / "student.gguf"
     code, _, err = toy_cli("export", tmp_path / "g", "--format", "gguf", "--out", gguf)
     assert code == 0, err
+    from toy.formats.gguf_header import read_gguf_header
+
+    def tokenizer_keys(path):
+        return {k: v for k, v in read_gguf_header(path).metadata.items() if k.startswith("tok")}
+
+    assert tokenizer_keys(gguf) == tokenizer_keys(kit["teacher"])  # BOS rule, EOS, template
     base = read_base(gguf, "float32")
     assert base.config.n_layer == 3
     model = base.build_model()

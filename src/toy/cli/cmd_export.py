@@ -291,8 +291,9 @@ def run(args) -> int:
 
 
 def _export_model(r: _Run, args, dtype: str):
+    from toy.formats.checkpoint import read_json
     from toy.formats.gguf_write import write_model_gguf
-    from toy.formats.model_dir import load_model_dir
+    from toy.formats.model_dir import GGUF_TOKENIZER, load_model_dir
 
     out = _claim(r, args, _out_path(r, args, f"{r.name}-{dtype}.gguf"))
     model, meta, tok = load_model_dir(r.final)
@@ -305,8 +306,15 @@ def _export_model(r: _Run, args, dtype: str):
     template = meta.get("chat_template") if isinstance(meta.get("chat_template"), str) else None
     if template is None and (r.final / "chat_template.jinja").is_file():
         template = (r.final / "chat_template.jinja").read_text()
+    kv = None  # a GGUF's tokenizer keys, kept whole (a student of a GGUF teacher)
+    if (r.final / GGUF_TOKENIZER).is_file():
+        kv = read_json(r.final / GGUF_TOKENIZER)
+        if not isinstance(kv, dict) or not all(k.startswith("tokenizer.") for k in kv):
+            raise InputError(f"{r.final / GGUF_TOKENIZER}: not a GGUF's tokenizer keys")
     try:
-        return write_model_gguf(out, model, tok, dtype=dtype, chat_template=template, name=r.name)
+        return write_model_gguf(
+            out, model, tok, dtype=dtype, chat_template=template, name=r.name, tokenizer_kv=kv
+        )
     except UsageError as e:
         raise UsageError(f"{r.final}: {e.message}")
 

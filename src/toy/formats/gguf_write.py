@@ -530,13 +530,16 @@ def write_model_gguf(
     dtype: str = "f32",
     chat_template: str | None = None,
     name: str = "toy",
+    tokenizer_kv: dict[str, Any] | None = None,
 ) -> WriteReport:
-    """Dispatch on the model's architecture; anything but a decoder LM is refused."""
+    """Dispatch on the model's architecture; anything but a decoder LM is refused.
+    `tokenizer_kv`: a GGUF's `tokenizer.*` keys, copied as they are (a llama's)."""
     arch = getattr(getattr(model, "cfg", None), "arch", None)
     if isinstance(model, Llama):
         return write_llama_gguf(
-            path, model, tokenizer, dtype=dtype, chat_template=chat_template, name=name
-        )
+            path, model, tokenizer, dtype=dtype, chat_template=chat_template, name=name,
+            tokenizer_kv=tokenizer_kv,
+        )  # fmt: skip
     if isinstance(model, GPT2):
         return write_gpt2_gguf(
             path, model, tokenizer, dtype=dtype, chat_template=chat_template, name=name

@@ -1,5 +1,7 @@
 """A trained model directory (`final/`): `model.safetensors`, `config.json`,
-`tokenizer.json`. What `toy infer` and `toy export` read; `final_dir` finds it (or a
+`tokenizer.json`, and for a model whose tokenizer came from a GGUF (a distilled student of
+a GGUF teacher) `gguf_tokenizer.json`, that file's `tokenizer.*` keys, which a GGUF export
+copies whole. What `toy infer` and `toy export` read; `final_dir` finds it (or a
 LoRA run's adapter) from whatever directory the user names."""
 
 from __future__ import annotations
@@ -27,14 +29,21 @@ def model_state(model: nn.Module) -> dict[str, torch.Tensor]:
     return sd
 
 
+GGUF_TOKENIZER = "gguf_tokenizer.json"
+
+
 def save_model_dir(
     out: Path,
     model: nn.Module,
     extra: dict | None = None,
     tokenizer: Tokenizer | Path | None = None,
+    files: dict[str, dict] | None = None,
 ) -> None:
-    """Write atomically: `out` holds a complete model or nothing."""
+    """Write atomically: `out` holds a complete model or nothing. `files`: more JSON
+    files, by name."""
     with atomic_dir(out) as d:
+        for name, obj in (files or {}).items():
+            write_json(d / name, obj)
         save_tensors(d / "model.safetensors", model_state(model), metadata={"format": "pt"})
         write_json(d / "config.json", {"model": model.cfg.to_dict(), **(extra or {})})
         if isinstance(tokenizer, Tokenizer):

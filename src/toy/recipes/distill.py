@@ -50,7 +50,7 @@ from toy.errors import InputError, ToyError, UsageError
 from toy.formats.base import Base
 from toy.formats.base_readers import base_kind, read_base
 from toy.formats.hf_dir import base_fingerprint
-from toy.formats.model_dir import save_model_dir
+from toy.formats.model_dir import GGUF_TOKENIZER, save_model_dir
 from toy.formats.topk import TOPK_FILE, read_topk, write_topk
 from toy.models import registry
 from toy.models.losses import (
@@ -692,8 +692,14 @@ class DistillJob(Job):
             save_adapter(self.cfg, s.adapted, out)
             return
         extra = {"recipe": "distill", "train": self.config}
+        if s.base.chat_template:  # the teacher's: `toy export --format gguf` writes it
+            extra["chat_template"] = s.base.chat_template
         model = s.export() if s.export is not None else self.model
-        save_model_dir(out, model, extra=extra, tokenizer=s.base.tokenizer)
+        # A GGUF teacher's tokenizer keys as they are (its BOS rule, EOS, chat template):
+        # the student's GGUF gets them whole.
+        kv = {k: v for k, v in s.base.metadata.items() if k.startswith("tokenizer.")}
+        files = {GGUF_TOKENIZER: kv} if s.base.kind == "gguf" and kv else {}
+        save_model_dir(out, model, extra=extra, tokenizer=s.base.tokenizer, files=files)
 
 
 def prompt_side(cfg: RunConfig, student: Student, held: bool, notes: list[str]) -> Sampled:
