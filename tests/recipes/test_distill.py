@@ -401,3 +401,43 @@ def test_a_fresh_student_warm_started_from_the_teacher(kit, tmp_path, toy_cli):
         emb = model.embed_tokens.weight
     torch.testing.assert_close(emb, final["embed_tokens.weight"], atol=1e-6, rtol=1e-5)
     assert model(ids).shape == (1, 4, 402)
+
+
+def test_a_directory_teachers_student_is_written_as_a_directory(kit, tmp_path, toy_cli):
+    """A transformers-directory teacher (the tiny GGUF written as one): the shrunk student's
+    run exports as a transformers directory that transformers loads to toy's logits, and as
+    an MLX directory that mlx-lm loads to the same, the teacher's chat template and EOS
+    with it."""
+    import transformers
+
+    from toy.formats.base_readers import read_base
+    from toy.formats.dir_write import write_model_dir
+    from toy.formats.model_dir import load_model_dir
+
+    teacher = tmp_path / "teacher-hf"
+    write_model_dir(read_base(kit["teacher"], "quantized"), teacher, "transformers")
+    args = [a if a is not None else kit["chat"] for a in RUN]
+    r = run_toy("train", "--recipe", "distill", "--teacher", teacher, *args, "--keep-layers",
+                "2", "--steps", "3", "--out", tmp_path, "--run-id", "s")  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    model, meta, _ = load_model_dir(tmp_path / "s" / "final")
+    ids = [5, 17, 33, 90, 120]
+    with torch.no_grad():
+        want = model(torch.tensor([ids])).float()
+    code, out, err = toy_cli("export", tmp_path / "s", "--format", "transformers", "--out",
+                             tmp_path / "hf")  # fmt: skip
+    assert code == 0 and "transformers model" in out, err
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
+    with torch.no_grad():
+        got = hf(torch.tensor([ids])).logits
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert cfg["num_hidden_layers"] == 2 and cfg["eos_token_id"] == meta["special"]["eos"]
+    mx = pytest.importorskip("mlx.core")
+    from mlx_lm import load
+
+    code, out, err = toy_cli("export", tmp_path / "s", "--format", "mlx", "--out", tmp_path / "m")
+    assert code == 0 and "mlx_lm.generate --model" in out, err
+    m, _ = load(str(tmp_path / "m"))
+    got = torch.from_numpy(__import__("numpy").array(m(mx.array([ids]))))
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)

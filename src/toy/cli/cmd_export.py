@@ -148,10 +148,10 @@ def _check_request(r: _Run, args) -> str:
             raise UsageError(
                 f"{where}: arch {r.arch!r} cannot be exported to GGUF; supported: llama, gpt2"
             )
-        if fmt in ("mlx", "transformers"):
+        if fmt in ("mlx", "transformers") and r.arch != "llama":
             raise UsageError(
-                f"{where}: --format {fmt} writes a LoRA run's adapter or merged base; this is a "
-                f"full {r.arch} model: use --format gguf"
+                f"{where}: --format {fmt} writes llama models as a directory; this is a "
+                f"{r.arch} model: use --format gguf"
             )
     else:
         if fmt == "gguf" and not args.merge:
@@ -279,6 +279,8 @@ def run(args) -> int:
     if args.format in ("mlx", "transformers"):
         if args.merge:
             return _report_merged_dir(args, r, _export_merged_dir(r, args, dtype), dtype)
+        if r.kind == "model":
+            return _report(args, r, _export_model_dir(r, args), "")
         return _report(args, r, _export_mlx(r, args), "")
     if r.kind == "model":
         report = _export_model(r, args, dtype)
@@ -317,6 +319,35 @@ def _export_model(r: _Run, args, dtype: str):
         )
     except UsageError as e:
         raise UsageError(f"{r.final}: {e.message}")
+
+
+def _export_model_dir(r: _Run, args) -> Path:
+    """A full llama run (from-scratch, warm-start, a distilled student) as a transformers
+    or (unquantized) MLX directory: its weights in float32, config.json, its tokenizer with
+    the special tokens and chat template final/ records (a student: its teacher's)."""
+    from toy.formats.base import Specials
+    from toy.formats.dir_write import write_trained_dir
+    from toy.formats.model_dir import load_model_dir
+
+    out = _claim(r, args, _out_path(r, args, f"{r.name}-{args.format}"), marker="config.json")
+    model, meta, tok = load_model_dir(r.final)
+    if tok is None:
+        raise InputError(
+            f"{r.final}: no tokenizer.json, and a model directory needs its tokenizer; copy the "
+            f"corpus's NAME.tokenizer.json into {r.final / 'tokenizer.json'}"
+        )
+    sp = meta.get("special") if isinstance(meta.get("special"), dict) else {}
+    vocab = tok.get_vocab(with_added_tokens=True)
+    eos = sp.get("eos")
+    if eos is None:  # a model trained from scratch: its tokenizer's end-of-text token
+        eos = next((vocab[t] for t in ("<|endoftext|>", "</s>", "<|im_end|>") if t in vocab), None)
+    special = Specials(bos=sp.get("bos"), eos=eos, pad=sp.get("pad"))
+    template = meta.get("chat_template") if isinstance(meta.get("chat_template"), str) else None
+    try:
+        write_trained_dir(model, tok, special, template, out, args.format)
+    except UsageError as e:
+        raise UsageError(f"{r.final}: {e.message}")
+    return out
 
 
 def _load_adapter(r: _Run):
@@ -554,8 +585,12 @@ def _report(args, r: _Run, rep, dtype: str, notes: list[str] | None = None) -> i
             )
         else:
             what = {"peft": "PEFT adapter", "mlx": "mlx-lm adapter"}.get(args.format, "")
+            if r.kind == "model":
+                what = f"{args.format} model, float32"
             print(f"wrote {rep}/ ({what}: {', '.join(files)})")
-            if args.format == "mlx" and not args.merge:
+            if args.format == "mlx" and not args.merge and r.kind == "model":
+                print(f"  load it with mlx_lm.generate --model {rep}")
+            elif args.format == "mlx" and not args.merge:
                 print(f"  load it with mlx_lm.generate --model MLX_BASE --adapter-path {rep}")
             for note in notes or []:
                 print(f"  {note}")

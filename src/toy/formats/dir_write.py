@@ -16,6 +16,11 @@ transformers|mlx`), with toy's own readers and writers: no transformers, no mlx-
   re-quantized, so nothing of the model is lost: a 4-bit model requantized by
   `mlx_lm.convert -q` (groups of 64) answers much worse (scripts/make_smollm2_dirs.py).
 
+A trained model (a run's final/: from-scratch, warm-start, a distilled student) is
+written the same way by `write_trained_dir`: its float32 weights, the family's config.json,
+its tokenizer files; an MLX directory of it is unquantized (mlx-lm loads float weights as
+they are).
+
 The directory is written beside its final path and renamed into place: whole or nothing.
 """
 
@@ -32,9 +37,9 @@ import torch
 from safetensors.torch import save_file
 
 from toy.errors import UsageError
-from toy.formats.base import Base, QuantTensor
+from toy.formats.base import Base, QuantTensor, Specials
 from toy.formats.checkpoint import atomic_dir
-from toy.models import mlx_quant
+from toy.models import mlx_quant, registry
 from toy.models.family import BadConfig, hf_name
 from toy.models.quant import (
     Q4_0,
@@ -164,7 +169,8 @@ def write_model_dir(base: Base, out: Path, kind: str) -> DirReport:
         weights = tmp / "model.safetensors"
         _io(lambda: save_file(tensors, str(weights), metadata={"format": "pt"}), weights)
         _json(tmp / "config.json", config)
-        _tokenizer_files(base, tmp)
+        _tokenizer_files(tmp, base.tokenizer, base.special, base.chat_template,
+                         base.config.max_seq_len)  # fmt: skip
     return DirReport(out, kind, n_params, written)
 
 
@@ -188,10 +194,46 @@ def _json(path: Path, obj: dict) -> None:
     path.write_text(json.dumps(obj, indent=2) + "\n", encoding="utf-8")
 
 
-def _tokenizer_files(base: Base, d: Path) -> None:
+def write_trained_dir(
+    model: torch.nn.Module,
+    tokenizer,
+    special: Specials,
+    chat_template: str | None,
+    out: Path,
+    kind: str,
+) -> DirReport:
+    """A trained toy model (float weights) as a `kind` directory, replacing an earlier
+    `out` whole: the family's config.json (a UsageError where the family writes none), its
+    weights in float32 under HF's names, the tokenizer files."""
+    if kind not in KINDS:
+        raise UsageError(f"a model directory is one of {', '.join(KINDS)}, not {kind!r}")
+    cfg = model.cfg
+    fam = registry.family(cfg.arch)
+    if fam.hf_config_out is None:
+        raise UsageError(f"a {cfg.arch} model cannot be written as a model directory yet")
+    try:
+        config = fam.hf_config_out(cfg, cfg.arch)
+    except BadConfig as e:
+        raise UsageError(str(e))
+    config.update(bos_token_id=special.bos, eos_token_id=special.eos, pad_token_id=special.pad)
+    config["torch_dtype"] = "float32"
+    sd = model.state_dict()
+    if getattr(cfg, "tie_embeddings", False):
+        sd.pop("lm_head.weight", None)
+    tensors = {hf_name(k): v.detach().float().contiguous().cpu() for k, v in sd.items()}
+    n_params = sum(t.numel() for t in tensors.values())
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_dir(out) as tmp:
+        weights = tmp / "model.safetensors"
+        _io(lambda: save_file(tensors, str(weights), metadata={"format": "pt"}), weights)
+        _json(tmp / "config.json", config)
+        _tokenizer_files(tmp, tokenizer, special, chat_template, cfg.max_seq_len)
+    return DirReport(out, kind, n_params, Counter(float32=len(tensors)))
+
+
+def _tokenizer_files(d: Path, tok, sp: Specials, chat_template: str | None, max_len: int) -> None:
     """tokenizer.json, tokenizer_config.json, chat_template.jinja, generation_config.json:
     what transformers' AutoTokenizer, mlx-lm and toy's own reader take."""
-    tok, sp = base.tokenizer, base.special
     _io(lambda: tok.save(str(d / "tokenizer.json")), d / "tokenizer.json")
 
     def token(i: int | None) -> str | None:
@@ -204,11 +246,11 @@ def _tokenizer_files(base: Base, d: Path) -> None:
             "bos_token": token(sp.bos),
             "eos_token": token(sp.eos),
             "pad_token": token(sp.pad),
-            "model_max_length": base.config.max_seq_len,
+            "model_max_length": max_len,
             "clean_up_tokenization_spaces": False,
         },
     )
-    if base.chat_template:
-        (d / "chat_template.jinja").write_text(base.chat_template, encoding="utf-8")
+    if chat_template:
+        (d / "chat_template.jinja").write_text(chat_template, encoding="utf-8")
     gen = {"bos_token_id": sp.bos, "eos_token_id": sp.eos, "pad_token_id": sp.pad}
     _json(d / "generation_config.json", {k: v for k, v in gen.items() if v is not None})

@@ -692,8 +692,10 @@ class DistillJob(Job):
             save_adapter(self.cfg, s.adapted, out)
             return
         extra = {"recipe": "distill", "train": self.config}
-        if s.base.chat_template:  # the teacher's: `toy export --format gguf` writes it
+        if s.base.chat_template:  # the teacher's: `toy export` writes it
             extra["chat_template"] = s.base.chat_template
+        sp = s.base.special
+        extra["special"] = {"bos": sp.bos, "eos": sp.eos, "pad": sp.pad}
         model = s.export() if s.export is not None else self.model
         # A GGUF teacher's tokenizer keys as they are (its BOS rule, EOS, chat template):
         # the student's GGUF gets them whole.
