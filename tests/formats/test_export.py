@@ -531,6 +531,29 @@ def test_cli_export_lora_run_all_formats(lora_run, toy_cli, tmp_path, tok):
     assert read_gguf_header(tmp_path / "q.gguf").metadata["general.file_type"] == 7
 
 
+def test_an_ollama_modelfile_beside_every_gguf(lora_run, toy_cli, tmp_path):
+    """`toy export --format gguf` (merged) and `gguf-lora` write FILE.Modelfile beside the
+    GGUF: FROM the model (a LoRA GGUF: FROM its base, ADAPTER the adapter), the base's EOS
+    and turn markers as PARAMETER stop, and its ChatML template in Ollama's Go syntax; the
+    --json record and the text name it."""
+    run, base = lora_run["run"], lora_run["base"]
+    code, out, err = toy_cli("export", run, "--format", "gguf", "--merge", "--out",
+                             tmp_path / "m.gguf")  # fmt: skip
+    assert code == 0 and f"ollama create NAME -f {tmp_path / 'm.Modelfile'}" in out, err
+    text = (tmp_path / "m.Modelfile").read_text().splitlines()
+    assert text[0] == "FROM ./m.gguf"
+    assert 'PARAMETER stop "<|im_end|>"' in text
+    assert any(x.startswith('TEMPLATE """{{- range .Messages }}<|im_start|>') for x in text)
+    code, out, err = toy_cli("export", run, "--format", "gguf-lora", "--out", tmp_path / "a.gguf",
+                             "--json")  # fmt: skip
+    assert code == 0, err
+    mf = Path(json.loads(out)["modelfile"])
+    assert mf == tmp_path / "a.Modelfile"
+    text = mf.read_text().splitlines()
+    assert text[:2] == [f"FROM {base.resolve()}", "ADAPTER ./a.gguf"]
+    assert 'PARAMETER stop "<|im_end|>"' in text
+
+
 def test_cli_lora_base_override_and_missing_base(lora_run, toy_cli, tmp_path):
     import shutil
 

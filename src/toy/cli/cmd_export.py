@@ -314,11 +314,12 @@ def _export_model(r: _Run, args, dtype: str):
         if not isinstance(kv, dict) or not all(k.startswith("tokenizer.") for k in kv):
             raise InputError(f"{r.final / GGUF_TOKENIZER}: not a GGUF's tokenizer keys")
     try:
-        return write_model_gguf(
+        rep = write_model_gguf(
             out, model, tok, dtype=dtype, chat_template=template, name=r.name, tokenizer_kv=kv
         )
     except UsageError as e:
         raise UsageError(f"{r.final}: {e.message}")
+    return _with_modelfile(rep)
 
 
 def _export_model_dir(r: _Run, args) -> Path:
@@ -348,6 +349,14 @@ def _export_model_dir(r: _Run, args) -> Path:
     except UsageError as e:
         raise UsageError(f"{r.final}: {e.message}")
     return out
+
+
+def _with_modelfile(rep, base: Path | None = None):
+    """An Ollama Modelfile beside the GGUF written (formats/modelfile.py)."""
+    from toy.formats.modelfile import write_modelfile
+
+    rep.modelfile = write_modelfile(rep.path, base)
+    return rep
 
 
 def _load_adapter(r: _Run):
@@ -387,7 +396,7 @@ def _export_lora(r: _Run, args, dtype: str):
     rep.notes = (
         notes + rep.notes + [f"load it on {base} (llama.cpp: --lora; llama-cpp-python: lora_path=)"]
     )
-    return rep
+    return _with_modelfile(rep, Path(base))
 
 
 def _export_mlx(r: _Run, args) -> Path:
@@ -467,7 +476,7 @@ def _export_merged(r: _Run, args, dtype: str):
     except InputError as e:  # the adapter does not fit this base
         raise InputError(f"{r.final}: does not fit the base {base_path}: {e.message}")
     rep.notes = notes + rep.notes
-    return rep
+    return _with_modelfile(rep)
 
 
 def _export_peft(r: _Run, args) -> tuple[Path, list[str]]:
@@ -560,6 +569,8 @@ def _report_merged_dir(args, r: _Run, rep, dtype: str) -> int:
     print(f"wrote {rep.path}/ ({args.format} model, the adapter merged in: {', '.join(files)})")
     for note in rep.notes:
         print(f"  {note}")
+    if rep.modelfile is not None:
+        print(f"  Ollama: ollama create NAME -f {rep.modelfile}")
     return 0
 
 
@@ -614,6 +625,7 @@ def _report(args, r: _Run, rep, dtype: str, notes: list[str] | None = None) -> i
                     "n_params": rep.n_params,
                     "tensor_types": dict(rep.tensor_types.most_common()),
                     "notes": rep.notes,
+                    "modelfile": str(rep.modelfile) if rep.modelfile else None,
                     **(
                         {"update_kept": rep.update_kept, "update_error": rep.update_error}
                         if rep.update_kept is not None
@@ -633,4 +645,6 @@ def _report(args, r: _Run, rep, dtype: str, notes: list[str] | None = None) -> i
     )
     for note in rep.notes:
         print(f"  {note}")
+    if rep.modelfile is not None:
+        print(f"  Ollama: ollama create NAME -f {rep.modelfile}")
     return 0

@@ -96,6 +96,7 @@ class WriteReport:
     tensor_types: Counter = field(default_factory=Counter)
     n_params: int = 0
     notes: list[str] = field(default_factory=list)
+    modelfile: Path | None = None  # the Ollama Modelfile written beside it
     # A merged model, over its adapted tensors (W the base's, dW the adapter's update, V
     # what was written): the share of the update kept, <V - W, dW> / ||dW||^2 (1: all
     # of it, 0: rounded away), and the error, ||V - (W + dW)|| / ||dW|| (rounding noise
