@@ -16,6 +16,7 @@ taken as valid.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -247,10 +248,40 @@ def save_checkpoint(
         }
         rng_meta = _host_rng_meta()
         save_tensors(d / "rng.safetensors", rng_t)
+        # What each file holds, written last: a resume checks it (checkpoint_problem).
+        files = {f: file_sha256(d / f) for f in CHECKPOINT_FILES}
         write_json(
-            d / "state.json", {**state, "step": step, "optimizer": opt_meta, "rng": rng_meta}
+            d / "state.json",
+            {**state, "step": step, "optimizer": opt_meta, "rng": rng_meta, "files": files},
         )
     return final
+
+
+CHECKPOINT_FILES = ("model.safetensors", "optimizer.safetensors", "rng.safetensors")
+
+
+def file_sha256(path: Path) -> str:
+    with open(path, "rb") as fh:
+        return hashlib.file_digest(fh, "sha256").hexdigest()
+
+
+def checkpoint_problem(d: Path) -> str | None:
+    """What is wrong with checkpoint `d` (a file missing, or its bytes no longer the ones
+    written: state.json records each file's sha256), or None. A checkpoint written before
+    the digests were recorded is taken as it is."""
+    try:
+        state = read_json(d / "state.json")
+    except InputError:
+        return "its state.json is unreadable"
+    files = state.get("files") if isinstance(state, dict) else None
+    if not isinstance(files, dict):
+        return None
+    for name, digest in files.items():
+        if not (d / name).is_file():
+            return f"{name} is missing"
+        if file_sha256(d / name) != digest:
+            return f"{name}'s bytes changed since it was written"
+    return None
 
 
 def list_checkpoints(ckpt_root: Path) -> list[Path]:

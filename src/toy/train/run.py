@@ -26,7 +26,7 @@ import torch
 
 from toy import __version__
 from toy.errors import Interrupted, RunFailed, ToyError, UsageError
-from toy.formats.checkpoint import list_checkpoints, read_json
+from toy.formats.checkpoint import checkpoint_problem, list_checkpoints, read_json
 from toy.formats.hf_dir import same_base
 from toy.models import registry
 from toy.runs import (
@@ -427,7 +427,11 @@ def resume_run(
     json_mode: bool = False,
 ) -> Outcome:
     """`toy train --resume RUN`: its recorded config (only --steps may be raised, and the
-    device and --compile changed), from its latest checkpoint, in place."""
+    device and --compile changed), from its latest checkpoint, in place; or `--resume
+    RUN/checkpoints/step-N`: from that one (the checkpoints after it are set aside)."""
+    chosen = None
+    if run_dir.parent.name == "checkpoints" and (run_dir.parent.parent / "run.json").is_file():
+        chosen, run_dir = run_dir, run_dir.parent.parent
     if not (run_dir / "run.json").is_file():
         raise UsageError(
             f"--resume {run_dir}: no run.json there; give a run directory made by `toy train`"
@@ -459,7 +463,7 @@ def resume_run(
         raise UsageError(
             f"--resume {run_dir}: no checkpoint to resume from; train with --save-every N"
         )
-    last = ckpts[-1]
+    last = _intact(run_dir, ckpts, chosen)
     done = int(read_json(last / "state.json")["step"])
     cfg = saved
     if cli.get("steps") is not None:
@@ -553,6 +557,8 @@ def resume_run(
         )
     info["job"].update(moved)  # run.json names where the base is now
     run_cfg = run_cfg.with_derived(built.derived)
+    if d.is_main and last != ckpts[-1]:
+        _set_aside(ckpts, last)
     if d.is_main:  # run.json tells the truth about the run as it now stands
         info["config"] = cfg.to_dict()
         info["precision"] = {
@@ -583,6 +589,36 @@ def resume_run(
     return _execute(
         run_cfg, built, run_dir, device, precision, events, last, json_mode, recipe.figures
     )
+
+
+def _intact(run_dir: Path, ckpts: list[Path], chosen: Path | None) -> Path:
+    """The checkpoint to resume from (`chosen`, else the latest), checked against the
+    digests it was written with: a damaged one is one line naming it and the newest intact
+    one, which `--resume` then takes."""
+    if chosen is not None and chosen not in ckpts:
+        raise UsageError(
+            f"--resume {chosen}: not a complete checkpoint of {run_dir} (they are: "
+            f"{', '.join(c.name for c in ckpts) or 'none'})"
+        )
+    last = chosen or ckpts[-1]
+    why = checkpoint_problem(last)
+    if why is None:
+        return last
+    older = ckpts[: ckpts.index(last)]  # oldest first
+    good = next((c for c in reversed(older) if checkpoint_problem(c) is None), None)
+    then = (
+        f"the newest intact one is {good.name}: resume from it with `toy train --resume {good}`"
+        if good is not None
+        else "no earlier checkpoint is intact: start the run again"
+    )
+    raise UsageError(f"--resume {run_dir}: checkpoint {last.name} is damaged ({why}); {then}")
+
+
+def _set_aside(ckpts: list[Path], last: Path) -> None:
+    """The checkpoints after the one resumed from, renamed out of the way (kept, not
+    listed): the resumed run writes its own."""
+    for c in ckpts[ckpts.index(last) + 1 :]:
+        c.rename(c.with_name(f"{c.name}.set-aside-{int(time.time())}"))
 
 
 _DATA_KEYS = ("corpus", "data", "val_data")  # the job keys of data files (data_fingerprints)
