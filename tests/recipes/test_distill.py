@@ -190,6 +190,7 @@ def test_bad_input_is_one_line_before_any_work(kit, tmp_path, toy_cli):
         ),
         (["--keep-layers", "2", "--teacher-top-k", "402"], ["--teacher-top-k 402", "402 tokens"]),
         (["--keep-layers", "2", "--init", "donor"], ["--keep-layers and --init", "give one"]),
+        (["--keep-layers", "2", "--n-layer", "3"], ["--n-layer shape a fresh student"]),
         (
             ["--init", "pca", "--preset", "tiny", "--d-model", "128", "--n-head", "2"],
             ["--init pca", "--d-model 128", "width 64"],

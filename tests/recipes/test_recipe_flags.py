@@ -2,6 +2,7 @@
 used to be silently ignored), and a misspelt recipe gets a suggestion."""
 
 import pytest
+from helpers.common import run_toy
 
 
 @pytest.mark.parametrize(
@@ -48,3 +49,24 @@ def test_a_shared_flag_is_fine_on_any_recipe(toy_cli, tmp_path):
         tmp_path,
     )
     assert code == 0, err
+
+
+@pytest.mark.parametrize("recipe", ["lora", "dpo", "grpo"])
+def test_a_shape_flag_on_a_given_models_recipe_is_refused(recipe, toy_cli, tmp_path):
+    """--n-layer and --preset shape a fresh model; an adapter recipe trains --model's own
+    shape, so they were dropped in silence (run.json recorded "n_layer": 2): now one line,
+    exit 2, naming them and the recipes that read them, before any work; the recipe's
+    --help leaves them out."""
+    code, _, err = toy_cli("train", "--recipe", recipe, "--model", "m.gguf", "--data", "d.jsonl",
+                           "--preset", "tiny", "--n-layer", "2", "--out", tmp_path)  # fmt: skip
+    assert code == 2 and err.count("\n") == 1, err
+    assert "--preset, --n-layer" in err and "from-scratch" in err and f"the {recipe} recipe" in err
+    assert not any(tmp_path.iterdir())
+    r = run_toy("train", "--recipe", recipe, "--help")
+    assert r.returncode == 0 and "--n-layer" not in r.stdout and "--seq-len" in r.stdout
+
+
+def test_an_unknown_recipes_help_is_one_line():
+    r = run_toy("train", "--recipe", "lorra", "--help")
+    assert r.returncode == 2 and not r.stdout and r.stderr.count("\n") == 1, r
+    assert "did you mean 'lora'?" in r.stderr

@@ -11,6 +11,7 @@ from toy.cli.train_flags import general_flags
 from toy.recipes import RECIPES, load_recipe, recipe_names
 from toy.train.config import RunConfig
 from toy.train.flags import Flag
+from toy.train.recipe import SHAPE_KEYS
 
 DOC = "`toy train`: build a recipe's job, make the run directory, run the shared loop."
 
@@ -36,6 +37,10 @@ class RecipeHelp(argparse._HelpAction):
 
     def __call__(self, parser, namespace, values, option_string=None):
         name = getattr(namespace, "recipe", None)
+        if name is not None and name not in RECIPES:  # one line, as a run would say it
+            from toy.train.run import unknown_recipe
+
+            parser.exit(2, f"{parser.prog}: error: {unknown_recipe(name, RECIPES)}\n")
         if name in RECIPES:
             parser = recipe_parser(parser.prog, name)
         parser.print_help()
@@ -54,6 +59,8 @@ def recipe_parser(prog: str, name: str) -> argparse.ArgumentParser:
     for title, flags in general_flags(recipe_names()):
         g = p.add_argument_group(title)
         for f in flags:
+            if f.key in SHAPE_KEYS and not recipe.shape:  # it trains a given model's shape
+                continue
             value = recipe.defaults.get(f.key, base.get(f.key))
             shown = None if f.shown is not None or value is None else str(value)
             if f.shown is None and f.key == "seq_len" and value is None:

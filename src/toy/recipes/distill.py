@@ -260,6 +260,13 @@ def check(cfg: RunConfig) -> list[str]:
         )
         if given
     ]
+    shaped = [k for k in ("preset", "n_layer", "d_model", "n_head", "n_kv_head") if getattr(cfg, k)]
+    if shaped and not cfg.init:
+        flags = ", ".join("--" + k.replace("_", "-") for k in shaped)
+        p.append(
+            f"{flags} shape a fresh student: add --init donor|pca|scratch, or drop {flags} (a "
+            "shrunk or LoRA student has its model's own shape)"
+        )
     if len(kinds) > 1:
         p.append(
             f"{' and '.join(kinds)} are {len(kinds)} students: give one (--model: a LoRA adapter "

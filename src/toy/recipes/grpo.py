@@ -652,4 +652,5 @@ RECIPE = Recipe(
     check=check,
     batch_unit=lambda cfg: "batches",
     figures=FIGURES,
+    shape=False,
 )

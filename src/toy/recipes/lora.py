@@ -106,4 +106,5 @@ RECIPE = Recipe(
     flags=adapter_flags(DATA_HELP),
     check=check_opts,
     batch_unit=batch_unit,
+    shape=False,
 )

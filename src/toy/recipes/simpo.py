@@ -81,4 +81,5 @@ RECIPE = Recipe(
     check=check_pair_opts,
     batch_unit=batches_unit,
     figures=PAIR_FIGURES,
+    shape=False,
 )

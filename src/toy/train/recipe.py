@@ -72,6 +72,10 @@ def _rows(cfg: RunConfig) -> str:
     return "rows"
 
 
+# The general flags that shape a fresh model.
+SHAPE_KEYS = ("arch", "preset", "n_layer", "d_model", "n_head", "n_kv_head")
+
+
 @dataclass(frozen=True)
 class Recipe:
     name: str
@@ -90,6 +94,10 @@ class Recipe:
     batch_unit: Callable[[RunConfig], str] = _rows
     # The figures its job reports beside the loss (what the tools show of them).
     figures: tuple[Figure, ...] = ()
+    # Whether it builds a fresh model from the shape flags (SHAPE_KEYS); a recipe that
+    # trains a given model's own shape (an adapter on --model) refuses them and its help
+    # leaves them out.
+    shape: bool = True
 
     def own(self) -> tuple[Flag, ...]:
         """The flags that are config keys of this recipe's (not aliases of general flags)."""

@@ -53,7 +53,7 @@ from toy.train.device import (
 from toy.train.job import Built
 from toy.train.loop import TrainResult, train
 from toy.train.progress import Reporter, TextReporter
-from toy.train.recipe import Figure, Recipe
+from toy.train.recipe import SHAPE_KEYS, Figure, Recipe
 from toy.train.report import attach as attach_report
 from toy.train.report import check_report_to
 
@@ -164,6 +164,15 @@ def resolve_config(cli: dict[str, Any], project: Project, recipes: dict[str, Rec
         raise UsageError(unknown_recipe(name, recipes))
     recipe = recipes[name]
     check_recipe_flags(name, cli, recipes)
+    if not recipe.shape:  # a given model's own shape: a shape flag would be dropped in silence
+        given = [k for k in SHAPE_KEYS if cli.get(k) is not None]
+        if given:
+            takers = ", ".join(n for n, r in recipes.items() if r.shape)
+            flags = ", ".join("--" + k.replace("_", "-") for k in given)
+            raise UsageError(
+                f"{flags}: the {name} recipe trains --model's own shape, so it reads no shape "
+                f"flag (those build a fresh model: {takers}); drop {flags}"
+            )
     others = {f.key for r in recipes.values() for f in r.own()}
     many = {f.key for f in recipe.own() if f.many}
     cfg = recipe.typed(
