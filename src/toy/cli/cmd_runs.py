@@ -22,6 +22,7 @@ HEADERS = (
     "steps",
     "train loss",
     "val loss",
+    "held-out",
     "tokens/s",
     "wall",
     "status",
@@ -79,6 +80,8 @@ def summarize(run_dir: Path) -> dict[str, Any]:
         "target_steps": None,
         "loss": None,
         "val_loss": None,
+        "held_out": None,  # the recipe's headline figure at its latest evaluation
+        "held_out_step": None,
         "items_per_s": None,
         "items": None,
         "tokens_per_s": None,
@@ -86,6 +89,7 @@ def summarize(run_dir: Path) -> dict[str, Any]:
         "segments": 0,
         "status": "unknown",
     }
+    headline = _headline(info.get("recipe"))
     recorded = info.get("config") if isinstance(info.get("config"), dict) else info.get("train")
     if isinstance(recorded, dict):
         row["target_steps"] = recorded.get("steps")
@@ -99,7 +103,12 @@ def summarize(run_dir: Path) -> dict[str, Any]:
                 if k.endswith("_per_s") and _num(v) is not None:
                     row["items"], row["items_per_s"] = k[: -len("_per_s")], _num(v)
         elif kind == "eval":
-            row["val_loss"] = _num(e.get("val_loss"))
+            if "val_loss" in e:
+                row["val_loss"] = _num(e.get("val_loss"))
+            key = next((k for k in headline if k in e), None)
+            if key is not None:
+                row["held_out"] = {key: _num(e[key])}
+                row["held_out_step"] = e.get("step")
         elif kind == "run_finished":
             for k, v in e.items():
                 if (
@@ -116,6 +125,15 @@ def summarize(run_dir: Path) -> dict[str, Any]:
     if not info and not events:
         row["status"] = "unknown"
     return row
+
+
+def _headline(recipe: Any) -> list[str]:
+    """The keys of the held-out figures a recipe ends its done line with (Figure.final:
+    GRPO's reward, DPO's accuracy, distill's agreement), else the validation loss."""
+    from toy.recipes import RECIPES, load_recipe
+
+    figures = load_recipe(recipe).figures if recipe in RECIPES else ()
+    return [f.key for f in figures if f.final] + ["val_loss"]
 
 
 def segment_walls(events: list[dict]) -> list[float | None]:
@@ -178,17 +196,27 @@ def cells(r: dict[str, Any]) -> list[str]:
         steps,
         _fmt(r["loss"], "loss"),
         _fmt(r["val_loss"], "loss"),
+        _held_out(r),
         speed,
         _fmt(r["wall_s"], "wall"),
         r["status"],
     ]
 
 
+def _held_out(r: dict[str, Any]) -> str:
+    """The latest evaluation's headline figure and its step: `reward 0.126 @20`."""
+    if not r["held_out"]:
+        return "-"
+    ((key, v),) = r["held_out"].items()
+    name = "val loss" if key == "val_loss" else key
+    return f"{name} {'-' if v is None else f'{v:.4g}'} @{r['held_out_step']}"
+
+
 def plain_table(rows: list[list[str]]) -> str:
     """Columns padded to their widest cell; numbers right-aligned."""
     table = [list(HEADERS), *rows]
     widths = [max(len(r[i]) for r in table) for i in range(len(HEADERS))]
-    right = {4, 5, 6, 7, 8}
+    right = {4, 5, 6, 8, 9}
     lines = []
     for r in table:
         lines.append(

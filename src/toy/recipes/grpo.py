@@ -18,7 +18,10 @@ between them reuses it too. Advantages are set once every micro-batch of the ste
 
 from __future__ import annotations
 
+import json
+import math
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -205,7 +208,9 @@ CHUNK = 8
 DEFAULTS = {**ADAPTER_DEFAULTS, "batch_size": 4, "lr": 5e-5, "min_lr": 5e-6, "warmup": 0}
 # The reward on the done line and in --json's val_rewards (each function's beside it).
 FIGURES = (
-    Figure("reward", "held-out mean reward", final=True, json_key="val_rewards", every=True),
+    Figure(
+        "reward", "held-out mean reward", final=True, json_key="val_rewards", every=True, plot=True
+    ),
 )
 
 
@@ -235,6 +240,7 @@ class StepStats:
     lengths: list = field(default_factory=list)
     cut: list = field(default_factory=list)  # True: cut at --max-completion-length
     stats: list = field(default_factory=list)  # grpo_token_losses' stats a micro-batch
+    metrics: dict = field(default_factory=dict)  # a reward's log_metric name -> its values
 
     def add_batch(self, b: dict[str, torch.Tensor], names: list[str]) -> None:
         """A micro-batch's completions: their rewards (each function's, `names` in order),
@@ -244,6 +250,9 @@ class StepStats:
             self.funcs.setdefault(name, []).extend(b[f"fig.func{j}"].tolist())
         self.lengths += b["fig.length"].tolist()
         self.cut += b["fig.cut"].tolist()
+        for k, v in b.items():
+            if k.startswith(METRIC):
+                self.metrics.setdefault(k.removeprefix(METRIC), []).extend(v.tolist())
 
     def add_loss(self, stats: dict[str, torch.Tensor]) -> None:
         """grpo_token_losses' statistics of a micro-batch (detached)."""
@@ -252,15 +261,17 @@ class StepStats:
     def take(self) -> dict[str, float]:
         """The step's figures over every process's completions (a collective: every rank
         calls it after each step), then empty for the next step."""
-        mine = (self.rewards, self.funcs, self.lengths, self.cut, self._token_sums())
+        mine = (self.rewards, self.funcs, self.lengths, self.cut, self._token_sums(), self.metrics)
         self.__init__()
-        rewards, funcs, lengths, cut, sums = [], {}, [], [], {}
-        for r, f, n, c, t in dist.all_gather(mine):
+        rewards, funcs, lengths, cut, sums, metrics = [], {}, [], [], {}, {}
+        for r, f, n, c, t, m in dist.all_gather(mine):
             rewards += r
             lengths += n
             cut += c
             for name, vals in f.items():
                 funcs.setdefault(name, []).extend(vals)
+            for name, vals in m.items():
+                metrics.setdefault(name, []).extend(vals)
             for key, v in t.items():
                 sums[key] = sums.get(key, 0.0) + v
         if not rewards:
@@ -283,6 +294,8 @@ class StepStats:
         for key, name in (("clip_ratio/region", "clip_ratio"), ("kl", "kl")):
             if key in sums:
                 out[name] = sums[key] / tokens
+        for name, vals in metrics.items():  # what the reward functions' log_metric said
+            out.setdefault(name, _nanmean(vals))
         return out
 
     def _token_sums(self) -> dict[str, float]:
@@ -404,6 +417,9 @@ class GRPOJob(AdapterJob):
         self.n_batches = self.batches.n_batches
         self.generations = Generations(cfg.num_iterations)
         self.stats = StepStats()
+        self.completions = CompletionLog(None)
+        self.shown: list[dict] = []  # the last sampled batch's completions, as rows
+        self.done = 0  # the step of the latest batches made (0: none yet)
 
     # ------------------------------------------------------------ batches
 
@@ -413,11 +429,14 @@ class GRPOJob(AdapterJob):
 
     def micro_batch(self, k: int, live=None) -> dict[str, torch.Tensor]:
         s, m = divmod(k, self.accum)  # optimizer step (0-based), micro-batch within it
+        self.done = s + 1  # the step these batches are for (an evaluation after it: its)
         b = self.generations.get(s, m)
         if b is None:
             gen = self.generations.of(s) // self.generations.reuse  # the generation's number
             b = self.sample(self.prompts_of(gen * self.accum + m), live, s + 1)
             self.generations.keep(m, b)
+            if m == 0:  # the first micro-batch's first few, a fresh generation's
+                self.completions.write(s + 1, "train", self.shown[:SHOWN])
         self.stats.add_batch(b, [r.name for r in self.rewards])  # a reused one's again
         return b
 
@@ -441,8 +460,12 @@ class GRPOJob(AdapterJob):
         cols = {
             k: [v for v in vs for _ in range(G)] for k, vs in columns([p for p, _ in group]).items()
         }
-        per_func, total = self.score([p.value for p in prompts], comps, cols, step)
+        logs = Logs()
+        per_func, total, texts = self.score([p.value for p in prompts], comps, cols, step, logs)
+        self.shown = shown_rows(prompts, texts, total, per_func, self.rewards, logs)
         b = completion_rows([ids for _, ids in group for _ in range(G)], comps, self.pad)
+        for name, vals in logs.metrics.items():  # ride in the batch, as every figure does
+            b[METRIC + name] = torch.tensor([float(v) for v in vals], dtype=torch.float64)
         # The figures ride in the batch: a reused generation (--num-iterations), kept in a
         # checkpoint, shows the same ones again after a resume.
         b["fig.reward"] = torch.tensor(total, dtype=torch.float32).double()
@@ -461,17 +484,19 @@ class GRPOJob(AdapterJob):
         )
         return b
 
-    def score(self, prompts: list, comps: list, cols: dict, step: int):
-        """(each reward's values, the weighted total) of completions `comps`."""
+    def score(self, prompts: list, comps: list, cols: dict, step: int, logs: Logs):
+        """(each reward's values, the weighted total, the texts) of completions `comps`;
+        what the reward functions log goes to `logs`."""
         texts = [self.tok.decode(c.ids, skip_special_tokens=True) for c in comps]
         try:
-            return score(
+            per_func, total = score(
                 self.rewards, prompts, texts, [c.ids for c in comps], cols,
-                self.reward_state, Logs(),
+                self.reward_state, logs,
             )  # fmt: skip
         except ToyError as e:  # a reward function's: say when it came
             e.step = step
             raise
+        return per_func, total, texts
 
     def whole_step(self, batches: list[dict]) -> list[dict]:
         """The advantages of a step's new generation, once every micro-batch of every
@@ -530,12 +555,28 @@ class GRPOJob(AdapterJob):
             )  # fmt: skip
         comps = [g[0] for g in groups]
         cols = columns([p for p, _ in val])
-        per_func, total = self.score([p.value for p, _ in val], comps, cols, self.step_now())
+        logs = Logs()
+        prompts = [p for p, _ in val]
+        per_func, total, texts = self.score(
+            [p.value for p in prompts], comps, cols, self.step_now(), logs
+        )
+        self.completions.write(
+            self.done,
+            "eval",
+            shown_rows(prompts, texts, total, per_func, self.rewards, logs),
+        )  # every held-out prompt's greedy completion
         out = {"reward": _nanmean(total)}
         for r, vals in zip(self.rewards, per_func):
             out[r.name] = _nanmean(vals)
+        for name, vals in logs.metrics.items():
+            out.setdefault(name, _nanmean([float(v) for v in vals]))
         out["completion_length"] = float(np.mean([len(c.ids) for c in comps]))
         return out
+
+    def bind(self, device, precision, run_dir=None) -> None:
+        super().bind(device, precision, run_dir)
+        if run_dir is not None and self.d.is_main:
+            self.completions = CompletionLog(run_dir / COMPLETIONS)
 
     def step_now(self) -> int:
         return self.reward_state.global_step + 1
@@ -547,6 +588,49 @@ class GRPOJob(AdapterJob):
 
     def load_state(self, states: list[dict[str, torch.Tensor]]) -> None:
         self.generations.load_state(states, self.accum, self.d)
+
+
+METRIC = "fig.metric."  # a batch's values of a reward's log_metric(name, value)
+COMPLETIONS = "completions.jsonl"
+SHOWN = 4  # completions of each step written to completions.jsonl
+
+
+def shown_rows(prompts, texts, total, per_func, rewards, logs) -> list[dict]:
+    """Each completion as completions.jsonl shows it: its prompt, its text, its reward
+    and each function's, and what the reward functions' log_extra gave it."""
+    rows = []
+    for i, (p, text) in enumerate(zip(prompts, texts)):
+        row = {
+            "prompt": p.value,
+            "completion": text,
+            "reward": _finite(total[i]),
+            "rewards": {r.name: _finite(v[i]) for r, v in zip(rewards, per_func)},
+        }
+        extra = {k: v[i] for k, v in logs.extra.items() if len(v) == len(texts)}
+        if extra:
+            row["extra"] = extra
+        rows.append(row)
+    return rows
+
+
+def _finite(v: float) -> float | None:
+    return float(v) if math.isfinite(v) else None
+
+
+class CompletionLog:
+    """completions.jsonl in the run directory (the main process's): the first few
+    completions of each step and every held-out prompt's greedy completion at each
+    evaluation, with their rewards: what the policy writes, beside what it is paid."""
+
+    def __init__(self, path: Path | None):
+        self.path = path
+
+    def write(self, step: int, split: str, rows: list[dict]) -> None:
+        if self.path is None or not rows:
+            return
+        with open(self.path, "a", encoding="utf-8") as fh:
+            for row in rows:
+                fh.write(json.dumps({"step": step, "split": split, **row}, default=str) + "\n")
 
 
 def _nanmean(values) -> float:
