@@ -1,9 +1,10 @@
-"""What GRPO learns is visible (issue 58, item 1), through the command line on a tiny
-llama GGUF and arithmetic prompts: completions.jsonl holds the first completions of each
-step and every held-out prompt's greedy completion at each evaluation, with the total and
-each function's reward and what the reward's log_extra gave it; a reward's log_metric
-values are step and evaluation figures (step line, events, --json); `toy runs` shows the
-held-out reward and its step; `toy plot` draws it."""
+"""What a run learnt is visible (issue 58, items 1 and 8). GRPO, through the command line
+on a tiny llama GGUF and arithmetic prompts: completions.jsonl holds the first completions
+of each step and every held-out prompt's greedy completion at each evaluation, with the
+total and each function's reward and what the reward's log_extra gave it; a reward's
+log_metric values are step and evaluation figures (step line, events, --json); `toy runs`
+shows the held-out reward and its step; `toy plot` draws it. `toy describe RUN` describes
+a run."""
 
 from __future__ import annotations
 
@@ -61,3 +62,19 @@ def test_completions_metrics_runs_and_plot_show_what_grpo_learns(tmp_path, toy_c
 
     ((fig, curve),) = figure_curves(tmp_path / "g")  # the curve the plot draws
     assert fig.key == "reward" and curve == [(v["step"], v["reward"]) for v in res["val_rewards"]]
+
+
+def test_describe_takes_a_run_directory(tmp_path, toy_cli):
+    """`toy describe RUN` (it was refused: "not a model directory") says what trained,
+    its status and held-out figure, what final/ holds and its exports."""
+    from helpers.runs import TINY
+
+    r = run_toy("train", *TINY, "--steps", "2", "--out", tmp_path, "--run-id", "s")
+    assert r.returncode == 0, r.stderr[-2000:]
+    code, out, err = toy_cli("describe", tmp_path / "s")
+    assert code == 0, err
+    assert "from-scratch" in out and "2 of 2, finished" in out and "a model" in out
+    assert "val loss" in out and "at step 2" in out
+    code, out, err = toy_cli("describe", tmp_path / "s", "--json")
+    d = json.loads(out)
+    assert d["type"] == "run" and d["steps"] == 2 and d["status"] == "finished"

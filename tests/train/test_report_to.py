@@ -193,10 +193,12 @@ def test_plot_draws_the_panels_and_watch_redraws_until_the_run_ends(corpus, tmp_
     assert r.returncode == 0, r.stderr
     w, h = Image.open(tmp_path / "p.png").size
     assert (w, h) == (960, (5 + 2 * 2.2) * 120)  # the loss and two rows of two panels
-    from toy.cli.cmd_plot import PANELS, step_series
+    from toy.cli.cmd_plot import PANELS, step_series, unit_of
 
     for title, keys, scale in PANELS:
         assert step_series(tmp_path / "p", keys, scale), title  # each panel has its curve
+    keys = next(k for t, k, _ in PANELS if t.startswith("throughput"))
+    assert unit_of([tmp_path / "p"], keys) == "tokens"  # the panel says "throughput (tokens/s)"
     # A live run: --watch draws it again while it goes, and ends when it closes. The run is
     # long and is stopped (Ctrl-C) only once the watch has redrawn, so a fast machine cannot
     # finish it before the first redraw (400 steps once did, under a loaded suite).

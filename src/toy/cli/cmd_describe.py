@@ -2,8 +2,10 @@
 dequantized): a GGUF's or a transformers / MLX directory's architecture, size, tensor
 types, memory as a LoRA base and tokenizer, or a llama.cpp LoRA adapter's rank, alpha,
 target tensors and base architecture, or a PEFT or mlx-lm adapter directory's (read as
-infer and export read it). A model toy cannot load (or an adapter llama.cpp
-could not apply) is still described, then refused (exit 2) with the reason."""
+infer and export read it), or a run directory's (what trained, its status and held-out
+figure, what final/ holds, its exports), as infer and export take a run. A model toy
+cannot load (or an adapter llama.cpp could not apply) is still described, then refused
+(exit 2) with the reason."""
 
 from __future__ import annotations
 
@@ -24,8 +26,8 @@ def add_parser(sub) -> None:
     p.add_argument(
         "model",
         metavar="FILE.gguf|DIR",
-        help="a GGUF model, a LoRA adapter GGUF, a transformers or MLX model directory, or a "
-        "PEFT or mlx-lm adapter directory",
+        help="a GGUF model, a LoRA adapter GGUF, a transformers or MLX model directory, a "
+        "PEFT or mlx-lm adapter directory, or a run directory",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
@@ -60,6 +62,8 @@ def _shape(arch: str, hp: dict) -> list[str]:
 def run(args) -> int:
     from toy.formats.base_readers import base_kind, describe_base
 
+    if Path(args.model).is_dir() and (Path(args.model) / "run.json").is_file():
+        return _run_dir(args)
     if Path(args.model).is_dir() and (Path(args.model) / "adapter_config.json").is_file():
         return _adapter_dir(args)
     kind = base_kind(args.model)
@@ -279,4 +283,60 @@ def _verdict(d: dict) -> int:
             f"{d['load_error']} (toy infer and train refuse it; "
             "re-convert or re-download the model)"
         )
+    return 0
+
+
+def _run_dir(args) -> int:
+    """A run directory: its recipe, shape, steps and status (`toy runs`' row), its base,
+    what final/ holds and the files under export/, each export's step."""
+    from toy.cli.cmd_runs import summarize
+    from toy.formats.checkpoint import read_json
+
+    d = Path(args.model)
+    row = summarize(d)
+    info = read_json(d / "run.json")
+    job = info.get("job") if isinstance(info.get("job"), dict) else {}
+    final = d / "final"
+    if (final / "adapter_config.json").is_file():
+        holds = "a LoRA adapter (PEFT)"
+    elif (final / "config.json").is_file():
+        holds = "a model (config.json, model.safetensors)"
+    else:
+        holds = None
+    exports = sorted(p.name for p in (d / "export").iterdir()) if (d / "export").is_dir() else []
+    out = {
+        "path": str(d),
+        "type": "run",
+        "recipe": row["recipe"],
+        "arch": row["arch"],
+        "params": row["params"],
+        "steps": row["steps"],
+        "target_steps": row["target_steps"],
+        "status": row["status"],
+        "base": next(
+            (job[k] for k in ("model", "teacher", "donor") if isinstance(job.get(k), str)), None
+        ),
+        "held_out": row["held_out"],
+        "held_out_step": row["held_out_step"],
+        "final": holds,
+        "exports": exports,
+    }
+    if args.json:
+        print(json.dumps({"format": "toy/describe-v1", **out}))
+        return 0
+    steps = f"{row['steps'] or 0} of {row['target_steps']}" if row["target_steps"] else "-"
+    lines = [f"{d}  (a toy run)", _row("recipe", f"{row['recipe']}, {row['arch']}")]
+    if row["params"]:
+        lines.append(_row("parameters", f"{row['params']:,}"))
+    lines.append(_row("steps", f"{steps}, {row['status']}"))
+    if out["base"]:
+        lines.append(_row("base", str(out["base"])))
+    if row["held_out"]:
+        ((k, v),) = row["held_out"].items()
+        k = "val loss" if k == "val_loss" else k
+        lines.append(_row("held-out", f"{k} {v:.4g} at step {row['held_out_step']}"))
+    lines.append(_row("final/", holds or "none yet (resume the run to finish it)"))
+    if exports:
+        lines.append(_row("export/", ", ".join(exports)))
+    print("\n".join(lines))
     return 0

@@ -50,7 +50,7 @@ def add_parser(sub) -> None:
 # The panels under the loss: (title, the step events' key or keys, a scale on the value).
 PANELS = (
     ("learning rate", ("lr",), 1.0),
-    ("throughput (/s)", ("tokens_per_s", "completion_tokens_per_s", "pairs_per_s",
+    ("throughput ({unit}/s)", ("tokens_per_s", "completion_tokens_per_s", "pairs_per_s",
                          "images_per_s", "examples_per_s"), 1.0),
     ("peak memory (GB)", ("peak_mem_bytes",), 1e-9),
     ("gradient norm", ("grad_norm",), 1.0),
@@ -70,6 +70,20 @@ def step_series(run_dir: Path, keys: tuple[str, ...], scale: float) -> list[tupl
                 got[e["step"]] = float(e[k]) * scale
                 break
     return sorted(got.items())
+
+
+def unit_of(dirs: list[Path], keys: tuple[str, ...]) -> str:
+    """What a throughput panel counts, in words: the first of `keys` the runs' step events
+    hold ("tokens_per_s" -> "tokens"); "items" where the runs count different things."""
+    found = {
+        k.removesuffix("_per_s").replace("_", " ")
+        for d in dirs
+        for e in read_events(d)
+        if e.get("event") == "step"
+        for k in keys
+        if k in e
+    }
+    return found.pop() if len(found) == 1 else "items"
 
 
 def finished(run_dir: Path) -> bool:
@@ -188,7 +202,10 @@ def draw(args, note: str = "") -> None:
     except ImportError:
         raise UsageError(f"toy plot needs matplotlib, which is not installed; {INSTALL}")
 
-    panels = [(title, [step_series(d, keys, sc) for d in dirs]) for title, keys, sc in PANELS]
+    panels = [
+        (title.format(unit=unit_of(dirs, keys)), [step_series(d, keys, sc) for d in dirs])
+        for title, keys, sc in PANELS
+    ]
     panels = [(title, series) for title, series in panels if any(series)]
     rows = (len(panels) + 1) // 2
     fig = Figure(figsize=(8, 5 + 2.2 * rows), dpi=120)
