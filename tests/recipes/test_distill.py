@@ -299,14 +299,19 @@ def test_on_policy_batches_are_the_students_or_the_teachers_samples(kit, tmp_pat
     assert all(0 < s["completion_length"] <= 12 for s in steps), steps
 
 
-def test_two_processes_give_one_process_steps(kit, tmp_path):
+@pytest.mark.parametrize("batches", ["mixed", "kept"])
+def test_two_processes_give_one_process_steps(kit, tmp_path, batches):
     """On-policy and data batches mixed (--lmbda 0.5): which micro-batch is sampled, its
     prompts and its generator follow the global micro-batch index, so one process
     accumulating two micro-batches and two processes of one each take the same steps,
-    within float32's order."""
-    common = ["--keep-layers", "2", "--steps", "4", "--prompts", str(kit["prompts"]),
-              "--lmbda", "0.5", "--max-completion-length", "12", "--precision", "float32",
-              "--lr", "1e-3"]  # fmt: skip
+    within float32's order. The teacher kept as its top K: the main process makes the
+    file, the other reads it."""
+    common = ["--keep-layers", "2", "--steps", "4", "--precision", "float32", "--lr", "1e-3"]
+    if batches == "mixed":
+        common += ["--prompts", str(kit["prompts"]), "--lmbda", "0.5",
+                   "--max-completion-length", "12"]  # fmt: skip
+    else:
+        common += ["--teacher-top-k", "8"]
     one = distill(kit, tmp_path, "one", *common, "--grad-accum", "2")
     two = distill(kit, tmp_path, "two", *common, "--nproc", "2")
     assert one.returncode == 0, one.stderr[-3000:]

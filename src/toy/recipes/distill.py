@@ -494,18 +494,22 @@ class KeptTeacher:
         self.t: dict[str, torch.Tensor] = {}
 
     def load_or_make(self, path: Path | None, teacher, device, precision) -> None:
+        """The kept file where it matches, else made and written: by the main process,
+        which alone decides; the others read what it left (after a barrier every process
+        passes, whatever it found)."""
         d = dist.info()
-        t, why = read_topk(path, self.meta) if path is not None else (None, "")
-        if t is None:
-            if d.is_main or path is None:
+        t = None
+        if d.is_main or path is None:
+            t, _ = read_topk(path, self.meta) if path is not None else (None, "")
+            if t is None:
                 t = self.make(teacher, device, precision)
                 if path is not None:
                     write_topk(path, t, self.meta)
-            dist.barrier()
-            if t is None:  # another rank: the main one's file
-                t, why = read_topk(path, self.meta)
-                if t is None:
-                    raise ToyError(f"{path}: {why} (made by rank 0 a moment ago)")
+        dist.barrier()
+        if t is None:  # another process: the main one's file
+            t, why = read_topk(path, self.meta)
+            if t is None:
+                raise ToyError(f"{path}: {why} (written by the main process a moment ago)")
         self.t = t
 
     @torch.no_grad()
