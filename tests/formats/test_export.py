@@ -541,7 +541,7 @@ def test_an_ollama_modelfile_beside_every_gguf(lora_run, toy_cli, tmp_path):
                              tmp_path / "m.gguf")  # fmt: skip
     assert code == 0 and f"ollama create NAME -f {tmp_path / 'm.Modelfile'}" in out, err
     text = (tmp_path / "m.Modelfile").read_text().splitlines()
-    assert text[0] == "FROM ./m.gguf"
+    assert text[1] == "FROM ./m.gguf"
     assert 'PARAMETER stop "<|im_end|>"' in text
     assert any(x.startswith('TEMPLATE """{{- range .Messages }}<|im_start|>') for x in text)
     code, out, err = toy_cli("export", run, "--format", "gguf-lora", "--out", tmp_path / "a.gguf",
@@ -550,8 +550,13 @@ def test_an_ollama_modelfile_beside_every_gguf(lora_run, toy_cli, tmp_path):
     mf = Path(json.loads(out)["modelfile"])
     assert mf == tmp_path / "a.Modelfile"
     text = mf.read_text().splitlines()
-    assert text[:2] == [f"FROM {base.resolve()}", "ADAPTER ./a.gguf"]
+    assert text[1:3] == [f"FROM {base.resolve()}", "ADAPTER ./a.gguf"]
     assert 'PARAMETER stop "<|im_end|>"' in text
+    mine = tmp_path / "b.Modelfile"  # a user's own file of that name is left alone
+    mine.write_text("FROM llama3\n")
+    code, out, err = toy_cli("export", run, "--format", "gguf-lora", "--out", tmp_path / "b.gguf")
+    assert code == 0 and "not one toy wrote" in out, err
+    assert mine.read_text() == "FROM llama3\n"
 
 
 def test_cli_lora_base_override_and_missing_base(lora_run, toy_cli, tmp_path):

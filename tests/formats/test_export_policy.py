@@ -162,7 +162,9 @@ def test_an_existing_output_needs_force(gguf_run, toy_cli, tmp_path, fmt, name):
     assert {f: f.stat().st_mtime_ns for f in files} == stamp  # untouched
     code, o, err = toy_cli("export", gguf_run["run"], *fmt, "--out", out, "--force")
     assert code == 0, err
-    assert sorted(p.name for p in tmp_path.iterdir()) == [name]  # no temp or old copy left
+    # no temp or old copy left; an Ollama Modelfile beside a GGUF
+    beside = [name.replace(".gguf", ".Modelfile")] if name.endswith(".gguf") else []
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([name, *beside])
 
 
 def test_the_default_path_is_not_overwritten_either(gguf_run, toy_cli, tmp_path):

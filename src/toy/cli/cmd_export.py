@@ -356,6 +356,11 @@ def _with_modelfile(rep, base: Path | None = None):
     from toy.formats.modelfile import write_modelfile
 
     rep.modelfile = write_modelfile(rep.path, base)
+    if rep.modelfile is None:
+        rep.notes.append(
+            f"{rep.path.with_suffix('.Modelfile')} is not one toy wrote: left as it is (no "
+            "Modelfile written)"
+        )
     return rep
 
 
@@ -569,8 +574,6 @@ def _report_merged_dir(args, r: _Run, rep, dtype: str) -> int:
     print(f"wrote {rep.path}/ ({args.format} model, the adapter merged in: {', '.join(files)})")
     for note in rep.notes:
         print(f"  {note}")
-    if rep.modelfile is not None:
-        print(f"  Ollama: ollama create NAME -f {rep.modelfile}")
     return 0
 
 

@@ -37,6 +37,7 @@ GO_TEMPLATES = {
     ),
 }
 _MARKERS = {"chatml": "<|im_start|>", "gemma": "<start_of_turn>"}
+MARK = "# written by toy export (it replaces this file when it exports the GGUF again)"
 
 
 def chat_format(template: str | None, tokens: list[str]) -> str | None:
@@ -65,7 +66,7 @@ def modelfile_text(gguf: Path, where: Path, base: Path | None = None) -> tuple[s
         p = p.resolve()
         return f"./{p.name}" if p.parent == where.parent.resolve() else str(p)
 
-    lines = [f"FROM {ref(base) if base else ref(gguf)}"]
+    lines = [MARK, f"FROM {ref(base) if base else ref(gguf)}"]
     if base:
         lines.append(f"ADAPTER {ref(gguf)}")
     if fmt:
@@ -74,9 +75,17 @@ def modelfile_text(gguf: Path, where: Path, base: Path | None = None) -> tuple[s
     return "\n".join(lines) + "\n", stops
 
 
-def write_modelfile(gguf: Path, base: Path | None = None) -> Path:
-    """Write FILE.Modelfile beside FILE.gguf (atomically); returns its path."""
+def write_modelfile(gguf: Path, base: Path | None = None) -> Path | None:
+    """Write FILE.Modelfile beside FILE.gguf (atomically); returns its path, or None where a
+    file of that name that toy did not write is there (it is left as it is)."""
     path = gguf.with_suffix(".Modelfile") if gguf.suffix == ".gguf" else Path(f"{gguf}.Modelfile")
+    if path.exists():
+        try:
+            ours = path.read_text(encoding="utf-8").startswith(MARK)
+        except (OSError, UnicodeDecodeError):
+            ours = False
+        if not ours:
+            return None
     text, _ = modelfile_text(gguf, path, base)
     write_file_atomic(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
     return path
