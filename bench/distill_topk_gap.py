@@ -14,7 +14,6 @@ DIR: bench/distill_learn.py's data ({"text"} lines). One JSON line a K, float32 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 from pathlib import Path
 
@@ -23,24 +22,13 @@ import torch
 from toy.formats.base_readers import read_base
 from toy.formats.model_dir import load_model_dir
 from toy.models.losses import distill_divergence, teacher_topk, topk_divergence
-from toy.recipes.distill import kept_blocks
+from toy.recipes.distill import kept_blocks, shrink
 from toy.tokenizer import encode_prompt
 
 
 def shrunk(path: Path, keep: str) -> torch.nn.Module:
     base = read_base(path, "float32")
-    ks = kept_blocks(keep, base.config.n_layer)
-    sd = {}
-    for name, t in base.state_dict.items():
-        parts = name.split(".", 2)
-        if parts[0] == "layers" and parts[1].isdigit():
-            if int(parts[1]) not in ks:
-                continue
-            name = f"layers.{ks.index(int(parts[1]))}.{parts[2]}"
-        sd[name] = t
-    small = dataclasses.replace(base, config=dataclasses.replace(base.config, n_layer=len(ks)))
-    small.state_dict = sd
-    return small.build_model().eval()
+    return shrink(base, kept_blocks(keep, base.config.n_layer)).build_model().eval()
 
 
 @torch.no_grad()

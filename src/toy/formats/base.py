@@ -52,6 +52,10 @@ class Specials:
     pad: int | None = None
     stops: frozenset[int] = frozenset()
 
+    def reply_stops(self) -> set[int]:
+        """What ends a sampled reply: the stops, else EOS alone, else nothing."""
+        return set(self.stops) or ({self.eos} if self.eos is not None else set())
+
 
 # End-of-turn markers of the chat formats toy knows: generation stops at any the
 # vocabulary has, besides EOS (a chat model ends its reply with one, not with EOS).

@@ -7,25 +7,16 @@ file whose JSON is missing, whose bytes or whose origin differ is never trusted:
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from toy.formats.checkpoint import load_tensors, save_tensors
+from toy.formats.checkpoint import file_sha256, load_tensors, save_tensors
 from toy.runs import write_json_atomic
 
 TOPK_FILE = "teacher_top_k.safetensors"
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _meta_path(path: Path) -> Path:
@@ -36,7 +27,7 @@ def write_topk(path: Path, tensors: dict[str, torch.Tensor], meta: dict[str, Any
     """The tensors, then the JSON of `meta` and their bytes' sha256 (last: its presence
     says the tensors are whole)."""
     save_tensors(path, tensors)
-    write_json_atomic(_meta_path(path), {"made_from": meta, "sha256": _sha256(path)})
+    write_json_atomic(_meta_path(path), {"made_from": meta, "sha256": file_sha256(path)})
 
 
 def read_topk(path: Path, meta: dict[str, Any]) -> tuple[dict[str, torch.Tensor] | None, str]:
@@ -51,6 +42,6 @@ def read_topk(path: Path, meta: dict[str, Any]) -> tuple[dict[str, torch.Tensor]
         return None, f"{side.name} is unreadable"
     if not isinstance(record, dict) or record.get("made_from") != meta:
         return None, "it was made from another teacher, data or flags"
-    if record.get("sha256") != _sha256(path):
+    if record.get("sha256") != file_sha256(path):
         return None, f"{path.name}'s bytes changed since it was written"
     return load_tensors(path), ""

@@ -368,12 +368,9 @@ def lora_student(cfg: RunConfig, project: Project) -> Student:
     return Student(a.model, a.base, a.seq_len, dict(a.config), a.notes, a)
 
 
-def shrunk_student(cfg: RunConfig, teacher_path: Path) -> Student:
-    """A float32 copy of the teacher's embedding, kept blocks, final norm and head, every
-    weight trainable, its blocks renumbered 0..N-1."""
-    base = read_base(teacher_path, "float32")
-    n = base.config.n_layer
-    keep = kept_blocks(cfg.keep_layers, n)
+def shrink(base: Base, keep: list[int]) -> Base:
+    """`base` with only the blocks `keep` (renumbered 0..N-1), each tensor its own copy
+    (the file's pages are never written)."""
     sd = {}
     for name, t in base.state_dict.items():
         head, i, rest = (name.split(".", 2) + ["", ""])[:3]
@@ -381,9 +378,18 @@ def shrunk_student(cfg: RunConfig, teacher_path: Path) -> Student:
             if int(i) not in keep:
                 continue
             name = f"layers.{keep.index(int(i))}.{rest}"
-        sd[name] = t.clone()  # its own memory: the file's pages are never written
+        sd[name] = t.clone()
     config = dataclasses.replace(base.config, n_layer=len(keep))
-    small = dataclasses.replace(base, config=config, state_dict=sd)
+    return dataclasses.replace(base, config=config, state_dict=sd)
+
+
+def shrunk_student(cfg: RunConfig, teacher_path: Path) -> Student:
+    """A float32 copy of the teacher's embedding, kept blocks, final norm and head, every
+    weight trainable, its blocks renumbered 0..N-1."""
+    base = read_base(teacher_path, "float32")
+    n = base.config.n_layer
+    keep = kept_blocks(cfg.keep_layers, n)
+    small = shrink(base, keep)
     torch.manual_seed(cfg.seed)
     model = small.build_model()
     for p in model.parameters():
@@ -393,7 +399,7 @@ def shrunk_student(cfg: RunConfig, teacher_path: Path) -> Student:
         f"student: {base.path.name} shrunk to {len(keep)} of its {n} blocks "
         f"({', '.join(map(str, keep))}), {plural(count_params(model), 'parameter')}, all trained"
     ]
-    record = {"student": "shrunk", "keep_layers": keep, "student_model": config.to_dict()}
+    record = {"student": "shrunk", "keep_layers": keep, "student_model": small.config.to_dict()}
     return Student(model, small, seq_len, record, notes)
 
 
@@ -739,8 +745,7 @@ def prompt_side(cfg: RunConfig, student: Student, held: bool, notes: list[str]) 
     train, val = hold_out(items, cfg.seed, notes, "prompt", "--prompts") if held else (items, [])
     if encode.cut:
         notes.append(f"{plural(encode.cut, 'prompt')} cut from the left to {room} tokens")
-    special = student.base.special
-    stops = set(special.stops) or ({special.eos} if special.eos is not None else set())
+    stops = student.base.special.reply_stops()
     who = []
     if cfg.lmbda:
         who.append(

@@ -678,9 +678,7 @@ def build(cfg: RunConfig, project: Project) -> Built:
             f"{a.seq_len} less --max-completion-length {T})"
         )
     val = val[: cfg.eval_batches * cfg.batch_size]
-    stops = set(base.special.stops) or (
-        {base.special.eos} if base.special.eos is not None else set()
-    )
+    stops = base.special.reply_stops()
     G, per, MU = cfg.num_generations, cfg.batch_size, cfg.num_iterations
     notes.append(
         f"{data_path}: {plural(len(train), 'prompt')}, {per} a micro-batch x {G} completions "
