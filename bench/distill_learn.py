@@ -4,13 +4,14 @@ is `toy train --recipe distill --json` in a process of its own, the same steps, 
 LR and seed for the two sides of every comparison.
 
     python bench/distill_learn.py --teacher data/smollm2-135m.gguf --text kjv.txt \\
-        --out /tmp/distill-learn [--steps 300] [--only shrunk,fresh,topk]
+        --out /tmp/distill-learn [--steps 300] [--only shrunk,fkl,jsd,fresh,topk] [--seeds 0,1,2]
 
-- shrunk: SmolLM2 shrunk to 15 of its 30 blocks (--keep-layers 15), distilled (generalized
-  JSD, beta 0.5) against the same student trained on the data's cross-entropy alone
-  (--ce-weight 1); the teacher's own held-out cross-entropy beside them. The goal: the
-  distilled student closes at least half of the shrunk model's gap to the teacher and
-  beats the cross-entropy-only one.
+- shrunk: SmolLM2 shrunk to 15 of its 30 blocks (--keep-layers 15), distilled (the
+  recipe's default objective) against the same student trained on the data's
+  cross-entropy alone (--ce-weight 1); the teacher's own held-out cross-entropy beside
+  them. The goal: the distilled student closes at least half of the shrunk model's gap to
+  the teacher and beats the cross-entropy-only one. fkl and jsd: the same student
+  distilled with --beta 0 (forward KL) and --beta 0.5 (JSD) named explicitly.
 - fresh: a fresh 4-layer llama (width 256) whose embedding starts from the teacher's
   (--init donor: a lens 576 -> 256), distilled against trained on the text alone.
 - topk: the shrunk student's distilled run again with the teacher kept as its top K
@@ -81,6 +82,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--only", default="shrunk,fresh,topk")
+    ap.add_argument("--seeds", default="0", help="seeds, each a run of every chosen one")
     a = ap.parse_args()
     data = make_data(a.text, a.out / "data", n_train=a.steps * 8)
     common = ["--teacher", str(a.teacher), "--data", str(data), *SHAPE, "--steps", str(a.steps)]
@@ -89,15 +91,26 @@ def main() -> None:
              "--n-kv-head", "2"]  # fmt: skip
     rows = []
     only = a.only.split(",")
-    if "shrunk" in only:
-        rows.append(run("shrunk-distilled", shrunk, a.out))
-        rows.append(run("shrunk-ce-only", [*shrunk, "--ce-weight", "1"], a.out))
-    if "fresh" in only:
-        rows.append(run("fresh-distilled", [*fresh, "--lr", "1e-3"], a.out))
-        rows.append(run("fresh-ce-only", [*fresh, "--lr", "1e-3", "--ce-weight", "1"], a.out))
-    if "topk" in only:
-        for k in (16, 64):
-            rows.append(run(f"shrunk-top{k}", [*shrunk, "--teacher-top-k", str(k)], a.out))
+    for seed in map(int, a.seeds.split(",")):
+        tag = "" if seed == 0 else f"-s{seed}"
+        sd = ["--seed", str(seed)]
+        if "shrunk" in only:
+            rows.append(run(f"shrunk-distilled{tag}", [*shrunk, *sd], a.out))
+            rows.append(run(f"shrunk-ce-only{tag}", [*shrunk, *sd, "--ce-weight", "1"], a.out))
+        if "fkl" in only:
+            rows.append(run(f"shrunk-fkl{tag}", [*shrunk, *sd, "--beta", "0"], a.out))
+        if "jsd" in only:
+            rows.append(run(f"shrunk-jsd{tag}", [*shrunk, *sd, "--beta", "0.5"], a.out))
+        if "fresh" in only:
+            rows.append(run(f"fresh-distilled{tag}", [*fresh, *sd, "--lr", "1e-3"], a.out))
+            rows.append(
+                run(f"fresh-ce-only{tag}", [*fresh, *sd, "--lr", "1e-3", "--ce-weight", "1"], a.out)
+            )
+        if "topk" in only:
+            for k in (16, 64):
+                rows.append(
+                    run(f"shrunk-top{k}{tag}", [*shrunk, *sd, "--teacher-top-k", str(k)], a.out)
+                )
     print("| run | held-out CE start -> end | top-1 agreement start -> end | teacher CE | wall s |")
     print("|---|---|---|---|---|")
     for r in rows:

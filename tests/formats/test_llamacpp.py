@@ -327,13 +327,18 @@ def smol_toy(smol):
         eos_token=lm.eos,
     )
     prompt = lm.tok.encode(text, add_special_tokens=False).ids
+    adapted = adapted.eval()
     return {
         "base": lm.model,
-        "adapted": adapted.eval(),
+        "adapted": adapted,
         "tok": lm.tok,
         "stop": lm.stop,
         "prompt": prompt,
         "text": text,
+        # toy's greedy texts, once for the module's tests (each a 40-token decode)
+        "base_greedy": _toy_greedy(lm.model, prompt, N_NEW, lm.stop),
+        "want": _toy_greedy(adapted, prompt, N_NEW, lm.stop),
+        "cpp_base": {},  # llama.cpp's greedy text on a base file, by path, once
     }
 
 
@@ -350,8 +355,7 @@ def test_smollm2_tokenizer_ids_match(smol, smol_toy):
 @pytest.mark.slow
 def test_smollm2_adapter_changes_toys_text(smol_toy):
     t = smol_toy
-    base = _toy_greedy(t["base"], t["prompt"], N_NEW, t["stop"])
-    adapted = _toy_greedy(t["adapted"], t["prompt"], N_NEW, t["stop"])
+    base, adapted = t["base_greedy"], t["want"]
     _show("toy: SmolLM2 base vs base+adapter", t["tok"], t["prompt"], base, adapted)
     assert (
         base != adapted
@@ -375,7 +379,7 @@ def test_smollm2_with_adapter_greedy_text_matches(smol, smol_toy, case):
         "merged-keep": (d / "merged-keep.gguf", None),
     }[case]
     llm = _llama(model_path, lora)
-    want = _toy_greedy(t["adapted"], t["prompt"], N_NEW, t["stop"])
+    want = t["want"]
     got = _cpp_greedy(llm, t["prompt"], N_NEW, t["stop"])
     margin = _teacher_forced_margin(t["adapted"], t["prompt"], got)
     _show(f"SmolLM2 + adapter, {case}", t["tok"], t["prompt"], want, got, margin)
@@ -388,8 +392,10 @@ def test_smollm2_with_adapter_greedy_text_matches(smol, smol_toy, case):
         assert got == want
     # The adapter is really applied: llama.cpp's text is not the base's.
     if case != "merged-f32":
-        base_llm = _llama(smol["base"] if case == "merged-keep" else model_path)
-        assert _cpp_greedy(base_llm, t["prompt"], N_NEW, t["stop"]) != got
+        base = smol["base"] if case == "merged-keep" else model_path
+        if base not in t["cpp_base"]:
+            t["cpp_base"][base] = _cpp_greedy(_llama(base), t["prompt"], N_NEW, t["stop"])
+        assert t["cpp_base"][base] != got
 
 
 @pytest.mark.slow
@@ -523,12 +529,16 @@ def gem_toy(gem):
         eos_token=lm.eos,
     )
     prompt = lm.tok.encode(text, add_special_tokens=False).ids
+    adapted = adapted.eval()
     return {
         "base": lm.model,
-        "adapted": adapted.eval(),
+        "adapted": adapted,
         "tok": lm.tok,
         "stop": lm.stop,
         "prompt": prompt,
+        # toy's greedy texts, once for the module's three tests
+        "base_greedy": _toy_greedy(lm.model, prompt, N_NEW, lm.stop),
+        "want": _toy_greedy(adapted, prompt, N_NEW, lm.stop),
     }
 
 
@@ -538,8 +548,7 @@ def test_gemma3_adapter_in_llamacpp_gives_toys_adapted_text(gem, gem_toy):
     llama.cpp chooses is toy's choice (llama.cpp rounds activations to 8 bits for its
     quantized dot products, so near-ties may go either way), and it is not the base's."""
     t = gem_toy
-    want = _toy_greedy(t["adapted"], t["prompt"], N_NEW, t["stop"])
-    base_want = _toy_greedy(t["base"], t["prompt"], N_NEW, t["stop"])
+    want, base_want = t["want"], t["base_greedy"]
     assert want != base_want  # the adapter changes toy's text, so the comparison means something
     llm = _llama(gem["base"], gem["dir"] / "adapter.gguf")
     got = _cpp_greedy(llm, t["prompt"], N_NEW, t["stop"])
@@ -556,7 +565,7 @@ def test_gemma3_merged_gguf_runs_in_llamacpp(gem, gem_toy, name):
     t = gem_toy
     llm = _llama(gem["dir"] / f"{name}.gguf")
     got = _cpp_greedy(llm, t["prompt"], N_NEW, t["stop"])
-    want = _toy_greedy(t["adapted"], t["prompt"], N_NEW, t["stop"])
+    want = t["want"]
     margin = _teacher_forced_margin(t["adapted"], t["prompt"], got)
     _show(f"Gemma-3-270M {name} in llama.cpp", t["tok"], t["prompt"], want, got, margin)
     if name == "merged-f32":

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,12 @@ from helpers.gguf_fixtures import (
 llama_cpp = pytest.importorskip(
     "llama_cpp", reason="llama-cpp-python is not installed (pip install -e .[llamacpp])"
 )
+
+
+# One thread a worker under `make test`'s two xdist workers (conftest.py sets OMP_NUM_THREADS):
+# two llama.cpp threads beside the other worker's busy one made a 40-token Gemma greedy
+# 28.6 s against 3.2 s with one (ggml's threads spin-wait for each other).
+THREADS = int(os.environ.get("OMP_NUM_THREADS") or 2)
 
 
 def _llama(path: Path, lora: Path | None = None, n_ctx: int = 512, logits_all: bool = False):
@@ -43,7 +50,7 @@ def _llama(path: Path, lora: Path | None = None, n_ctx: int = 512, logits_all: b
             model_path=str(path),
             lora_path=str(lora) if lora else None,
             n_ctx=n_ctx,
-            n_threads=2,
+            n_threads=THREADS,
             n_batch=512,
             logits_all=logits_all,
             verbose=False,

@@ -14,6 +14,7 @@ import pytest
 from helpers.gguf_fixtures import smollm2_gguf  # noqa: E402,F401
 
 LLAMA_CPP = """
+import os
 import sys
 import llama_cpp
 import llama_cpp.llama_cpp as C
@@ -27,7 +28,8 @@ C.llama_model_default_params = params
 base, lora, hf_dir, prompt, n = sys.argv[1:6]
 text = AutoTokenizer.from_pretrained(hf_dir).apply_chat_template(
     [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False)
-llm = llama_cpp.Llama(model_path=base, lora_path=lora, n_ctx=256, n_threads=2, verbose=False)
+llm = llama_cpp.Llama(model_path=base, lora_path=lora, n_ctx=256, verbose=False,
+                      n_threads=int(os.environ.get('OMP_NUM_THREADS') or 2))
 ids = llm.tokenize(text.encode(), add_bos=False, special=True)
 out = []
 for t in llm.generate(ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0):

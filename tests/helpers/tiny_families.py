@@ -21,6 +21,8 @@ Import into a test module with `from helpers.tiny_families import tiny_family`.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import io
 import json
 import os
@@ -374,7 +376,41 @@ def _randomize(model, family: str, seed: int) -> None:
 def gguf_read(path: Path) -> tuple[dict, dict]:
     """(metadata, tensors) of a GGUF file, read with gguf.GGUFReader: every metadata key
     except the tokenizer's long arrays, as Python values; tensor name -> (ggml type name,
-    numpy array in torch's (out, in) order; quantized types as their raw blocks)."""
+    numpy array in torch's (out, in) order; quantized types as their raw blocks). Read once
+    a file and size (GGUFReader walks every vocabulary string: ~5 s for 49,152); callers
+    only read what it returns."""
+    return _gguf_read(Path(path), Path(path).stat().st_size)
+
+
+@functools.cache
+def _shared_reader(path: str, size: int, make):
+    return make(path)
+
+
+@contextlib.contextmanager
+def one_gguf_reader():
+    """While open, gguf.GGUFReader(path) gives one reader a file and size: a transformers
+    GGUF load makes three (its config twice, then the weights), each walking every
+    vocabulary string again (~5 s for 49,152). A reader is read-only: sharing it changes
+    nothing that is read."""
+    import gguf
+
+    real = gguf.GGUFReader
+
+    def shared(path, mode="r"):
+        if mode != "r":
+            return real(path, mode)
+        return _shared_reader(str(path), os.stat(path).st_size, real)
+
+    gguf.GGUFReader = shared
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = real
+
+
+@functools.cache
+def _gguf_read(path: Path, size: int) -> tuple[dict, dict]:
     import gguf
     import numpy as np
 

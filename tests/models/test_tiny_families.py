@@ -10,7 +10,13 @@ import numpy as np
 import pytest
 import torch
 from helpers.gguf_fixtures import converter_permute  # noqa: E402
-from helpers.tiny_families import FAMILIES, SLIDING_WINDOW, gguf_read, tiny_family  # noqa: E402,F401
+from helpers.tiny_families import (  # noqa: E402,F401
+    FAMILIES,
+    SLIDING_WINDOW,
+    gguf_read,
+    one_gguf_reader,
+    tiny_family,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -201,9 +207,10 @@ def transformers_gguf_overrides(family: str, meta: dict) -> dict:
 def transformers_from_gguf(tf, **overrides):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(
-        tf.gguf.parent, gguf_file=tf.gguf.name, dtype=torch.float32, **overrides
-    ).eval()
+    with one_gguf_reader():
+        return AutoModelForCausalLM.from_pretrained(
+            tf.gguf.parent, gguf_file=tf.gguf.name, dtype=torch.float32, **overrides
+        ).eval()
 
 
 def logits(model, ids):

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers.common import run_toy
-from helpers.gguf_fixtures import tiny_model, write_llama_gguf  # noqa: E402
+from helpers.gguf_fixtures import gguf_name, tiny_model, write_llama_gguf  # noqa: E402
 from helpers.runs import step_lines, wait_for_checkpoint  # noqa: E402
 
 from toy.data.dialogue import conversations, write_jsonl  # noqa: E402
@@ -51,6 +51,8 @@ def kit(tmp_path_factory):
         ),
         "chat": d / "chat.jsonl",
         "prompts": d / "prompts.jsonl",
+        "tok": tok,
+        "student_vocab": V,
     }
 
 
@@ -447,3 +449,32 @@ def test_a_directory_teachers_student_is_written_as_a_directory(kit, tmp_path, t
     m, _ = load(str(tmp_path / "m"))
     got = torch.from_numpy(__import__("numpy").array(m(mx.array([ids]))))
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_a_quantized_teacher_is_held_in_bf16_where_it_is_small(kit, tmp_path):
+    """--teacher-dtype: auto under bf16 on a cpu holds a quantized teacher as a bfloat16 copy
+    (dequantized once, not at every use), says so, and records it; the losses are the ones
+    the teacher held in its blocks gives (the same dequantized bits, the same bf16 matmuls)."""
+    import numpy as np
+
+    V = kit["student_vocab"]
+    model = tiny_model(seed=1, vocab_size=V, n_layer=4, max_seq_len=256)
+    qtypes = {gguf_name(n): "Q8_0" for n, p in model.named_parameters() if p.dim() == 2}
+    teacher = write_llama_gguf(tmp_path / "q8.gguf", model, kit["tok"], qtypes=qtypes)
+    common = ["--keep-layers", "2", "--steps", "3", "--precision", "bf16"]
+    runs = {}
+    for name, extra in (("auto", []), ("quantized", ["--teacher-dtype", "quantized"])):
+        r = run_toy("train", "--recipe", "distill", "--teacher", teacher,
+                    *[a if a is not None else kit["chat"] for a in RUN], *common, *extra,
+                    "--out", tmp_path, "--run-id", name)  # fmt: skip
+        assert r.returncode == 0, r.stderr[-2000:]
+        events = (tmp_path / name / "events.jsonl").read_text().splitlines()
+        runs[name] = ([json.loads(x) for x in events], r.stdout + r.stderr)
+        held = json.loads((tmp_path / name / "run.json").read_text())["job"]["teacher_dtype"]
+        assert held == {"auto": "bfloat16", "quantized": "quantized"}[name]
+    said = {k: runs[k][1] for k in runs}
+    assert "--teacher-dtype auto: bfloat16 under bf16 autocast" in said["auto"], said["auto"][:3000]
+    assert "held bfloat16" in said["auto"] and "held quantized" in said["quantized"]
+    a, q = ([e["loss"] for e in runs[k][0] if e["event"] == "step"] for k in ("auto", "quantized"))
+    assert len(a) == 3
+    np.testing.assert_allclose(a, q, rtol=1e-3)

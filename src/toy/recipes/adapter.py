@@ -185,12 +185,16 @@ BF16_BASE_MAX = 10**9
 BF16_FIT = 0.25
 
 
-def base_dtype(cfg: RunConfig, bf16_bytes: int | None = None) -> tuple[str, str]:
-    """How the frozen base is held, and why where auto chose: --base-dtype as given;
-    bfloat16 on cuda; on a cpu under bf16 autocast (cfg.precision, resolved), bfloat16
-    where the copy (`bf16_bytes`) is small enough (above), else the quantized blocks."""
-    if cfg.base_dtype:
-        return cfg.base_dtype, ""
+def base_dtype(
+    cfg: RunConfig, bf16_bytes: int | None = None, flag: str = "base_dtype"
+) -> tuple[str, str]:
+    """How the frozen base is held, and why where auto chose: --base-dtype (or `flag`, e.g.
+    distill's --teacher-dtype) as given; bfloat16 on cuda; on a cpu under bf16 autocast
+    (cfg.precision, resolved), bfloat16 where the copy (`bf16_bytes`) is small enough
+    (above), else the quantized blocks."""
+    if asked := getattr(cfg, flag):
+        return asked, ""
+    opt = "--" + flag.replace("_", "-")
     if cfg.device == "cuda":
         return "bfloat16", ""
     if cfg.device != "cpu" or cfg.precision != "bf16" or bf16_bytes is None:
@@ -199,17 +203,17 @@ def base_dtype(cfg: RunConfig, bf16_bytes: int | None = None) -> tuple[str, str]
     size = f"{bf16_bytes / 1e9:.2f} GB"
     if bf16_bytes > BF16_BASE_MAX:
         return "quantized", (
-            f"--base-dtype auto: quantized, the least memory (a bfloat16 copy would take {size}; "
-            "--base-dtype bfloat16 trains faster under bf16 where memory allows)"
+            f"{opt} auto: quantized, the least memory (a bfloat16 copy would take {size}; "
+            f"{opt} bfloat16 trains faster under bf16 where memory allows)"
         )
     if avail is not None and bf16_bytes > BF16_FIT * avail:
         return "quantized", (
-            f"--base-dtype auto: quantized, a bfloat16 copy ({size}) would take over "
+            f"{opt} auto: quantized, a bfloat16 copy ({size}) would take over "
             f"{BF16_FIT:.0%} of the available memory ({avail / 1e9:.1f} GB)"
         )
     return "bfloat16", (
-        f"--base-dtype auto: bfloat16 under bf16 autocast, faster than dequantizing the blocks "
-        f"at every use (the copy takes {size}; --base-dtype quantized holds the least memory)"
+        f"{opt} auto: bfloat16 under bf16 autocast, faster than dequantizing the blocks "
+        f"at every use (the copy takes {size}; {opt} quantized holds the least memory)"
     )
 
 

@@ -48,7 +48,7 @@ from toy.data.prompts import (
 from toy.data.streams import hold_out
 from toy.errors import InputError, ToyError, UsageError
 from toy.formats.base import Base
-from toy.formats.base_readers import base_kind, read_base
+from toy.formats.base_readers import base_kind, held_as, read_base
 from toy.formats.hf_dir import base_fingerprint
 from toy.formats.model_dir import GGUF_TOKENIZER, save_model_dir
 from toy.formats.topk import TOPK_FILE, read_topk, write_topk
@@ -61,10 +61,12 @@ from toy.models.losses import (
     topk_divergence,
 )
 from toy.models.quant import count_params, resident_bytes
+from toy.models.quant_types import BASE_DTYPES
 from toy.models.sample import sample_groups
 from toy.recipes.adapter import (
     ADAPTER_DEFAULTS,
     adapter_flags,
+    base_dtype,
     chat_data,
     check_adapter_opts,
     load_adapted,
@@ -121,6 +123,16 @@ FLAGS = (
         "(random: the baseline)",
         choices=INITS,
         shown=": none",
+    ),
+    Flag(
+        "teacher_dtype",
+        None,
+        "how the teacher is held: quantized (its own blocks, dequantized at every use: the "
+        "least memory), bfloat16 or float32 (dequantized once at load)",
+        choices=BASE_DTYPES,
+        shown=": as --base-dtype's auto, bfloat16 on a cpu training in bf16 where the copy "
+        "takes at most 1 GB and a quarter of the free memory (and on cuda); quantized "
+        "elsewhere",
     ),
     Flag(
         "beta",
@@ -763,8 +775,10 @@ def prompt_side(cfg: RunConfig, student: Student, held: bool, notes: list[str]) 
     return Sampled(cfg, train, val, stops, side.pad)
 
 
-def read_teacher(path: Path) -> tuple[Base, torch.nn.Module]:
-    """The teacher, frozen, in its own quantized blocks (a float file: its own dtype)."""
+def read_teacher(cfg: RunConfig, path: Path) -> tuple[Base, torch.nn.Module, str, str]:
+    """The teacher, frozen, held as --teacher-dtype asks: its own quantized blocks (a float
+    file: its own dtype), or dequantized once (auto: as adapter.base_dtype decides for a
+    LoRA base). Returns the base, the model, the dtype it is held in and auto's reason."""
     if not path.exists():
         raise InputError(f"--teacher {path}: no such file or directory; give a model to learn from")
     try:
@@ -773,14 +787,18 @@ def read_teacher(path: Path) -> tuple[Base, torch.nn.Module]:
     except (InputError, UsageError) as e:
         said = e.message.removeprefix(f"{path}: ").removeprefix(f"{path} ")
         raise InputError(f"--teacher {path}: {said}")
+    blocks = any(t not in ("F32", "F16", "BF16") for t in base.tensor_types)
+    dtype, why = base_dtype(cfg, base.float32_bytes() // 2 if blocks else None, "teacher_dtype")
+    if dtype != "quantized" and blocks:
+        base = held_as(base, path, dtype)
     model = base.build_model().requires_grad_(False).eval()
     del base.state_dict
-    return base, model
+    return base, model, dtype if blocks else "its own", why
 
 
 def build(cfg: RunConfig, project: Project) -> Built:
     teacher_path = Path(cfg.teacher).resolve()
-    t_base, teacher = read_teacher(teacher_path)
+    t_base, teacher, t_dtype, held_why = read_teacher(cfg, teacher_path)
     if cfg.keep_layers is not None:
         student = shrunk_student(cfg, teacher_path)
         where = "the shrunk student"
@@ -793,10 +811,11 @@ def build(cfg: RunConfig, project: Project) -> Built:
     rows = student.base.config.vocab_size
     if why := vocabulary_problem(t_base, student.base.tokenizer, rows, where):
         raise UsageError(why)
-    notes = list(student.notes)
+    notes = list(student.notes) + ([held_why] if held_why else [])
+    held = "its own dtype" if t_dtype == "its own" else t_dtype
     notes.append(
-        f"teacher {teacher_path.name}: {t_base.arch}, {t_base.config.n_layer} blocks, frozen "
-        f"({resident_bytes(teacher) / 1e9:.2f} GB resident); generalized JSD beta "
+        f"teacher {teacher_path.name}: {t_base.arch}, {t_base.config.n_layer} blocks, frozen, "
+        f"held {held} ({resident_bytes(teacher) / 1e9:.2f} GB resident); generalized JSD beta "
         f"{cfg.beta:g} at temperature {cfg.temperature:g}"
         + (f", {cfg.ce_weight:g} x the data's cross-entropy" if cfg.ce_weight else "")
     )
@@ -828,6 +847,7 @@ def build(cfg: RunConfig, project: Project) -> Built:
         "recipe": "distill",
         "teacher": str(teacher_path),
         "teacher_sha256": base_fingerprint(teacher_path),
+        "teacher_dtype": t_dtype,
         "beta": cfg.beta,
         "temperature": cfg.temperature,
         "ce_weight": cfg.ce_weight,
