@@ -160,7 +160,11 @@ def run_toy(a) -> dict:
     from toy.train.device import resolve_precision
     from toy.train.loop import train
 
-    opts = toy_config(a)
+    cpu = torch.device("cpu")
+    precision = resolve_precision("auto", cpu)
+    # resolved before the build, as `toy train` does (train/run.py): the teacher's auto
+    # dtype (--teacher-dtype) follows the precision
+    opts = toy_config(a).replace(precision=precision.name)
     t0 = time.perf_counter()
     built = distill.build(opts, Project(root=None))
     load_s = time.perf_counter() - t0
@@ -180,8 +184,6 @@ def run_toy(a) -> dict:
         return b
 
     job.step_figures, job.micro_batch = figures, batch
-    cpu = torch.device("cpu")
-    precision = resolve_precision(opts.precision, cpu)
     cfg = opts.replace(steps=a.warm + a.steps, eval_every=0, save_every=0)
     res = train(job, cfg, None, cpu, EventLog(None), precision=precision)
     return timed(a, ends, shapes, load_s, precision.name, res.losses[0]["loss"])

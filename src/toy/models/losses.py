@@ -646,11 +646,75 @@ def _logits(h: torch.Tensor, w: torch.Tensor, softcap: float) -> torch.Tensor:
     return softcap * torch.tanh(z / softcap) if softcap else z
 
 
-def _jsd_chunk(h_s, w_s, h_t, w_t, caps: tuple[float, float], beta: float, temp: float):
-    s = _logits(h_s, w_s, caps[0])
-    with torch.no_grad():
-        t = _logits(h_t, w_t, caps[1])
-    return generalized_jsd(s, t, beta, temp).sum(), (s.argmax(-1) == t.argmax(-1)).sum()
+def _chunked_head_loss(h, w, softcap, per_chunk, want_h: bool, want_w: bool):
+    """(sum over chunks of rows of `per_chunk(rows, capped student logits)`, the summed
+    count, its gradient wrt h or None, wrt w in float32 or None): the student's logits
+    h @ w.T made one chunk at a time and the gradient taken there, as head_cross_entropy's
+    are (_chunked_ce): a chunk's logits are made once (a checkpointed chunk made both
+    models' logits again in backward), w is cast to autocast's dtype once (autocast casts
+    `w.T` again at every chunk: 28M values each for SmolLM2's head), and w's gradient is
+    summed in float32 in place. `per_chunk(sl, z) -> (loss, count)`: z (c, V) float32
+    (float64 for gradcheck); the count (e.g. agreeing positions) carries no gradient."""
+    dt = compute_dtype(h)
+    acc = torch.promote_types(h.dtype, torch.float32)
+    wd = w.detach().to(dt)  # the one cast
+    grad_h = torch.zeros_like(h) if want_h else None
+    grad_w = torch.zeros(w.shape, dtype=acc, device=w.device) if want_w else None
+    total = torch.zeros((), dtype=acc, device=h.device)
+    count = torch.zeros((), dtype=torch.long, device=h.device)
+    step = chunk_rows(int(w.shape[0]), h.device)
+    with torch.autocast(h.device.type, enabled=False):
+        for i in range(0, h.shape[0], step):
+            sl = slice(i, i + step)
+            hc = h[sl].detach().to(dt)
+            z = (hc @ wd.T).to(acc).requires_grad_(want_h or want_w)
+            with torch.set_grad_enabled(want_h or want_w):
+                zc = softcap * torch.tanh(z / softcap) if softcap else z
+                loss, n = per_chunk(sl, zc)
+            total += loss.detach()
+            count += n
+            if not (want_h or want_w):
+                continue
+            (g,) = torch.autograd.grad(loss, z)
+            gd = g.to(dt)
+            if grad_h is not None:
+                grad_h[sl] = (gd @ wd).to(h.dtype)
+            if grad_w is not None:
+                grad_w.add_(gd.T @ hc)
+    return total, count, grad_h, grad_w
+
+
+class _ChunkedHeadLoss(torch.autograd.Function):
+    """_chunked_head_loss's sum as an autograd node: its gradients are made in forward and
+    scaled by the incoming gradient in backward."""
+
+    @staticmethod
+    def forward(ctx, h, w, softcap, per_chunk):
+        total, count, grad_h, grad_w = _chunked_head_loss(
+            h, w, softcap, per_chunk, *ctx.needs_input_grad[:2]
+        )
+        ctx.save_for_backward(grad_h, grad_w)
+        ctx.w_dtype = w.dtype
+        ctx.mark_non_differentiable(count)
+        return total, count
+
+    @staticmethod
+    def backward(ctx, grad_total, _):
+        grad_h, grad_w = ctx.saved_tensors
+        # in place: each is used once, and w's float32 gradient is the head's size
+        gh = grad_h.mul_(grad_total) if grad_h is not None else None
+        gw = grad_w.mul_(grad_total).to(ctx.w_dtype) if grad_w is not None else None
+        return gh, gw, None, None
+
+
+def _head_loss(h, w, softcap, per_chunk) -> tuple[torch.Tensor, torch.Tensor]:
+    """(summed loss in float32 (float64 stays), count) of _chunked_head_loss, its gradient
+    reaching h and w where autograd asks for them."""
+    if torch.is_grad_enabled() and (h.requires_grad or w.requires_grad):
+        total, count = _ChunkedHeadLoss.apply(h, w, softcap, per_chunk)
+    else:
+        total, count, _, _ = _chunked_head_loss(h, w, softcap, per_chunk, False, False)
+    return total, count
 
 
 def distill_divergence(
@@ -666,25 +730,20 @@ def distill_divergence(
     positions: the student's hidden states h_s (N, C_s) through its head, the teacher's
     h_t (N, C_t) through its own (the teacher frozen: no gradient), with each model's
     final soft-cap `caps`. The (N, V) logits of the two never exist whole: rows run in
-    chunks of about CHUNK_BYTES of float32 logits, each recomputed in backward
-    (activation checkpointing) rather than kept, so a step holds one chunk's logits at a
-    time (SmolLM2's V 49,152: 85 rows a chunk on a CPU; Gemma 3's 262,144: 16)."""
-    from torch.utils.checkpoint import checkpoint
-
+    chunks of about CHUNK_BYTES of float32 logits (SmolLM2's V 49,152: 85 rows a chunk on
+    a CPU; Gemma 3's 262,144: 16), each made once, its gradient taken there
+    (_ChunkedHeadLoss)."""
     dt = compute_dtype(h_s)
-    w_s = head_matrix(head_s, dt)
     with torch.no_grad():
-        w_t = head_matrix(head_t, dt)
-    total = h_s.new_zeros((), dtype=torch.float32)
-    agree = torch.zeros((), dtype=torch.long, device=h_s.device)
-    n = chunk_rows(int(w_s.shape[0]), h_s.device)
-    grad = torch.is_grad_enabled() and (h_s.requires_grad or w_s.requires_grad)
-    for i in range(0, h_s.shape[0], n):
-        args = (h_s[i : i + n], w_s, h_t[i : i + n], w_t, caps, beta, temperature)
-        d, a = checkpoint(_jsd_chunk, *args, use_reentrant=False) if grad else _jsd_chunk(*args)
-        total = total + d
-        agree = agree + a
-    return total, agree
+        w_t = head_matrix(head_t, dt).to(dt)
+
+    def chunk(sl, s):
+        with torch.no_grad(), torch.autocast(h_t.device.type, enabled=False):
+            t = (h_t[sl].to(dt) @ w_t.T).float()
+            t = caps[1] * torch.tanh(t / caps[1]) if caps[1] else t
+        return generalized_jsd(s, t, beta, temperature).sum(), (s.argmax(-1) == t.argmax(-1)).sum()
+
+    return _head_loss(h_s, head_matrix(head_s, dt), caps[0], chunk)
 
 
 # ------------------------------------------------------------------ a teacher's top K
@@ -715,17 +774,6 @@ def teacher_topk(
     return tuple(torch.cat(p) for p in zip(*parts))
 
 
-def _topk_jsd_chunk(h_s, w_s, cap: float, ids, t_lp, t_rest, beta: float, temp: float):
-    z = _logits(h_s, w_s, cap) / temp
-    lse = torch.logsumexp(z, -1, keepdim=True)
-    idx = ids.long()
-    s_top = z.gather(-1, idx) - lse
-    s_rest = torch.logsumexp(z.scatter(-1, idx, float("-inf")), -1, keepdim=True) - lse
-    s = torch.cat([s_top, s_rest], -1)
-    t = torch.cat([t_lp.float(), t_rest.float()[:, None]], -1)
-    return jsd_of_logprobs(s, t, beta).sum(), (z.argmax(-1) == idx[:, 0]).sum()
-
-
 def topk_divergence(
     h_s: torch.Tensor,
     head_s: torch.nn.Module,
@@ -740,20 +788,17 @@ def topk_divergence(
     generalized JSD over K + 1 buckets, the teacher's K tokens and the rest of the
     vocabulary, the student's distribution gathered into the same buckets (its log-probs
     at those K ids and the log of its mass elsewhere); and the positions where the
-    student's top-1 token is the teacher's. In chunks of rows, each recomputed in
-    backward, as distill_divergence."""
-    from torch.utils.checkpoint import checkpoint
+    student's top-1 token is the teacher's. In chunks of rows, each made once, as
+    distill_divergence's."""
 
-    w_s = head_matrix(head_s, compute_dtype(h_s))
-    total = h_s.new_zeros((), dtype=torch.float32)
-    agree = torch.zeros((), dtype=torch.long, device=h_s.device)
-    n = chunk_rows(int(w_s.shape[0]), h_s.device)
-    grad = torch.is_grad_enabled() and (h_s.requires_grad or w_s.requires_grad)
-    for i in range(0, h_s.shape[0], n):
-        sl = slice(i, i + n)
-        args = (h_s[sl], w_s, cap, ids[sl], t_lp[sl], t_rest[sl], beta, temperature)
-        f = _topk_jsd_chunk
-        d, a = checkpoint(f, *args, use_reentrant=False) if grad else f(*args)
-        total = total + d
-        agree = agree + a
-    return total, agree
+    def chunk(sl, z):
+        z = z / temperature
+        lse = torch.logsumexp(z, -1, keepdim=True)
+        idx = ids[sl].long()
+        s_top = z.gather(-1, idx) - lse
+        s_rest = torch.logsumexp(z.scatter(-1, idx, float("-inf")), -1, keepdim=True) - lse
+        s = torch.cat([s_top, s_rest], -1)
+        t = torch.cat([t_lp[sl].to(z.dtype), t_rest[sl].to(z.dtype)[:, None]], -1)
+        return jsd_of_logprobs(s, t, beta).sum(), (z.argmax(-1) == idx[:, 0]).sum()
+
+    return _head_loss(h_s, head_matrix(head_s, compute_dtype(h_s)), cap, chunk)

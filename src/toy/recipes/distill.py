@@ -658,25 +658,32 @@ class DistillJob(Job):
     def loss(self, model, b):
         cfg = self.cfg
         h, tgt = self._positions(model, b)
-        if "t_ids" in b:  # the teacher kept as its top K
-            div, agree = topk_divergence(
-                h, model.lm_head, b["t_ids"], b["t_lp"], b["t_rest"], cfg.beta,
-                cfg.temperature, model.final_softcap,
-            )  # fmt: skip
-            h_t = None
-        else:
-            with torch.no_grad():
-                h_t, _ = self._positions(self.teacher, b)
-            caps = (model.final_softcap, self.teacher.final_softcap)
-            div, agree = distill_divergence(
-                h, model.lm_head, h_t, self.teacher.lm_head, cfg.beta, cfg.temperature, caps
-            )
-        ce = head_cross_entropy(h, model.lm_head, tgt, model.final_softcap)
+        # A term whose weight is 0 is not differentiated: the divergence is still the step's
+        # figure (--ce-weight 1), the data's cross-entropy is not made at all (0, the
+        # default); either pass with its gradient costs about as much as the other.
+        with torch.set_grad_enabled(torch.is_grad_enabled() and cfg.ce_weight < 1):
+            if "t_ids" in b:  # the teacher kept as its top K
+                div, agree = topk_divergence(
+                    h, model.lm_head, b["t_ids"], b["t_lp"], b["t_rest"], cfg.beta,
+                    cfg.temperature, model.final_softcap,
+                )  # fmt: skip
+                h_t = None
+            else:
+                with torch.no_grad():
+                    h_t, _ = self._positions(self.teacher, b)
+                caps = (model.final_softcap, self.teacher.final_softcap)
+                div, agree = distill_divergence(
+                    h, model.lm_head, h_t, self.teacher.lm_head, cfg.beta, cfg.temperature, caps
+                )
         seen = torch.stack([div.detach().double(), agree.double(), h.new_tensor(len(tgt)).double()])
         if model.training:
             self.sums += seen.cpu()
-            total = (1 - cfg.ce_weight) * div + cfg.ce_weight * ce
+            if cfg.ce_weight == 0:
+                return div, torch.tensor(len(tgt))
+            ce = head_cross_entropy(h, model.lm_head, tgt, model.final_softcap)
+            total = ce if cfg.ce_weight == 1 else (1 - cfg.ce_weight) * div + cfg.ce_weight * ce
         else:  # held out: the loss is the data's cross-entropy (val_loss)
+            ce = head_cross_entropy(h, model.lm_head, tgt, model.final_softcap)
             self.held += seen.cpu()
             if self.teacher_ce is None and h_t is not None:  # the teacher's own, once
                 t_ce = head_cross_entropy(h_t, self.teacher.lm_head, tgt, caps[1])
