@@ -184,3 +184,59 @@ def test_an_mlx_lm_lora_command_line_runs_as_it_is(toy_cli, data, tmp_path, monk
         "a", "--output", "b", "--out", tmp_path / "runs",
     )  # fmt: skip
     assert code == 2 and "--output and --adapter-path conflict" in err
+
+
+def test_resume_raises_epochs_on_a_run_begun_with_epochs(toy_cli, data):
+    """`--resume RUN --epochs 4` on a run begun with --epochs 2 was refused ("only --steps
+    may be raised"): it trains to 4 epochs' steps (an epoch's steps fixed when the run
+    began); fewer epochs, or epochs on a run that counts steps, are one line each."""
+    out = lora(toy_cli, data, "text", "--run-id", "ep")
+    assert "  2 epochs of 1 batch, 1 a step = 2 steps" in out.splitlines(), out
+    run = data["root"] / "runs" / "ep"
+    code, out, err = toy_cli("train", "--resume", run, "--epochs", "4")
+    assert code == 0, err
+    steps = [json.loads(x) for x in (run / "events.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in steps if e["event"] == "step"] == [1, 2, 3, 4]
+    assert json.loads((run / "run.json").read_text())["config"]["epochs"] == 4
+    code, out, err = toy_cli("train", "--resume", run, "--epochs", "3")
+    assert code == 2 and "--epochs 3 is below the run's 4" in err, err
+    code, out, err = toy_cli(
+        "train", "--recipe", "lora", "--model", data["base"], "--data", data["text"],
+        "--out", data["root"] / "runs", "--run-id", "st", "--seq-len", "64",
+        "--batch-size", "64", "--eval-batches", "1", "--steps", "2",
+    )  # fmt: skip
+    assert code == 0, err
+    code, out, err = toy_cli("train", "--resume", data["root"] / "runs" / "st", "--epochs", "3")
+    assert code == 2 and "counts steps (2), not epochs; raise --steps" in err, err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_list_says_an_export_is_older_than_its_resumed_run(toy_cli, data, monkeypatch):
+    """After a resume, export/ kept the earlier step's files and `toy list` listed them as
+    current: an export older than its run's final/ is marked, until exported again."""
+    proj = data["root"] / "stale-proj"
+    (proj / "runs").mkdir(parents=True)
+    (proj / "toy.toml").write_text("")
+    monkeypatch.chdir(proj)
+    code, _, err = toy_cli(
+        "train", "--recipe", "lora", "--model", data["base"], "--data", data["text"],
+        "--run-id", "r", "--seq-len", "64", "--batch-size", "64", "--eval-batches", "1",
+        "--steps", "2",
+    )  # fmt: skip
+    assert code == 0, err
+
+    def row():
+        code, out, err = toy_cli("list", "--json")
+        assert code == 0, err
+        (m,) = [m for m in json.loads(out)["models"] if m["path"].endswith("r-peft")]
+        return m
+
+    assert toy_cli("export", "runs/r", "--format", "peft")[0] == 0
+    assert "stale" not in row()
+    assert toy_cli("train", "--resume", "runs/r", "--steps", "3")[0] == 0
+    m = row()
+    assert m.get("stale") is True and "export again with --force" in m["note"], m
+    code, out, err = toy_cli("list")
+    assert "STALE" in next(x for x in out.splitlines() if "r-peft" in x)
+    assert toy_cli("export", "runs/r", "--format", "peft", "--force")[0] == 0
+    assert "stale" not in row()

@@ -45,7 +45,8 @@ def project(tmp_path, monkeypatch):
     apply_lora(model, ["q_proj", "v_proj"], 4, 8.0, 0.0, seed=0)
     sd = {k: torch.randn_like(v) for k, v in lora_state_dict(model).items()}
     save_peft_adapter(export / "r1-peft", sd, 4, 8.0, 0.0, ["q_proj", "v_proj"], str(gguf))
-    save_mlx_adapter(export / "r1-mlx", sd, 4, 8.0, 0.0, n_layers=2)
+    # "model" as mlx_lm.lora writes it: the path it was given, from the project's folder
+    save_mlx_adapter(export / "r1-mlx", sd, 4, 8.0, 0.0, n_layers=2, model="data/tiny-mlx")
     write_lora_gguf(export / "r1-lora-f32.gguf", sd, alpha=8.0, base=model.cfg)
     monkeypatch.chdir(root)
     return {"root": root, "n_params": sum(p.numel() for p in tiny_model().parameters())}
@@ -71,9 +72,12 @@ def test_list_shows_model_and_adapter_directories(project, toy_cli):
     for name in ("r1-peft", "r1-mlx", "r1-lora-f32.gguf"):
         assert rows[name]["rank"] == 4 and rows[name]["alpha"] == 8.0, rows[name]
         assert rows[name]["n_params"] == n_lora, rows[name]
+        # the architecture from what names the base (it was "?" for both directories)
+        assert rows[name]["arch"] == "llama", rows[name]
     code, out, err = toy_cli("list")
     assert code == 0, err
     line = {ln.split()[0]: ln for ln in out.splitlines() if ln.startswith("  ")}
     assert line["data/tiny-mlx/"].split()[1:3] == ["llama", "mlx"]
     assert "peft adapter r4" in line["runs/r1/export/r1-peft/"]
+    assert line["runs/r1/export/r1-peft/"].split()[1] == "llama"
     assert "mlx adapter r4" in line["runs/r1/export/r1-mlx/"]

@@ -424,6 +424,7 @@ def _export_mlx(r: _Run, args) -> Path:
             dropout=float(config.get("lora_dropout") or 0.0),
             n_layers=n_layers,
             prefix=_mlx_prefix(base),
+            model=str(base),
         )
     return out
 

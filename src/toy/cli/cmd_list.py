@@ -220,11 +220,45 @@ def _describe_adapter_dir(d: Path) -> dict[str, Any]:
     return {
         **row,
         "kind": kind,
-        "arch": cfg.get("model_type"),
+        "arch": _adapter_arch(d, cfg),
         "n_params": n,
         "rank": rank,
         "alpha": alpha,
     }
+
+
+def _adapter_arch(d: Path, cfg: dict) -> str | None:
+    """An adapter's architecture, where something at hand says it: its config's
+    model_type; the base it names (PEFT's base_model_name_or_path, mlx-lm's "model") where
+    that is a GGUF or model directory here (a relative one from here or from the
+    adapter); else the run it was written in (final/ or export/ of a toy run: run.json's
+    arch). None: nothing says."""
+    if isinstance(cfg.get("model_type"), str):
+        return cfg["model_type"]
+    bases = [cfg.get(k) for k in ("base_model_name_or_path", "model")]
+    paths = [p for b in bases if isinstance(b, str) and b for p in (Path(b), d / b)]
+    for path in paths:
+        try:
+            if path.is_file():
+                from toy.formats.gguf_header import read_gguf_header
+
+                arch = read_gguf_header(path).metadata.get("general.architecture")
+            elif (path / "config.json").is_file():
+                arch = json.loads((path / "config.json").read_text()).get("model_type")
+            else:
+                continue
+        except (ToyError, OSError, ValueError):
+            continue
+        if isinstance(arch, str):
+            return arch
+    for up in (d.parent, d.parent.parent):  # RUN/final, RUN/export/NAME
+        try:
+            arch = json.loads((up / "run.json").read_text()).get("arch")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(arch, str):
+            return arch
+    return None
 
 
 def describe_run(d: Path) -> dict[str, Any]:
@@ -313,6 +347,22 @@ def _shown(p: str | Path) -> str:
         return str(p)
 
 
+def _stale_export(path: Path, exports: list[Path]) -> str | None:
+    """Why an export under a run's export/ no longer is the run's model: its final/ was
+    written after it (a resumed run trained on); None when it is, or is not an export."""
+    if path.parent not in exports:
+        return None
+    final = path.parent.parent / "final"
+    try:
+        made = max(f.stat().st_mtime for f in ([path] if path.is_file() else path.iterdir()))
+        now = max(f.stat().st_mtime for f in final.iterdir())
+    except (OSError, ValueError):
+        return None
+    if now <= made:
+        return None
+    return "STALE: the run's final/ is newer (resumed since); export again with --force"
+
+
 def _export_dirs(runs_dir: Path) -> list[Path]:
     return [d / "export" for d in _children(runs_dir) if os.path.isdir(d / "export")]
 
@@ -336,6 +386,10 @@ def run(args) -> int:
         model_dirs.append(p)
     models = [describe_model(f) for f in _gguf_files(model_dirs)]
     models += [describe_directory(d) for d in _dirs(model_dirs)]
+    for m in models:
+        if why := _stale_export(Path(m["path"]), exports):
+            m["stale"] = True
+            m["note"] = f"{m['note']}; {why}" if m.get("note") else why
     runs = _runs(project.runs_dir)
     if args.json:
         print(

@@ -50,10 +50,13 @@ def save_mlx_adapter(
     n_layers: int,
     prefix: str = PREFIX,
     weights_name: str = WEIGHTS_NAME,
+    model: str | None = None,
 ) -> Path:
     """Write `weights_name` and adapter_config.json into directory `out` (made if needed)
     from toy-named adapter tensors (`<module>.lora_A` (r, in), `.lora_B` (out, r)).
-    Returns the weights file."""
+    `model`: the base, recorded under mlx_lm.lora's own key (mlx-lm's loader does not
+    read it; `toy list` takes the adapter's architecture from it). Returns the weights
+    file."""
     tensors, keys, layers = {}, set(), set()
     for name, t in sorted(lora_sd.items()):
         module, _, kind = name.rpartition(".")
@@ -81,6 +84,8 @@ def save_mlx_adapter(
             "keys": sorted(keys),
         },
     }
+    if model:
+        config["model"] = model
     out.mkdir(parents=True, exist_ok=True)
     weights = out / weights_name
     # Weights first, config last: a directory with a config is a complete adapter.

@@ -472,6 +472,7 @@ def save_adapter(cfg: RunConfig, a: Adapted, out: Path) -> None:
             n_layers=a.base.config.n_layer,
             weights_name=dest.name,
             prefix=a.base.mlx_prefix,
+            model=str(a.model_path),
         )
     elif dest != out.resolve():
         with atomic_dir(dest) as tmp:

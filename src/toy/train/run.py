@@ -427,6 +427,22 @@ def _base_matches(key: str, recorded, config: dict) -> bool:
     return isinstance(where, str) and Path(where).exists() and same_base(Path(where), recorded)
 
 
+def _more_epochs(saved: RunConfig, cli: dict) -> dict[str, Any]:
+    """--epochs E on a resumed run begun with --epochs: its steps for E epochs (an epoch's
+    steps are the run's, fixed when it began: its steps / its epochs)."""
+    e = cli["epochs"]
+    if not saved.epochs:
+        raise UsageError(
+            f"--resume: --epochs {e}: the run counts steps ({saved.steps}), not epochs; "
+            "raise --steps instead"
+        )
+    if cli.get("steps") is not None:
+        raise UsageError("--resume: give --steps or --epochs, not both")
+    if e < saved.epochs:
+        raise UsageError(f"--epochs {e} is below the run's {saved.epochs}; it may only be raised")
+    return {"steps": saved.steps // saved.epochs * e, "epochs": e}
+
+
 def resume_run(
     run_dir: Path,
     cli: dict[str, Any],
@@ -453,7 +469,7 @@ def resume_run(
     info = read_json(run_dir / "run.json")
     saved = _saved_config(info, run_dir, recipes)
     for k, v in cli.items():
-        if v is None or k in RESUME_MAY_CHANGE or k == "precision":
+        if v is None or k in RESUME_MAY_CHANGE or k in ("precision", "epochs"):
             continue
         flag = "--" + k.replace("_", "-")
         if k not in saved.to_dict():
@@ -465,7 +481,7 @@ def resume_run(
         if getattr(saved, k) != v:
             raise UsageError(
                 f"--resume: {flag} {v!r} differs from the run's {getattr(saved, k)!r}; "
-                "a resumed run keeps its config (only --steps may be raised)"
+                "a resumed run keeps its config (only --steps or --epochs may be raised)"
             )
     ckpts = list_checkpoints(run_dir / "checkpoints")
     if not ckpts:
@@ -481,6 +497,8 @@ def resume_run(
                 f"--steps {cli['steps']} is below the run's {saved.steps}; it may only be raised"
             )
         cfg = cfg.replace(steps=cli["steps"])
+    if cli.get("epochs") is not None and cli["epochs"] != saved.epochs:
+        cfg = cfg.replace(**_more_epochs(saved, cli))
     for k in ("device", "compile", "threads", "report_to", *_FINGERPRINTED.values()):
         if cli.get(k) is not None:
             cfg = cfg.replace(**{k: cli[k]})
