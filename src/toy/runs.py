@@ -232,6 +232,14 @@ class EventLog:
                 sink.write(rec)
         return rec
 
+    def aside(self, event: str, **fields: Any) -> None:
+        """A record for the sinks only (--report-to), one whose contents have a file of
+        their own in the run (GRPO's completions.jsonl): TensorBoard shows it as text."""
+        if self._fh is not None:
+            rec = {"event": event, **fields}
+            for sink in self.sinks:
+                sink.write(rec)
+
     def close(self) -> None:
         for sink in self.sinks:
             sink.close()

@@ -576,7 +576,7 @@ class GRPOJob(AdapterJob):
     def bind(self, device, precision, run_dir=None) -> None:
         super().bind(device, precision, run_dir)
         if run_dir is not None and self.d.is_main:
-            self.completions = CompletionLog(run_dir / COMPLETIONS)
+            self.completions = CompletionLog(run_dir / COMPLETIONS, self.events)
 
     def step_now(self) -> int:
         return self.reward_state.global_step + 1
@@ -622,8 +622,8 @@ class CompletionLog:
     completions of each step and every held-out prompt's greedy completion at each
     evaluation, with their rewards: what the policy writes, beside what it is paid."""
 
-    def __init__(self, path: Path | None):
-        self.path = path
+    def __init__(self, path: Path | None, events=None):
+        self.path, self.events = path, events
 
     def write(self, step: int, split: str, rows: list[dict]) -> None:
         if self.path is None or not rows:
@@ -631,6 +631,8 @@ class CompletionLog:
         with open(self.path, "a", encoding="utf-8") as fh:
             for row in rows:
                 fh.write(json.dumps({"step": step, "split": split, **row}, default=str) + "\n")
+        if self.events is not None:  # --report-to tensorboard: the same rows as text
+            self.events.aside("completions", step=step, split=split, rows=rows)
 
 
 def _nanmean(values) -> float:

@@ -66,6 +66,9 @@ class Job:
         self.config: dict[str, Any] = dict(config or {})
         self.device = torch.device("cpu")
         self.precision: Any = None  # train.device.Precision (None: float32)
+        # The run's runs.EventLog, set by the loop before bind (None outside a run): for
+        # records only --report-to's sinks take (EventLog.aside).
+        self.events: Any = None
 
     def bind(self, device: torch.device, precision: Any, run_dir: Path | None = None) -> None:
         """The run's device and precision and its directory (None: a run kept nowhere),

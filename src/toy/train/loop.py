@@ -221,6 +221,7 @@ class Trainer:
         self.d = dist.info()
         self.ckpt_root = run_dir / "checkpoints" if run_dir is not None else None
         self.model = job.model.to(device)
+        job.events = events
         job.bind(device, self.precision, run_dir)
         if cfg.checkpointing:
             self.model.checkpointing = True

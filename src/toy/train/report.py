@@ -62,6 +62,25 @@ def figures(rec: dict[str, Any]) -> tuple[int, dict[str, float]] | None:
     return rec["step"], out
 
 
+def completions_table(rows: list[dict]) -> str:
+    """Completions as a Markdown table (TensorBoard's text panel renders it): the prompt,
+    the completion, the reward and each function's."""
+
+    def cell(v: Any) -> str:
+        text = v if isinstance(v, str) else json.dumps(v, default=str)
+        # every line break splitlines knows (a sampled \r too) ends a table row: <br>
+        return "<br>".join(text.replace("\\", "\\\\").replace("|", "\\|").splitlines())
+
+    names = list(rows[0].get("rewards", {})) if rows else []
+    head = ["prompt", "completion", "reward", *names]
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        vals = [r.get("prompt"), r.get("completion"), r.get("reward")]
+        vals += [r.get("rewards", {}).get(n) for n in names]
+        out.append("| " + " | ".join(cell(v) for v in vals) + " |")
+    return "\n".join(out)
+
+
 class TensorBoardSink:
     """Scalars into run_dir/tensorboard/. After a resume from step s, whatever an earlier
     life wrote past s is purged (purge_step), so the curves hold each step once."""
@@ -75,6 +94,11 @@ class TensorBoardSink:
         )
 
     def write(self, rec: dict[str, Any]) -> None:
+        if rec.get("event") == "completions":  # GRPO's sampled texts (EventLog.aside)
+            self.w.add_text(f"{rec['split']}/completions", completions_table(rec["rows"]),
+                            rec["step"])  # fmt: skip
+            self.w.flush()
+            return
         if (got := figures(rec)) is None:
             return
         step, values = got
