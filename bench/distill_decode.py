@@ -8,6 +8,9 @@ greedy, 2 threads, each in its own process), alternating, --repeats times.
         [--tokens 128] [--repeats 3]
 
 Prints one JSON line a measurement and the medians' ratio; the CPU kind is named.
+--ftype 7 requantizes both to Q8_0: a SmolLM2 student shrunk to 15 blocks and distilled
+for 150 steps came out of llama.cpp's Q4_1 quantization as nonsense (Q8_0 and Q4_0 kept
+its text; docs/results.md says what breaks).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ def quantize(src: Path, out: Path, ftype: int) -> None:
 
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = ftype
+    params.allow_requantize = True  # --ftype: the teacher's own blocks requantized too
     rc = llama_cpp.llama_model_quantize(str(src).encode(), str(out).encode(), params)
     if rc != 0:
         sys.exit(f"llama_model_quantize failed ({rc})")
@@ -50,12 +54,22 @@ def main() -> None:
     ap.add_argument("--run", type=Path, required=True)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument(
+        "--ftype",
+        type=int,
+        help="llama.cpp file type for both (7: Q8_0), the teacher requantized from its own "
+        "blocks; default: the teacher's own type, the teacher as it is",
+    )
     a = ap.parse_args()
     from toy.formats.gguf_header import read_gguf_header
     from toy.train.device import cpu_kind
 
     ftype = int(read_gguf_header(a.teacher).metadata["general.file_type"])
     d = Path(tempfile.mkdtemp(prefix="distill-decode-"))
+    teacher = a.teacher
+    if a.ftype is not None and a.ftype != ftype:
+        ftype, teacher = a.ftype, d / "teacher.gguf"
+        quantize(a.teacher, teacher, ftype)
     f32 = d / "student-f32.gguf"
     r = subprocess.run([sys.executable, "-m", "toy", "export", str(a.run), "--format", "gguf",
                         "--out", str(f32)], capture_output=True, text=True)  # fmt: skip
@@ -65,7 +79,7 @@ def main() -> None:
     quantize(f32, student, ftype)
     rates: dict[str, list[float]] = {"teacher": [], "student": []}
     for _ in range(a.repeats):
-        for name, path in (("teacher", a.teacher), ("student", student)):
+        for name, path in (("teacher", teacher), ("student", student)):
             res = decode(path, a.tokens)
             rates[name].append(res["tokens_per_s"])
             print(json.dumps({"model": name, "file_type": ftype, **res}), flush=True)

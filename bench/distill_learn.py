@@ -4,7 +4,8 @@ is `toy train --recipe distill --json` in a process of its own, the same steps, 
 LR and seed for the two sides of every comparison.
 
     python bench/distill_learn.py --teacher data/smollm2-135m.gguf --text kjv.txt \\
-        --out /tmp/distill-learn [--steps 300] [--only shrunk,fkl,jsd,fresh,topk] [--seeds 0,1,2]
+        --out /tmp/distill-learn [--steps 300] [--seeds 0,1,2] \\
+        [--only shrunk,fkl,jsd,fresh,fresh-kd,topk]
 
 - shrunk: SmolLM2 shrunk to 15 of its 30 blocks (--keep-layers 15), distilled (the
   recipe's default objective) against the same student trained on the data's
@@ -12,6 +13,8 @@ LR and seed for the two sides of every comparison.
   them. The goal: the distilled student closes at least half of the shrunk model's gap to
   the teacher and beats the cross-entropy-only one. fkl and jsd: the same student
   distilled with --beta 0 (forward KL) and --beta 0.5 (JSD) named explicitly.
+- fresh-kd: the fresh student's distilled run alone (its cross-entropy-only twin does not
+  depend on the objective).
 - fresh: a fresh 4-layer llama (width 256) whose embedding starts from the teacher's
   (--init donor: a lens 576 -> 256), distilled against trained on the text alone.
 - topk: the shrunk student's distilled run again with the teacher kept as its top K
@@ -101,8 +104,9 @@ def main() -> None:
             rows.append(run(f"shrunk-fkl{tag}", [*shrunk, *sd, "--beta", "0"], a.out))
         if "jsd" in only:
             rows.append(run(f"shrunk-jsd{tag}", [*shrunk, *sd, "--beta", "0.5"], a.out))
-        if "fresh" in only:
+        if "fresh" in only or "fresh-kd" in only:
             rows.append(run(f"fresh-distilled{tag}", [*fresh, *sd, "--lr", "1e-3"], a.out))
+        if "fresh" in only:
             rows.append(
                 run(f"fresh-ce-only{tag}", [*fresh, *sd, "--lr", "1e-3", "--ce-weight", "1"], a.out)
             )
