@@ -204,7 +204,9 @@ def _failing_compilers(d: Path, version_ok: bool) -> dict:
 
 
 @pytest.mark.parametrize("version_ok", [False, True], ids=["no-version", "builds-fail"])
-def test_infer_with_failing_compilers_falls_back_to_eager(quant_gguf, tmp_path, version_ok):
+def test_infer_with_failing_compilers_falls_back_to_eager(
+    quant_gguf, tmp_path, version_ok, toy_run
+):
     """Compiling is a speed lever, never a requirement (issue 32 item 8): with compilers that
     fail, `toy infer` on a quantized GGUF asked for packed codes gives the float32 text with
     one note line, exit 0, no traceback; auto, which packs no model this small (pack_pays),
@@ -213,7 +215,7 @@ def test_infer_with_failing_compilers_falls_back_to_eager(quant_gguf, tmp_path, 
 
     env = _failing_compilers(tmp_path / "bin", version_ok)
     args = ["infer", "--model", quant_gguf, "--prompt", "ROMEO. What", "--temperature", "0"]
-    ref = run_toy(*args, "--max-new-tokens", "30", "--base-dtype", "float32")
+    ref = toy_run(*args, "--max-new-tokens", "30", "--base-dtype", "float32")  # the text asked
     assert ref.returncode == 0, ref.stderr
     ref = ref.stdout.rstrip("\n")
     for extra in (["--base-dtype", "quantized"], ["--max-new-tokens", "300"]):  # asked; auto
@@ -413,6 +415,28 @@ def test_the_build_id_names_the_cpu_and_the_model_code(monkeypatch):
     monkeypatch.setattr(decode, "_BUILD_ID", None)
     monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
     assert decode.steps_marker("m").parent == capped.parents[1]
+    monkeypatch.setattr(decode, "_BUILD_ID", None)
+
+
+def test_the_build_id_follows_traced_model_code_not_the_losses(tmp_path, monkeypatch):
+    """Every toy/models file a step may trace names the build; models/losses.py (training
+    only) does not: a change to it rebuilt every step for nothing."""
+    import shutil
+
+    src = Path(decode.__file__).parent
+    fake = tmp_path / "models"
+    shutil.copytree(src, fake, ignore=shutil.ignore_patterns("__pycache__"))
+    monkeypatch.setattr(decode, "__file__", str(fake / "decode.py"))
+
+    def build_id():
+        monkeypatch.setattr(decode, "_BUILD_ID", None)
+        return decode._build_id()
+
+    first = build_id()
+    (fake / "losses.py").write_text((fake / "losses.py").read_text() + "\n# changed\n")
+    assert build_id() == first
+    (fake / "layers.py").write_text((fake / "layers.py").read_text() + "\n# changed\n")
+    assert build_id() != first
     monkeypatch.setattr(decode, "_BUILD_ID", None)
 
 

@@ -338,6 +338,8 @@ def _load_built(key: tuple):
 
 
 _BUILD_ID: str | None = None
+# toy/models files no built step traces (nothing the decode path imports reads them).
+UNTRACED = frozenset({"losses.py"})
 # The environment variables that hold torch's kernels (ATen's dispatch) and oneDNN's below
 # what the CPU has: a library built under one setting is not the one for another.
 ISA_CAP_VARS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")
@@ -345,7 +347,8 @@ ISA_CAP_VARS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")
 
 def _build_id() -> str:
     """What a kept library's code depends on besides its graph's key: torch, toy's model code
-    (every file of toy/models, where the traced forwards and kernels live), inductor's
+    (every file of toy/models, where the traced forwards and kernels live, but the training
+    losses, which no step traces: a change there rebuilt every step for nothing), inductor's
     settings here, and the CPU's instruction sets as torch and inductor see them (a library
     built for AVX-512 must never load on an AVX2 machine sharing the folder)."""
     global _BUILD_ID
@@ -355,7 +358,8 @@ def _build_id() -> str:
 
         h = hashlib.sha256()
         for f in sorted(Path(__file__).parent.glob("*.py")):
-            h.update(f.name.encode() + f.read_bytes())
+            if f.name not in UNTRACED:
+                h.update(f.name.encode() + f.read_bytes())
         flags = ""
         try:
             with open("/proc/cpuinfo") as fh:
