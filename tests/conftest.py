@@ -2,7 +2,6 @@ import os
 
 import pytest
 import torch
-from helpers.common import run_toy
 
 # Nothing is ever fetched from a model hub: transformers/peft run offline in tests.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -37,6 +36,31 @@ def toy_cli(capsys):
     return run
 
 
+@pytest.fixture
+def toy_run(capsys):
+    """The CLI in-process, answered as run_toy's subprocess result (.returncode, .stdout,
+    .stderr): for runs whose process itself is not under test (no signal, exit through the
+    real process, environment, or count of stderr lines a user would see), without the
+    2-3 s of a fresh interpreter importing torch. Takes no env or cwd: use run_toy there."""
+    import subprocess
+
+    from toy.cli.main import main
+
+    def run(*argv, timeout=None):  # timeout: run_toy's, unused here
+        capsys.readouterr()  # what the test printed before is not this run's output
+        argv = [str(a) for a in argv]
+        try:
+            code = main(argv)
+        except SystemExit as e:  # argparse's refusals leave through the process's exit code
+            code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+        out, err = capsys.readouterr()
+        # as run_toy's pipes read them (text=True: universal newlines, "\r" read as "\n")
+        out, err = (t.replace("\r\n", "\n").replace("\r", "\n") for t in (out, err))
+        return subprocess.CompletedProcess(argv, code, out, err)
+
+    return run
+
+
 # The modules of the longest single tests (minutes each on 2 cores; tests/walks/), started
 # first. Named by basename: they are unique across tests/ (area folders, no __init__.py).
 LONGEST = ("test_newcomer.py", "test_preference_walk.py", "test_real_dirs.py")
@@ -61,9 +85,10 @@ def pytest_collection_modifyitems(config, items):
 def small_corpus(tmp_path_factory):
     """One bundled play, prepped by the real CLI with a 300-token BPE: the smallest real
     corpus a `toy train --preset tiny` run can take."""
+    from toy.cli.main import main
     from toy.data.prep import bundled_text_paths
 
     d = tmp_path_factory.mktemp("small-corpus")
-    r = run_toy("prep", bundled_text_paths()[0], "--out", d / "c.bin", "--vocab-size", "300")
-    assert r.returncode == 0, r.stderr
+    argv = ["prep", bundled_text_paths()[0], "--out", d / "c.bin", "--vocab-size", "300"]
+    assert main([str(a) for a in argv]) == 0  # in this process: no interpreter to start
     return d / "c.bin"

@@ -712,12 +712,10 @@ def test_token_stream_lora_trains_on_a_bos_corpus(kit, toy_cli, tmp_path):
 
 
 @pytest.mark.slow
-def test_gemma3_prompt_continues_sanely_with_its_bos(gemma3_gguf):
+def test_gemma3_prompt_continues_sanely_with_its_bos(gemma3_gguf, toy_run):
     """Without <bos> Gemma-3-270M continues "The capital of France is" with "France. The
     The The ..."; with it (as transformers and llama.cpp encode) it stays on topic."""
-    from helpers.common import run_toy
-
-    r = run_toy(
+    r = toy_run(
         "infer",
         "--model",
         gemma3_gguf,

@@ -56,9 +56,11 @@ def kit(tmp_path_factory):
     }
 
 
-def distill(kit, out, run_id, *extra):
+def distill(kit, out, run_id, *extra, run=run_toy):
+    """A distillation run on the kit: in a process of its own (run_toy), or `run=toy_run`, in
+    this one."""
     args = [a if a is not None else kit["chat"] for a in RUN]
-    return run_toy(
+    return run(
         "train", "--recipe", "distill", "--teacher", kit["teacher"], *args, "--out", out,
         "--run-id", run_id, *extra,
     )  # fmt: skip
@@ -100,9 +102,9 @@ def test_the_loss_is_trls_generalized_jsd(beta, temperature):
     assert int(agree) == want
 
 
-def test_a_shrunk_teacher_learns_and_runs_in_llamacpp_form(kit, tmp_path, toy_cli):
+def test_a_shrunk_teacher_learns_and_runs_in_llamacpp_form(kit, tmp_path, toy_cli, toy_run):
     r = distill(kit, tmp_path, "s", "--keep-layers", "2", "--steps", "12", "--eval-every", "6",
-                "--lr", "3e-3", "--json")  # fmt: skip
+                "--lr", "3e-3", "--json", run=toy_run)  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(r.stdout)
     curve = res["val_agreements"]
@@ -119,14 +121,14 @@ def test_a_shrunk_teacher_learns_and_runs_in_llamacpp_form(kit, tmp_path, toy_cl
     assert code == 0 and "2" in out, err
 
 
-def test_a_lora_student_with_ce_weight_1_is_loras_run(kit, tmp_path):
+def test_a_lora_student_with_ce_weight_1_is_loras_run(kit, tmp_path, toy_run):
     """--ce-weight 1: the data's cross-entropy alone, the baseline every distillation
     figure is held against: the same loss bytes as `--recipe lora` on the same base,
     data, seed and flags."""
     same = ["--model", kit["student"], "--steps", "4", "--precision", "float32", "--json"]
-    a = distill(kit, tmp_path, "d", *same, "--ce-weight", "1")
+    a = distill(kit, tmp_path, "d", *same, "--ce-weight", "1", run=toy_run)
     args = [a if a is not None else kit["chat"] for a in RUN]
-    b = run_toy("train", "--recipe", "lora", *args, *same, "--out", tmp_path, "--run-id", "l")
+    b = toy_run("train", "--recipe", "lora", *args, *same, "--out", tmp_path, "--run-id", "l")
     assert a.returncode == 0 and b.returncode == 0, (a.stderr[-2000:], b.stderr[-2000:])
     la = [x["loss"] for x in json.loads(a.stdout)["losses"]]
     lb = [x["loss"] for x in json.loads(b.stdout)["losses"]]
@@ -139,11 +141,11 @@ ON_POLICY = ["--lmbda", "1", "--max-completion-length", "12"]
 
 
 @pytest.mark.parametrize("policy", ["off", "on"])
-def test_sigkill_then_resume_gives_the_unbroken_lines(kit, tmp_path, policy):
+def test_sigkill_then_resume_gives_the_unbroken_lines(kit, tmp_path, policy, toy_run):
     steps = ["--keep-layers", "2", "--steps", "30", "--save-every", "3", "--lr", "1e-3"]
     if policy == "on":  # every batch the student's own completions of --prompts
         steps += ["--prompts", str(kit["prompts"]), *ON_POLICY]
-    ref = distill(kit, tmp_path, "ref", *steps)
+    ref = distill(kit, tmp_path, "ref", *steps, run=toy_run)  # killed, resumed: own processes
     assert ref.returncode == 0, ref.stderr[-3000:]
     lines = step_lines(ref.stdout)
     args = [str(a if a is not None else kit["chat"]) for a in RUN]
@@ -225,7 +227,9 @@ def test_bad_input_is_one_line_before_any_work(kit, tmp_path, toy_cli):
 
 
 @pytest.mark.llamacpp
-def test_the_shrunk_students_gguf_runs_in_llamacpp_to_toys_greedy_text(kit, tmp_path, toy_cli):
+def test_the_shrunk_students_gguf_runs_in_llamacpp_to_toys_greedy_text(
+    kit, tmp_path, toy_cli, toy_run
+):
     """The student's GGUF (`toy export --format gguf` of final/) carries the teacher GGUF's
     tokenizer keys whole, loads in llama.cpp, and its greedy continuation of a prompt is
     toy's, token for token, for 16 tokens."""
@@ -236,7 +240,8 @@ def test_the_shrunk_students_gguf_runs_in_llamacpp_to_toys_greedy_text(kit, tmp_
     from toy.models.sample import sample_groups
     from toy.tokenizer import encode_prompt
 
-    r = distill(kit, tmp_path, "g", "--keep-layers", "0,2,3", "--steps", "4", "--lr", "3e-3")
+    r = distill(kit, tmp_path, "g", "--keep-layers", "0,2,3", "--steps", "4", "--lr", "3e-3",
+                run=toy_run)  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
     gguf = tmp_path / "student.gguf"
     code, _, err = toy_cli("export", tmp_path / "g", "--format", "gguf", "--out", gguf)
@@ -261,7 +266,7 @@ def test_the_shrunk_students_gguf_runs_in_llamacpp_to_toys_greedy_text(kit, tmp_
         assert cpp == toy and cpp, (prompt, cpp, toy)
 
 
-def test_on_policy_batches_are_the_students_or_the_teachers_samples(kit, tmp_path):
+def test_on_policy_batches_are_the_students_or_the_teachers_samples(kit, tmp_path, toy_run):
     """--lmbda 1: every micro-batch is the student's own completion of its prompts, sampled
     from the live student with the loop's seeded generator; --seq-kd alone: the teacher's.
     The job's batch equals a completion sampled directly from that model with the same
@@ -295,14 +300,14 @@ def test_on_policy_batches_are_the_students_or_the_teachers_samples(kit, tmp_pat
         assert int(lm_prepare(b)["sup_idx"].numel()) == sum(len(c.ids) for (c,) in comps)
     r = distill(kit, tmp_path, "mix", "--keep-layers", "2", "--steps", "4", "--prompts",
                 kit["prompts"], "--lmbda", "0.5", "--seq-kd", "--max-completion-length", "12",
-                "--json")  # fmt: skip
+                "--json", run=toy_run)  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
     steps = json.loads(r.stdout)["losses"]
     assert all(0 < s["completion_length"] <= 12 for s in steps), steps
 
 
 @pytest.mark.parametrize("batches", ["mixed", "kept"])
-def test_two_processes_give_one_process_steps(kit, tmp_path, batches):
+def test_two_processes_give_one_process_steps(kit, tmp_path, batches, toy_run):
     """On-policy and data batches mixed (--lmbda 0.5): which micro-batch is sampled, its
     prompts and its generator follow the global micro-batch index, so one process
     accumulating two micro-batches and two processes of one each take the same steps,
@@ -314,7 +319,7 @@ def test_two_processes_give_one_process_steps(kit, tmp_path, batches):
                    "--max-completion-length", "12"]  # fmt: skip
     else:
         common += ["--teacher-top-k", "8"]
-    one = distill(kit, tmp_path, "one", *common, "--grad-accum", "2")
+    one = distill(kit, tmp_path, "one", *common, "--grad-accum", "2", run=toy_run)
     two = distill(kit, tmp_path, "two", *common, "--nproc", "2")
     assert one.returncode == 0, one.stderr[-3000:]
     assert two.returncode == 0, two.stderr[-3000:]
@@ -330,14 +335,14 @@ def test_two_processes_give_one_process_steps(kit, tmp_path, batches):
         assert x.get("completion_length") == y.get("completion_length")
 
 
-def test_teacher_top_k(kit, tmp_path):
+def test_teacher_top_k(kit, tmp_path, toy_run):
     """--teacher-top-k K: with K = V - 1 (the rest one token) the losses are the whole
     vocabulary's within float32 rounding; the kept file lies in the run with what it was
     made from; a run killed and resumed with its file damaged makes it again and gives
     the unbroken run's lines; the teacher model is let go once it is kept."""
     f32 = ["--keep-layers", "2", "--steps", "4", "--precision", "float32", "--json"]
-    full = distill(kit, tmp_path, "full", *f32)
-    near = distill(kit, tmp_path, "near", *f32, "--teacher-top-k", "401")
+    full = distill(kit, tmp_path, "full", *f32, run=toy_run)
+    near = distill(kit, tmp_path, "near", *f32, "--teacher-top-k", "401", run=toy_run)
     assert full.returncode == 0 and near.returncode == 0, near.stderr[-3000:]
     a, b = json.loads(full.stdout), json.loads(near.stdout)
     for x, y in zip(a["losses"] + a["val_agreements"], b["losses"] + b["val_agreements"]):
@@ -351,7 +356,7 @@ def test_teacher_top_k(kit, tmp_path):
     assert kept["made_from"]["k"] == 401 and len(kept["sha256"]) == 64
 
     steps = ["--keep-layers", "2", "--steps", "6", "--save-every", "3", "--teacher-top-k", "16"]
-    ref = distill(kit, tmp_path, "ref", *steps)
+    ref = distill(kit, tmp_path, "ref", *steps, run=toy_run)
     assert ref.returncode == 0, ref.stderr[-3000:]
     shutil.copytree(tmp_path / "ref", tmp_path / "cut")  # as if killed after step 3
     shutil.rmtree(tmp_path / "cut" / "checkpoints" / "step-000006")
@@ -359,7 +364,7 @@ def test_teacher_top_k(kit, tmp_path):
     raw = bytearray(data.read_bytes())
     raw[-100:-90] = bytes(10)  # damaged where the tensors lie
     data.write_bytes(bytes(raw))
-    r = run_toy("train", "--resume", tmp_path / "cut")
+    r = toy_run("train", "--resume", tmp_path / "cut")
     assert r.returncode == 0, r.stderr[-3000:]
     assert step_lines(r.stdout) == step_lines(ref.stdout)[3:]
     assert data.read_bytes() == (tmp_path / "ref" / "teacher_top_k.safetensors").read_bytes()
@@ -379,14 +384,14 @@ def test_a_kept_teacher_is_let_go(kit, tmp_path):
     assert torch.all(b["t_lp"][:, :-1] >= b["t_lp"][:, 1:])  # highest first
 
 
-def test_a_fresh_student_warm_started_from_the_teacher(kit, tmp_path, toy_cli):
+def test_a_fresh_student_warm_started_from_the_teacher(kit, tmp_path, toy_cli, toy_run):
     """--init pca: a fresh llama of the shape flags whose embedding is a trainable lens over
     the teacher's centred table; it learns, and final/ is a plain llama (the lens folded
     into its embedding) that `toy export --format gguf` writes and reads back, its
     embedding the folded product."""
     r = distill(kit, tmp_path, "f", "--init", "pca", "--preset", "tiny", "--n-layer", "2",
                 "--d-model", "32", "--n-head", "2", "--steps", "12", "--eval-every", "12",
-                "--lr", "3e-3", "--json")  # fmt: skip
+                "--lr", "3e-3", "--json", run=toy_run)  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(r.stdout)
     curve = res["val_agreements"]
@@ -411,7 +416,7 @@ def test_a_fresh_student_warm_started_from_the_teacher(kit, tmp_path, toy_cli):
     assert model(ids).shape == (1, 4, 402)
 
 
-def test_a_directory_teachers_student_is_written_as_a_directory(kit, tmp_path, toy_cli):
+def test_a_directory_teachers_student_is_written_as_a_directory(kit, tmp_path, toy_cli, toy_run):
     """A transformers-directory teacher (the tiny GGUF written as one): the shrunk student's
     run exports as a transformers directory that transformers loads to toy's logits, and as
     an MLX directory that mlx-lm loads to the same, the teacher's chat template and EOS
@@ -425,7 +430,7 @@ def test_a_directory_teachers_student_is_written_as_a_directory(kit, tmp_path, t
     teacher = tmp_path / "teacher-hf"
     write_model_dir(read_base(kit["teacher"], "quantized"), teacher, "transformers")
     args = [a if a is not None else kit["chat"] for a in RUN]
-    r = run_toy("train", "--recipe", "distill", "--teacher", teacher, *args, "--keep-layers",
+    r = toy_run("train", "--recipe", "distill", "--teacher", teacher, *args, "--keep-layers",
                 "2", "--steps", "3", "--out", tmp_path, "--run-id", "s")  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
     model, meta, _ = load_model_dir(tmp_path / "s" / "final")

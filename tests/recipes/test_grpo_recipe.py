@@ -43,16 +43,17 @@ def kit(tmp_path_factory):
     return {"gguf": write_llama_gguf(d / "base.gguf", model, tok), "data": d / "arith", "d": d}
 
 
-def train(kit, out, run_id, *extra, timeout=600):
-    r = run_toy(
+def train(kit, out, run_id, *extra, timeout=600, run=run_toy):
+    """A GRPO run on the kit: in a process of its own (run_toy), or `run=toy_run`, in this one."""
+    r = run(
         "train", "--recipe", "grpo", "--model", kit["gguf"], "--data", kit["data"], *SHORT,
         *RUN, "--out", out, "--run-id", run_id, *extra, timeout=timeout,
     )  # fmt: skip
     return r
 
 
-def test_grpo_learns_and_shows_its_figures(kit, tmp_path, toy_cli):
-    r = train(kit, tmp_path, "a", "--steps", "30", "--eval-every", "10", "--json")
+def test_grpo_learns_and_shows_its_figures(kit, tmp_path, toy_cli, toy_run):
+    r = train(kit, tmp_path, "a", "--steps", "30", "--eval-every", "10", "--json", run=toy_run)
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(r.stdout)
     vals = res["val_rewards"]
@@ -93,13 +94,14 @@ def test_grpo_learns_and_shows_its_figures(kit, tmp_path, toy_cli):
 
 
 @pytest.mark.parametrize("mu", ["1", "2"])
-def test_same_seed_same_lines_and_sigkill_resumes_exactly(kit, tmp_path, mu):
-    steps = ["--steps", "32", "--save-every", "4", "--num-iterations", mu, "--beta", "0.05"]
+def test_same_seed_same_lines_and_sigkill_resumes_exactly(kit, tmp_path, mu, toy_run):
+    # 16 steps: the first checkpoint (step 4), where the run is killed, leaves it 12 to go
+    steps = ["--steps", "16", "--save-every", "4", "--num-iterations", mu, "--beta", "0.05"]
     ref = train(kit, tmp_path, "ref", *steps)
     assert ref.returncode == 0, ref.stderr[-3000:]
     lines = step_lines(ref.stdout)
-    assert len(lines) == 32 and any(" kl " in ln for ln in lines)
-    again = train(kit, tmp_path, "again", *steps)
+    assert len(lines) == 16 and any(" kl " in ln for ln in lines)
+    again = train(kit, tmp_path, "again", *steps, run=toy_run)  # ref: its own process
     assert step_lines(again.stdout) == lines  # the same completions, the same bytes
     argv = [sys.executable, "-m", "toy", "train", "--recipe", "grpo", "--model", str(kit["gguf"])]
     argv += ["--data", str(kit["data"]), *SHORT, *RUN, "--out", str(tmp_path), "--run-id", "k"]
@@ -116,7 +118,7 @@ def test_same_seed_same_lines_and_sigkill_resumes_exactly(kit, tmp_path, mu):
     assert kept + resumed == lines
 
 
-def test_a_reward_that_fails_names_itself_the_sample_and_the_fix(kit, tmp_path):
+def test_a_reward_that_fails_names_itself_the_sample_and_the_fix(kit, tmp_path, toy_run):
     f = tmp_path / "rw.py"
     f.write_text(
         "def boom(prompts, completions, **kw):\n"
@@ -128,42 +130,43 @@ def test_a_reward_that_fails_names_itself_the_sample_and_the_fix(kit, tmp_path):
         "def short(prompts, completions, **kw):\n"
         "    return [1.0]\n"
     )
-    r = train(kit, tmp_path, "b", "--reward", f"{f}:boom", "--steps", "3")
+    r = train(kit, tmp_path, "b", "--reward", f"{f}:boom", "--steps", "3", run=toy_run)
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert f"{f}:boom" in lines[-1] and "ZeroDivisionError" in lines[-1] and "sample" in lines[-1]
-    r = train(kit, tmp_path, "s", "--reward", f"{f}:short", "--steps", "3")
+    r = train(kit, tmp_path, "s", "--reward", f"{f}:short", "--steps", "3", run=toy_run)
     assert r.returncode == 2 and "short" in r.stderr.splitlines()[-1], r.stderr
-    r = train(kit, tmp_path, "l", "--reward", f"{f}:later", "--steps", "12", "--save-every", "5")
+    r = train(kit, tmp_path, "l", "--reward", f"{f}:later", "--steps", "12", "--save-every", "5",
+              run=toy_run)  # fmt: skip
     assert r.returncode == 1 and "the judge went away" in r.stderr, r.stderr
     events = [json.loads(x) for x in (tmp_path / "l" / "events.jsonl").read_text().splitlines()]
     assert events[-1]["event"] == "run_failed" and events[-1]["step"] == 7
     assert (tmp_path / "l" / "checkpoints" / "step-000005" / "state.json").is_file()
-    r = train(kit, tmp_path, "n", "--reward", "bogus", "--steps", "3")
+    r = train(kit, tmp_path, "n", "--reward", "bogus", "--steps", "3", run=toy_run)
     assert r.returncode == 2 and "--reward bogus" in r.stderr and "accuracy" in r.stderr
 
 
-def test_a_flag_and_a_file_checked_before_anything_runs(kit, tmp_path):
+def test_a_flag_and_a_file_checked_before_anything_runs(kit, tmp_path, toy_run):
     bad = tmp_path / "p.jsonl"
     bad.write_text('{"prompt": "What is 1 + 1?"}\nnot json\n{"question": "?"}\n')
-    r = run_toy(
+    r = toy_run(
         "train", "--recipe", "grpo", "--model", kit["gguf"], "--data", bad, "--reward",
         "accuracy", "--out", tmp_path,
     )  # fmt: skip
     assert r.returncode == 2 and "'answer' column" in r.stderr, r.stderr
-    r = run_toy(
+    r = toy_run(
         "train", "--recipe", "grpo", "--model", kit["gguf"], "--data", bad, "--reward", "length",
         "--out", tmp_path, "--steps", "1", "--num-generations", "2", "--max-completion-length",
         "4", "--seq-len", "64",
     )  # fmt: skip
     assert r.returncode == 0, r.stderr
     assert "not valid JSON (line 2)" in r.stdout and "no prompt (line 3)" in r.stdout, r.stdout
-    r = run_toy(
+    r = toy_run(
         "train", "--recipe", "grpo", "--model", kit["gguf"], "--data", kit["data"], "--reward",
         "length", "--num-generations", "1", "--loss-type", "ppo", "--out", tmp_path,
     )  # fmt: skip
     assert r.returncode == 2 and "--loss-type" in r.stderr, r.stderr
-    r = run_toy(
+    r = toy_run(
         "train", "--recipe", "grpo", "--model", kit["gguf"], "--data", kit["data"], "--reward",
         "length", "--num-generations", "1", "--out", tmp_path,
     )  # fmt: skip

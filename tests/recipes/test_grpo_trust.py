@@ -61,11 +61,11 @@ def kit(tmp_path_factory):
     }
 
 
-def grpo(kit, out, run_id, *extra, env=None, model=None):
-    return run_toy(
-        "train", "--recipe", "grpo", "--model", model or kit["gguf"], "--data", kit["data"],
-        *RUN, "--out", out, "--run-id", run_id, *extra, env=env,
-    )  # fmt: skip
+def grpo(kit, out, run_id, *extra, env=None, model=None, run=None):
+    """A GRPO run on the kit: in a process of its own, or `run=toy_run`, in this one."""
+    argv = ["train", "--recipe", "grpo", "--model", model or kit["gguf"], "--data", kit["data"],
+            *RUN, "--out", out, "--run-id", run_id, *extra]  # fmt: skip
+    return run_toy(*argv, env=env) if run is None else run(*argv)
 
 
 def events(run_dir: Path) -> list[dict]:
@@ -76,7 +76,7 @@ def step_records(run_dir: Path) -> list[dict]:
     return [e for e in events(run_dir) if e["event"] == "step"]
 
 
-def test_two_processes_give_one_process_steps_and_a_killed_run_resumes(kit, tmp_path):
+def test_two_processes_give_one_process_steps_and_a_killed_run_resumes(kit, tmp_path, toy_run):
     """A step's global batch is the same on one process accumulating two micro-batches
     and on two processes of one each: the same completions (the live seeds and prompt
     batches follow the global micro-batch), the same advantages (--scale-rewards batch:
@@ -86,7 +86,7 @@ def test_two_processes_give_one_process_steps_and_a_killed_run_resumes(kit, tmp_
     run's lines, on two processes and on one."""
     common = ["--reward", kit["killer"], "--steps", "6", "--num-iterations", "2",
               "--batch-size", "2", "--scale-rewards", "batch", "--save-every", "3"]  # fmt: skip
-    one = grpo(kit, tmp_path, "one", *common, "--grad-accum", "2")
+    one = grpo(kit, tmp_path, "one", *common, "--grad-accum", "2", run=toy_run)
     two = grpo(kit, tmp_path, "two", *common, "--nproc", "2")
     assert one.returncode == 0, one.stderr[-3000:]
     assert two.returncode == 0, two.stderr[-3000:]
@@ -108,12 +108,12 @@ def test_two_processes_give_one_process_steps_and_a_killed_run_resumes(kit, tmp_
     assert r.returncode == 0, r.stderr[-3000:]
     assert kept + step_lines(r.stdout) == lines
     # On one process: each micro-batch of the reused generation from the rank that made it.
-    r = run_toy("train", "--resume", tmp_path / "k1")
+    r = toy_run("train", "--resume", tmp_path / "k1")
     assert r.returncode == 0, r.stderr[-3000:]
     assert kept + step_lines(r.stdout) == lines
 
 
-def test_a_reward_that_edits_its_arguments_changes_nothing(kit, tmp_path):
+def test_a_reward_that_edits_its_arguments_changes_nothing(kit, tmp_path, toy_run):
     f = tmp_path / "rw.py"
     f.write_text(
         "def zeros(completion_ids, **kw):\n"
@@ -134,7 +134,8 @@ def test_a_reward_that_edits_its_arguments_changes_nothing(kit, tmp_path):
     runs = {}
     for name in ("zeros", "pops", "clears"):
         r = grpo(kit, tmp_path, name, "--reward", f"{f}:{name}", "--reward", "length",
-                 "--target-length", "4", "--steps", "3", "--eval-every", "3")  # fmt: skip
+                 "--target-length", "4", "--steps", "3", "--eval-every", "3",
+                 run=toy_run)  # fmt: skip
         assert r.returncode == 0, r.stderr[-3000:]
         runs[name] = [ln.replace(name, "R") for ln in r.stdout.splitlines()
                       if ln.startswith(("step ", "eval "))]  # fmt: skip
@@ -142,7 +143,7 @@ def test_a_reward_that_edits_its_arguments_changes_nothing(kit, tmp_path):
     assert runs["clears"] == runs["zeros"]
 
 
-def test_a_completion_length_the_context_cannot_hold_is_one_line(kit, tmp_path):
+def test_a_completion_length_the_context_cannot_hold_is_one_line(kit, tmp_path, toy_run):
     """The 64-token model: GRPO's defaults (--max-completion-length 256) and 80 tokens are
     refused against the length used (--seq-len lowered to the context), before any run
     folder; 48 leaves a prompt 16 tokens and trains."""
@@ -156,7 +157,7 @@ def test_a_completion_length_the_context_cannot_hold_is_one_line(kit, tmp_path):
         assert len(lines) == 1 and "--max-completion-length" in lines[0], r.stderr
         assert "64" in lines[0] and "context" in lines[0], lines
         assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
-    r = run_toy(
+    r = toy_run(
         "train", "--recipe", "grpo", "--model", kit["short"], "--data", kit["data"],
         "--reward", "length", "--out", tmp_path / "runs", "--steps", "1",
         "--max-completion-length", "48", "--num-generations", "2",
@@ -187,7 +188,7 @@ def test_a_reward_that_ends_the_process_is_a_failed_run(kit, tmp_path, how):
     assert not (tmp_path / "x" / "final").exists()
 
 
-def test_an_epoch_reaches_every_prompt_with_num_iterations(kit, tmp_path):
+def test_an_epoch_reaches_every_prompt_with_num_iterations(kit, tmp_path, toy_run):
     f = tmp_path / "rw.py"
     seen = tmp_path / "seen.txt"
     f.write_text(
@@ -197,7 +198,7 @@ def test_an_epoch_reaches_every_prompt_with_num_iterations(kit, tmp_path):
         "    return [0.0 for _ in completion_ids]\n"
     )
     r = grpo(kit, tmp_path, "e", "--reward", f"{f}:log", "--epochs", "1", "--batch-size", "4",
-             "--num-iterations", "2", "--num-generations", "2")  # fmt: skip
+             "--num-iterations", "2", "--num-generations", "2", run=toy_run)  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
     assert (
         "1 epoch of 10 batches of prompts, 1 a step, each used for 2 steps = 20 steps" in r.stdout
@@ -245,7 +246,7 @@ def test_batch_scale_divides_by_the_whole_steps_spread(kit, tmp_path):
     torch.testing.assert_close(torch.cat([b["adv"] for b in made]), whole)
 
 
-def test_a_resume_refuses_a_changed_reward_or_validation_file(kit, tmp_path):
+def test_a_resume_refuses_a_changed_reward_or_validation_file(kit, tmp_path, toy_run):
     f = tmp_path / "rw.py"
     f.write_text(
         "def r(completion_ids, **kw):\n    return [-len(c) / 16 for c in completion_ids]\n"
@@ -253,7 +254,8 @@ def test_a_resume_refuses_a_changed_reward_or_validation_file(kit, tmp_path):
     val = tmp_path / "val.jsonl"
     val.write_text((kit["data"] / "valid.jsonl").read_text())
     r = grpo(kit, tmp_path, "c", "--reward", f"{f}:r", "--val-data", val, "--steps", "2",
-             "--save-every", "1")  # fmt: skip
+             "--save-every", "1", run=toy_run)  # fmt: skip
+    # (the resumes below, which must read the file as edited, each in a process of its own)
     assert r.returncode == 0, r.stderr[-3000:]
     f.write_text("def r(completion_ids, **kw):\n    return [len(c) / 16 for c in completion_ids]\n")
     r = run_toy("train", "--resume", tmp_path / "c", "--steps", "3")
@@ -270,7 +272,7 @@ def test_a_resume_refuses_a_changed_reward_or_validation_file(kit, tmp_path):
     assert r.returncode == 2 and "val.jsonl" in r.stderr, r.stderr
 
 
-def test_toml_reward_and_json_with_nothing_scored(kit, tmp_path):
+def test_toml_reward_and_json_with_nothing_scored(kit, tmp_path, toy_run):
     """toy.toml's `reward = "length"` is one reward; a step whose completions no reward
     scored (every function returned None) writes null in --json and events.jsonl, never a
     bare NaN."""
@@ -286,7 +288,7 @@ def test_toml_reward_and_json_with_nothing_scored(kit, tmp_path):
     assert info["config"]["reward"] == ["length"]
     f = tmp_path / "rw.py"
     f.write_text("def none(completion_ids, **kw):\n    return [None for _ in completion_ids]\n")
-    r = grpo(kit, tmp_path, "n", "--reward", f"{f}:none", "--steps", "2", "--json")
+    r = grpo(kit, tmp_path, "n", "--reward", f"{f}:none", "--steps", "2", "--json", run=toy_run)
     assert r.returncode == 0, r.stderr[-3000:]
 
     def strict(text):

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 
-from helpers.common import run_toy
 from helpers.gguf_fixtures import tiny_model, write_llama_gguf
 
 from toy.data.arith import make_arith
@@ -25,14 +24,14 @@ def short(completions, completion_ids=None, log_metric=None, log_extra=None, **k
 """
 
 
-def test_completions_metrics_runs_and_plot_show_what_grpo_learns(tmp_path, toy_cli):
+def test_completions_metrics_runs_and_plot_show_what_grpo_learns(tmp_path, toy_cli, toy_run):
     text = bundled_text_paths()[0].read_text()[:30000] + " 0 1 2 3 4 5 6 7 8 9 + - = ?"
     tok = train_bpe([text[i : i + 400] for i in range(0, len(text), 400)], vocab_size=400)
     tok.add_special_tokens(["<|im_start|>", "<|im_end|>"])
     base = write_llama_gguf(tmp_path / "b.gguf", tiny_model(vocab_size=402, max_seq_len=256), tok)
     make_arith(tmp_path / "arith", 40, 8, seed=0)
     (tmp_path / "rw.py").write_text(REWARD)
-    r = run_toy("train", "--recipe", "grpo", "--model", base, "--data", tmp_path / "arith",
+    r = toy_run("train", "--recipe", "grpo", "--model", base, "--data", tmp_path / "arith",
                 "--reward", "length", "--reward", f"{tmp_path / 'rw.py'}:short",
                 "--num-generations", "4", "--max-completion-length", "8", "--seq-len", "96",
                 "--steps", "2", "--eval-every", "2", "--eval-batches", "1", "--threads", "1",
@@ -64,12 +63,12 @@ def test_completions_metrics_runs_and_plot_show_what_grpo_learns(tmp_path, toy_c
     assert fig.key == "reward" and curve == [(v["step"], v["reward"]) for v in res["val_rewards"]]
 
 
-def test_describe_takes_a_run_directory(tmp_path, toy_cli):
+def test_describe_takes_a_run_directory(tmp_path, toy_cli, toy_run):
     """`toy describe RUN` (it was refused: "not a model directory") says what trained,
     its status and held-out figure, what final/ holds and its exports."""
     from helpers.runs import TINY
 
-    r = run_toy("train", *TINY, "--steps", "2", "--out", tmp_path, "--run-id", "s")
+    r = toy_run("train", *TINY, "--steps", "2", "--out", tmp_path, "--run-id", "s")
     assert r.returncode == 0, r.stderr[-2000:]
     code, out, err = toy_cli("describe", tmp_path / "s")
     assert code == 0, err

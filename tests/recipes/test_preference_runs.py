@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import model_dirs  # noqa: E402
-from helpers.common import needs_mlx, run_toy  # noqa: E402
+from helpers.common import needs_mlx  # noqa: E402
 from helpers.gguf_fixtures import tiny_model, write_llama_gguf  # noqa: E402
 from helpers.model_dirs import hf_model, mlx_dir, tiny_dir  # noqa: E402
 from helpers.preference import mlx_greedy  # noqa: F401
@@ -187,7 +187,7 @@ def gguf(tmp_path_factory):
     return write_llama_gguf(d / "base.gguf", model, tok)
 
 
-def test_ddp_two_processes_give_one_process_losses_and_figures(gguf, pairs, tmp_path):
+def test_ddp_two_processes_give_one_process_losses_and_figures(gguf, pairs, tmp_path, toy_run):
     """DPO on 2 gloo processes of 2 pairs a batch: the losses, the steps' preference
     figures (they were rank 0's half of the batch alone) and the held-out ones of 1
     process of 4 pairs (the same global batches, in float32). ORPO shares the figures."""
@@ -214,7 +214,7 @@ def test_ddp_two_processes_give_one_process_losses_and_figures(gguf, pairs, tmp_
     assert r.returncode == 0, r.stderr[-3000:]
     two = result(r.stdout)
     argv[argv.index("--batch-size") + 1] = "4"
-    s = run_toy("train", *argv, "--run-id", "one", env={"OMP_NUM_THREADS": "1"})
+    s = toy_run("train", *argv, "--run-id", "one")  # one process: this one
     assert s.returncode == 0, s.stderr[-3000:]
     one = result(s.stdout)
     assert two["losses"][0]["loss"] == pytest.approx(math.log(2), abs=1e-6)

@@ -187,10 +187,9 @@ def test_ddp_leaves_the_mapped_base_shared(quant_base, tmp_path):
             assert grown < 0.05 * base, (rank, when, grown, base, seen)
 
 
-def test_ddp_losses_on_a_quantized_base_match_one_process(quant_base, tmp_path):
+def test_ddp_losses_on_a_quantized_base_match_one_process(quant_base, tmp_path, toy_run):
     """The frozen base left out of DDP's start-up broadcast: 2 processes still train as 1
     on the same global batch."""
-    from helpers.common import run_toy
 
     args = [
         "train",
@@ -241,7 +240,7 @@ def test_ddp_losses_on_a_quantized_base_match_one_process(quant_base, tmp_path):
         env=env,
     )
     assert two.returncode == 0, two.stderr[-3000:]
-    one = run_toy(*args, "--batch-size", "4", "--run-id", "one", env={"OMP_NUM_THREADS": "1"})
+    one = toy_run(*args, "--batch-size", "4", "--run-id", "one")  # one process: this one
     assert one.returncode == 0, one.stderr[-3000:]
     a = [x["loss"] for x in json.loads(two.stdout.strip().splitlines()[-1])["losses"]]
     b = [x["loss"] for x in json.loads(one.stdout.strip().splitlines()[-1])["losses"]]

@@ -52,23 +52,17 @@ def losses(stdout: str) -> list[float]:
 
 @pytest.fixture(scope="module")
 def single(corpus, tmp_path_factory):
+    import contextlib
+    import io
+
+    from toy.cli.main import main
+
     out = tmp_path_factory.mktemp("single")
-    r = run_toy(
-        "train",
-        "--corpus",
-        corpus,
-        "--out",
-        out,
-        *TINY,
-        "--batch-size",
-        "4",
-        "--json",
-        "--run-id",
-        "one",
-        env={"OMP_NUM_THREADS": "1"},
-    )
-    assert r.returncode == 0, r.stderr
-    return losses(r.stdout), json.loads(r.stdout.strip())
+    argv = ["train", "--corpus", corpus, "--out", out, *TINY, "--batch-size", "4", "--json"]
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):  # one process: this one
+        assert main([str(a) for a in [*argv, "--run-id", "one"]]) == 0
+    return losses(printed.getvalue()), json.loads(printed.getvalue().strip())
 
 
 def test_torchrun_two_processes_match_one(corpus, single, tmp_path):
@@ -171,7 +165,7 @@ def test_ddp_resume_is_exact(corpus, tmp_path):
     assert losses(r.stdout) == full
 
 
-def test_fsdp_on_gloo_matches_and_resumes(corpus, single, tmp_path):
+def test_fsdp_on_gloo_matches_and_resumes(corpus, single, tmp_path, toy_run):
     import shutil
 
     r = torchrun(
@@ -200,10 +194,10 @@ def test_fsdp_on_gloo_matches_and_resumes(corpus, single, tmp_path):
     shutil.copytree(tmp_path / "fsdp", tmp_path / "cut")
     shutil.rmtree(tmp_path / "cut" / "checkpoints" / "step-000006")
     shutil.rmtree(tmp_path / "cut" / "final")
-    r = run_toy("train", "--resume", tmp_path / "cut", "--json", env={"OMP_NUM_THREADS": "1"})
+    r = toy_run("train", "--resume", tmp_path / "cut", "--json")  # one process: this one
     assert r.returncode == 0, r.stderr[-3000:]
     close(losses(r.stdout), full, rel=1e-4)
-    r = run_toy("infer", "--run", tmp_path / "fsdp", "--prompt", "the", "--max-new-tokens", "4")
+    r = toy_run("infer", "--run", tmp_path / "fsdp", "--prompt", "the", "--max-new-tokens", "4")
     assert r.returncode == 0, r.stderr
 
 
@@ -327,7 +321,9 @@ FSDP_CASES = {
 
 
 @pytest.mark.parametrize("case", list(FSDP_CASES))
-def test_fsdp_trains_every_architecture_and_recipe(case, corpus, lora_base, donor, tmp_path):
+def test_fsdp_trains_every_architecture_and_recipe(
+    case, corpus, lora_base, donor, tmp_path, toy_run
+):
     """FSDP2 on 2 gloo processes: the run finishes with its final/ (GPT-2's head used to be
     re-tied through a llama-only name after the last step) and its losses are the
     one-process run's on the same global batch."""
@@ -341,15 +337,13 @@ def test_fsdp_trains_every_architecture_and_recipe(case, corpus, lora_base, dono
     one[one.index("--batch-size") + 1] = str(2 * int(batch))
     if case == "lora-chat":  # a chat batch is a whole length-grouped batch: 2 per step on 1 process
         one = [*argv, "--grad-accum", "2"]
-    s = run_toy(
-        "train", *one, "--json", "--out", tmp_path, "--run-id", "s", env={"OMP_NUM_THREADS": "1"}
-    )
+    s = toy_run("train", *one, "--json", "--out", tmp_path, "--run-id", "s")  # one process
     assert s.returncode == 0, s.stderr[-3000:]
     close(losses(r.stdout), losses(s.stdout), rel=1e-4)
 
 
 def test_chat_lora_under_ddp_matches_one_process_and_resumes_on_another_world_size(
-    lora_base, tmp_path
+    lora_base, tmp_path, toy_run
 ):
     import shutil
 
@@ -369,17 +363,8 @@ def test_chat_lora_under_ddp_matches_one_process_and_resumes_on_another_world_si
     )
     assert r.returncode == 0, r.stderr[-3000:]
     two = losses(r.stdout)
-    s = run_toy(
-        "train",
-        *args,
-        "--grad-accum",
-        "2",
-        "--json",
-        "--out",
-        tmp_path,
-        "--run-id",
-        "one",
-        env={"OMP_NUM_THREADS": "1"},
+    s = toy_run(  # one process: this one
+        "train", *args, "--grad-accum", "2", "--json", "--out", tmp_path, "--run-id", "one"
     )
     assert s.returncode == 0, s.stderr[-3000:]
     close(two, losses(s.stdout))
@@ -388,7 +373,7 @@ def test_chat_lora_under_ddp_matches_one_process_and_resumes_on_another_world_si
     shutil.copytree(tmp_path / "two", tmp_path / "cut")
     shutil.rmtree(tmp_path / "cut" / "checkpoints" / "step-000004")
     shutil.rmtree(tmp_path / "cut" / "final")
-    r = run_toy("train", "--resume", tmp_path / "cut", "--json", env={"OMP_NUM_THREADS": "1"})
+    r = toy_run("train", "--resume", tmp_path / "cut", "--json")
     assert r.returncode == 0, r.stderr[-3000:]
     resumed = [
         e["loss"]

@@ -3,7 +3,8 @@ distillation on a teacher's samples): sampled from the weights each step starts 
 seeded by (seed, micro-batch, rank), so the same seed gives the same losses byte for byte
 and a run killed with SIGKILL resumes to its unbroken twin's losses (the sampling state is
 the seed and the restored weights). The recipe is tests/helpers/live_recipe.py, registered in the
-child process only."""
+child process, or for one test's time in this one (the `here` fixture: runs whose process
+is not under test)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from helpers.runs import TINY, corpus, step_lines, wait_for_checkpoint  # noqa: F401
 
 HERE = Path(__file__).resolve().parents[1]  # tests/, where helpers/live_recipe.py is
@@ -21,10 +23,26 @@ LAUNCH = (
 )
 
 
-def live(corpus, out, run_id, *extra, wait=True):
-    argv = [sys.executable, "-c", LAUNCH, str(HERE), "train", "--recipe", "live-test"]
-    argv += ["--corpus", str(corpus), "--out", str(out), "--run-id", run_id, *TINY]
-    argv += [str(x) for x in extra]
+@pytest.fixture
+def here(toy_run, monkeypatch):
+    """toy_run, with the test recipe registered in this process until the test ends."""
+    from helpers import live_recipe
+
+    from toy.recipes import RECIPES
+
+    monkeypatch.setitem(RECIPES, "live-test", live_recipe.__name__)
+    return toy_run
+
+
+def live(corpus, out, run_id, *extra, wait=True, run=None):
+    """A live-test run in a process of its own, or `run=here`, in this one."""
+    toy = ["train", "--recipe", "live-test", "--corpus", str(corpus), "--out", str(out)]
+    toy += ["--run-id", run_id, *TINY, *(str(x) for x in extra)]
+    if run is not None:
+        r = run(*toy)
+        assert r.returncode == 0, r.stderr[-3000:]
+        return r.stdout
+    argv = [sys.executable, "-c", LAUNCH, str(HERE), *toy]
     p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     if not wait:
         return p
@@ -33,14 +51,15 @@ def live(corpus, out, run_id, *extra, wait=True):
     return out_text
 
 
-def test_live_batches_are_seeded_and_resume_exactly_after_sigkill(corpus, tmp_path):
-    steps = ["--steps", "32", "--save-every", "4", "--lr", "3e-3"]
-    ref = step_lines(live(corpus, tmp_path, "ref", *steps))
-    assert len(ref) == 32
-    # Same seed: the same sampled batches and losses, byte for byte.
+def test_live_batches_are_seeded_and_resume_exactly_after_sigkill(corpus, tmp_path, here):
+    # 16 steps: the first checkpoint (step 4), where the run is killed, leaves it 12 to go
+    steps = ["--steps", "16", "--save-every", "4", "--lr", "3e-3"]
+    ref = step_lines(live(corpus, tmp_path, "ref", *steps, run=here))
+    assert len(ref) == 16
+    # Same seed: the same sampled batches and losses, byte for byte (in another process).
     assert step_lines(live(corpus, tmp_path, "again", *steps)) == ref
     # Another seed samples other batches (the batches really come from the sampler).
-    other = step_lines(live(corpus, tmp_path, "seed1", *steps, "--seed", "1"))
+    other = step_lines(live(corpus, tmp_path, "seed1", *steps, "--seed", "1", run=here))
     assert other != ref
     p = live(corpus, tmp_path, "killed", *steps, wait=False)
     wait_for_checkpoint(tmp_path / "killed", p)
@@ -61,15 +80,19 @@ def test_live_batches_are_seeded_and_resume_exactly_after_sigkill(corpus, tmp_pa
     assert kept + resumed == ref
 
 
-def test_live_batches_depend_on_the_weights(corpus, tmp_path):
+def test_live_batches_depend_on_the_weights(corpus, tmp_path, here):
     """The batch of a step is sampled from the model as that step finds it: a run whose
     earlier steps train at another LR samples other batches at the same step (a batch
     that were a pure function of k would give step 1 the same loss and differ only later
     through the weights; here step 2's batch itself differs)."""
     import json
 
-    a = live(corpus, tmp_path, "a", "--steps", "3", "--lr", "3e-3", "--warmup", "0", "--json")
-    b = live(corpus, tmp_path, "b", "--steps", "3", "--lr", "3e-2", "--warmup", "0", "--json")
+    a = live(
+        corpus, tmp_path, "a", "--steps", "3", "--lr", "3e-3", "--warmup", "0", "--json", run=here
+    )
+    b = live(
+        corpus, tmp_path, "b", "--steps", "3", "--lr", "3e-2", "--warmup", "0", "--json", run=here
+    )
     la = [x["loss"] for x in json.loads(a)["losses"]]
     lb = [x["loss"] for x in json.loads(b)["losses"]]
     assert la[0] == lb[0]  # step 1: the same weights, the same sampled batch

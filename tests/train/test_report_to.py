@@ -32,9 +32,9 @@ def scalars(run_dir) -> dict[str, list[tuple[int, float]]]:
     return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
 
 
-def test_tensorboard_reads_the_runs_figures_and_a_resume_purges(corpus, tmp_path):
+def test_tensorboard_reads_the_runs_figures_and_a_resume_purges(corpus, tmp_path, toy_run):
     argv = ["train", "--corpus", corpus, *TINY, "--out", tmp_path, "--run-id", "tb"]
-    r = run_toy(*argv, "--steps", "4", "--eval-every", "2", "--report-to", "tensorboard",
+    r = toy_run(*argv, "--steps", "4", "--eval-every", "2", "--report-to", "tensorboard",
                 "--json")  # fmt: skip
     assert r.returncode == 0, r.stderr[-2000:]
     res = json.loads(r.stdout)
@@ -52,7 +52,7 @@ def test_tensorboard_reads_the_runs_figures_and_a_resume_purges(corpus, tmp_path
     assert [s for s, _ in got["eval/loss"]] == [0, 2, 4]
     # Resume from step 2's checkpoint is not possible once finished; extend instead: the
     # curves hold each step once, 1..6.
-    r = run_toy("train", "--resume", run, "--steps", "6")
+    r = toy_run("train", "--resume", run, "--steps", "6")
     assert r.returncode == 0, r.stderr[-2000:]
     got = scalars(run)
     assert [s for s, _ in got["train/loss"]] == [1, 2, 3, 4, 5, 6]
@@ -175,7 +175,7 @@ def test_trackio_logs_the_runs_figures_locally_and_a_resume_purges(corpus, tmp_p
     assert not (tmp_path / "net.log").exists(), (tmp_path / "net.log").read_text()
 
 
-def test_plot_draws_the_panels_and_watch_redraws_until_the_run_ends(corpus, tmp_path):
+def test_plot_draws_the_panels_and_watch_redraws_until_the_run_ends(corpus, tmp_path, toy_run):
     """`toy plot` draws, under the loss, a panel each for the LR, the throughput, the peak
     memory and the gradient norm (the figure grows by their rows); --watch on a live run
     redraws until its closing event, then returns."""
@@ -187,9 +187,9 @@ def test_plot_draws_the_panels_and_watch_redraws_until_the_run_ends(corpus, tmp_
     from PIL import Image
 
     argv = ["train", "--corpus", corpus, *TINY, "--out", tmp_path, "--eval-every", "0"]
-    r = run_toy(*argv, "--run-id", "p", "--steps", "3")
+    r = toy_run(*argv, "--run-id", "p", "--steps", "3")
     assert r.returncode == 0, r.stderr[-2000:]
-    r = run_toy("plot", tmp_path / "p", "--out", tmp_path / "p.png")
+    r = toy_run("plot", tmp_path / "p", "--out", tmp_path / "p.png")
     assert r.returncode == 0, r.stderr
     w, h = Image.open(tmp_path / "p.png").size
     assert (w, h) == (960, (5 + 2 * 2.2) * 120)  # the loss and two rows of two panels
@@ -240,5 +240,5 @@ def test_plot_draws_the_panels_and_watch_redraws_until_the_run_ends(corpus, tmp_
             if p is not None:
                 p.kill()
                 p.wait()
-    r = run_toy("plot", tmp_path / "p", "--out", tmp_path / "x.png", "--watch", "0")
+    r = toy_run("plot", tmp_path / "p", "--out", tmp_path / "x.png", "--watch", "0")
     assert r.returncode == 2 and "--watch" in r.stderr

@@ -36,9 +36,9 @@ def start(corpus, out, run_id, steps, *extra):
     )
 
 
-def test_sigkill_then_resume_gives_the_same_loss_bytes(corpus, tmp_path):
+def test_sigkill_then_resume_gives_the_same_loss_bytes(corpus, tmp_path, toy_run):
     steps = 120
-    ref = run_toy(
+    ref = toy_run(  # the unbroken run in this process; the killed and resumed ones in their own
         "train",
         "--corpus",
         corpus,
@@ -201,16 +201,16 @@ def test_ctrl_c_says_what_is_saved(corpus, tmp_path, presses, save_every):
         assert f"toy train --resume {run_dir}" in last, last
 
 
-def test_a_damaged_checkpoint_is_named_with_the_newest_intact_one(corpus, tmp_path):
+def test_a_damaged_checkpoint_is_named_with_the_newest_intact_one(corpus, tmp_path, toy_run):
     """Random bytes written into the middle of the latest checkpoint's model.safetensors
     (its sha256, recorded when it was written, no longer matches): --resume is one line
     naming it and the newest intact checkpoint, exit 2, nothing trained; `--resume
     RUN/checkpoints/step-N` takes that one, sets the later ones aside (kept, renamed) and
     gives the unbroken run's lines from there."""
     base = ["--corpus", corpus, "--out", tmp_path, *TINY, "--save-every", "4", "--keep-last", "5"]
-    ref = run_toy("train", *base, "--run-id", "ref", "--steps", "12")
+    ref = toy_run("train", *base, "--run-id", "ref", "--steps", "12")
     assert ref.returncode == 0, ref.stderr
-    cut = run_toy("train", *base, "--run-id", "cut", "--steps", "12")
+    cut = toy_run("train", *base, "--run-id", "cut", "--steps", "12")
     assert cut.returncode == 0, cut.stderr
     run = tmp_path / "cut"
     import shutil
@@ -225,7 +225,7 @@ def test_a_damaged_checkpoint_is_named_with_the_newest_intact_one(corpus, tmp_pa
     assert r.returncode == 2 and len(lines) == 1, r.stderr
     assert "step-000008 is damaged" in lines[0] and "model.safetensors" in lines[0]
     assert f"toy train --resume {run / 'checkpoints' / 'step-000004'}" in lines[0]
-    r = run_toy("train", "--resume", run / "checkpoints" / "step-000004")
+    r = toy_run("train", "--resume", run / "checkpoints" / "step-000004")
     assert r.returncode == 0, r.stderr
     assert step_lines(r.stdout) == step_lines(ref.stdout)[4:]
     aside = [p.name for p in (run / "checkpoints").iterdir() if ".set-aside-" in p.name]

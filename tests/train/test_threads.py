@@ -139,8 +139,9 @@ def test_a_busy_core_leaves_the_default_fewer_threads(corpus, tmp_path):
         p.wait()
 
 
-def test_infer_threads_and_bad_values(corpus, tmp_path):
-    r = run_toy(*["train", "--corpus", corpus, *TINY, "--steps", "1", "--out", tmp_path],
+def test_infer_threads_and_bad_values(corpus, tmp_path, toy_run):
+    # the run infer reads, made in this process (no --threads: the worker's count stays)
+    r = toy_run(*["train", "--corpus", corpus, *TINY, "--steps", "1", "--out", tmp_path],
                 "--run-id", "m")  # fmt: skip
     assert r.returncode == 0, r.stderr[-2000:]
     r = run_toy("infer", "--run", tmp_path / "m", "--prompt", "To be", "--max-new-tokens", "3",

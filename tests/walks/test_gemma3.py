@@ -59,10 +59,8 @@ def test_logits_and_greedy_text_equal_transformers(toy_gemma, hf_gemma, record_p
     assert ours == theirs[: len(ours)] and len(ours) >= 8, (tok.decode(ours), tok.decode(theirs))
 
 
-def test_infer_chat_answers_with_the_builtin_gemma_template(gemma3_gguf):
-    from helpers.common import run_toy
-
-    r = run_toy(
+def test_infer_chat_answers_with_the_builtin_gemma_template(gemma3_gguf, toy_run):
+    r = toy_run(
         "infer",
         "--model",
         gemma3_gguf,

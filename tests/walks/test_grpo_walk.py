@@ -36,9 +36,11 @@ STEPS = ["--steps", "3", "--num-generations", "4", "--max-completion-length", "2
 STEPS += ["--batch-size", "2", "--eval-batches", "2", "--lr", "3e-3"]
 
 
-def test_grpo_on_smollm2_and_every_client_answers_alike(smollm2_gguf, smol_dirs, tmp_path):
+def test_grpo_on_smollm2_and_every_client_answers_alike(smollm2_gguf, smol_dirs, tmp_path, toy_run):
     hf_dir, mlx_dir = smol_dirs
-    assert run_toy("new", tmp_path / "proj").returncode == 0
+    # The commands around the training run go in this process (toy_run): the same CLI code,
+    # without a fresh interpreter each; the run and the clients, each in a process of its own.
+    assert toy_run("new", tmp_path / "proj").returncode == 0
     data = tmp_path / "proj" / "data" / "arith"
     valid = [json.loads(x) for x in (data / "valid.jsonl").read_text().splitlines()]
     r = run_toy(
@@ -52,16 +54,16 @@ def test_grpo_on_smollm2_and_every_client_answers_alike(smollm2_gguf, smol_dirs,
     assert {"accuracy", "length"} <= set(res["val_rewards"][-1])
     run = tmp_path / "runs" / "g"
     prompt = valid[0]["prompt"]  # held out: never trained on
-    r = run_toy("infer", "--run", run, "--chat", prompt, "--temperature", "0",
+    r = toy_run("infer", "--run", run, "--chat", prompt, "--temperature", "0",
                 "--max-new-tokens", NEW)  # fmt: skip
     assert r.returncode == 0, r.stderr
     ours = r.stdout.strip()
     assert (
-        run_toy("export", run, "--format", "gguf-lora", "--out", tmp_path / "a.gguf").returncode
+        toy_run("export", run, "--format", "gguf-lora", "--out", tmp_path / "a.gguf").returncode
         == 0
     )
     cpp = client(LLAMA_CPP, smollm2_gguf, tmp_path / "a.gguf", hf_dir, prompt, NEW)
-    assert run_toy("export", run, "--format", "mlx", "--out", tmp_path / "mlx").returncode == 0
+    assert toy_run("export", run, "--format", "mlx", "--out", tmp_path / "mlx").returncode == 0
     mlx = client(MLX_LM, mlx_dir, tmp_path / "mlx", prompt, NEW)
     print(f"\n{prompt!r}: toy {ours!r}, llama.cpp {cpp!r}, mlx-lm {mlx!r}")
     # The first words agree (a Q4_1 base in three runtimes: later tokens may part). toy and

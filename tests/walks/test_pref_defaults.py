@@ -24,7 +24,7 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.mark.parametrize("recipe", ["dpo", "orpo"])
-def test_the_defaults_move_a_small_set_without_collapse(smollm2_gguf, tmp_path, recipe):
+def test_the_defaults_move_a_small_set_without_collapse(smollm2_gguf, tmp_path, recipe, toy_run):
     r = run_toy(
         "train", "--recipe", recipe, "--model", smollm2_gguf, "--data", SET,
         "--out", tmp_path, "--run-id", recipe, "--json",
@@ -36,7 +36,7 @@ def test_the_defaults_move_a_small_set_without_collapse(smollm2_gguf, tmp_path, 
     assert acc[0]["accuracy"] == 0.0 and acc[-1]["accuracy"] >= 0.75, acc
     replies = []
     for prompt in PROBES:
-        c = run_toy(
+        c = toy_run(  # in this process: the CLI's code, without a fresh interpreter each
             "infer", "--run", tmp_path / recipe, "--chat", prompt,
             "--temperature", "0", "--max-new-tokens", "24",
         )  # fmt: skip

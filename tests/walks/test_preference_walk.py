@@ -39,19 +39,21 @@ pytestmark = [
 ]
 
 
-def chat(*argv) -> str:
-    r = run_toy("infer", *argv, "--temperature", "0", "--max-new-tokens", NEW)
+def chat(run, *argv) -> str:
+    r = run("infer", *argv, "--temperature", "0", "--max-new-tokens", NEW)
     assert r.returncode == 0, r.stderr
     return r.stdout.strip()
 
 
 def test_dpo_on_smollm2_learns_the_chosen_style_and_every_client_answers_in_it(
-    smollm2_gguf, smol_dirs, tmp_path, record_property
+    smollm2_gguf, smol_dirs, tmp_path, record_property, toy_run
 ):
     hf_dir, mlx_dir = smol_dirs
     # The pairs `toy new` puts in a project (README), the same set as
     # `scripts/make_pref_pairs.py --pairs 80 --max-chars 80`.
-    assert run_toy("new", tmp_path / "proj").returncode == 0
+    # The commands around the training run go in this process (toy_run): the same CLI code,
+    # without a fresh interpreter each; the run and the clients, each in a process of its own.
+    assert toy_run("new", tmp_path / "proj").returncode == 0
     data = tmp_path / "proj" / "data" / "pairs"
     valid = [json.loads(x) for x in (data / "valid.jsonl").read_text().splitlines()]
     train = (data / "train.jsonl").read_text().splitlines()
@@ -89,21 +91,21 @@ def test_dpo_on_smollm2_learns_the_chosen_style_and_every_client_answers_in_it(
 
     run = runs / "dpo"
     prompt = valid[0]["prompt"]  # held out: never trained on
-    base = chat("--model", smollm2_gguf, "--chat", prompt)
-    ours = chat("--run", run, "--chat", prompt)
+    base = chat(toy_run, "--model", smollm2_gguf, "--chat", prompt)
+    ours = chat(toy_run, "--run", run, "--chat", prompt)
     record_property("answers", {"prompt": prompt, "base": base, "toy": ours})
     assert not base.startswith(OPENING), base  # the base does not answer so by itself
     assert ours.startswith(OPENING), ours
 
     assert (
-        run_toy("export", run, "--format", "gguf-lora", "--out", tmp_path / "a.gguf").returncode
+        toy_run("export", run, "--format", "gguf-lora", "--out", tmp_path / "a.gguf").returncode
         == 0
     )
     cpp = client(LLAMA_CPP, smollm2_gguf, tmp_path / "a.gguf", hf_dir, prompt, NEW)
     record_property("llama_cpp", cpp)
     assert cpp.startswith(OPENING), cpp
 
-    assert run_toy("export", run, "--format", "mlx", "--out", tmp_path / "mlx").returncode == 0
+    assert toy_run("export", run, "--format", "mlx", "--out", tmp_path / "mlx").returncode == 0
     mlx = client(MLX_LM, mlx_dir, tmp_path / "mlx", prompt, NEW)
     record_property("mlx_lm", mlx)
     assert mlx.startswith(OPENING), mlx

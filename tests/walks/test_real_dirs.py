@@ -54,17 +54,17 @@ def mlx_greedy(model_dir: Path, adapter: Path | None = None) -> str:
 _GREEDY: dict[tuple, str] = {}
 
 
-def toy_greedy(*argv) -> str:
+def toy_greedy(toy_run, *argv) -> str:
     """`toy infer ... --chat QUESTION`'s greedy answer, once per argv in this process (the
-    base's answer serves two tests)."""
+    base's answer serves two tests); run by `toy_run`, in this process."""
     if argv not in _GREEDY:
-        r = run_toy("infer", *argv, "--chat", QUESTION, *GREEDY)
+        r = toy_run("infer", *argv, "--chat", QUESTION, *GREEDY)
         assert r.returncode == 0, r.stderr
         _GREEDY[argv] = r.stdout.strip()
     return _GREEDY[argv]
 
 
-def test_greedy_text_equals_transformers_on_the_directory(smol_dirs):
+def test_greedy_text_equals_transformers_on_the_directory(smol_dirs, toy_run):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -79,12 +79,12 @@ def test_greedy_text_equals_transformers_on_the_directory(smol_dirs):
     )["input_ids"]
     out = model.generate(ids, max_new_tokens=20, do_sample=False)
     want = tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True).strip()
-    assert toy_greedy("--model", hf_dir) == want
+    assert toy_greedy(toy_run, "--model", hf_dir) == want
 
 
-def test_greedy_text_equals_mlx_lm_on_the_mlx_twin(smol_dirs):
+def test_greedy_text_equals_mlx_lm_on_the_mlx_twin(smol_dirs, toy_run):
     _, mlx_dir = smol_dirs
-    assert toy_greedy("--model", mlx_dir) == mlx_greedy(mlx_dir)
+    assert toy_greedy(toy_run, "--model", mlx_dir) == mlx_greedy(mlx_dir)
 
 
 def _chat(tmp_path: Path) -> Path:
@@ -134,20 +134,20 @@ def _lora(base: Path, data: Path, out: Path, steps: int = 5, *extra) -> dict:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-def test_lora_on_the_mlx_twin_learns_and_mlx_lm_runs_its_adapter(smol_dirs, tmp_path):
+def test_lora_on_the_mlx_twin_learns_and_mlx_lm_runs_its_adapter(smol_dirs, tmp_path, toy_run):
     _, mlx_dir = smol_dirs
     res = _lora(mlx_dir, _chat(tmp_path), tmp_path / "runs")
     val = [v["loss"] for v in res["val_losses"]]
     assert val[-1] < val[0] - 0.05, val  # the held-out loss falls
     run = tmp_path / "runs" / "r"
-    r = run_toy("export", run, "--format", "mlx", "--out", tmp_path / "adapter")
+    r = toy_run("export", run, "--format", "mlx", "--out", tmp_path / "adapter")
     assert r.returncode == 0, r.stderr
-    adapted = toy_greedy("--run", run)
-    assert adapted != toy_greedy("--model", mlx_dir)  # the adapter changes the answer
+    adapted = toy_greedy(toy_run, "--run", run)
+    assert adapted != toy_greedy(toy_run, "--model", mlx_dir)  # the adapter changes the answer
     assert mlx_greedy(mlx_dir, tmp_path / "adapter") == adapted
 
 
-def test_an_adapter_trained_on_the_gguf_runs_in_mlx_lm(smol_dirs, smollm2_gguf, tmp_path):
+def test_an_adapter_trained_on_the_gguf_runs_in_mlx_lm(smol_dirs, smollm2_gguf, tmp_path, toy_run):
     """The GGUF's weights, converted to MLX unquantized (float32, so mlx-lm computes as toy
     does), take the adapter a run on the GGUF made: mlx-lm's adapted text equals toy's on the
     same weights."""
@@ -166,6 +166,6 @@ def test_an_adapter_trained_on_the_gguf_runs_in_mlx_lm(smol_dirs, smollm2_gguf, 
     # an adapter, not learning: two steps move it off zero; its held-out loss is not read
     _lora(smollm2_gguf, _chat(tmp_path), tmp_path / "runs", 2, "--eval-batches", "1")
     run = tmp_path / "runs" / "r"
-    assert run_toy("export", run, "--format", "mlx", "--out", tmp_path / "adapter").returncode == 0
-    ours = toy_greedy("--model", mlx_f32, "--adapter", run)
+    assert toy_run("export", run, "--format", "mlx", "--out", tmp_path / "adapter").returncode == 0
+    ours = toy_greedy(toy_run, "--model", mlx_f32, "--adapter", run)
     assert mlx_greedy(mlx_f32, tmp_path / "adapter") == ours
