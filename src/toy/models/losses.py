@@ -45,6 +45,11 @@ def chunk_rows(vocab: int, device: torch.device | None = None) -> int:
     return max(16, chunk_bytes(device) // (4 * vocab))
 
 
+def _capped(z: torch.Tensor, softcap: float) -> torch.Tensor:
+    """Logits soft-capped where the model caps them (Gemma 2's final soft-cap)."""
+    return softcap * torch.tanh(z / softcap) if softcap else z
+
+
 def _cap(logits: torch.Tensor, softcap: float) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Capped logits and d(capped)/d(logits), or the logits as they are."""
     if not softcap:
@@ -643,7 +648,7 @@ def _logits(h: torch.Tensor, w: torch.Tensor, softcap: float) -> torch.Tensor:
     """float32 logits of rows h through weight w (the matmul in autocast's dtype where it
     is on), soft-capped where the model caps them."""
     z = (h @ w.T if torch.is_autocast_enabled(h.device.type) else h @ w.T.to(h.dtype)).float()
-    return softcap * torch.tanh(z / softcap) if softcap else z
+    return _capped(z, softcap)
 
 
 def _chunked_head_loss(h, w, softcap, per_chunk, want_h: bool, want_w: bool):
@@ -669,8 +674,7 @@ def _chunked_head_loss(h, w, softcap, per_chunk, want_h: bool, want_w: bool):
             hc = h[sl].detach().to(dt)
             z = (hc @ wd.T).to(acc).requires_grad_(want_h or want_w)
             with torch.set_grad_enabled(want_h or want_w):
-                zc = softcap * torch.tanh(z / softcap) if softcap else z
-                loss, n = per_chunk(sl, zc)
+                loss, n = per_chunk(sl, _capped(z, softcap))
             total += loss.detach()
             count += n
             if not (want_h or want_w):
@@ -739,8 +743,7 @@ def distill_divergence(
 
     def chunk(sl, s):
         with torch.no_grad(), torch.autocast(h_t.device.type, enabled=False):
-            t = (h_t[sl].to(dt) @ w_t.T).float()
-            t = caps[1] * torch.tanh(t / caps[1]) if caps[1] else t
+            t = _capped((h_t[sl].to(dt) @ w_t.T).float(), caps[1])
         return generalized_jsd(s, t, beta, temperature).sum(), (s.argmax(-1) == t.argmax(-1)).sum()
 
     return _head_loss(h_s, head_matrix(head_s, dt), caps[0], chunk)
