@@ -102,6 +102,49 @@ def test_the_loss_is_trls_generalized_jsd(beta, temperature):
     assert int(agree) == want
 
 
+@pytest.mark.parametrize("beta", [0.0, 0.3, 1.0])
+def test_closed_form_gradients_are_autograds(beta):
+    """The divergences' gradients are written in closed form (models/losses.py _jsd_terms):
+    against autograd over the whole logits in float64, with a soft-cap and a temperature,
+    for the whole vocabulary and for a teacher kept as its top K (K + 1 buckets)."""
+    import torch.nn as nn
+
+    from toy.models import losses
+
+    torch.manual_seed(1)
+    N, C, V, K, T, cap = 29, 8, 50, 6, 0.7, 4.0
+    head_s = nn.Linear(C, V, bias=False).double()
+    head_t = nn.Linear(12, V, bias=False).double().requires_grad_(False)
+    h = torch.randn(N, C, dtype=torch.float64, requires_grad=True)
+    h_t = torch.randn(N, 12, dtype=torch.float64)
+    old = losses.CHUNK_BYTES
+    losses.CHUNK_BYTES = 4 * V * 16  # two chunks and a partial one
+    try:
+        div, _ = losses.distill_divergence(h, head_s, h_t, head_t, beta, T, caps=(cap, cap))
+        ids, t_lp, t_rest = losses.teacher_topk(h_t, head_t, K, T, cap)
+        top, _ = losses.topk_divergence(h, head_s, ids, t_lp, t_rest, beta, T, cap)
+    finally:
+        losses.CHUNK_BYTES = old
+
+    def capped(x):
+        return cap * torch.tanh(x / cap)
+
+    z = capped(h @ head_s.weight.T) / T
+    s = torch.log_softmax(z, -1)
+    t = torch.log_softmax(capped(h_t @ head_t.weight.T) / T, -1)
+    ref = losses.jsd_of_logprobs(s, t, beta).sum()  # autograd's gradient through the formula
+    idx = ids.long()
+    s_k = torch.cat([s.gather(-1, idx), torch.logsumexp(s.scatter(-1, idx, -torch.inf), -1,
+                                                         keepdim=True)], -1)  # fmt: skip
+    t_k = torch.cat([t_lp, t_rest[:, None]], -1).double()
+    ref_top = losses.jsd_of_logprobs(s_k, t_k, beta).sum()
+    for got, want in ((div, ref), (top, ref_top)):
+        torch.testing.assert_close(got, want)
+        g = torch.autograd.grad(got, (h, head_s.weight))
+        r = torch.autograd.grad(want, (h, head_s.weight), retain_graph=True)
+        torch.testing.assert_close(g, r)
+
+
 def test_a_shrunk_teacher_learns_and_runs_in_llamacpp_form(kit, tmp_path, toy_cli, toy_run):
     r = distill(kit, tmp_path, "s", "--keep-layers", "2", "--steps", "12", "--eval-every", "6",
                 "--lr", "3e-3", "--json", run=toy_run)  # fmt: skip

@@ -22,6 +22,8 @@ the logits as cap * tanh(z / cap) first.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -627,13 +629,33 @@ def generalized_jsd(
 def jsd_of_logprobs(s: torch.Tensor, t: torch.Tensor, beta: float) -> torch.Tensor:
     """(N,) generalized_jsd of two rows of normalised log-probs (N, B), over any B buckets:
     the vocabulary, or a teacher's top K and the rest of its mass (topk_divergence)."""
+    return _jsd_terms(s, t, beta, False)[0]
+
+
+def _jsd_terms(s: torch.Tensor, t: torch.Tensor, beta: float, want: bool):
+    """(N,) jsd_of_logprobs of the student's s = log_softmax(x) against the teacher's t,
+    and where `want` its gradient wrt x (N, B) in closed form, no autograd graph (a
+    chunk's temporaries are a few (N, B) tensors where autograd's JSD kept about twenty):
+    with p = exp(s), g = dL/ds, dL/dx = p * (g - sum(p * g)). Forward KL: p - exp(t);
+    reverse KL: g = s - t, whose sum(p * g) is the loss itself; between, with the
+    mixture m: g = (1 - beta) (s - m), the teacher's term having none (its derivatives
+    through m cancel)."""
     if beta == 0:
-        return (t.exp() * (t - s)).sum(-1)
+        q = t.exp()
+        loss = (q * (t - s)).sum(-1)
+        return loss, (s.exp().sub_(q) if want else None)
     if beta == 1:
-        return (s.exp() * (s - t)).sum(-1)
-    b = torch.tensor(beta, dtype=s.dtype, device=s.device)
-    m = torch.logsumexp(torch.stack([s + torch.log1p(-b), t + torch.log(b)]), 0)
-    return beta * (t.exp() * (t - m)).sum(-1) + (1 - beta) * (s.exp() * (s - m)).sum(-1)
+        p, g = s.exp(), s - t
+        loss = (p * g).sum(-1)
+        return loss, (g.sub_(loss[:, None]).mul_(p) if want else None)
+    ls = s - torch.logaddexp(s + math.log1p(-beta), t + math.log(beta))  # s - m
+    lt = ls.sub(s).add_(t)  # t - m
+    p = s.exp()
+    loss = beta * (t.exp() * lt).sum(-1) + (1 - beta) * (p * ls).sum(-1)
+    if not want:
+        return loss, None
+    g = ls.mul_(1 - beta)
+    return loss, g.sub_((p * g).sum(-1, keepdim=True)).mul_(p)
 
 
 def head_matrix(head: torch.nn.Module, dtype: torch.dtype) -> torch.Tensor:
@@ -658,8 +680,9 @@ def _chunked_head_loss(h, w, softcap, per_chunk, want_h: bool, want_w: bool):
     are (_chunked_ce): a chunk's logits are made once (a checkpointed chunk made both
     models' logits again in backward), w is cast to autocast's dtype once (autocast casts
     `w.T` again at every chunk: 28M values each for SmolLM2's head), and w's gradient is
-    summed in float32 in place. `per_chunk(sl, z) -> (loss, count)`: z (c, V) float32
-    (float64 for gradcheck); the count (e.g. agreeing positions) carries no gradient."""
+    summed in float32 in place. `per_chunk(sl, z, want) -> (loss, count, dloss/dz or
+    None)`: z (c, V) the capped logits in float32 (float64 for gradcheck), the gradient
+    asked for where `want`; the count (e.g. agreeing positions) carries none."""
     dt = compute_dtype(h)
     acc = torch.promote_types(h.dtype, torch.float32)
     wd = w.detach().to(dt)  # the one cast
@@ -668,18 +691,19 @@ def _chunked_head_loss(h, w, softcap, per_chunk, want_h: bool, want_w: bool):
     total = torch.zeros((), dtype=acc, device=h.device)
     count = torch.zeros((), dtype=torch.long, device=h.device)
     step = chunk_rows(int(w.shape[0]), h.device)
+    want = want_h or want_w
     with torch.autocast(h.device.type, enabled=False):
         for i in range(0, h.shape[0], step):
             sl = slice(i, i + step)
             hc = h[sl].detach().to(dt)
-            z = (hc @ wd.T).to(acc).requires_grad_(want_h or want_w)
-            with torch.set_grad_enabled(want_h or want_w):
-                loss, n = per_chunk(sl, _capped(z, softcap))
+            z = _capped((hc @ wd.T).to(acc), softcap)
+            loss, n, g = per_chunk(sl, z, want)
             total += loss.detach()
             count += n
-            if not (want_h or want_w):
+            if not want:
                 continue
-            (g,) = torch.autograd.grad(loss, z)
+            if softcap:  # d(cap tanh(x / cap))/dx = 1 - (capped / cap)^2
+                g = g * (1 - (z / softcap).square())
             gd = g.to(dt)
             if grad_h is not None:
                 grad_h[sl] = (gd @ wd).to(h.dtype)
@@ -741,10 +765,14 @@ def distill_divergence(
     with torch.no_grad():
         w_t = head_matrix(head_t, dt).to(dt)
 
-    def chunk(sl, s):
+    def chunk(sl, z, want):
         with torch.no_grad(), torch.autocast(h_t.device.type, enabled=False):
             t = _capped((h_t[sl].to(dt) @ w_t.T).float(), caps[1])
-        return generalized_jsd(s, t, beta, temperature).sum(), (s.argmax(-1) == t.argmax(-1)).sum()
+            agree = (z.argmax(-1) == t.argmax(-1)).sum()
+            s = torch.log_softmax(z / temperature, -1)
+            t = torch.log_softmax(t.div_(temperature), -1)
+            loss, g = _jsd_terms(s, t, beta, want)
+        return loss.sum(), agree, (g.div_(temperature) if want else None)
 
     return _head_loss(h_s, head_matrix(head_s, dt), caps[0], chunk)
 
@@ -794,14 +822,20 @@ def topk_divergence(
     student's top-1 token is the teacher's. In chunks of rows, each made once, as
     distill_divergence's."""
 
-    def chunk(sl, z):
+    def chunk(sl, z, want):
+        # the buckets' own logits x: the top K's, and the log of the rest's summed mass;
+        # s = log_softmax(x), and a rest token's share of dL/dx_rest is its softmax there
         z = z / temperature
-        lse = torch.logsumexp(z, -1, keepdim=True)
         idx = ids[sl].long()
-        s_top = z.gather(-1, idx) - lse
-        s_rest = torch.logsumexp(z.scatter(-1, idx, float("-inf")), -1, keepdim=True) - lse
-        s = torch.cat([s_top, s_rest], -1)
+        others = z.scatter(-1, idx, float("-inf"))
+        x_rest = torch.logsumexp(others, -1, keepdim=True)
+        s = torch.log_softmax(torch.cat([z.gather(-1, idx), x_rest], -1), -1)
         t = torch.cat([t_lp[sl].to(z.dtype), t_rest[sl].to(z.dtype)[:, None]], -1)
-        return jsd_of_logprobs(s, t, beta).sum(), (z.argmax(-1) == idx[:, 0]).sum()
+        loss, g = _jsd_terms(s, t, beta, want)
+        agree = (z.argmax(-1) == idx[:, 0]).sum()
+        if not want:
+            return loss.sum(), agree, None
+        dz = others.sub_(x_rest).exp_().mul_(g[:, -1:]).scatter_(-1, idx, g[:, :-1])
+        return loss.sum(), agree, dz.div_(temperature)
 
     return _head_loss(h_s, head_matrix(head_s, compute_dtype(h_s)), cap, chunk)

@@ -48,7 +48,7 @@ from toy.data.prompts import (
 )
 from toy.data.streams import hold_out
 from toy.errors import InputError, ToyError, UsageError
-from toy.formats.base import Base
+from toy.formats.base import Base, QuantTensor
 from toy.formats.base_readers import base_kind, held_as, read_base
 from toy.formats.hf_dir import base_fingerprint
 from toy.formats.model_dir import GGUF_TOKENIZER, save_model_dir
@@ -385,8 +385,9 @@ def lora_student(cfg: RunConfig, project: Project) -> Student:
 
 
 def shrink(base: Base, keep: list[int]) -> Base:
-    """`base` with only the blocks `keep` (renumbered 0..N-1), each tensor its own copy
-    (the file's pages are never written)."""
+    """`base` with only the blocks `keep` (renumbered 0..N-1), each float tensor its own
+    float32 copy (the file's pages are never written; a quantized one is kept as it is, to
+    be dequantized into a tensor of its own)."""
     sd = {}
     for name, t in base.state_dict.items():
         head, i, rest = (name.split(".", 2) + ["", ""])[:3]
@@ -394,18 +395,24 @@ def shrink(base: Base, keep: list[int]) -> Base:
             if int(i) not in keep:
                 continue
             name = f"layers.{keep.index(int(i))}.{rest}"
-        sd[name] = t.clone()
+        sd[name] = t if isinstance(t, QuantTensor) else t.to(torch.float32, copy=True)
     config = dataclasses.replace(base.config, n_layer=len(keep))
     return dataclasses.replace(base, config=config, state_dict=sd)
 
 
 def shrunk_student(cfg: RunConfig, teacher_path: Path) -> Student:
     """A float32 copy of the teacher's embedding, kept blocks, final norm and head, every
-    weight trainable, its blocks renumbered 0..N-1."""
-    base = read_base(teacher_path, "float32")
-    n = base.config.n_layer
+    weight trainable, its blocks renumbered 0..N-1. A GGUF's kept blocks alone are
+    dequantized (held_as): the whole teacher in float32 first left SmolLM2's 0.54 GB of
+    freed heap behind; a kind held_as reads again is read whole and shrunk."""
+    probe = read_base(teacher_path, "quantized")
+    n = probe.config.n_layer
     keep = kept_blocks(cfg.keep_layers, n)
-    small = shrink(base, keep)
+    small = held_as(shrink(probe, keep), teacher_path, "float32")
+    del probe
+    if small.config.n_layer != len(keep):
+        small = shrink(small, keep)
+    base = small
     torch.manual_seed(cfg.seed)
     model = small.build_model()
     for p in model.parameters():
