@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers.gguf_fixtures import gemma3_gguf  # noqa: E402,F401
+from helpers.gguf_fixtures import gemma3_gguf, hf_gguf_tokenizer  # noqa: E402,F401
 from helpers.spm import spm_metadata  # noqa: F401
 
 from toy.errors import InputError  # noqa: E402
@@ -230,7 +230,7 @@ def gemma_tokenizers(gemma3_gguf):
     t0 = time.perf_counter()
     tok = from_gguf_metadata(meta, source=str(gemma3_gguf))
     seconds = time.perf_counter() - t0
-    return tok, hf_tokenizer(gemma3_gguf), seconds
+    return tok, hf_gguf_tokenizer(gemma3_gguf), seconds
 
 
 @pytest.mark.slow

@@ -72,25 +72,93 @@ def gemma3_gguf(tmp_path_factory) -> Path:
     return _fetch("get-gemma3.sh", "Gemma-3-270M", tmp_path_factory.mktemp("gemma3"))
 
 
-@functools.cache
-def hf_gguf_model(path: Path):
-    """transformers' own float32 load of a GGUF (eval mode), once per test process: a
-    SmolLM2 load dequantizes 135M weights (15-50 s). Shared: never modify it (wrap a
-    copy.deepcopy, e.g. for PEFT)."""
+# transformers' own loads of a real model's GGUF, kept for later runs (a SmolLM2 model load
+# dequantizes 135M weights in Python, 15-50 s; Gemma-3's tokenizer rebuilds 262,144 pieces,
+# half a minute; each paid by each xdist worker whose modules ask, and by every run):
+# what transformers made, written by its own save_pretrained and read back by its own
+# from_pretrained, keyed by the file's bytes and the transformers, tokenizers and torch
+# versions, so a changed file or library makes it anew. Files under REFERENCE_MIN_BYTES
+# (the tests' tiny GGUFs, written each run) are read from the GGUF each time.
+REFERENCES = Path.home() / ".cache" / "toy" / "test-references"
+REFERENCE_MIN_BYTES = 32 << 20
+
+
+def _reference_dir(path: Path, what: str, make) -> Path | None:
+    """The folder holding transformers' `what` ("model" or "tokenizer") of the GGUF at
+    `path`, made by `make(dest)` under a lock the first time; None for a small file."""
+    import fcntl
+    import hashlib
+    import shutil
+    import tempfile
+
+    import tokenizers
     import transformers
 
-    return transformers.AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32
-    ).eval()
+    path = Path(path).resolve()
+    if path.stat().st_size < REFERENCE_MIN_BYTES:
+        return None
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            h.update(block)
+    versions = f"{transformers.__version__}-{tokenizers.__version__}-{torch.__version__}"
+    key = hashlib.sha256(f"{h.hexdigest()}-{versions}".encode()).hexdigest()[:20]
+    dest = REFERENCES / f"{what}-{key}"
+    REFERENCES.mkdir(parents=True, exist_ok=True)
+    with open(REFERENCES / f".{what}-{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # the other worker waits, then reads what this made
+        if not (dest / "done").is_file():
+            tmp = Path(tempfile.mkdtemp(dir=REFERENCES, prefix=f".{what}-"))
+            try:
+                make(tmp)
+                (tmp / "done").write_text(f"{path.name} {versions}\n")
+                shutil.rmtree(dest, ignore_errors=True)
+                tmp.rename(dest)
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+    return dest
+
+
+@functools.cache
+def hf_gguf_model(path: Path):
+    """transformers' own float32 load of a GGUF (eval mode), once per test process, from
+    the reference kept for later runs where the file is a real model's. Shared: never
+    modify it (wrap a copy.deepcopy, e.g. for PEFT)."""
+    import transformers
+
+    def load(src, **kw):
+        return transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32, **kw)
+
+    def make(dest: Path) -> None:
+        model = load(str(path.parent), gguf_file=path.name)
+        # its weights are float32 tensors already; transformers marks a GGUF load
+        # quantized ("gguf") and refuses to save it as such
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(dest)
+
+    kept = _reference_dir(path, "model", make)
+    if kept is None:
+        return load(str(path.parent), gguf_file=path.name).eval()
+    return load(str(kept)).eval()
 
 
 @functools.cache
 def hf_gguf_tokenizer(path: Path):
-    """transformers' tokenizer rebuilt from a GGUF's vocabulary, once per test process
-    (SmolLM2's 49,152 ids: several seconds; Gemma's 262,144: half a minute)."""
+    """transformers' tokenizer rebuilt from a GGUF's vocabulary, once per test process,
+    from the reference kept for later runs where the file is a real model's."""
     import transformers
 
-    return transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    def make(dest: Path) -> None:
+        transformers.AutoTokenizer.from_pretrained(
+            str(path.parent), gguf_file=path.name
+        ).save_pretrained(dest)
+
+    kept = _reference_dir(path, "tokenizer", make)
+    if kept is None:
+        return transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    return transformers.AutoTokenizer.from_pretrained(str(kept))
 
 
 def converter_permute(w: np.ndarray, n_head: int) -> np.ndarray:

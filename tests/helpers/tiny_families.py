@@ -150,10 +150,9 @@ def convert(
 def save_smollm2_tokenizer(smollm2_gguf: Path, dest: Path) -> Path:
     """SmolLM2's byte-level BPE (49152 ids), as transformers rebuilds it from the GGUF and
     saves it. The converter recognises its pre-tokenizer (hash -> "smollm")."""
-    from transformers import AutoTokenizer
+    from helpers.gguf_fixtures import hf_gguf_tokenizer
 
-    tok = AutoTokenizer.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name)
-    tok.save_pretrained(dest)
+    hf_gguf_tokenizer(Path(smollm2_gguf)).save_pretrained(dest)
     return dest
 
 

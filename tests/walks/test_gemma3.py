@@ -11,7 +11,7 @@ import json
 
 import pytest
 import torch
-from helpers.gguf_fixtures import gemma3_gguf  # noqa: E402,F401
+from helpers.gguf_fixtures import gemma3_gguf, hf_gguf_model  # noqa: E402,F401
 
 from toy.data.dialogue import conversations, write_jsonl  # noqa: E402
 from toy.data.prep import bundled_text_paths  # noqa: E402
@@ -22,10 +22,8 @@ PROMPT = "The capital of France is"
 
 @pytest.fixture(scope="module")
 def hf_gemma(gemma3_gguf):
-    transformers = pytest.importorskip("transformers")
-    return transformers.AutoModelForCausalLM.from_pretrained(
-        str(gemma3_gguf.parent), gguf_file=gemma3_gguf.name, dtype=torch.float32
-    ).eval()
+    pytest.importorskip("transformers")
+    return hf_gguf_model.__wrapped__(gemma3_gguf)  # its own: PEFT wraps it in place below
 
 
 @pytest.fixture(scope="module")
