@@ -185,7 +185,7 @@ ON_POLICY = ["--lmbda", "1", "--max-completion-length", "12"]
 
 @pytest.mark.parametrize("policy", ["off", "on"])
 def test_sigkill_then_resume_gives_the_unbroken_lines(kit, tmp_path, policy, toy_run):
-    steps = ["--keep-layers", "2", "--steps", "30", "--save-every", "3", "--lr", "1e-3"]
+    steps = ["--keep-layers", "2", "--steps", "15", "--save-every", "3", "--lr", "1e-3"]
     if policy == "on":  # every batch the student's own completions of --prompts
         steps += ["--prompts", str(kit["prompts"]), *ON_POLICY]
     ref = distill(kit, tmp_path, "ref", *steps, run=toy_run)  # killed, resumed: own processes
