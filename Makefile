@@ -28,6 +28,9 @@ demo: $(STAMP)
 # --no-loadscope-reorder keeps the collection order (tests/conftest.py puts the longest
 # tests first) where xdist would sort modules by their number of tests and start the
 # one-test walks last.
+# transformers' loads of the real GGUFs (the references SmolLM2's and Gemma-3's checks compare
+# against) are kept in ~/.cache/toy/test-references, keyed by the file's sha256 and the
+# library versions (tests/helpers/gguf_fixtures.py): a first run on a machine pays them once.
 XDIST   := -n 2 --dist loadscope --no-loadscope-reorder
 test: $(STAMP)
 	$(VPY) -m pytest $(XDIST)
