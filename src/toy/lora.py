@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -186,9 +186,17 @@ def _check_args(targets: list[str], rank: int, alpha: float, dropout: float) -> 
 
 
 def apply_lora(
-    model: nn.Module, targets: list[str], rank: int, alpha: float, dropout: float, seed: int
+    model: nn.Module,
+    targets: list[str],
+    rank: int,
+    alpha: float,
+    dropout: float,
+    seed: int,
+    layers: Iterable[int] | None = None,
 ) -> list[str]:
-    """Wrap every `nn.Linear` whose attribute name is in `targets`, in place.
+    """Wrap every `nn.Linear` whose attribute name is in `targets`, in place; with
+    `layers`, only those inside the blocks of those indices (`layers.<i>.`: mlx-lm's
+    `--num-layers`, the last N blocks, and PEFT's `layers_to_transform`).
 
     Every parameter of the model is frozen first; only the new `lora_A` / `lora_B`
     train. Returns the full names of the wrapped modules, in model order.
@@ -201,10 +209,13 @@ def apply_lora(
     for p in model.parameters():
         p.requires_grad_(False)
     wanted = set(targets)
+    blocks = None if layers is None else {f"layers.{int(i)}." for i in layers}
     found = [
         (name, m)
         for name, m in model.named_modules()
-        if isinstance(m, (nn.Linear, QuantLinear)) and name.rsplit(".", 1)[-1] in wanted
+        if isinstance(m, (nn.Linear, QuantLinear))
+        and name.rsplit(".", 1)[-1] in wanted
+        and (blocks is None or any(name.startswith(b) for b in blocks))
     ]
     if not found:
         raise UsageError(
@@ -232,6 +243,19 @@ def apply_lora(
         setattr(parent, attr, LoRALinear.from_linear(lin, rank, alpha, dropout, g))
         names.append(name)
     return names
+
+
+def adapted_layers(sd: dict[str, torch.Tensor]) -> list[int] | None:
+    """The block indices an adapter's tensors (toy-named) cover, for apply_lora's
+    `layers`; None where one adapts a module outside the blocks (then every matching
+    module is wrapped, and a strict load names what does not match)."""
+    layers = set()
+    for k in sd:
+        head, i, _ = (k.split(".", 2) + ["", ""])[:3]
+        if head != "layers" or not i.isdigit():
+            return None
+        layers.add(int(i))
+    return sorted(layers)
 
 
 def _lora_modules(model: nn.Module) -> list[tuple[str, LoRALinear]]:

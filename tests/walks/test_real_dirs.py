@@ -169,3 +169,73 @@ def test_an_adapter_trained_on_the_gguf_runs_in_mlx_lm(smol_dirs, smollm2_gguf, 
     assert toy_run("export", run, "--format", "mlx", "--out", tmp_path / "adapter").returncode == 0
     ours = toy_greedy(toy_run, "--model", mlx_f32, "--adapter", run)
     assert mlx_greedy(mlx_f32, tmp_path / "adapter") == ours
+
+
+def test_an_adapter_mlx_lm_made_on_its_last_layers_runs_in_toy(smollm2_gguf, tmp_path, toy_run):
+    """Issue 58 item 6: mlx_lm.lora adapts only the last --num-layers blocks (16 by default),
+    and toy refused such an adapter ("missing 378 tensors" for this one). One made by
+    mlx_lm.lora itself on the last 3 of the 30 blocks of SmolLM2's MLX directory (`toy
+    fetch --as mlx`: the GGUF's 4-bit blocks as affine groups of 32; mlx_lm.lora trained on
+    it in 18 s where the mlx_lm.convert twin took 100) is read by `toy infer --adapter` to
+    mlx_lm.generate's greedy text."""
+    r = toy_run("fetch", "smollm2", "--as", "mlx", "--out", tmp_path / "m")
+    assert r.returncode == 0, r.stderr
+    mlx_dir = Path(r.stdout.strip().splitlines()[-1])
+    adapter = tmp_path / "mlx-adapter"
+    r = subprocess.run(
+        [sys.executable, "-m", "mlx_lm", "lora", "--model", str(mlx_dir), "--train",
+         "--data", str(_chat(tmp_path)), "--iters", "2", "--num-layers", "3",
+         "--batch-size", "1", "--learning-rate", "2e-3", "--val-batches", "0",
+         "--steps-per-eval", "1000", "--save-every", "1000", "--max-seq-length", "64",
+         "--adapter-path", str(adapter)],
+        capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert json.loads((adapter / "adapter_config.json").read_text())["num_layers"] == 3
+    from safetensors import safe_open
+
+    with safe_open(str(adapter / "adapters.safetensors"), framework="pt") as f:
+        blocks = {int(k.split(".")[2]) for k in f.keys()}
+    assert blocks == {27, 28, 29}, blocks
+    adapted = toy_greedy(toy_run, "--model", mlx_dir, "--adapter", adapter)
+    assert adapted != toy_greedy(toy_run, "--model", mlx_dir)  # the adapter changes the answer
+    assert mlx_greedy(mlx_dir, adapter) == adapted
+
+
+def test_a_peft_adapter_on_some_layers_runs_in_toy(smol_dirs, tmp_path, toy_run):
+    """Issue 58 item 6, PEFT's side: an adapter PEFT makes with `layers_to_transform` (three
+    blocks of the 30, not a contiguous run) is read by `toy infer --adapter` to
+    transformers + PEFT's greedy text on the same directory."""
+    import peft
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    hf_dir, _ = smol_dirs
+    ask = "Say one line about the sea."  # open: a changed model answers otherwise
+    tok = AutoTokenizer.from_pretrained(hf_dir)
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    torch.manual_seed(0)
+    cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                          layers_to_transform=[2, 5, 29], init_lora_weights=False)  # fmt: skip
+    adapted = peft.get_peft_model(model, cfg).eval()
+    with torch.no_grad():  # a B of its own scale: the answer moves
+        for name, w in adapted.named_parameters():
+            if "lora_B" in name:
+                w.normal_(0.0, 0.5)
+    adapted.save_pretrained(tmp_path / "peft")
+    ids = tok.apply_chat_template(
+        [{"role": "user", "content": ask}], add_generation_prompt=True,
+        return_tensors="pt", return_dict=True,
+    )["input_ids"]  # fmt: skip
+
+    def answer(m) -> str:
+        out = m.generate(ids, max_new_tokens=16, do_sample=False)
+        return tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True).strip()
+
+    want = answer(adapted)
+    with adapted.disable_adapter():
+        assert answer(adapted) != want  # the adapter changes the answer
+    r = toy_run("infer", "--model", hf_dir, "--adapter", tmp_path / "peft", "--chat", ask,
+                "--temperature", "0", "--max-new-tokens", "16")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == want

@@ -579,7 +579,7 @@ def load_base_lm(
     from toy.data.chat import resolve_chat_template
     from toy.formats import base_readers, packed_cache
     from toy.formats.base_readers import read_base
-    from toy.lora import apply_lora, load_lora_state_dict, merge_lora
+    from toy.lora import adapted_layers, apply_lora, load_lora_state_dict, merge_lora
     from toy.models import decode
     from toy.models.layers import kv_cache_bytes
 
@@ -666,7 +666,10 @@ def load_base_lm(
         sd, acfg = _read_adapter(adapter, probe, model_path)
         # The adapter's own tensors say which projections it adapts (target_modules may be a regex).
         targets = sorted({k.rsplit(".", 2)[-2] for k in sd})
-        apply_lora(model, targets, int(acfg["r"]), float(acfg["lora_alpha"]), 0.0, seed=0)
+        # and which blocks: mlx-lm adapts the last --num-layers (16 by default), PEFT its
+        # layers_to_transform
+        layers = adapted_layers(sd)
+        apply_lora(model, targets, int(acfg["r"]), float(acfg["lora_alpha"]), 0.0, 0, layers)
         load_lora_state_dict(model, sd, source=str(adapter))
         merge_lora(model)  # one weight per projection (float32 where the base is quantized)
     if (
