@@ -176,7 +176,23 @@ def test_an_mlx_lm_lora_command_line_runs_as_it_is(toy_cli, data, tmp_path, monk
     assert cfg["checkpointing"] is True and cfg["eval_every"] == 2 and cfg["eval_batches"] == 1
     assert (tmp_path / "adapters" / "adapters.safetensors").is_file()
     assert (tmp_path / "adapters" / "adapter_config.json").is_file()
-    assert "--num-layers 1: toy adapts all 2 layers" in out, out
+    # --num-layers 1: the last of the 2 blocks, as mlx_lm.lora; each export says which
+    assert "--num-layers 1: adapters on the last 1 of the 2 blocks" in out, out
+    mlx = json.loads((tmp_path / "adapters" / "adapter_config.json").read_text())
+    assert mlx["num_layers"] == 1
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "adapters" / "adapters.safetensors"), "pt") as f:
+        assert {k.split(".")[2] for k in f.keys()} == {"1"}
+    peft = json.loads((tmp_path / "runs" / "m" / "final" / "adapter_config.json").read_text())
+    assert peft["layers_to_transform"] == [1]
+    for bad in ("3", "0"):
+        code, _, err = toy_cli(
+            "train", "--recipe", "lora", "--model", data["base"], "--data", d,
+            "--num-layers", bad, "--out", tmp_path / "runs", "--run-id", f"bad{bad}",
+        )  # fmt: skip
+        assert code == 2 and err.count("\n") == 1, err
+        assert f"--num-layers {bad}: the model has 2 blocks" in err, err
     assert "--mask-prompt: toy scores only the replies" in out
     # --adapter-path is --output DIR/adapters.safetensors: both at once conflict.
     code, _, err = toy_cli(

@@ -135,13 +135,18 @@ def _lora(base: Path, data: Path, out: Path, steps: int = 5, *extra) -> dict:
 
 
 def test_lora_on_the_mlx_twin_learns_and_mlx_lm_runs_its_adapter(smol_dirs, tmp_path, toy_run):
+    """With mlx_lm.lora's default --num-layers 16 (issue 58 item 6): adapters on the last 16
+    of the 30 blocks, the mlx export's num_layers 16, and mlx-lm's text toy's."""
     _, mlx_dir = smol_dirs
-    res = _lora(mlx_dir, _chat(tmp_path), tmp_path / "runs")
+    res = _lora(mlx_dir, _chat(tmp_path), tmp_path / "runs", 5, "--num-layers", "16")
     val = [v["loss"] for v in res["val_losses"]]
     assert val[-1] < val[0] - 0.05, val  # the held-out loss falls
     run = tmp_path / "runs" / "r"
     r = toy_run("export", run, "--format", "mlx", "--out", tmp_path / "adapter")
     assert r.returncode == 0, r.stderr
+    assert (
+        json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["num_layers"] == 16
+    )
     adapted = toy_greedy(toy_run, "--run", run)
     assert adapted != toy_greedy(toy_run, "--model", mlx_dir)  # the adapter changes the answer
     assert mlx_greedy(mlx_dir, tmp_path / "adapter") == adapted
@@ -163,8 +168,10 @@ def test_an_adapter_trained_on_the_gguf_runs_in_mlx_lm(smol_dirs, smollm2_gguf, 
     cfg["rope_theta"] = (cfg.get("rope_parameters") or {}).get("rope_theta", cfg.get("rope_theta"))
     (fixed / "config.json").write_text(json.dumps(cfg))
     convert(str(fixed), str(mlx_f32), dtype="float32")
-    # an adapter, not learning: two steps move it off zero; its held-out loss is not read
-    _lora(smollm2_gguf, _chat(tmp_path), tmp_path / "runs", 2, "--eval-batches", "1")
+    # an adapter, not learning: two steps move it off zero; its held-out loss is not read;
+    # on the last 8 blocks (--num-layers 8): mlx-lm puts num_layers on the last ones too
+    _lora(smollm2_gguf, _chat(tmp_path), tmp_path / "runs", 2, "--eval-batches", "1",
+          "--num-layers", "8")  # fmt: skip
     run = tmp_path / "runs" / "r"
     assert toy_run("export", run, "--format", "mlx", "--out", tmp_path / "adapter").returncode == 0
     ours = toy_greedy(toy_run, "--model", mlx_f32, "--adapter", run)

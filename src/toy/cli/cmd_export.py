@@ -413,7 +413,12 @@ def _export_mlx(r: _Run, args) -> Path:
     base, _ = _resolve_base(r, args, config)
     out = Path(args.out) if args.out else r.dir / "export" / f"{r.name}-mlx"
     _claim(r, args, out, base, marker="adapter_config.json")
-    n_layers = 1 + max(int(k.split(".")[1]) for k in sd)
+    # the base's own depth: mlx-lm adapts the LAST num_layers blocks, so an adapter of the
+    # last N (--num-layers N) is written as N of them
+    from toy.formats.base_readers import describe_base
+
+    n_layers = int(describe_base(base)["hyperparameters"].get("n_layer") or 0)
+    n_layers = n_layers or 1 + max(int(k.split(".")[1]) for k in sd)
     out.parent.mkdir(parents=True, exist_ok=True)
     with atomic_dir(out) as tmp:  # both files or neither
         save_mlx_adapter(

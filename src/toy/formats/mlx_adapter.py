@@ -6,9 +6,10 @@
     MLX:  model.layers.3.self_attn.q_proj.lora_a  (in, r)   lora_b  (r, out)   y += scale * x a b
 
 so `lora_a = A^T`, `lora_b = B^T` and `scale = alpha / r` (mlx-lm applies `scale` as it is).
-adapter_config.json needs `num_layers` (mlx-lm adapts the LAST num_layers blocks: toy's
-adapters cover every block, so all of them) and `lora_parameters` {rank, scale, dropout,
-keys}, `keys` naming the adapted modules relative to a block ("self_attn.q_proj").
+adapter_config.json needs `num_layers` (mlx-lm adapts the LAST num_layers blocks: an
+adapter of toy's covers every block, or the last N with `--num-layers N`) and
+`lora_parameters` {rank, scale, dropout, keys}, `keys` naming the adapted modules relative
+to a block ("self_attn.q_proj").
 """
 
 from __future__ import annotations
@@ -69,14 +70,15 @@ def save_mlx_adapter(
         tensors[f"{prefix}{module}.{mlx}"] = t.detach().float().T.contiguous().cpu()
     if not tensors:
         raise UsageError("no adapter tensors to write")
-    if layers != set(range(n_layers)):
+    if layers != set(range(n_layers - len(layers), n_layers)):
         raise UsageError(
-            f"the adapter covers layers {sorted(layers)[:5]}..., not all {n_layers}: mlx-lm "
-            "adapts the last num_layers blocks, a contiguous run"
+            f"the adapter covers blocks {sorted(layers)[:8]} of the model's {n_layers}: mlx-lm "
+            "adapts the last num_layers blocks, a run ending at the last; export it as PEFT "
+            "or gguf-lora instead"
         )
     config: dict[str, Any] = {
         "fine_tune_type": "lora",
-        "num_layers": n_layers,
+        "num_layers": len(layers),
         "lora_parameters": {
             "rank": int(rank),
             "scale": float(alpha) / int(rank),

@@ -148,8 +148,9 @@ def adapter_flags(data_help: str) -> tuple[Flag, ...]:
         Flag(
             "num_layers",
             type=int,
-            help="mlx_lm.lora's: toy adapts every layer; another count is noted, not applied",
-            shown=": every layer",
+            help="mlx_lm.lora's: adapt the last N blocks only (-1: every block, as without "
+            "it); the exports say which (mlx-lm's num_layers, PEFT's layers_to_transform)",
+            shown=": every block",
         ),
     )
 
@@ -343,17 +344,27 @@ class Adapted:
 def mlx_lm_notes(cfg: RunConfig, depth: int) -> list[str]:
     """What toy does with mlx_lm.lora's flags that it reads differently."""
     notes = []
-    if cfg.num_layers is not None and cfg.num_layers not in (-1, depth):
-        notes.append(
-            f"--num-layers {cfg.num_layers}: toy adapts all {depth} layers (mlx-lm would adapt "
-            f"the last {min(cfg.num_layers, depth)}); the adapter has more parameters"
-        )
+    if cfg.num_layers is not None and 0 < cfg.num_layers < depth:
+        notes.append(f"--num-layers {cfg.num_layers}: adapters on the last {cfg.num_layers} of "
+                     f"the {depth} blocks, as mlx_lm.lora")  # fmt: skip
     if cfg.mask_prompt:
         notes.append(
             "--mask-prompt: toy scores only the replies of conversations and prompt/completion "
             'data anyway ({"text"} lines are scored whole)'
         )
     return notes
+
+
+def adapted_blocks(num_layers: int | None, depth: int) -> list[int] | None:
+    """The blocks --num-layers N adapts: the last N, as mlx_lm.lora's (None: every one)."""
+    if num_layers is None or num_layers == -1 or num_layers == depth:
+        return None
+    if not 0 < num_layers < depth:
+        raise UsageError(
+            f"--num-layers {num_layers}: the model has {depth} blocks; give 1 to {depth} (the "
+            "last N blocks adapted), or -1 for every block"
+        )
+    return list(range(depth - num_layers, depth))
 
 
 def load_adapted(cfg: RunConfig, project: Project, recipe: str) -> Adapted:
@@ -380,7 +391,10 @@ def load_adapted(cfg: RunConfig, project: Project, recipe: str) -> Adapted:
     model = base.build_model()
     del base.state_dict  # the model holds the only copy of the base
     # Validation of rank/alpha/targets happens here, before any data work.
-    wrapped = apply_lora(model, targets, int(cfg.rank), cfg.alpha, cfg.dropout, int(cfg.seed))
+    layers = adapted_blocks(cfg.num_layers, base.config.n_layer)
+    wrapped = apply_lora(
+        model, targets, int(cfg.rank), cfg.alpha, cfg.dropout, int(cfg.seed), layers
+    )
     seq_len = int(cfg.seq_len)
     notes: list[str] = list(base.notes) + ([why] if why else [])
     resident = resident_bytes(model)
@@ -451,6 +465,7 @@ def save_adapter(cfg: RunConfig, a: Adapted, out: Path) -> None:
         dropout=cfg.dropout,
         targets=a.targets,
         base_model_name_or_path=str(a.model_path),
+        n_layers=a.base.config.n_layer,
     )
     a.base.tokenizer.save(str(out / "tokenizer.json"))
     output = output_of(cfg)
