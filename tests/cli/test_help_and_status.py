@@ -202,6 +202,57 @@ def test_an_mlx_lm_lora_command_line_runs_as_it_is(toy_cli, data, tmp_path, monk
     assert code == 2 and "--output and --adapter-path conflict" in err
 
 
+def test_an_mlx_lm_lora_config_file_runs_as_it_is(toy_cli, data, tmp_path, monkeypatch):
+    """Issue 58 item 6: `toy train -c config.yaml` reads mlx_lm.lora's YAML config (its
+    example file's keys) as its flags, the recipe lora, the command line winning; what toy
+    cannot honour is one line naming the file and the key, exit 2, before any work."""
+    monkeypatch.chdir(tmp_path)
+    d = tmp_path / "data"
+    d.mkdir()
+    lines = data["pc"].read_text().splitlines()
+    (d / "train.jsonl").write_text("\n".join(lines[:16]) + "\n")
+    (d / "valid.jsonl").write_text("\n".join(lines[16:]) + "\n")
+    conf = tmp_path / "lora_config.yaml"
+    conf.write_text(
+        f"model: {data['base']}\ntrain: true\nfine_tune_type: lora\noptimizer: adamw\n"
+        f"data: {d}\nseed: 0\nnum_layers: 1\nbatch_size: 4\niters: 3\nval_batches: 1\n"
+        "learning_rate: 2e-4\nsteps_per_report: 10\nsteps_per_eval: 2\n"
+        "resume_adapter_file: null\nadapter_path: adapters\nsave_every: 100\ntest: false\n"
+        "test_batches: 100\nmax_seq_length: 48\ngrad_checkpoint: false\n"
+        "lora_parameters:\n  keys: [self_attn.q_proj, self_attn.v_proj, mlp.down_proj]\n"
+        "  rank: 4\n  scale: 10.0\n  dropout: 0.0\n"
+    )
+    code, out, err = toy_cli("train", "-c", conf, "--iters", "2", "--out", tmp_path / "runs",
+                             "--run-id", "c")  # fmt: skip
+    assert code == 0, err
+    info = json.loads((tmp_path / "runs" / "c" / "run.json").read_text())
+    cfg = info["config"]
+    assert info["recipe"] == "lora" and (cfg["fine_tune_type"], cfg["optimizer"]) == (
+        "lora",
+        "adamw",
+    )
+    assert (cfg["steps"], cfg["lr"], cfg["seq_len"], cfg["eval_every"]) == (2, 2e-4, 48, 2)
+    assert (cfg["rank"], cfg["alpha"], cfg["num_layers"]) == (4, 40.0, 1)
+    assert cfg["targets"] == "q_proj,v_proj,down_proj"
+    assert (
+        json.loads((tmp_path / "adapters" / "adapter_config.json").read_text())["num_layers"] == 1
+    )
+    for extra, says in (
+        ("lr_schedule:\n  name: cosine_decay\n", "lr_schedule"),
+        ("fine_tune_type: full\n", "--fine-tune-type full: toy trains LoRA adapters only"),
+        ("optimizer: sgd\n", "--optimizer sgd: toy trains with AdamW"),
+        ("stepz: 3\n", "'stepz' is not one of mlx_lm.lora's config keys"),
+        ("test: true\n", "test: True: toy train has no test pass"),
+        ("iters: [3\n", "line"),
+    ):
+        bad = tmp_path / "bad.yaml"
+        bad.write_text(f"data: {d}\nmodel: {data['base']}\n{extra}")
+        code, _, err = toy_cli("train", "-c", bad, "--out", tmp_path / "runs", "--run-id", "b")
+        assert code == 2 and err.count("\n") == 1 and says in err, err
+        assert "bad.yaml" in err or "--" in err, err
+    assert not (tmp_path / "runs" / "b").exists()
+
+
 def test_resume_raises_epochs_on_a_run_begun_with_epochs(toy_cli, data):
     """`--resume RUN --epochs 4` on a run begun with --epochs 2 was refused ("only --steps
     may be raised"): it trains to 4 epochs' steps (an epoch's steps fixed when the run

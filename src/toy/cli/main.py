@@ -76,9 +76,17 @@ def main(argv: list[str] | None = None) -> int:
     cores.watch()  # the first look at the cores: the thread count follows the free ones
     words = list(sys.argv[1:] if argv is None else argv)
     cmd = _command_of(words)
+    if cmd == "train":  # mlx_lm.lora's -c config.yaml: its keys as flags (cli/mlx_config.py)
+        from toy.cli.mlx_config import expand
+
+        try:
+            words = expand(words)
+        except ToyError as e:
+            print(f"toy train: error: {e.message}", file=sys.stderr)
+            return e.exit_code
     parser = build_parser(cmd if cmd in COMMANDS else None)
-    args = parser.parse_args(argv)
-    args.argv = list(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(words)
+    args.argv = words
     if not getattr(args, "command", None):
         parser.print_help()
         return 2

@@ -146,6 +146,18 @@ def adapter_flags(data_help: str) -> tuple[Flag, ...]:
             shown="",
         ),
         Flag(
+            "fine_tune_type",
+            help="mlx_lm.lora's: lora (toy trains LoRA adapters; dora and full are refused, "
+            "with what to give instead)",
+            shown=": lora",
+        ),
+        Flag(
+            "optimizer",
+            help="mlx_lm.lora's: adamw, or adam (toy's AdamW at --weight-decay 0, the adapter "
+            "recipes' default, is Adam); others are refused",
+            shown=": adamw",
+        ),
+        Flag(
             "num_layers",
             type=int,
             help="mlx_lm.lora's: adapt the last N blocks only (-1: every block, as without "
@@ -243,6 +255,15 @@ def check_adapter_opts(cfg: RunConfig) -> list[str]:
                  "--output DIR/adapters.safetensors)")  # fmt: skip
     if output_of(cfg):
         p += [why] if (why := output_problem(output_of(cfg))) else []
+    if cfg.fine_tune_type not in (None, "lora"):
+        p.append(
+            f"--fine-tune-type {cfg.fine_tune_type}: toy trains LoRA adapters only; give "
+            "--fine-tune-type lora (a higher --rank and --targets of every projection come "
+            "closer to full fine-tuning)"
+        )
+    if cfg.optimizer not in (None, "adam", "adamw"):
+        p.append(f"--optimizer {cfg.optimizer}: toy trains with AdamW; give --optimizer adamw "
+                 "(or adam: AdamW at --weight-decay 0)")  # fmt: skip
     return p
 
 
@@ -347,6 +368,9 @@ def mlx_lm_notes(cfg: RunConfig, depth: int) -> list[str]:
     if cfg.num_layers is not None and 0 < cfg.num_layers < depth:
         notes.append(f"--num-layers {cfg.num_layers}: adapters on the last {cfg.num_layers} of "
                      f"the {depth} blocks, as mlx_lm.lora")  # fmt: skip
+    if cfg.optimizer == "adam" and cfg.weight_decay:
+        notes.append(f"--optimizer adam: toy's AdamW at --weight-decay {cfg.weight_decay:g} "
+                     "(give --weight-decay 0 for Adam's update)")  # fmt: skip
     if cfg.mask_prompt:
         notes.append(
             "--mask-prompt: toy scores only the replies of conversations and prompt/completion "
