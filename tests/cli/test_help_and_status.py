@@ -5,6 +5,7 @@ command line."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -212,13 +213,14 @@ def test_an_mlx_lm_lora_config_file_runs_as_it_is(toy_cli, data, tmp_path, monke
     lines = data["pc"].read_text().splitlines()
     (d / "train.jsonl").write_text("\n".join(lines[:16]) + "\n")
     (d / "valid.jsonl").write_text("\n".join(lines[16:]) + "\n")
+    (d / "test.jsonl").write_text("\n".join(lines[:6]) + "\n")
     conf = tmp_path / "lora_config.yaml"
     conf.write_text(
         f"model: {data['base']}\ntrain: true\nfine_tune_type: lora\noptimizer: adamw\n"
         f"data: {d}\nseed: 0\nnum_layers: 1\nbatch_size: 4\niters: 3\nval_batches: 1\n"
         "learning_rate: 2e-4\nsteps_per_report: 10\nsteps_per_eval: 2\n"
-        "resume_adapter_file: null\nadapter_path: adapters\nsave_every: 100\ntest: false\n"
-        "test_batches: 100\nmax_seq_length: 48\ngrad_checkpoint: false\n"
+        "resume_adapter_file: null\nadapter_path: adapters\nsave_every: 100\ntest: true\n"
+        "test_batches: -1\nmax_seq_length: 48\ngrad_checkpoint: false\n"
         "lora_parameters:\n  keys: [self_attn.q_proj, self_attn.v_proj, mlp.down_proj]\n"
         "  rank: 4\n  scale: 10.0\n  dropout: 0.0\n"
     )
@@ -237,12 +239,24 @@ def test_an_mlx_lm_lora_config_file_runs_as_it_is(toy_cli, data, tmp_path, monke
     assert (
         json.loads((tmp_path / "adapters" / "adapter_config.json").read_text())["num_layers"] == 1
     )
+    # test: true, as mlx_lm.lora --test: the final adapter's loss on DIR/test.jsonl
+    assert "test loss " in out and "test ppl " in out, out
+    events = (tmp_path / "runs" / "c" / "events.jsonl").read_text().splitlines()
+    (t,) = [e for e in map(json.loads, events) if e["event"] == "test"]
+    assert t["loss"] > 0 and abs(t["ppl"] - math.exp(t["loss"])) < 1e-6 * t["ppl"], t
+    code, out, err = toy_cli("train", "--recipe", "lora", "--model", data["base"], "--data", d,
+                             "--steps", "1", "--test", "--test-batches", "1", "--json",
+                             "--out", tmp_path / "runs", "--run-id", "j")  # fmt: skip
+    assert code == 0, err
+    res = json.loads(out)
+    assert res["test_loss"] > 0 and res["test_ppl"] == math.exp(res["test_loss"]), res
     for extra, says in (
         ("lr_schedule:\n  name: cosine_decay\n", "lr_schedule"),
         ("fine_tune_type: full\n", "--fine-tune-type full: toy trains LoRA adapters only"),
         ("optimizer: sgd\n", "--optimizer sgd: toy trains with AdamW"),
         ("stepz: 3\n", "'stepz' is not one of mlx_lm.lora's config keys"),
-        ("test: true\n", "test: True: toy train has no test pass"),
+        ("resume_adapter_file: a.safetensors\n", "toy resumes a run from its checkpoint"),
+        (f"data: {d / 'train.jsonl'}\ntest: true\n", "--test reads test.jsonl in --data's"),
         ("iters: [3\n", "line"),
     ):
         bad = tmp_path / "bad.yaml"

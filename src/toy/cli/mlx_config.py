@@ -2,7 +2,7 @@
 become the flags of mlx_lm.lora's that toy train takes (README, "Flags from mlx-lm"), put
 before the command line's own, so a flag given there wins, as it does in mlx_lm.lora. The
 recipe is lora unless --recipe says otherwise. A key toy cannot honour (a learning-rate
-schedule, an optimizer's own settings, a test pass, an adapter to resume from) is one line
+schedule, an optimizer's own settings, an adapter to resume from) is one line
 naming the file, the key and what to give instead; an unknown key likewise."""
 
 from __future__ import annotations
@@ -39,24 +39,22 @@ FLAGS: dict[str, str | None] = {
     "project_name": None,  # a wandb/swanlab project
     "trust_remote_code": None,  # toy runs no model code of a hub's
     "config": None,
-    "test_batches": None,  # read with test
+    "test": "--test",
+    "test_batches": "--test-batches",
     "optimizer_config": None,  # checked below
     "lora_parameters": None,  # below
     "lr_schedule": None,  # below
     "resume_adapter_file": None,  # below
-    "test": None,  # below
 }
 # Not honoured: a set value is one line with what to give instead.
 INSTEAD = {
     "lr_schedule": "toy's schedule is a warmup then cosine decay: give --warmup, --lr and --min-lr",
     "resume_adapter_file": "toy resumes a run from its checkpoint: `toy train --resume RUN`",
-    "test": "toy train has no test pass; give --val-data DIR/test.jsonl to hold the run out "
-    "on it (the held-out loss), or test: false",
 }
 
 
 def _switch(option: str) -> bool:
-    return option in ("--train", "--grad-checkpoint", "--mask-prompt")
+    return option in ("--train", "--grad-checkpoint", "--mask-prompt", "--test")
 
 
 def config_words(path: Path) -> list[str]:

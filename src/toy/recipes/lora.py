@@ -5,6 +5,8 @@ adapter recipes is in adapter.py."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from toy.data.streams import Stream
@@ -21,6 +23,7 @@ from toy.recipes.adapter import (
 from toy.runs import Project
 from toy.train import dist
 from toy.train.config import RunConfig
+from toy.train.flags import Flag
 from toy.train.job import Built, lm_loss
 from toy.train.recipe import Recipe
 
@@ -39,8 +42,39 @@ def batch_unit(cfg: RunConfig) -> str:
     return "batches" if cfg.data else "rows"
 
 
+# mlx_lm.lora's --test: after training, the loss on --data DIR's test.jsonl
+FLAGS = (
+    *adapter_flags(DATA_HELP),
+    Flag(
+        "test",
+        help="mlx_lm.lora's: after training, the loss and perplexity of the final adapter on "
+        "--data DIR's test.jsonl (the done line, run.json's test, --json's test_loss)",
+        type=bool,
+        shown="",
+    ),
+    Flag(
+        "test_batches",
+        type=int,
+        help="mlx_lm.lora's: how many batches of test.jsonl --test reads (-1: all)",
+        shown=": all",
+        check=lambda v: v == -1 or v > 0,
+        must="be -1 (all) or > 0",
+    ),
+)
+
+
+def test_file(cfg: RunConfig) -> Path | None:
+    """--test's file: test.jsonl in --data's directory."""
+    return Path(cfg.data) / "test.jsonl" if cfg.test and cfg.data else None
+
+
 def check_opts(cfg: RunConfig) -> list[str]:
     p = []
+    if cfg.test and not (cfg.data and (Path(cfg.data) / "test.jsonl").is_file()):
+        p.append(
+            "--test reads test.jsonl in --data's directory, as mlx_lm.lora does: give --data "
+            "DIR holding train.jsonl, valid.jsonl and test.jsonl"
+        )
     if cfg.data and cfg.corpus:
         p.append("--data and --corpus conflict: train on chat JSONL or on a token file, not both")
     if not cfg.data and not cfg.corpus:
@@ -57,6 +91,18 @@ class LoraJob(AdapterJob):
     def __init__(self, a: Adapted, cfg: RunConfig, config: dict, stream: Stream):
         super().__init__("lora", a, cfg, config)
         self.stream = stream
+
+    def test_batches(self) -> tuple[str, list[dict[str, torch.Tensor]]] | None:
+        """--test's batches: test.jsonl read as the held-out file is (the same tokenizing,
+        template and batching), all of it or --test-batches of it."""
+        path = test_file(self.cfg)
+        if path is None:
+            return None
+        n = self.cfg.test_batches if self.cfg.test_batches not in (None, -1) else 1 << 30
+        a = self.adapted
+        stream = chat_data(self.cfg.replace(val_data=str(path), eval_batches=n), a.base,
+                           a.seq_len, [])  # fmt: skip
+        return str(path), stream.evals
 
     def micro_batch(self, k: int, live=None) -> dict[str, torch.Tensor]:
         return self.stream.micro_batch(k)
@@ -103,7 +149,7 @@ RECIPE = Recipe(
     "lora",
     build,
     defaults=ADAPTER_DEFAULTS,
-    flags=adapter_flags(DATA_HELP),
+    flags=FLAGS,
     check=check_opts,
     batch_unit=batch_unit,
     shape=False,

@@ -88,6 +88,11 @@ class Job:
         """Held-out batches, the same list at every evaluation (empty: no validation)."""
         return []
 
+    def test_batches(self) -> tuple[str, list[dict[str, torch.Tensor]]] | None:
+        """(where from, batches) evaluated once after training (mlx_lm.lora's --test), or
+        None: no test pass."""
+        return None
+
     def prepare(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Host-side work on a batch before its copy to the device (the LM loss: the
         indices of its supervised positions, so the device is never asked for a count)."""

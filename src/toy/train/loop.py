@@ -46,6 +46,7 @@ class TrainResult:
     wall_s: float = 0.0
     final_step: int = 0
     peak_mem_bytes: int | None = None
+    test: dict | None = None  # the test pass after training (Job.test_batches): loss, ppl
 
 
 class _LossModule(torch.nn.Module):

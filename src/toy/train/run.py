@@ -13,6 +13,7 @@ one of these and prints the outcome.
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import sys
@@ -51,7 +52,7 @@ from toy.train.device import (
     resolve_precision,
 )
 from toy.train.job import Built
-from toy.train.loop import TrainResult, train
+from toy.train.loop import TrainResult, evaluate, train
 from toy.train.progress import Reporter, TextReporter
 from toy.train.recipe import SHAPE_KEYS, Figure, Recipe
 from toy.train.report import attach as attach_report
@@ -103,6 +104,8 @@ class Outcome:
         }
         if res.metrics:
             out["metrics"] = res.metrics
+        if res.test:
+            out["test_loss"], out["test_ppl"] = res.test["loss"], res.test["ppl"]
         out.update({f.json_key: curve for f, curve in self.finals() if curve and f.json_key})
         return out
 
@@ -112,6 +115,7 @@ class Outcome:
         last = res.losses[-1]["loss"] if res.losses else None
         val = f", val loss {res.val_losses[-1]['loss']:.4f}" if res.val_losses else ""
         val += "".join(f", {f.label} {c[-1][f.curve_key]:.4f}" for f, c in self.finals() if c)
+        val += f", test loss {res.test['loss']:.4f}" if res.test else ""
         speed = f", {res.items_per_s:,.0f} {job.items_name}/s" if res.items_per_s else ""
         mem = f", peak memory {res.peak_mem_bytes / 1e9:.2f} GB" if res.peak_mem_bytes else ""
         return (
@@ -731,6 +735,7 @@ def _execute(
         )
         if main_rank:
             built.job.save_final(run_dir / "final")
+            res.test = _test_pass(built.job, device, precision, events, reporter)
         dist.barrier()
     except Interrupted:
         close("")  # the loop recorded the interruption and its checkpoint
@@ -764,6 +769,20 @@ def _execute(
         **{f"{built.job.items_name}_per_s": res.items_per_s},
     )
     return Outcome(run_dir.name, run_dir, cfg, built, device, precision, res, main_rank, figures)
+
+
+def _test_pass(job, device, precision, events, reporter) -> dict | None:
+    """The final model's loss on the job's test batches (mlx_lm.lora's --test), once."""
+    test = job.test_batches()
+    if test is None:
+        return None
+    where, batches = test
+    loss = evaluate(job, batches, device, precision=precision)["val_loss"]
+    out = {"loss": loss, "ppl": math.exp(min(loss, 700.0)), "batches": len(batches)}
+    events.emit("test", **out, file=where)
+    reporter.message(f"test loss {loss:.3f}, test ppl {out['ppl']:.3f} ({len(batches)} "
+                     f"batches of {where})")  # fmt: skip
+    return out
 
 
 def _cpu_count() -> int:
