@@ -48,7 +48,7 @@ FLAGS = (
     Flag(
         "test",
         help="mlx_lm.lora's: after training, the loss and perplexity of the final adapter on "
-        "--data DIR's test.jsonl (the done line, run.json's test, --json's test_loss)",
+        "--data DIR's test.jsonl (the done line, events.jsonl's test event, --json's test_loss)",
         type=bool,
         shown="",
     ),
