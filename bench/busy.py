@@ -1,14 +1,16 @@
 """toy and llama.cpp on a machine with one core taken by another process (issue 46, item 1).
 
     python bench/busy.py --model data/smollm2-135m.gguf [--steps 8] [--tokens 128]
-                         [--only lora,reply,llamacpp] [--base-dtype quantized]
+                         [--only lora,reply,grpo,llamacpp] [--base-dtype quantized]
 
 A user's laptop is always busy with something. Each case runs in a fresh process, as a
 user runs toy: `toy train --recipe lora` on the SmolLM2 GGUF (r8 q,v, the bundled chat
 set, --steps steps; tokens/s over the steps after the second, from events.jsonl) and
 `toy infer --prompt` (a --tokens greedy reply, --base-dtype quantized: the packed decode;
-its steady tokens/s and the first token's wait since the command), then llama.cpp
-(llama-cpp-python) decoding the same prompt. Each under:
+its steady tokens/s and the first token's wait since the command), `toy train --recipe grpo`
+(issue 57 item 4: a step is mostly sampling; `toy new`'s arithmetic prompts, --reward
+accuracy, --grpo-steps steps, the seconds a step after the first, from events.jsonl), then
+llama.cpp (llama-cpp-python) decoding the same prompt. Each under:
 
 - quiet: nothing else running;
 - busy: a process spinning on core 0 (pinned there, bounded in time, killed after the
@@ -89,6 +91,28 @@ def lora(a, work: Path, threads: list[str], name: str) -> dict:
     }
 
 
+def grpo(a, work: Path, threads: list[str], name: str) -> dict:
+    out = work / name
+    r = toy(
+        ["train", "--recipe", "grpo", "--model", str(a.model), "--data", str(a.arith)]
+        + ["--reward", "accuracy", "--max-completion-length", "32"]
+        + ["--steps", str(a.grpo_steps), "--out", str(out), "--run-id", "r", "--json"]
+        + ["--eval-every", "0"]
+        + threads
+    )
+    if r.returncode != 0:
+        return {"error": r.stderr.strip().splitlines()[-1:]}
+    events = [json.loads(x) for x in (out / "r" / "events.jsonl").read_text().splitlines()]
+    steps = [e for e in events if e["event"] == "step"]
+    span = steps[-1]["time"] - steps[0]["time"]  # after the first step: its builds out of it
+    info = json.loads((out / "r" / "run.json").read_text())
+    return {
+        "steps_per_h": round((len(steps) - 1) / span * 3600, 1),  # a rate: higher, faster
+        "s_per_step": round(span / (len(steps) - 1), 2),
+        "torch_threads": info.get("device", {}).get("torch_threads"),
+    }
+
+
 def reply(a, threads: list[str]) -> dict:
     r = toy(
         ["infer", "--model", str(a.model), "--prompt", PROMPT, "--temperature", "0"]
@@ -146,7 +170,8 @@ def main() -> None:
     ap.add_argument("--chat", type=Path, default=None, help="default: the bundled chat set")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=128)
-    ap.add_argument("--only", default="lora,reply,llamacpp")
+    ap.add_argument("--grpo-steps", type=int, default=4)
+    ap.add_argument("--only", default="lora,reply,grpo,llamacpp")
     ap.add_argument(
         "--base-dtype",
         default="quantized",
@@ -159,21 +184,23 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        if a.chat is None:
-            r = toy(["new", str(work / "p")])
-            assert r.returncode == 0, r.stderr
-            a.chat = work / "p" / "data" / "chat.jsonl"
+        r = toy(["new", str(work / "p")])
+        assert r.returncode == 0, r.stderr
+        a.chat = a.chat or work / "p" / "data" / "chat.jsonl"
+        a.arith = work / "p" / "data" / "arith"
         # Packed codes and compiled steps built once, before anything is timed.
         toy(["infer", "--model", str(a.model), "--prompt", "Hi", "--max-new-tokens", "4"]
             + ["--base-dtype", a.base_dtype])  # fmt: skip
         for load in ("quiet", "busy"):
             for name, flag in settings:
-                for job in ("lora", "reply"):
+                for job in ("lora", "reply", "grpo"):
                     if job not in only:
                         continue
                     with Busy(load == "busy"):
                         if job == "lora":
                             got = lora(a, work, flag, f"{load}-{name}")
+                        elif job == "grpo":
+                            got = grpo(a, work, flag, f"{load}-{name}-grpo")
                         else:
                             got = reply(a, flag)
                     row = {"job": job, "load": load, "threads": name} | got
@@ -190,7 +217,7 @@ def main() -> None:
     def rate(job, load, threads):
         return next(
             (
-                r.get("tokens_per_s")
+                r.get("tokens_per_s", r.get("steps_per_h"))
                 for r in rows
                 if (r["job"], r["load"], r["threads"]) == (job, load, threads)
             ),
@@ -198,7 +225,7 @@ def main() -> None:
         )
 
     summary = {"cpu": cpu_kind(), "cores": cores}
-    for job in ("lora", "reply"):
+    for job in ("lora", "reply", "grpo"):
         busy = {n: rate(job, "busy", n) for n, _ in settings}
         quiet = rate(job, "quiet", "default")
         if busy["default"] and quiet and all(busy.values()):
