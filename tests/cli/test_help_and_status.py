@@ -203,6 +203,15 @@ def test_an_mlx_lm_lora_command_line_runs_as_it_is(toy_cli, data, tmp_path, monk
     assert code == 2 and "--output and --adapter-path conflict" in err
 
 
+def test_every_mlx_lm_lora_config_key_is_read():
+    """-c's key table (cli/mlx_config.py) holds every key of the installed mlx_lm.lora's
+    config (its CONFIG_DEFAULTS): a key mlx-lm adds is not taken for unknown in silence."""
+    lora = pytest.importorskip("mlx_lm.lora")
+    from toy.cli.mlx_config import FLAGS
+
+    assert set(lora.CONFIG_DEFAULTS) <= set(FLAGS), set(lora.CONFIG_DEFAULTS) - set(FLAGS)
+
+
 def test_an_mlx_lm_lora_config_file_runs_as_it_is(toy_cli, data, tmp_path, monkeypatch):
     """Issue 58 item 6: `toy train -c config.yaml` reads mlx_lm.lora's YAML config (its
     example file's keys) as its flags, the recipe lora, the command line winning; what toy
