@@ -166,6 +166,41 @@ def test_toy_infer_quantized_gives_the_float32_text(quant_gguf, toy_cli, monkeyp
     assert code == 0 and len(packed) == 2 and long == f32, err
 
 
+def test_a_long_budget_builds_only_the_first_span_before_the_reply(
+    quant_gguf, tmp_path, monkeypatch, toy_run
+):
+    """Issue 58 item 4: `--max-new-tokens 1500` waited 41 s for a 10-token reply: every
+    span the budget could reach (256, 512, 1024, the whole cache) was built before the first
+    token. Now only the span the first new token reads is; a later one is built where the
+    reply reaches it, without a note. SPAN_MIN lowered to 8: the prompt and 12 new tokens
+    read spans 8 and 16 (built cold into this test's own toy-steps)."""
+    import sys
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    monkeypatch.setattr(decode, "SPAN_MIN", 8)
+    order = []
+    real_compile = decode._compile
+    monkeypatch.setattr(decode, "_compile", lambda *a: order.append("build") or real_compile(*a))
+    write = sys.stdout.write
+
+    def spy(text):
+        if text.strip():
+            order.append("text")
+        return write(text)
+
+    monkeypatch.setattr(sys.stdout, "write", spy)
+    args = ["infer", "--model", quant_gguf, "--prompt", "ROMEO. What", "--temperature", "0"]
+    r = toy_run(*args, "--max-new-tokens", "12", "--base-dtype", "quantized")
+    assert r.returncode == 0, r.stderr
+    first = order.index("text")
+    # span 8's steps before the reply; span 16's where the reply reached it (before this
+    # change: every build came before the first text)
+    assert order[:first].count("build") >= 1 and "build" in order[first:], order
+    assert r.stderr.count("note: compiling") == 1, r.stderr
+    code_f32 = toy_run(*args, "--max-new-tokens", "12", "--base-dtype", "float32")
+    assert r.stdout == code_f32.stdout  # the same text either way
+
+
 def test_without_a_compiler_quantized_still_generates(quant_gguf, toy_cli, monkeypatch):
     """No C++ compiler: nothing is packed and the layers are dequantized per use, as before."""
     monkeypatch.setattr(decode, "compile_unavailable", lambda device: "no C++ compiler (test)")

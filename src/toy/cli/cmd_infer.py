@@ -723,7 +723,13 @@ def stream(lm: LM, ids: list[int], args, cache=None, echo: str = "") -> list[int
         )
     if cache is not None:
         first = cache.pos + fed
-        decode.warm_steps(lm.model, cache.max_len, first, first + args.max_new_tokens - 1)
+        # Built before the first token: the steps of the span that token reads, not every
+        # span --max-new-tokens could reach (1500 of them: four spans, 41 s for SmolLM2,
+        # where most replies end in the first). A later span is built where the reply
+        # reaches it, a pause there without a note (notes go before a reply, not inside).
+        last = min(first + args.max_new_tokens - 1, decode.span_last(first, cache.max_len))
+        decode.warm_steps(lm.model, cache.max_len, first, last)
+        decode.quiet_steps(lm.model)
         if lm.steps_marker is not None and decode.compile_failed is None:
             decode.mark_steps(lm.steps_marker)  # auto may count on the cached compile now
     quiet = getattr(args, "json", False)  # the text goes into the JSON object instead

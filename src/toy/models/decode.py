@@ -945,6 +945,20 @@ def has_steps(model: torch.nn.Module) -> bool:
     return bool(blocks) and isinstance(blocks[0].__dict__.get("forward"), _StepForward)
 
 
+def span_last(pos: int, max_len: int) -> int:
+    """The last position whose step reads the same span as `pos`'s (see _span)."""
+    return min(_span(pos, max_len), max_len) - 1
+
+
+def quiet_steps(model: torch.nn.Module) -> None:
+    """From here on a step built where a generation reaches it says nothing: its note goes
+    before a reply, never inside it."""
+    for block in getattr(model, "blocks", None) or []:
+        fwd = block.__dict__.get("forward")
+        if isinstance(fwd, _StepForward):
+            fwd.notes.clear()
+
+
 def warm_steps(model: torch.nn.Module, max_len: int, first: int, last: int) -> None:
     """Build (or load from inductor's cache) every compiled one-token step a generation will
     call before it starts: the steps for a cache of max_len positions at positions first..last.
