@@ -80,12 +80,6 @@ def _check_lora_sd(lora_sd: dict[str, torch.Tensor], rank: int, targets: list[st
         raise UsageError("cannot save the PEFT adapter: " + "; ".join(problems[:5]))
 
 
-def _some_layers(lora_sd: dict[str, torch.Tensor], n_layers: int | None) -> list[int] | None:
-    """The blocks an adapter covers where it is not all `n_layers` of them, else None."""
-    layers = sorted({int(k.split(".")[1]) for k in lora_sd if k.split(".")[1].isdigit()})
-    return None if n_layers is None or layers == list(range(n_layers)) else layers
-
-
 def save_peft_adapter(
     out_dir: str | Path,
     lora_sd: dict[str, torch.Tensor],
@@ -94,12 +88,12 @@ def save_peft_adapter(
     dropout: float,
     targets: list[str],
     base_model_name_or_path: str,
-    n_layers: int | None = None,
+    layers_to_transform: list[int] | None = None,
 ) -> Path:
     """Write a PEFT LoRA adapter that `PeftModel.from_pretrained(LlamaForCausalLM, out_dir)`
-    loads. `lora_sd` uses toy names (as `toy.lora.lora_state_dict` returns). Where it
-    covers some of the model's `n_layers` blocks only (--num-layers), its config says which
-    (`layers_to_transform`: PEFT makes no modules elsewhere). Returns out_dir."""
+    loads. `lora_sd` uses toy names (as `toy.lora.lora_state_dict` returns).
+    `layers_to_transform`: the blocks it covers where not every one (--num-layers; PEFT
+    makes no modules elsewhere). Returns out_dir."""
     _check_lora_sd(lora_sd, rank, targets)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -121,7 +115,7 @@ def save_peft_adapter(
         "fan_in_fan_out": False,
         "modules_to_save": None,
         "init_lora_weights": True,
-        "layers_to_transform": _some_layers(lora_sd, n_layers),
+        "layers_to_transform": layers_to_transform,
         "layers_pattern": None,
         "rank_pattern": {},
         "alpha_pattern": {},

@@ -489,7 +489,7 @@ def save_adapter(cfg: RunConfig, a: Adapted, out: Path) -> None:
         dropout=cfg.dropout,
         targets=a.targets,
         base_model_name_or_path=str(a.model_path),
-        n_layers=a.base.config.n_layer,
+        layers_to_transform=adapted_blocks(cfg.num_layers, a.base.config.n_layer),
     )
     a.base.tokenizer.save(str(out / "tokenizer.json"))
     output = output_of(cfg)

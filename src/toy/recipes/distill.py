@@ -412,14 +412,13 @@ def shrunk_student(cfg: RunConfig, teacher_path: Path) -> Student:
     del probe
     if small.config.n_layer != len(keep):
         small = shrink(small, keep)
-    base = small
     torch.manual_seed(cfg.seed)
     model = small.build_model()
     for p in model.parameters():
         p.requires_grad_(True)
-    seq_len = min(cfg.seq_len, base.config.max_seq_len)
+    seq_len = min(cfg.seq_len, small.config.max_seq_len)
     notes = [
-        f"student: {base.path.name} shrunk to {len(keep)} of its {n} blocks "
+        f"student: {small.path.name} shrunk to {len(keep)} of its {n} blocks "
         f"({', '.join(map(str, keep))}), {plural(count_params(model), 'parameter')}, all trained"
     ]
     record = {"student": "shrunk", "keep_layers": keep, "student_model": small.config.to_dict()}

@@ -70,7 +70,7 @@ def test_file(cfg: RunConfig) -> Path | None:
 
 def check_opts(cfg: RunConfig) -> list[str]:
     p = []
-    if cfg.test and not (cfg.data and (Path(cfg.data) / "test.jsonl").is_file()):
+    if cfg.test and not ((test := test_file(cfg)) and test.is_file()):
         p.append(
             "--test reads test.jsonl in --data's directory, as mlx_lm.lora does: give --data "
             "DIR holding train.jsonl, valid.jsonl and test.jsonl"
