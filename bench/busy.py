@@ -70,46 +70,50 @@ def toy(args: list[str], env: dict | None = None, timeout: float = 900) -> subpr
     )
 
 
-def lora(a, work: Path, threads: list[str], name: str) -> dict:
-    out = work / name
-    r = toy(
-        ["train", "--recipe", "lora", "--model", str(a.model), "--data", str(a.chat)]
-        + ["--steps", str(a.steps), "--out", str(out), "--run-id", "r", "--json"]
-        + ["--eval-every", "0"]
-        + threads
-    )
+def train_steps(args: list[str], out: Path, threads: list[str]) -> tuple[list[dict], dict]:
+    """`toy train ARGS` into out/r, quiet (--json, no evaluation): its step events and the
+    torch thread count run.json records; raises RuntimeError with its last stderr line."""
+    r = toy(["train", *args, "--out", str(out), "--run-id", "r", "--json", "--eval-every", "0"]
+            + threads)  # fmt: skip
     if r.returncode != 0:
-        return {"error": r.stderr.strip().splitlines()[-1:]}
+        raise RuntimeError(r.stderr.strip().splitlines()[-1:])
     events = [json.loads(x) for x in (out / "r" / "events.jsonl").read_text().splitlines()]
+    info = json.loads((out / "r" / "run.json").read_text())
     steps = [e for e in events if e["event"] == "step"]
+    return steps, {"torch_threads": info.get("device", {}).get("torch_threads")}
+
+
+def lora(a, work: Path, threads: list[str], name: str) -> dict:
+    try:
+        steps, info = train_steps(
+            ["--recipe", "lora", "--model", str(a.model), "--data", str(a.chat)]
+            + ["--steps", str(a.steps)],
+            work / name,
+            threads,
+        )
+    except RuntimeError as e:
+        return {"error": e.args[0]}
     timed = steps[2:]  # after the second step: warm-up and first-call costs out of it
     span = timed[-1]["time"] - steps[1]["time"]
-    info = json.loads((out / "r" / "run.json").read_text())
-    return {
-        "tokens_per_s": round(sum(e["items"] for e in timed) / span, 1),
-        "torch_threads": info.get("device", {}).get("torch_threads"),
-    }
+    return {"tokens_per_s": round(sum(e["items"] for e in timed) / span, 1), **info}
 
 
 def grpo(a, work: Path, threads: list[str], name: str) -> dict:
-    out = work / name
-    r = toy(
-        ["train", "--recipe", "grpo", "--model", str(a.model), "--data", str(a.arith)]
-        + ["--reward", "accuracy", "--max-completion-length", "32"]
-        + ["--steps", str(a.grpo_steps), "--out", str(out), "--run-id", "r", "--json"]
-        + ["--eval-every", "0"]
-        + threads
-    )
-    if r.returncode != 0:
-        return {"error": r.stderr.strip().splitlines()[-1:]}
-    events = [json.loads(x) for x in (out / "r" / "events.jsonl").read_text().splitlines()]
-    steps = [e for e in events if e["event"] == "step"]
+    try:
+        steps, info = train_steps(
+            ["--recipe", "grpo", "--model", str(a.model), "--data", str(a.arith)]
+            + ["--reward", "accuracy", "--max-completion-length", "32"]
+            + ["--steps", str(a.grpo_steps)],
+            work / name,
+            threads,
+        )
+    except RuntimeError as e:
+        return {"error": e.args[0]}
     span = steps[-1]["time"] - steps[0]["time"]  # after the first step: its builds out of it
-    info = json.loads((out / "r" / "run.json").read_text())
     return {
         "steps_per_h": round((len(steps) - 1) / span * 3600, 1),  # a rate: higher, faster
         "s_per_step": round(span / (len(steps) - 1), 2),
-        "torch_threads": info.get("device", {}).get("torch_threads"),
+        **info,
     }
 
 
