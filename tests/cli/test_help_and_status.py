@@ -153,17 +153,26 @@ def test_runs_and_list_say_the_same_status(toy_cli, tmp_path, monkeypatch):
     assert next(ln for ln in out.splitlines() if ln.startswith("live")).endswith(" unfinished")
 
 
-def test_an_mlx_lm_lora_command_line_runs_as_it_is(toy_cli, data, tmp_path, monkeypatch):
-    """mlx_lm.lora's own flags (issue 47 item 3): --train, --iters, --learning-rate,
-    --adapter-path, --num-layers, --max-seq-length, --mask-prompt, --grad-checkpoint,
-    --steps-per-eval, --val-batches and a data directory of train.jsonl/valid.jsonl run as
-    they are, meaning what they mean there; where toy reads one differently, a note says so."""
+def mlx_lm_data_dir(data, tmp_path, monkeypatch, test: bool = False):
+    """mlx_lm.lora's --data DIR, in the working folder: train.jsonl, valid.jsonl and (with
+    `test`) test.jsonl of the kit's prompt/completion lines."""
     monkeypatch.chdir(tmp_path)
     d = tmp_path / "data"
     d.mkdir()
     lines = data["pc"].read_text().splitlines()
     (d / "train.jsonl").write_text("\n".join(lines[:16]) + "\n")
     (d / "valid.jsonl").write_text("\n".join(lines[16:]) + "\n")
+    if test:
+        (d / "test.jsonl").write_text("\n".join(lines[:6]) + "\n")
+    return d
+
+
+def test_an_mlx_lm_lora_command_line_runs_as_it_is(toy_cli, data, tmp_path, monkeypatch):
+    """mlx_lm.lora's own flags (issue 47 item 3): --train, --iters, --learning-rate,
+    --adapter-path, --num-layers, --max-seq-length, --mask-prompt, --grad-checkpoint,
+    --steps-per-eval, --val-batches and a data directory of train.jsonl/valid.jsonl run as
+    they are, meaning what they mean there; where toy reads one differently, a note says so."""
+    d = mlx_lm_data_dir(data, tmp_path, monkeypatch)
     code, out, err = toy_cli(
         "train", "--recipe", "lora", "--model", data["base"], "--train", "--data", d,
         "--iters", "3", "--learning-rate", "2e-4", "--batch-size", "64", "--adapter-path",
@@ -216,13 +225,7 @@ def test_an_mlx_lm_lora_config_file_runs_as_it_is(toy_cli, data, tmp_path, monke
     """Issue 58 item 6: `toy train -c config.yaml` reads mlx_lm.lora's YAML config (its
     example file's keys) as its flags, the recipe lora, the command line winning; what toy
     cannot honour is one line naming the file and the key, exit 2, before any work."""
-    monkeypatch.chdir(tmp_path)
-    d = tmp_path / "data"
-    d.mkdir()
-    lines = data["pc"].read_text().splitlines()
-    (d / "train.jsonl").write_text("\n".join(lines[:16]) + "\n")
-    (d / "valid.jsonl").write_text("\n".join(lines[16:]) + "\n")
-    (d / "test.jsonl").write_text("\n".join(lines[:6]) + "\n")
+    d = mlx_lm_data_dir(data, tmp_path, monkeypatch, test=True)
     conf = tmp_path / "lora_config.yaml"
     conf.write_text(
         f"model: {data['base']}\ntrain: true\nfine_tune_type: lora\noptimizer: adamw\n"
