@@ -5,7 +5,7 @@ LR and seed for the two sides of every comparison.
 
     python bench/distill_learn.py --teacher data/smollm2-135m.gguf --text kjv.txt \\
         --out /tmp/distill-learn [--steps 300] [--seeds 0,1,2] \\
-        [--only shrunk,fkl,jsd,fresh,fresh-kd,topk]
+        [--only shrunk,fkl,jsd,fresh,fresh-kd,topk,optstate]
 
 - shrunk: SmolLM2 shrunk to 15 of its 30 blocks (--keep-layers 15), distilled (the
   recipe's default objective) against the same student trained on the data's
@@ -17,6 +17,8 @@ LR and seed for the two sides of every comparison.
   depend on the objective).
 - fresh: a fresh 4-layer llama (width 256) whose embedding starts from the teacher's
   (--init donor: a lens 576 -> 256), distilled against trained on the text alone.
+- optstate: the shrunk student distilled with AdamW's moments in bf16 (--optimizer-state
+  auto resolves so under bf16: it trains 81M values) against float32 moments.
 - topk: the shrunk student's distilled run again with the teacher kept as its top K
   (--teacher-top-k 16 and 64): how far each lands from the whole vocabulary's run.
 
@@ -100,6 +102,11 @@ def main() -> None:
         if "shrunk" in only:
             rows.append(run(f"shrunk-distilled{tag}", [*shrunk, *sd], a.out))
             rows.append(run(f"shrunk-ce-only{tag}", [*shrunk, *sd, "--ce-weight", "1"], a.out))
+        if "optstate" in only:  # the default's bf16 AdamW moments against float32 ones
+            rows.append(run(f"shrunk-state-auto{tag}", [*shrunk, *sd], a.out))
+            rows.append(
+                run(f"shrunk-state-f32{tag}", [*shrunk, *sd, "--optimizer-state", "float32"], a.out)
+            )
         if "fkl" in only:
             rows.append(run(f"shrunk-fkl{tag}", [*shrunk, *sd, "--beta", "0"], a.out))
         if "jsd" in only:

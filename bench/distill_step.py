@@ -118,6 +118,7 @@ def toy_config(a):
         temperature=TEMPERATURE,
         lmbda=0.0,  # off-policy: the data's answers (toy's default, as TRL's lmbda 0 here)
         lr=LR,
+        optimizer_state=a.optimizer_state,
     )
 
 
@@ -159,6 +160,7 @@ def run_toy(a) -> dict:
     from toy.runs import EventLog, Project
     from toy.train.device import resolve_precision
     from toy.train.loop import train
+    from toy.train.schedule import resolve_optimizer_state
 
     cpu = torch.device("cpu")
     precision = resolve_precision("auto", cpu)
@@ -169,6 +171,13 @@ def run_toy(a) -> dict:
     built = distill.build(opts, Project(root=None))
     load_s = time.perf_counter() - t0
     job = built.job
+    # --optimizer-state resolved as `toy train` resolves it (auto: bf16 moments under bf16)
+    trained = sum(p.numel() for _, p in built.job.trainable())
+    opts = opts.replace(
+        optimizer_state=resolve_optimizer_state(
+            opts.optimizer_state, precision.name, trained, False
+        )
+    )
     job.eval_batches = lambda: []  # time training only
     ends: list[float] = []
     shapes: list[tuple[int, int]] = []
@@ -301,6 +310,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4, help="timed steps")
     ap.add_argument("--warm", type=int, default=2, help="untimed first steps (>= 1)")
     ap.add_argument("--batch", type=int, default=4, help="conversations a step")
+    ap.add_argument(
+        "--optimizer-state",
+        default="auto",
+        choices=("auto", "float32", "bfloat16"),
+        help="toy's --optimizer-state (auto: as `toy train`)",
+    )
     a = ap.parse_args()
     if a.make_data:
         make_data(a.make_data, a.hf)

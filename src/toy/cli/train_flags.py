@@ -10,6 +10,7 @@ from toy.models import registry
 from toy.train.device import DEVICES, PRECISIONS
 from toy.train.flags import Flag
 from toy.train.report import REPORT_TO
+from toy.train.schedule import OPTIMIZER_STATES
 
 
 def _presets() -> str:
@@ -77,9 +78,18 @@ def general_flags(recipe_names: list[str]) -> list[tuple[str, tuple[Flag, ...]]]
             "precision",
             help="what the matmuls compute in: auto (default: bf16 autocast on cuda and on a cpu "
             "with bf16 units (avx512_bf16, amx_bf16), float32 elsewhere), float32, or bf16 "
-            "(refused on a cpu without the units). Norms, softmax, the loss, the weights and "
-            "AdamW's state stay float32; run.json records the choice and why",
+            "(refused on a cpu without the units). Norms, softmax, the loss and the weights stay "
+            "float32; run.json records the choice and why",
             choices=PRECISIONS,
+            shown="",
+        ),
+        Flag(
+            "optimizer_state",
+            help="what AdamW keeps its two moments in: auto (default: bfloat16 under bf16 "
+            "precision when the run trains 16M values or more, a whole model's weights, "
+            "halving their memory; float32 otherwise, an adapter's), float32 or bfloat16. "
+            "The update is computed in float32 either way; run.json records the choice",
+            choices=OPTIMIZER_STATES,
             shown="",
         ),
         Flag(

@@ -173,7 +173,9 @@ def load_optimizer(
             raise InputError(
                 f"checkpoint optimizer state names {name!r}, which this model does not train"
             )
-        opt.state[p][k] = t if t.dim() == 0 else shard(t.to(p.dtype), p)
+        # the optimizer's own state dtype (HalfStateAdamW: bf16), else the parameter's
+        dtype = getattr(opt, "state_dtype", p.dtype)
+        opt.state[p][k] = t if t.dim() == 0 else shard(t.to(dtype), p)
     for g, saved in zip(opt.param_groups, meta["param_groups"]):
         g.update({k: v for k, v in saved.items() if k != "params"})
 

@@ -46,6 +46,9 @@ class RunConfig:
     # auto | float32 | bf16 as given; run.json's config records what auto resolved to
     # (bf16 or float32), so a resumed run keeps it (train/device.py: resolve_precision)
     precision: str = "auto"
+    # auto | float32 | bfloat16: AdamW's moments; run.json records what auto resolved to
+    # (train/schedule.py: resolve_optimizer_state). Runs recorded before it: float32.
+    optimizer_state: str = "auto"
     # ---- data (token streams)
     corpus: str | None = None
     val_corpus: str | None = None

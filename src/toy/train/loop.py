@@ -245,6 +245,8 @@ class Trainer:
             fused=self.precision.name == "bf16"
             and self.fsdp is None
             and self.device.type in ("cpu", "cuda"),
+            # resolved by train/run.py; "auto" only where train() is called directly
+            state_dtype=torch.bfloat16 if cfg.optimizer_state == "bfloat16" else torch.float32,
         )
         self.schedule = Schedule(cfg.lr, cfg.min_lr, cfg.warmup, cfg.steps)
         self.res = TrainResult()

@@ -57,6 +57,7 @@ from toy.train.progress import Reporter, TextReporter
 from toy.train.recipe import SHAPE_KEYS, Figure, Recipe
 from toy.train.report import attach as attach_report
 from toy.train.report import check_report_to
+from toy.train.schedule import resolve_optimizer_state
 
 WARMUP_SHARE = 0.1  # the warmup is at most this share of the run
 SHORT_RUN = 20  # fewer optimizer steps than this rarely move a loss: say so
@@ -313,9 +314,8 @@ def new_run(
     given = cli.get("warmup") is not None or "warmup" in keys
     schedule_given = any(cli.get(k) is not None or k in keys for k in ("steps", "epochs"))
     default_schedule = not schedule_given and recipe.defaults.get("epochs") is not None
-    cfg = fit_schedule(
-        cfg, built.notes, default_lr, given, default_schedule
-    )  # the resolved config, read-only from here on
+    cfg = fit_schedule(cfg, built.notes, default_lr, given, default_schedule)
+    cfg = _optimizer_state(cfg, built, d.enabled)  # the resolved config, read-only from here on
     run_dir = None
     if d.is_main:  # rank 0 alone names and makes the run directory, then tells the others
         rid = run_id or make_run_id(
@@ -382,6 +382,20 @@ def new_run(
 # ------------------------------------------------------------------ a resumed run
 
 
+def _optimizer_state(cfg: RunConfig, built, distributed: bool) -> RunConfig:
+    """--optimizer-state resolved (train/schedule.py), with a note when auto halves it."""
+    trained = sum(p.numel() for _, p in built.job.trainable())
+    sharded = bool(cfg.fsdp and distributed)
+    name = resolve_optimizer_state(cfg.optimizer_state, cfg.precision, trained, sharded)
+    if cfg.optimizer_state == "auto" and name == "bfloat16":
+        built.notes.append(
+            f"AdamW's moments kept in bfloat16 ({trained / 1e6:.0f}M trained values: "
+            f"{trained * 8 / 1e9:.2f} GB in float32, half that in bf16); "
+            "--optimizer-state float32 keeps them in float32"
+        )
+    return cfg.replace(optimizer_state=name)
+
+
 def _saved_config(info: dict, run_dir: Path, recipes: dict[str, Recipe]) -> RunConfig:
     """The resolved config run.json recorded (runs made before it was recorded kept their
     flags under "flags")."""
@@ -396,6 +410,8 @@ def _saved_config(info: dict, run_dir: Path, recipes: dict[str, Recipe]) -> RunC
     if "config" in info:
         cfg = RunConfig.from_record(info["config"], own, source=str(run_dir / "run.json"))
         cfg = recipes[name].typed(cfg)
+        if "optimizer_state" not in info["config"]:  # recorded before --optimizer-state
+            cfg = cfg.replace(optimizer_state="float32")
         if "precision" in info["config"]:
             return cfg
     else:
@@ -474,6 +490,8 @@ def resume_run(
     saved = _saved_config(info, run_dir, recipes)
     for k, v in cli.items():
         if v is None or k in RESUME_MAY_CHANGE or k in ("precision", "epochs"):
+            continue
+        if k == "optimizer_state" and v == "auto":  # the run's recorded choice stands
             continue
         flag = "--" + k.replace("_", "-")
         if k not in saved.to_dict():

@@ -26,6 +26,9 @@ import math
 from dataclasses import asdict, dataclass
 
 import torch
+from torch.optim.adamw import adamw as adamw_functional
+
+from toy.errors import UsageError
 
 
 @dataclass(frozen=True)
@@ -108,6 +111,31 @@ def _cosine(i: int, n: int, hi: float, lo: float) -> float:
     return lo + 0.5 * (hi - lo) * (1.0 + math.cos(math.pi * progress))
 
 
+OPTIMIZER_STATES = ("auto", "float32", "bfloat16")
+HALF_STATE_FROM = 16_000_000  # trained values from which auto keeps the moments in bf16
+
+
+def resolve_optimizer_state(asked: str, precision: str, n_values: int, sharded: bool) -> str:
+    """--optimizer-state: auto is bfloat16 under bf16 precision for a run that trains
+    HALF_STATE_FROM values or more (a whole model: its AdamW state is then the largest
+    thing a step keeps, twice the weights), float32 otherwise (an adapter's state is
+    small; a float32 run keeps float32 throughout). FSDP's sharded state stays float32."""
+    if asked not in OPTIMIZER_STATES:
+        raise UsageError(
+            f"--optimizer-state {asked!r} is unknown; valid: {', '.join(OPTIMIZER_STATES)}"
+        )
+    if asked == "bfloat16" and sharded:
+        raise UsageError(
+            "--optimizer-state bfloat16 does not take --fsdp (its sharded state stays "
+            "float32); drop one of them"
+        )
+    if asked != "auto":
+        return asked
+    if precision == "bf16" and n_values >= HALF_STATE_FROM and not sharded:
+        return "bfloat16"
+    return "float32"
+
+
 def make_adamw(
     named_params,
     lr: float,
@@ -117,6 +145,7 @@ def make_adamw(
     eps=1e-8,
     lr_scale=None,
     fused: bool = False,
+    state_dtype: torch.dtype = torch.float32,
 ) -> torch.optim.AdamW:
     """AdamW with a group for weights that decay (matrices, embeddings) and one for those
     that don't (biases, norm gains), as in GPT-2/nanoGPT; `lr_scale(name)` (default 1)
@@ -126,7 +155,8 @@ def make_adamw(
     against foreach's 34 for the 14M-parameter gpt2 bench model, a Zen 4, torch 2.13);
     foreach otherwise, as float32 runs always had it: fused rounds its update a little
     differently, and a float32 run's losses stay the bits they were
-    (docs/performance.md, "The non-matmul half")."""
+    (docs/performance.md, "The non-matmul half"). `state_dtype` bfloat16: the moments
+    are kept in bf16 (HalfStateAdamW), half their memory."""
     groups: dict[tuple[bool, float], list] = {}
     for name, p in named_params:
         key = (bool(decay_rule(name, p)), float(lr_scale(name)) if lr_scale is not None else 1.0)
@@ -134,14 +164,101 @@ def make_adamw(
     order = sorted(
         groups, key=lambda k: (not k[0], k[1])
     )  # decaying first, as before; a fixed order for resume
+    param_groups = [
+        {"params": groups[k], "weight_decay": weight_decay if k[0] else 0.0, "lr_scale": k[1]}
+        for k in order
+    ]
+    if state_dtype == torch.bfloat16:
+        return HalfStateAdamW(param_groups, lr=lr, betas=betas, eps=eps)
     return torch.optim.AdamW(
-        [
-            {"params": groups[k], "weight_decay": weight_decay if k[0] else 0.0, "lr_scale": k[1]}
-            for k in order
-        ],
+        param_groups,
         lr=lr,
         betas=betas,
         eps=eps,
         foreach=None if fused else True,
         fused=True if fused else None,
     )
+
+
+class HalfStateAdamW(torch.optim.AdamW):
+    """AdamW whose two moments are stored in bfloat16: 4 bytes a trained value instead
+    of 8 (a whole SmolLM2-135M's state 0.54 GB instead of 1.08). The update itself is
+    torch's fused AdamW in float32, run on pieces of at most CHUNK values: each piece's
+    moments are widened to float32, updated with the weights and the gradient (both
+    float32), and rounded back to bf16 (to nearest). So the float32 copies alive at once
+    are one piece's, not the model's, and the weights keep float32. Pieces start at
+    multiples of CHUNK, a whole number of any vector width: the kernel's vector and tail
+    paths round alike and the weights get the bits one call on the whole tensor gives.
+
+    Rounding the moments to bf16's 8-bit mantissa each step is safe at toy's betas (0.9,
+    0.95): a step moves the second moment by 5% of the new square, more than bf16's
+    0.4% resolution, so small updates are not rounded away (at beta2 0.999 they would
+    be: the reason for stochastic rounding elsewhere). docs/performance.md
+    ("Distillation") has the learning check against float32 state."""
+
+    CHUNK = 1 << 21  # values a fused call takes at once: 8 MiB of each float32 moment
+    state_dtype = torch.bfloat16
+
+    def __init__(self, params, lr: float, betas, eps: float):
+        super().__init__(params, lr=lr, betas=betas, eps=eps, foreach=False)
+
+    @torch.no_grad()
+    def step(self, closure=None):  # noqa: D102 (torch's)
+        if closure is not None:
+            raise ValueError("HalfStateAdamW takes no closure")
+        for group in self.param_groups:
+            pending: list[tuple] = []  # (weights, gradient, m, v, step) pieces for one call
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["step"] = torch.tensor(0.0)
+                    state["exp_avg"] = torch.zeros_like(p, dtype=self.state_dtype)
+                    state["exp_avg_sq"] = torch.zeros_like(p, dtype=self.state_dtype)
+                for key in ("exp_avg", "exp_avg_sq"):  # a float32 state (torch's own load)
+                    if state[key].dtype != self.state_dtype:
+                        state[key] = state[key].to(self.state_dtype)
+                pieces = [(p, p.grad, state["exp_avg"], state["exp_avg_sq"])]
+                if p.numel() > self.CHUNK and p.is_contiguous() and p.grad.is_contiguous():
+                    flat = [t.view(-1) for t in pieces[0]]
+                    pieces = [
+                        tuple(t[i : i + self.CHUNK] for t in flat)
+                        for i in range(0, p.numel(), self.CHUNK)
+                    ]
+                for piece in pieces:
+                    pending.append((*piece, state["step"].clone()))
+                    if sum(x[0].numel() for x in pending) >= self.CHUNK:
+                        self._update(group, pending)
+                state["step"] += 1
+            self._update(group, pending)
+
+    def _update(self, group: dict, pending: list[tuple]) -> None:
+        """One fused call on the pending pieces' float32 moments; the bf16 ones updated."""
+        if not pending:
+            return
+        ps, gs, ms, vs, steps = (list(x) for x in zip(*pending))
+        m32 = [m.float() for m in ms]
+        v32 = [v.float() for v in vs]
+        beta1, beta2 = group["betas"]
+        adamw_functional(
+            ps,
+            gs,
+            m32,
+            v32,
+            [],
+            steps,  # copies: fused adds 1 to each; the state's own once in step()
+            fused=True,
+            amsgrad=False,
+            beta1=beta1,
+            beta2=beta2,
+            lr=group["lr"],
+            weight_decay=group["weight_decay"],
+            eps=group["eps"],
+            maximize=False,
+        )
+        for m, a in zip(ms, m32):
+            m.copy_(a)
+        for v, a in zip(vs, v32):
+            v.copy_(a)
+        pending.clear()

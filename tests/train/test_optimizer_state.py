@@ -1,0 +1,141 @@
+"""--optimizer-state: AdamW's moments in bf16 (issue 56's memory goal). HalfStateAdamW is
+torch's fused AdamW run piece by piece on float32 copies of the moments, rounded back to
+bf16: the same bits as one call on the whole tensor, AdamW's update within bf16's
+rounding, auto's rule, and a run that resumes from a bf16 state to the byte."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from helpers.runs import TINY, corpus, step_lines  # noqa: F401
+from safetensors import safe_open
+from torch.optim.adamw import adamw as adamw_functional
+
+from toy.errors import UsageError
+from toy.train import schedule
+from toy.train.schedule import HalfStateAdamW, make_adamw, resolve_optimizer_state
+
+
+def params(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    shapes = [(7, 11), (50,), (3, 5), (1,)]
+    return [torch.nn.Parameter(torch.randn(s, generator=g)) for s in shapes]
+
+
+def grads(ps, step):
+    g = torch.Generator().manual_seed(100 + step)
+    return [torch.randn(p.shape, generator=g) * 0.01 for p in ps]
+
+
+def test_pieces_give_the_bits_of_one_whole_tensor_update(monkeypatch):
+    """CHUNK = 16: the 77-value matrix is cut into 5 pieces, small tensors share a call;
+    each tensor's result must be one fused call on the whole tensor, moments rounded."""
+    monkeypatch.setattr(HalfStateAdamW, "CHUNK", 16)
+    ps = params()
+    ref = [p.detach().clone() for p in ps]
+    m = [torch.zeros_like(p, dtype=torch.bfloat16) for p in ps]
+    v = [torch.zeros_like(p, dtype=torch.bfloat16) for p in ps]
+    opt = make_adamw(
+        [(str(i), p) for i, p in enumerate(ps)],
+        1e-2,
+        0.1,
+        lambda n, p: p.dim() >= 2,  # two groups: the matrices decay, the vectors do not
+        state_dtype=torch.bfloat16,
+    )
+    assert isinstance(opt, HalfStateAdamW)
+    for step in range(1, 6):
+        gs = grads(ps, step)
+        for p, g in zip(ps, gs):
+            p.grad = g.clone()
+        opt.step()
+        for i, (r, g) in enumerate(zip(ref, gs)):
+            m32, v32 = m[i].float(), v[i].float()
+            adamw_functional(
+                [r], [g], [m32], [v32], [], [torch.tensor(float(step - 1))], fused=True,
+                amsgrad=False, beta1=0.9, beta2=0.95, lr=1e-2,
+                weight_decay=0.1 if r.dim() >= 2 else 0.0, eps=1e-8, maximize=False,
+            )  # fmt: skip
+            m[i], v[i] = m32.bfloat16(), v32.bfloat16()
+    for i, p in enumerate(ps):
+        st = opt.state[p]
+        assert st["exp_avg"].dtype == torch.bfloat16 and float(st["step"]) == 5
+        assert torch.equal(p.detach(), ref[i]), i
+        assert torch.equal(st["exp_avg"], m[i]) and torch.equal(st["exp_avg_sq"], v[i]), i
+
+
+def test_the_update_is_adamws_within_bf16_rounding():
+    """Against torch's float32 AdamW: step 1's update (bias correction of step 1: a step of
+    lr a value) and after 20 steps, the distance moved within 1% (a wrong step count or a
+    moment lost to rounding moves it by far more)."""
+    ps, qs = params(), params()
+    start = [p.detach().clone() for p in ps]
+    rule = lambda n, p: p.dim() >= 2  # noqa: E731
+    full = make_adamw([(str(i), p) for i, p in enumerate(ps)], 1e-3, 0.1, rule)
+    half = make_adamw(
+        [(str(i), q) for i, q in enumerate(qs)], 1e-3, 0.1, rule, state_dtype=torch.bfloat16
+    )
+    for step in range(1, 21):
+        for p, q, g in zip(ps, qs, grads(ps, step)):
+            p.grad, q.grad = g.clone(), g.clone()
+        full.step()
+        half.step()
+        if step in (1, 20):
+            for p, q, s in zip(ps, qs, start):
+                moved, diff = (p.detach() - s).norm(), (p.detach() - q.detach()).norm()
+                assert diff <= 0.01 * moved, (step, float(diff), float(moved))
+
+
+def test_auto_halves_a_whole_models_state_under_bf16_only():
+    big, small = schedule.HALF_STATE_FROM, schedule.HALF_STATE_FROM - 1
+    assert resolve_optimizer_state("auto", "bf16", big, False) == "bfloat16"
+    assert resolve_optimizer_state("auto", "bf16", small, False) == "float32"  # an adapter's
+    assert resolve_optimizer_state("auto", "float32", big, False) == "float32"
+    assert resolve_optimizer_state("auto", "bf16", big, True) == "float32"  # FSDP's shards
+    assert resolve_optimizer_state("bfloat16", "float32", 10, False) == "bfloat16"
+    with pytest.raises(UsageError, match="--fsdp"):
+        resolve_optimizer_state("bfloat16", "bf16", big, True)
+    with pytest.raises(UsageError, match="valid: auto, float32, bfloat16"):
+        resolve_optimizer_state("bf16", "bf16", big, False)
+
+
+def test_a_bf16_state_run_records_it_saves_it_and_resumes_to_the_byte(corpus, tmp_path, toy_cli):
+    args = ["train", "--corpus", corpus, "--out", tmp_path, *TINY, "--steps", "8"]
+    code, ref, err = toy_cli(*args, "--run-id", "r", "--save-every", "4",
+                             "--optimizer-state", "bfloat16")  # fmt: skip
+    assert code == 0, err
+    run = tmp_path / "r"
+    assert json.loads((run / "run.json").read_text())["config"]["optimizer_state"] == "bfloat16"
+    with safe_open(run / "checkpoints" / "step-000004" / "optimizer.safetensors", "pt") as f:
+        moments = [k for k in f.keys() if k.endswith(("exp_avg", "exp_avg_sq"))]
+        assert moments and all(f.get_tensor(k).dtype == torch.bfloat16 for k in moments)
+    # a resume keeps the recorded state; another one is refused, auto is the record
+    code, _, err = toy_cli("train", "--resume", run / "checkpoints" / "step-000004",
+                           "--optimizer-state", "float32")  # fmt: skip
+    assert code == 2 and "--optimizer-state" in err and "bfloat16" in err, err
+    code, out, err = toy_cli("train", "--resume", run / "checkpoints" / "step-000004",
+                             "--optimizer-state", "auto")  # fmt: skip
+    assert code == 0, err
+    resumed = step_lines(out)
+    assert resumed[0].startswith("step 5 ") and resumed == step_lines(ref)[4:]
+    # auto on this tiny run (float32 here, or bf16 with few values): float32 moments,
+    # recorded, and another path than bf16's after step 1
+    code, f32, err = toy_cli(*args, "--run-id", "f")
+    assert code == 0, err
+    assert step_lines(f32)[0] == step_lines(ref)[0] and step_lines(f32) != step_lines(ref)
+    cfg = json.loads((tmp_path / "f" / "run.json").read_text())["config"]
+    assert cfg["optimizer_state"] == "float32"
+
+
+def test_a_run_recorded_before_the_flag_resumes_in_float32(corpus, tmp_path, toy_cli):
+    code, _, err = toy_cli("train", "--corpus", corpus, "--out", tmp_path, *TINY, "--steps", "4",
+                           "--run-id", "old", "--save-every", "2")  # fmt: skip
+    assert code == 0, err
+    info_path = tmp_path / "old" / "run.json"
+    info = json.loads(info_path.read_text())
+    del info["config"]["optimizer_state"]  # as run.json was written before --optimizer-state
+    info_path.write_text(json.dumps(info))
+    code, _, err = toy_cli("train", "--resume", tmp_path / "old", "--steps", "6")
+    assert code == 0, err
+    assert json.loads(info_path.read_text())["config"]["optimizer_state"] == "float32"
