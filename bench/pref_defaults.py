@@ -121,7 +121,7 @@ def run_config(args, i: int, spec: str, set_dir: Path, runs: Path, ctx: dict) ->
     if r.returncode != 0:
         return {**row, "error": (r.stderr.strip().splitlines() or ["?"])[-1]}
     out = json.loads(r.stdout.strip().splitlines()[-1])
-    acc = out.get("val_pref_accuracies") or [{}]
+    acc = out.get("val_pref_accuracies") or out.get("val_label_accuracies") or [{}]
     held = out.get("metrics") or [{}]  # the held-out evaluations: rewards, margin, accuracy
     row.update(
         run_dir=out["run_dir"],

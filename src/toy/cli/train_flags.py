@@ -7,10 +7,10 @@ from __future__ import annotations
 
 from toy.cli.args import finite_float, nonneg_int, positive_int
 from toy.models import registry
+from toy.train.config import OPTIMIZER_STATES
 from toy.train.device import DEVICES, PRECISIONS
 from toy.train.flags import Flag
 from toy.train.report import REPORT_TO
-from toy.train.schedule import OPTIMIZER_STATES
 
 
 def _presets() -> str:

@@ -29,6 +29,8 @@ huge line costs time and memory by --max-seq-len, not by its size: a prompt keep
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import re
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -72,6 +74,7 @@ class Pair:
     chosen: str
     rejected: str
     text: str | None = None
+    label: bool | None = None  # an unpaired example's (KTO): chosen is its completion
 
 
 def parse_pair(obj: Any) -> tuple[Pair | None, str, str]:
@@ -146,6 +149,88 @@ def read_pairs(path: str | Path) -> PairFile:
     return out
 
 
+# ------------------------------------------------------------------ unpaired (KTO)
+
+UNPAIRED_SCHEMA = (
+    'each line must be a labelled completion: {"prompt": "...", "completion": "...", "label": '
+    'true|false}, the same with lists of {"role", "content"} messages (TRL\'s unpaired '
+    "preference form), or a preference pair (its chosen answer taken as desirable, its "
+    "rejected one as undesirable)"
+)
+
+
+def parse_unpaired(obj: Any) -> tuple[list[Pair], str, str]:
+    """([example], "", "") for a labelled completion (TRL's unpaired form), two examples
+    for a preference pair (as TRL's unpair_preference_dataset: chosen true, rejected
+    false), or ([], reason, detail). An example is a Pair whose `chosen` is its completion
+    and `label` its label; `rejected` is filled by unpaired_examples."""
+    if isinstance(obj, dict) and "chosen" in obj and "rejected" in obj and "label" not in obj:
+        pair, reason, detail = parse_pair(obj)
+        if pair is None:
+            return [], reason, detail
+        return (
+            [
+                Pair(pair.prompt, pair.chosen, "", pair.text, True),
+                Pair(pair.prompt, pair.rejected, "", pair.text, False),
+            ],
+            "",
+            "",
+        )
+    if not isinstance(obj, dict):
+        return [], "not a JSON object", f"expected a JSON object, got {type(obj).__name__}"
+    missing = [k for k in ("prompt", "completion", "label") if k not in obj]
+    if missing:
+        keys = ", ".join(sorted(map(str, obj))[:5]) or "none"
+        return [], "missing key", f'no "{missing[0]}" key (keys: {keys})'
+    label = obj["label"]
+    if not isinstance(label, bool):
+        return [], "bad label", f'"label" must be true or false, got {json.dumps(label)[:40]}'
+    p, c = obj["prompt"], obj["completion"]
+    if isinstance(c, str):
+        if not isinstance(p, str):
+            what = "no" if p is None else f"a {type(p).__name__} as"
+            return [], "missing key", f'{what} "prompt": a standard example needs a prompt string'
+        ex = Pair(({"role": "user", "content": p},), c, "", text=p, label=label)
+    else:
+        cm, reason, detail = check_messages(c, "completion")
+        if cm is None:
+            return [], reason, detail
+        prompt, reason, detail = check_messages(p, "prompt")
+        if prompt is None:
+            return [], reason, detail
+        if len(cm) != 1 or cm[0]["role"] != "assistant":
+            return [], "bad messages", "the completion must be one assistant message"
+        if prompt[-1]["role"] == "assistant":
+            return [], "bad messages", ENDS_WITH_REPLY
+        ex = Pair(tuple(prompt), cm[0]["content"], "", label=label)
+    if not ex.chosen.strip():
+        return [], "empty answer", "the completion is empty (nothing to judge)"
+    return [ex], "", ""
+
+
+def read_unpaired(path: str | Path, per: int) -> PairFile:
+    """Every labelled completion of a JSONL file, with its line, each given the KL
+    completion TRL's KTOTrainer gives it: the examples in file order, in runs of `per`
+    (TRL's per_device_train_batch_size), each run's completions turned by one (the
+    first example takes the run's last completion, every other the one before it). The
+    KL term is estimated from these mismatched (prompt, completion) sequences."""
+    out = PairFile(Path(path))
+    for lineno, obj, reason, _ in json_lines(out.path, UNPAIRED_SCHEMA):
+        examples: list[Pair] = []
+        if obj is not None:
+            examples, reason, _ = parse_unpaired(obj)
+        if not examples:
+            out.skip(reason, lineno)
+            continue
+        out.pairs.extend(examples)
+        out.lines.extend([lineno] * len(examples))
+    for i in range(0, len(out.pairs), per):
+        run = out.pairs[i : i + per]
+        turned = [run[-1].chosen] + [e.chosen for e in run[:-1]]
+        out.pairs[i : i + per] = [dataclasses.replace(e, rejected=k) for e, k in zip(run, turned)]
+    return out
+
+
 # ------------------------------------------------------------------ encoding
 
 
@@ -212,6 +297,7 @@ class Encoded:
     rejected: tuple[list[int], list[int]]
     prompt_cut: bool = False
     answer_cut: bool = False
+    label: bool | None = None  # an unpaired example's (encode_unpaired)
 
 
 def fit(seqs, budget: int) -> tuple[list, bool, bool]:
@@ -231,6 +317,24 @@ def fit(seqs, budget: int) -> tuple[list, bool, bool]:
         a_cut |= len(ids) > budget
         out.append((ids[:budget], mask[:budget]))
     return out, p_cut, a_cut
+
+
+def encode_unpaired(tok, template, pair: Pair, budget: int, bos, eos, eos_id) -> Encoded:
+    """An unpaired example: its completion (`chosen`) and its KL completion (`rejected`)
+    under its prompt, encoded and cut as a pair's answers (the two may be alike: the KL
+    sequence is only a sample for the KL estimate); ConversationError NO_CONTEXT as
+    encode_pair's, TOO_LONG where the prompt leaves no room for an answer token."""
+    pair, _ = _cut(pair, window_chars(tok, budget))
+    seqs = [
+        encode_answer(tok, template, pair, a, bos, eos, eos_id)
+        for a in (pair.chosen, pair.rejected)
+    ]
+    if any(mask[0] for _, mask in seqs):
+        raise ConversationError(NO_CONTEXT)
+    (c, r), p_cut, a_cut = fit(seqs, budget)
+    if not any(c[1][1:]) or not any(r[1][1:]):
+        raise ConversationError(TOO_LONG)
+    return Encoded(c, r, p_cut, a_cut, pair.label)
 
 
 def encode_pair(tok, template, pair: Pair, budget: int, bos, eos, eos_id) -> Encoded:
@@ -333,9 +437,16 @@ def pair_batch(
         "full": full,
         "n_full": (full != IGNORE_INDEX).sum(1).float(),
         "pair": torch.tensor([k for k, _ in items], dtype=torch.long),
+        **(
+            {"label": torch.tensor([bool(e.label) for _, e in items])}
+            if items and items[0][1].label is not None
+            else {}
+        ),
     }
 
 
-def no_pairs(path: Path, pf: PairFile) -> InputError:
+def no_pairs(
+    path: Path, pf: PairFile, what_one: str = "preference pair", schema: str = SCHEMA
+) -> InputError:
     what = pf.summary() if pf.skipped else "it holds only blank lines and comments"
-    return InputError(f"no preference pair to learn from in {path} ({what}); {SCHEMA}")
+    return InputError(f"no {what_one} to learn from in {path} ({what}); {schema}")

@@ -14,6 +14,7 @@ RECIPES = {
     "dpo": "toy.recipes.dpo",
     "orpo": "toy.recipes.orpo",
     "simpo": "toy.recipes.simpo",
+    "kto": "toy.recipes.kto",
     "grpo": "toy.recipes.grpo",
     "distill": "toy.recipes.distill",
     "vit-tiny": "toy.recipes.vit_tiny",

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from toy.data.preference import (
+    SCHEMA,
     Encoded,
     cut_note,
     encode_pair,
@@ -131,8 +133,11 @@ class References:
     first time a pair is met and kept, in the run's precision (at step 0 the two passes
     are the same). `computed` counts the pairs that took a pass."""
 
-    def __init__(self, model, n: int, precision: Precision | None = None):
+    def __init__(self, model, n: int, precision: Precision | None = None, halves=False):
         self.model = model
+        # each half of a batch in a pass of its own, as a loss that runs them apart does
+        # (KTO's): the same shapes, so at step 0 the two passes give the same bits
+        self.halves = halves
         self.precision = precision  # the policy's: at step 0 the two passes are the same
         self.logps = torch.zeros((n, 2), dtype=torch.float32)
         self.known = torch.zeros(n, dtype=torch.bool)
@@ -147,7 +152,16 @@ class References:
             keys = ("ids", "ans_pos", "ans_tgt")
             on = {k: b[k].to(dev) for k in keys}
             with disable_adapter(self.model), autocast(dev, self.precision):
-                s, _ = answer_logps(self.model, on)
+                if self.halves:
+                    n = idx.numel()
+                    s = torch.cat(
+                        [
+                            answer_logps(self.model, {k: v[part] for k, v in on.items()})[0]
+                            for part in (slice(0, n), slice(n, 2 * n))
+                        ]
+                    )
+                else:
+                    s, _ = answer_logps(self.model, on)
             s = s.float().cpu().view(2, -1).T  # (B, 2): chosen, rejected
             self.logps[idx[new]] = s[new]
             self.known[idx[new]] = True
@@ -182,6 +196,7 @@ class PairJob(AdapterJob):
     the pairs of the whole step."""
 
     units = "pairs"
+    halves = False  # whether the loss runs a batch's two halves apart (References)
 
     def __init__(self, recipe, a, cfg, config, micro, evals, n_pairs, pair_loss, reference):
         super().__init__(recipe, a, cfg, config)
@@ -194,7 +209,7 @@ class PairJob(AdapterJob):
     def bind(self, device, precision, run_dir=None) -> None:
         super().bind(device, precision, run_dir)
         if self.reference:
-            self.references = References(self.model, self.n_pairs, precision)
+            self.references = References(self.model, self.n_pairs, precision, self.halves)
 
     def fill(self, b: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return self.references.fill(b) if self.references is not None else b
@@ -223,6 +238,20 @@ class PairJob(AdapterJob):
         return self.tally.take(False)
 
 
+@dataclass(frozen=True)
+class PairData:
+    """What a preference recipe's lines are: how a file is read (`read(path, cfg)` ->
+    PairFile), how one of its items is encoded (-> Encoded), and the words for them."""
+
+    read: Callable = lambda path, cfg: read_pairs(path)  # noqa: E731
+    encode: Callable = encode_pair
+    one: str = "preference pair"
+    schema: str = SCHEMA
+
+
+PAIRS = PairData()
+
+
 def build_pairs(
     cfg: RunConfig,
     project: Project,
@@ -230,32 +259,35 @@ def build_pairs(
     loss: Callable,
     own: dict,
     reference: bool,
+    form: PairData = PAIRS,
+    job_class: type | None = None,
 ) -> Built:
     """The preference job: `loss(model, batch, figures)` -> (sum over pairs, pairs);
     `own`: the recipe's own settings recorded in run.json; `reference`: whether the
-    loss reads reference log-probs (DPO's) or not."""
+    loss reads reference log-probs (DPO's) or not; `form`: the data's lines (pairs, or
+    KTO's labelled completions); `job_class`: PairJob or one of its kind."""
     a = load_adapted(cfg, project, recipe)
     base, tok, notes = a.base, a.base.tokenizer, a.notes
     data_path, val_path = data_files(cfg.data, cfg.val_data)
-    train_pf = read_pairs(data_path)
-    val_pf = read_pairs(val_path) if val_path is not None else None
+    train_pf = form.read(data_path, cfg)
+    val_pf = form.read(val_path, cfg) if val_path is not None else None
     texts = all(p.text is not None for p in train_pf.pairs + (val_pf.pairs if val_pf else []))
     side = text_side(cfg, base, "prompt" if texts else "messages", notes)
     budget = int(a.seq_len) + 1
 
     def encode(pair) -> Encoded:
-        e = encode_pair(tok, side.template, pair, budget, side.bos, side.eos, side.eos_id)
+        e = form.encode(tok, side.template, pair, budget, side.bos, side.eos, side.eos_id)
         side.check_vocab(e.chosen[0] + e.rejected[0])
         return e
 
     def encode_file(pf, path) -> list[Encoded]:
         if not pf.pairs:
-            raise no_pairs(path, pf)
+            raise no_pairs(path, pf, form.one, form.schema)
         enc, cuts = encode_pairs(pf, encode, lambda m: None)
         if pf.skipped:
             notes.append(f"warning: {path}: {pf.summary()}")
         if not enc:
-            raise no_pairs(path, pf)
+            raise no_pairs(path, pf, form.one, form.schema)
         if n := cut_note(cuts, budget):
             notes.append(n)
         return enc
@@ -280,11 +312,11 @@ def build_pairs(
         pair_batch(val_items[i * per : (i + 1) * per], pad, bucket, budget) for i in range(n_eval)
     ]
     notes.append(
-        f"{data_path}: {plural(len(train), 'preference pair')} in "
-        f"{plural(n_batches, 'batch', 'batches')} of {plural(per, 'pair')}; "
-        f"{plural(len(val), 'held-out pair')}"
+        f"{data_path}: {plural(len(train), form.one)} in "
+        f"{plural(n_batches, 'batch', 'batches')} of {per}; "
+        f"{plural(len(val), 'held out', 'held out')}"
         + (
-            ", reference log-probs from the base with the adapter off, once a pair"
+            f", reference log-probs from the base with the adapter off, once a {form.one}"
             if reference
             else ""
         )
@@ -305,7 +337,7 @@ def build_pairs(
     notes += [note] if note else []
     config = {**a.config, **info}
     n_pairs = len(train) + len(val)
-    job = PairJob(recipe, a, cfg, config, micro, evals, n_pairs, loss, reference)
+    job = (job_class or PairJob)(recipe, a, cfg, config, micro, evals, n_pairs, loss, reference)
     n_params, note = a.sizes()
     notes.append(note)
     return Built(job=job, arch=base.arch, params=n_params, notes=notes, derived=derived)

@@ -28,6 +28,8 @@ from typing import Any
 from toy.errors import InputError, UsageError
 from toy.runs import plural
 
+OPTIMIZER_STATES = ("auto", "float32", "bfloat16")  # --optimizer-state (train/schedule.py)
+
 
 @dataclass(frozen=True)
 class RunConfig:

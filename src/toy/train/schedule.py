@@ -29,6 +29,7 @@ import torch
 from torch.optim.adamw import adamw as adamw_functional
 
 from toy.errors import UsageError
+from toy.train.config import OPTIMIZER_STATES
 
 
 @dataclass(frozen=True)
@@ -111,7 +112,6 @@ def _cosine(i: int, n: int, hi: float, lo: float) -> float:
     return lo + 0.5 * (hi - lo) * (1.0 + math.cos(math.pi * progress))
 
 
-OPTIMIZER_STATES = ("auto", "float32", "bfloat16")
 HALF_STATE_FROM = 16_000_000  # trained values from which auto keeps the moments in bf16
 
 
