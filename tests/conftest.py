@@ -6,6 +6,9 @@ import torch
 # Nothing is ever fetched from a model hub: transformers/peft run offline in tests.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# `toy infer`'s auto starts no background build of compiled steps from a test (one test
+# checks the start itself, with this unset).
+os.environ.setdefault("TOY_BACKGROUND_BUILDS", "0")
 
 # Under pytest-xdist (`make test` runs two workers on a 2-core machine) each worker and the
 # processes it starts use one thread: two workers of two threads each would oversubscribe

@@ -199,6 +199,25 @@ def test_a_long_budget_builds_only_the_first_span_before_the_reply(
     assert r.stderr.count("note: compiling") == 1, r.stderr
     code_f32 = toy_run(*args, "--max-new-tokens", "12", "--base-dtype", "float32")
     assert r.stdout == code_f32.stdout  # the same text either way
+    # Built once for every budget: the compiled path's cache spans the model's context
+    # (resident only where written), so its strides, which the steps are built for, are
+    # the same whatever --max-new-tokens is. A budget past the old 256-position chunk (a
+    # cache of 512 positions before: other strides, every step built again, 22 s for
+    # SmolLM2 at --max-new-tokens 1500) now loads what the first run built. Its reply is
+    # cut to 3 tokens (within span 8) to keep the test short.
+    import itertools
+
+    from toy.cli import cmd_infer
+
+    real_generate = cmd_infer.generate
+    monkeypatch.setattr(
+        cmd_infer, "generate", lambda *a, **kw: itertools.islice(real_generate(*a, **kw), 3)
+    )
+    order.clear()
+    r = toy_run(*args, "--max-new-tokens", "300", "--base-dtype", "quantized")
+    assert r.returncode == 0, r.stderr
+    assert "text" in order and "build" not in order, order
+    assert "note: compiling" not in r.stderr, r.stderr
 
 
 def test_without_a_compiler_quantized_still_generates(quant_gguf, toy_cli, monkeypatch):
@@ -505,3 +524,46 @@ def test_old_builds_are_pruned_after_a_build(tmp_path, monkeypatch):
         steps / "0137fb7f650755df0934f171-torch-2.13.0+cpu",
     }
     assert decode.prune_builds() == []  # nothing more to take
+
+
+def test_a_lazy_cache_of_the_whole_context_is_resident_only_where_written():
+    """The compiled path's cache spans the model's context (cmd_infer.new_cache): one map
+    for every layer, the OS's zeros, resident where written; the strides of a plain cache
+    of the same length, which the built steps are keyed by."""
+    import os
+
+    from toy.models.layers import KVCache
+
+    def rss() -> int:
+        return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    if not os.path.exists("/proc/self/statm"):
+        pytest.skip("needs /proc/self/statm")
+    before = rss()
+    cpu = torch.device("cpu")
+    cache = KVCache(4, 1, 4, 1 << 16, 64, cpu, torch.float32, lazy=True)  # 512 MiB mapped
+    assert rss() - before < 32 << 20
+    assert cache.k[3].shape == (1, 4, 1 << 16, 64) and cache.max_len == 1 << 16
+    plain = KVCache(1, 1, 4, 64, 64, cpu, torch.float32).k[0]  # a contiguous buffer's
+    assert plain.stride() == (4 * 64 * 64, 64 * 64, 64, 1)
+    assert cache.k[3].stride() == cache.v[0].stride() == (4 * 65536 * 64, 65536 * 64, 64, 1)
+    k, v = cache.update(2, torch.ones(1, 4, 3, 64), torch.full((1, 4, 3, 64), 2.0))
+    assert k.shape == (1, 4, 3, 64) and float(v.sum()) == 2.0 * 4 * 3 * 64
+    assert float(cache.k[2][:, :, 3:4096].abs().sum()) == 0.0  # read: zeros, not garbage
+    assert float(cache.k[1][:, :, :4096].abs().sum()) == 0.0
+    assert rss() - before < 32 << 20
+    cache.reserve(100)  # within it: nothing to do
+    assert cache.max_len == 1 << 16
+
+
+def test_an_adapter_has_steps_of_its_own_kind():
+    """Merged adapters make blocks of another kind (float32 projections among packed ones):
+    their steps are marked apart from the base's, by what they adapt, not by their values."""
+    from toy.cli.cmd_infer import _adapter_shape
+
+    a = {"layers.0.attn.q_proj.lora_A": torch.zeros(2, 4), "layers.1.attn.v_proj.lora_B": 0}
+    same = {"layers.0.attn.q_proj.lora_A": torch.ones(2, 4), "layers.1.attn.v_proj.lora_B": 1}
+    other_layers = {"layers.1.attn.q_proj.lora_A": 0, "layers.1.attn.v_proj.lora_B": 0}
+    other_targets = {"layers.0.attn.k_proj.lora_A": 0, "layers.1.attn.v_proj.lora_B": 0}
+    assert _adapter_shape(a) == _adapter_shape(same)
+    assert len({_adapter_shape(x) for x in (a, other_layers, other_targets)}) == 3

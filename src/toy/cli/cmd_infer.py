@@ -30,12 +30,11 @@ INFER_BASE_DTYPES = ("auto", "quantized", "bfloat16", "float32")
 # loaded as built libraries, no tracing, no compiler stack imported; it waited 3.3-4.4 s
 # longer before); PACKED_EXTRA_S keeps 0.3 s for the packed codes read from toy's cache
 # and the libraries loaded. The first time on a machine the build itself takes about 20 s
-# (docs/performance.md). For SmolLM2 packing pays from about 7 new tokens asked for once
-# built, about 480 before.
+# (docs/performance.md): no reply waits for it (pack_pays, build_in_background). For
+# SmolLM2 packing pays from about 7 new tokens asked for once built.
 F32_TOKEN_S_PER_GB = 0.122
 PACKED_SPEEDUP = 2.9
 PACKED_EXTRA_S = 0.3
-COMPILE_S = 20.0
 # auto holds a float32 copy (and the KV cache) only where they take at most this share of
 # free memory
 FIT = 0.8
@@ -140,12 +139,26 @@ def add_parser(sub) -> None:
         "machine; then loaded as built, in a fraction of a second); else each layer "
         "is dequantized as it runs: the least memory, slower per token) (default auto: bfloat16 on "
         "cuda; on cpu quantized where the blocks pack and the expected wait is shorter packed "
-        "(the tokens asked for, whether the steps are built on this machine, measured costs: "
-        "SmolLM2-135M packs from about 7 new tokens once built, from about 480 before; an "
-        "interactive chat always), else float32 where it and the KV cache fit in "
+        "(the tokens asked for and measured costs, where the steps are built on this machine: "
+        "SmolLM2-135M packs from about 7 new tokens, an interactive chat always; where they are "
+        "not, the reply comes from float32 at once and a background process builds them for the "
+        "next run), else float32 where it and the KV cache fit in "
         f"{FIT * 100:.0f}%% of the available memory (the smaller of MemAvailable and what a "
         "container's cgroup memory limit leaves), else quantized)",
     )  # %%: argparse formats help
+    p.add_argument(
+        "--build-steps",
+        action="store_true",
+        help="build the compiled one-token steps of --model (with --adapter: of the adapted "
+        "model) on this machine and exit; what auto starts in the background the first time "
+        "(TOY_BACKGROUND_BUILDS=0 turns that off)",
+    )
+    p.add_argument(
+        "--build-lock",
+        metavar="FILE",
+        help="with --build-steps: a file to remove when the build ends (the lock a background "
+        "build is started with) (default: none)",
+    )
     p.add_argument(
         "--precision",
         choices=("auto", "float32", "bf16"),
@@ -223,24 +236,35 @@ def run(args) -> int:
     device = resolve_device(args.device)
     apply_threads(args.threads)
     args.precision = infer_precision(args, device)
+    if getattr(args, "build_steps", False):
+        if not args.model or args.run or args.prompt is not None or args.chat is not None:
+            raise UsageError(
+                "--build-steps takes --model BASE (a GGUF file) and optionally --adapter, "
+                "nothing to generate"
+            )
+        return build_steps(args, device)
     lm = load_lm(args, device)
-    if args.prompt is not None:
-        code = continue_text(lm, args)
-    elif lm.template is None:
-        raise UsageError(
-            f"{lm.source}: {lm.no_template or 'has no chat template'}; use --prompt TEXT to "
-            "continue raw text"
-        )
-    elif args.chat is not None:
-        chat_turn(lm, args, [*_system(args), {"role": "user", "content": args.chat}])
-        code = 0
-    else:
-        return interactive(lm, args)
-    if getattr(args, "json", False):
-        import json
+    try:
+        if args.prompt is not None:
+            code = continue_text(lm, args)
+        elif lm.template is None:
+            raise UsageError(
+                f"{lm.source}: {lm.no_template or 'has no chat template'}; use --prompt TEXT to "
+                "continue raw text"
+            )
+        elif args.chat is not None:
+            chat_turn(lm, args, [*_system(args), {"role": "user", "content": args.chat}])
+            code = 0
+        else:
+            return interactive(lm, args)
+        if getattr(args, "json", False):
+            import json
 
-        print(json.dumps(lm.report))
-    return code
+            print(json.dumps(lm.report))
+        return code
+    finally:
+        if lm.build is not None:  # the reply is out (or the chat over): build for next time
+            build_in_background(*lm.build)
 
 
 def _not_utf8(flag: str, what: str) -> str:
@@ -309,6 +333,7 @@ class LM:
         self.limit = limit or getattr(getattr(model, "cfg", None), "max_seq_len", 2048)
         self.held, self.why = "", ""  # how the base is held for generation, and why (auto)
         self.steps_marker = None  # a file written once the compiled steps are built (decode)
+        self.build = None  # (marker, model, adapter): steps to build in the background after
         self.report: dict = {}  # the last reply: its text, tokens and times (--json)
 
 
@@ -417,13 +442,18 @@ def _planned_cache(args):
 def pack_pays(float32_bytes: int, tokens: int | None, steps_cached: bool) -> bool:
     """Whether generating `tokens` new tokens packed (models/decode.py) ends sooner than in
     float32: the seconds a packed token saves (float32 reads all of its weights every token,
-    the codes PACKED_SPEEDUP faster) against what the packed path costs more before its first token
-    (and its compile, where this machine has not compiled it yet). The measured costs: see
-    PACKED_EXTRA_S. None tokens: an interactive chat, many replies on one load: it pays."""
+    the codes PACKED_SPEEDUP faster) against what the packed path costs more before its
+    first token. The measured costs: see PACKED_EXTRA_S. None tokens: an interactive chat,
+    many replies on one load: it pays. Never where this machine has not built the steps:
+    a reply does not wait for a build (~20 s for SmolLM2, 45 s with the packed kernels
+    too), which a 10-token reply to `--max-new-tokens 1500` did; float32 answers at once
+    and load_base_lm starts the build in the background (build_in_background)."""
+    if not steps_cached:
+        return False
     if tokens is None:
         return True
     per_token = F32_TOKEN_S_PER_GB * float32_bytes / 1e9 * (1 - 1 / PACKED_SPEEDUP)
-    return tokens * per_token > PACKED_EXTRA_S + (0.0 if steps_cached else COMPILE_S)
+    return tokens * per_token > PACKED_EXTRA_S
 
 
 def choose_base_dtype(
@@ -542,6 +572,90 @@ def _gguf_adapter(path: Path, base, model_path: Path):
     return ad.lora_sd, {"r": ad.rank, "lora_alpha": ad.alpha}
 
 
+def background_plan() -> str:
+    """What happens about the steps not built yet, for the --json `why`."""
+    import os
+
+    if os.environ.get("TOY_BACKGROUND_BUILDS", "1") == "0":
+        return "TOY_BACKGROUND_BUILDS=0: no background build; `toy infer --build-steps` builds them"
+    return "a background build of them starts once this reply is out; the next run uses them"
+
+
+def build_in_background(marker: Path, model_path: Path, adapter: Path | None) -> str:
+    """Start `toy infer --model M [--adapter A] --build-steps` as a process of its own, at
+    a lower priority, so that the next run finds the steps built (the marker written);
+    at most one a model at a time (a lock beside the marker, taken over after 15 minutes).
+    Called once the reply is out: a build beside it slowed a float32 reply 30-fold on two
+    cores. Says what it did. TOY_BACKGROUND_BUILDS=0: none started."""
+    import os
+    import subprocess
+    import time
+
+    if os.environ.get("TOY_BACKGROUND_BUILDS", "1") == "0":
+        return "none started (TOY_BACKGROUND_BUILDS=0)"
+    lock = marker.with_name(marker.name + ".building")
+    try:
+        lock.parent.mkdir(parents=True, exist_ok=True)
+        if lock.exists() and time.time() - lock.stat().st_mtime < 15 * 60:
+            return "a background build of them is under way"
+        lock.write_text(str(os.getpid()))
+        argv = [sys.executable, "-m", "toy", "infer", "--model", str(model_path)]
+        argv += ["--adapter", str(adapter)] if adapter is not None else []
+        subprocess.Popen(
+            [*argv, "--build-steps", "--build-lock", str(lock)],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,  # not stopped with this command's terminal
+            **({"preexec_fn": lambda: os.nice(10)} if hasattr(os, "nice") else {}),
+        )
+    except OSError as e:
+        why = e.strerror or e
+        return f"a background build could not start ({why}); `toy infer --build-steps` does it"
+    return "a background build of them started; the next run uses them"
+
+
+def build_steps(args, device) -> int:
+    """`toy infer --build-steps`: hold --model packed, build (or load) its one-token steps
+    for the first two spans a reply reads, and write the marker auto looks for."""
+    import os
+
+    from toy.models import decode
+
+    lock = getattr(args, "build_lock", None)
+    try:
+        args.base_dtype = "quantized"
+        lm = load_lm(args, device)
+        if decode.has_steps(lm.model):
+            last = min(2 * decode.SPAN_MIN, lm.limit) - 1
+            decode.warm_steps(lm.model, lm.limit, 0, last)
+            if lm.steps_marker is not None and decode.compile_failed is None:
+                decode.mark_steps(lm.steps_marker)
+                print(f"built: {lm.steps_marker.name}", file=sys.stderr)
+                return 0
+        print("nothing built: the base does not pack for generation here", file=sys.stderr)
+        return 0
+    finally:
+        if lock:
+            try:
+                os.unlink(lock)
+            except OSError:
+                pass
+
+
+def _adapter_shape(sd: dict) -> str:
+    """What an adapter changes in the blocks' kinds, as a file-name part: the projections
+    and the blocks it adapts (a digest: the same for every adapter of that shape)."""
+    import hashlib
+    import json
+
+    from toy.lora import adapted_layers
+
+    targets = sorted({k.rsplit(".", 2)[-2] for k in sd})
+    what = json.dumps([targets, adapted_layers(sd)])
+    return "lora-" + hashlib.sha256(what.encode()).hexdigest()[:12]
+
+
 def _read_adapter(path: Path, base, model_path: Path):
     """(lora_sd, {"r", "lora_alpha"}) of --adapter as _adapter_path found it: a LoRA adapter
     GGUF, an mlx-lm adapter (its directory or weights file: adapters.safetensors, as
@@ -618,8 +732,15 @@ def load_base_lm(
     cache = kv_cache_bytes(cfg, cache_tokens(lm)) if cache_tokens is not None else 0
     packed = decode.base_packed_bytes(probe.state_dict, torch.device(device))
     marker = None
+    adapted = None  # (lora tensors, their config): read before auto weighs the packed path
+    if adapter is not None:
+        adapted = _read_adapter(adapter, probe, model_path)
     if packed is not None and model_path.is_file():  # a GGUF: its compiled steps are marked
-        marker = decode.steps_marker(packed_cache.path_for(model_path).stem)
+        # An adapter merges float32 weights into the projections it adapts, in the blocks
+        # it adapts: blocks of another kind, with steps of their own (a first chat with an
+        # adapter built them for 33 s while auto counted them as built).
+        merged = "" if adapted is None else "-" + _adapter_shape(adapted[0])
+        marker = decode.steps_marker(packed_cache.path_for(model_path).stem + merged)
     cached = marker is None or marker.is_file()
     want = [base_dtype, torch.device(device).type, probe.float32_bytes(), available_memory()]
     want += [cache, packed, tokens, cached]
@@ -656,14 +777,21 @@ def load_base_lm(
                 if tokens is None
                 else f"auto: packed, shorter expected wait for {tokens} new tokens"
             )
+        elif not cached and marker is not None and pack_pays(want[2], tokens, True):
+            what = "an interactive chat" if tokens is None else f"{tokens} new tokens"
+            lm.build = (marker, model_path, adapter)  # started once the reply is out
+            lm.why = (
+                f"auto: float32 now; packed would pay for {what} once its steps are built on "
+                "this machine (not yet: " + background_plan() + ")"
+            )
         else:
             lm.why = f"auto: float32, {tokens} new tokens do not repay packing" + (
                 "" if cached else " (its compile is not cached on this machine yet)"
             )
     base = base_readers.held_as(probe, model_path, dtype)
     model = base.build_model(device)
-    if adapter is not None:
-        sd, acfg = _read_adapter(adapter, probe, model_path)
+    if adapted is not None:
+        sd, acfg = adapted
         # The adapter's own tensors say which projections it adapts (target_modules may be a regex).
         targets = sorted({k.rsplit(".", 2)[-2] for k in sd})
         # and which blocks: mlx-lm adapts the last --num-layers (16 by default), PEFT its
@@ -699,12 +827,27 @@ def load_base_lm(
     return lm
 
 
+def new_cache(lm: LM, positions: int):
+    """The KV cache of a generation that needs `positions`. With compiled steps
+    (models/decode.py), one of the model's whole context, resident only where written
+    (KVCache lazy): its strides, for which the steps are built, are the same for every
+    prompt and --max-new-tokens, so a step built once serves them all (a cache sized to
+    the reply took a build of ~20 s for each new size: --max-new-tokens 1500 waited 22 s
+    for its first token where 200 had it built). Without them, CACHE_CHUNKs enough for
+    `positions` (grown by reserve)."""
+    from toy.models import decode
+
+    if decode.has_steps(lm.model):
+        return lm.model.new_cache(1, lm.limit, lazy=True)
+    return lm.model.new_cache(1, min(lm.limit, _round_up(positions, CACHE_CHUNK)))
+
+
 def stream(lm: LM, ids: list[int], args, cache=None, echo: str = "") -> list[int]:
     """Generate and print token by token (after `echo`, the text continued); returns the new
-    ids. With compiled steps the KV cache (made here when none is given) holds whole
-    CACHE_CHUNKs, so that a compiled step's shapes (models/decode.py)
-    are the same for every prompt of a chunk and come from inductor's cache; those steps are
-    built before the first token, so no note lands inside the reply. Ends with one stderr line:
+    ids. With compiled steps the KV cache (made here when none is given: new_cache) spans
+    the model's context, so that a compiled step's shapes (models/decode.py) are the same
+    for every prompt and come from inductor's cache; the first span's steps are built (or
+    loaded) before the first token, so no note lands inside the reply. Ends with one stderr line:
     the time to the first token and the tokens/s after it."""
     import time
 
@@ -718,9 +861,7 @@ def stream(lm: LM, ids: list[int], args, cache=None, echo: str = "") -> list[int
     room = max(1, lm.limit - (cache.pos if cache is not None else 0))
     fed = min(len(ids), room)
     if cache is None and decode.has_steps(lm.model):  # else generate makes it, no larger
-        cache = lm.model.new_cache(
-            1, min(lm.limit, _round_up(fed + args.max_new_tokens, CACHE_CHUNK))
-        )
+        cache = new_cache(lm, fed + args.max_new_tokens)
     if cache is not None:
         first = cache.pos + fed
         # Built before the first token: the steps of the span that token reads, not every
@@ -861,9 +1002,7 @@ def chat_turn(lm: LM, args, messages: list[dict], session: Session | None = None
         return lm.tok.decode(stream(lm, ids, args))
     keep = 0
     if session.cache is None:
-        session.cache = lm.model.new_cache(
-            1, min(lm.limit, _round_up(len(ids) + args.max_new_tokens, CACHE_CHUNK))
-        )
+        session.cache = new_cache(lm, len(ids) + args.max_new_tokens)
     elif len(ids) < lm.limit:
         while keep < min(len(session.held), len(ids) - 1) and session.held[keep] == ids[keep]:
             keep += 1

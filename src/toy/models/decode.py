@@ -973,7 +973,7 @@ def warm_steps(model: torch.nn.Module, max_len: int, first: int, last: int) -> N
     for p in range(max(0, first), min(last, max_len - 1) + 1):
         seen.setdefault(_span(p, max_len), p)
     for p in seen.values():
-        scratch = model.new_cache(1, max_len)
+        scratch = model.new_cache(1, max_len, lazy=True)  # resident where the step reads
         scratch.pos = p
         with torch.no_grad():
             next_logits(model, torch.zeros((1, 1), dtype=torch.long), scratch)

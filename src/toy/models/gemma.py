@@ -181,7 +181,7 @@ class Gemma(nn.Module):
             logits = self.final_softcap * torch.tanh(logits / self.final_softcap)
         return logits
 
-    def new_cache(self, batch: int, max_len: int) -> KVCache:
+    def new_cache(self, batch: int, max_len: int, lazy: bool = False) -> KVCache:
         p = self.norm.weight
         return KVCache(
             self.cfg.n_layer,
@@ -191,6 +191,7 @@ class Gemma(nn.Module):
             self.cfg.head_dim,
             p.device,
             p.dtype,
+            lazy=lazy,
         )
 
     def num_params(self) -> int:

@@ -148,11 +148,18 @@ class GPT2(nn.Module):
     def forward(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         return self.lm_head(self.hidden(idx, cache))  # (B, T, vocab)
 
-    def new_cache(self, batch: int, max_len: int) -> KVCache:
+    def new_cache(self, batch: int, max_len: int, lazy: bool = False) -> KVCache:
         p = self.wte.weight
         max_len = min(max_len, self.cfg.max_seq_len)  # no position embedding exists beyond it
         return KVCache(
-            self.cfg.n_layer, batch, self.cfg.n_head, max_len, self.cfg.head_dim, p.device, p.dtype
+            self.cfg.n_layer,
+            batch,
+            self.cfg.n_head,
+            max_len,
+            self.cfg.head_dim,
+            p.device,
+            p.dtype,
+            lazy=lazy,
         )
 
     def num_params(self) -> int:

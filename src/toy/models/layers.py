@@ -7,6 +7,8 @@ H query heads, K key/value heads, D head dim.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -167,16 +169,35 @@ class KVCache:
         head_dim: int,
         device: torch.device,
         dtype: torch.dtype,
+        lazy: bool = False,
     ):
         self._shape = (batch, n_kv_head, head_dim)
-        self.k = [self._new(max_len, device, dtype) for _ in range(n_layer)]
-        self.v = [self._new(max_len, device, dtype) for _ in range(n_layer)]
+        if lazy and torch.device(device).type == "cpu":
+            self.k, self.v = self._lazy(n_layer, max_len, dtype)
+        else:
+            self.k = [self._new(max_len, device, dtype) for _ in range(n_layer)]
+            self.v = [self._new(max_len, device, dtype) for _ in range(n_layer)]
         self.pos = 0  # tokens already stored
         self.max_len = max_len  # positions allocated
         # Left padding, (batch,) or None: row b's first pad[b] slots are empty, never
         # attended to, and the token in slot j sits at position j - pad[b]. Rows of prompts
         # of different lengths decode as one batch this way (models/sample.py).
         self.pad: torch.Tensor | None = None
+
+    def _lazy(self, n_layer: int, n: int, dtype) -> tuple[list, list]:
+        """Every layer's keys and values in one anonymous memory map: zeros (the OS's), and
+        resident only where written or read, so `lazy` caches of a model's whole context
+        cost the positions a generation reaches, not the context. models/decode.py's steps
+        are compiled for the buffers' strides: a cache of one size for every generation
+        needs them built once (cmd_infer gives the compiled path such a cache)."""
+        import mmap
+
+        b, h, d = self._shape
+        shape = (2, n_layer, b, h, n, d)
+        size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        buf = mmap.mmap(-1, max(size, 1))
+        every = torch.frombuffer(buf, dtype=dtype, count=math.prod(shape)).view(shape)
+        return list(every[0].unbind(0)), list(every[1].unbind(0))
 
     def _new(self, n: int, device, dtype) -> torch.Tensor:
         b, h, d = self._shape

@@ -141,7 +141,7 @@ class Llama(nn.Module):
     def forward(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         return self.lm_head(self.hidden(idx, cache))  # (B, T, vocab)
 
-    def new_cache(self, batch: int, max_len: int) -> KVCache:
+    def new_cache(self, batch: int, max_len: int, lazy: bool = False) -> KVCache:
         p = (
             self.norm.weight
         )  # the embedding may be GGUF blocks (uint8): the norm has the float dtype
@@ -153,6 +153,7 @@ class Llama(nn.Module):
             self.cfg.head_dim,
             p.device,
             p.dtype,
+            lazy=lazy,
         )
 
     def num_params(self) -> int:

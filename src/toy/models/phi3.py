@@ -147,7 +147,7 @@ class Phi3(nn.Module):
     def forward(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         return self.lm_head(self.hidden(idx, cache))
 
-    def new_cache(self, batch: int, max_len: int) -> KVCache:
+    def new_cache(self, batch: int, max_len: int, lazy: bool = False) -> KVCache:
         p = self.norm.weight
         return KVCache(
             self.cfg.n_layer,
@@ -157,6 +157,7 @@ class Phi3(nn.Module):
             self.cfg.head_dim,
             p.device,
             p.dtype,
+            lazy=lazy,
         )
 
     def num_params(self) -> int:
