@@ -559,7 +559,11 @@ def test_a_lazy_cache_of_the_whole_context_is_resident_only_where_written():
 def test_an_adapter_has_steps_of_its_own_kind():
     """Merged adapters make blocks of another kind (float32 projections among packed ones):
     their steps are marked apart from the base's, by what they adapt, not by their values."""
-    from toy.cli.cmd_infer import _adapter_shape
+    from toy.cli.cmd_infer import _adapter_reach
+    from toy.cli.cmd_infer import _adapter_shape as by_reach
+
+    def _adapter_shape(sd):
+        return by_reach(_adapter_reach(sd))
 
     a = {"layers.0.attn.q_proj.lora_A": torch.zeros(2, 4), "layers.1.attn.v_proj.lora_B": 0}
     same = {"layers.0.attn.q_proj.lora_A": torch.ones(2, 4), "layers.1.attn.v_proj.lora_B": 1}

@@ -572,32 +572,37 @@ def _gguf_adapter(path: Path, base, model_path: Path):
     return ad.lora_sd, {"r": ad.rank, "lora_alpha": ad.alpha}
 
 
-def background_plan() -> str:
-    """What happens about the steps not built yet, for the --json `why`."""
+def _background_builds() -> bool:
+    """Whether auto may start a build in the background (TOY_BACKGROUND_BUILDS=0: not)."""
     import os
 
-    if os.environ.get("TOY_BACKGROUND_BUILDS", "1") == "0":
+    return os.environ.get("TOY_BACKGROUND_BUILDS", "1") != "0"
+
+
+def background_plan() -> str:
+    """What happens about the steps not built yet, for the --json `why`."""
+    if not _background_builds():
         return "TOY_BACKGROUND_BUILDS=0: no background build; `toy infer --build-steps` builds them"
     return "a background build of them starts once this reply is out; the next run uses them"
 
 
-def build_in_background(marker: Path, model_path: Path, adapter: Path | None) -> str:
+def build_in_background(marker: Path, model_path: Path, adapter: Path | None) -> None:
     """Start `toy infer --model M [--adapter A] --build-steps` as a process of its own, at
     a lower priority, so that the next run finds the steps built (the marker written);
     at most one a model at a time (a lock beside the marker, taken over after 15 minutes).
     Called once the reply is out: a build beside it slowed a float32 reply 30-fold on two
-    cores. Says what it did. TOY_BACKGROUND_BUILDS=0: none started."""
+    cores. A start that fails is a note. TOY_BACKGROUND_BUILDS=0: none started."""
     import os
     import subprocess
     import time
 
-    if os.environ.get("TOY_BACKGROUND_BUILDS", "1") == "0":
-        return "none started (TOY_BACKGROUND_BUILDS=0)"
+    if not _background_builds():
+        return
     lock = marker.with_name(marker.name + ".building")
     try:
         lock.parent.mkdir(parents=True, exist_ok=True)
         if lock.exists() and time.time() - lock.stat().st_mtime < 15 * 60:
-            return "a background build of them is under way"
+            return  # one is under way
         lock.write_text(str(os.getpid()))
         argv = [sys.executable, "-m", "toy", "infer", "--model", str(model_path)]
         argv += ["--adapter", str(adapter)] if adapter is not None else []
@@ -610,9 +615,11 @@ def build_in_background(marker: Path, model_path: Path, adapter: Path | None) ->
             **({"preexec_fn": lambda: os.nice(10)} if hasattr(os, "nice") else {}),
         )
     except OSError as e:
-        why = e.strerror or e
-        return f"a background build could not start ({why}); `toy infer --build-steps` does it"
-    return "a background build of them started; the next run uses them"
+        print(
+            f"note: the background build of the packed steps could not start "
+            f"({e.strerror or e}); `toy infer --model {model_path} --build-steps` builds them",
+            file=sys.stderr,
+        )
 
 
 def build_steps(args, device) -> int:
@@ -643,17 +650,22 @@ def build_steps(args, device) -> int:
                 pass
 
 
-def _adapter_shape(sd: dict) -> str:
-    """What an adapter changes in the blocks' kinds, as a file-name part: the projections
-    and the blocks it adapts (a digest: the same for every adapter of that shape)."""
+def _adapter_reach(sd: dict) -> tuple[list[str], list[int] | None]:
+    """(the projections, the blocks) an adapter's own tensors adapt: its target_modules may
+    be a regex, and mlx-lm adapts the last --num-layers (16 by default), PEFT its
+    layers_to_transform."""
+    from toy.lora import adapted_layers
+
+    return sorted({k.rsplit(".", 2)[-2] for k in sd}), adapted_layers(sd)
+
+
+def _adapter_shape(reach: tuple[list[str], list[int] | None]) -> str:
+    """What an adapter changes in the blocks' kinds (its _adapter_reach), as a file-name
+    part: a digest, the same for every adapter of that shape."""
     import hashlib
     import json
 
-    from toy.lora import adapted_layers
-
-    targets = sorted({k.rsplit(".", 2)[-2] for k in sd})
-    what = json.dumps([targets, adapted_layers(sd)])
-    return "lora-" + hashlib.sha256(what.encode()).hexdigest()[:12]
+    return "lora-" + hashlib.sha256(json.dumps(reach).encode()).hexdigest()[:12]
 
 
 def _read_adapter(path: Path, base, model_path: Path):
@@ -693,7 +705,7 @@ def load_base_lm(
     from toy.data.chat import resolve_chat_template
     from toy.formats import base_readers, packed_cache
     from toy.formats.base_readers import read_base
-    from toy.lora import adapted_layers, apply_lora, load_lora_state_dict, merge_lora
+    from toy.lora import apply_lora, load_lora_state_dict, merge_lora
     from toy.models import decode
     from toy.models.layers import kv_cache_bytes
 
@@ -732,14 +744,15 @@ def load_base_lm(
     cache = kv_cache_bytes(cfg, cache_tokens(lm)) if cache_tokens is not None else 0
     packed = decode.base_packed_bytes(probe.state_dict, torch.device(device))
     marker = None
-    adapted = None  # (lora tensors, their config): read before auto weighs the packed path
+    adapted = reach = None  # (lora tensors, their config): read before auto weighs packing
     if adapter is not None:
         adapted = _read_adapter(adapter, probe, model_path)
+        reach = _adapter_reach(adapted[0])
     if packed is not None and model_path.is_file():  # a GGUF: its compiled steps are marked
         # An adapter merges float32 weights into the projections it adapts, in the blocks
         # it adapts: blocks of another kind, with steps of their own (a first chat with an
         # adapter built them for 33 s while auto counted them as built).
-        merged = "" if adapted is None else "-" + _adapter_shape(adapted[0])
+        merged = "" if reach is None else "-" + _adapter_shape(reach)
         marker = decode.steps_marker(packed_cache.path_for(model_path).stem + merged)
     cached = marker is None or marker.is_file()
     want = [base_dtype, torch.device(device).type, probe.float32_bytes(), available_memory()]
@@ -792,11 +805,7 @@ def load_base_lm(
     model = base.build_model(device)
     if adapted is not None:
         sd, acfg = adapted
-        # The adapter's own tensors say which projections it adapts (target_modules may be a regex).
-        targets = sorted({k.rsplit(".", 2)[-2] for k in sd})
-        # and which blocks: mlx-lm adapts the last --num-layers (16 by default), PEFT its
-        # layers_to_transform
-        layers = adapted_layers(sd)
+        targets, layers = reach
         apply_lora(model, targets, int(acfg["r"]), float(acfg["lora_alpha"]), 0.0, 0, layers)
         load_lora_state_dict(model, sd, source=str(adapter))
         merge_lora(model)  # one weight per projection (float32 where the base is quantized)
