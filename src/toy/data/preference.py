@@ -163,7 +163,7 @@ def parse_unpaired(obj: Any) -> tuple[list[Pair], str, str]:
     """([example], "", "") for a labelled completion (TRL's unpaired form), two examples
     for a preference pair (as TRL's unpair_preference_dataset: chosen true, rejected
     false), or ([], reason, detail). An example is a Pair whose `chosen` is its completion
-    and `label` its label; `rejected` is filled by unpaired_examples."""
+    and `label` its label; `rejected` (its KL completion) is filled by read_unpaired."""
     if isinstance(obj, dict) and "chosen" in obj and "rejected" in obj and "label" not in obj:
         pair, reason, detail = parse_pair(obj)
         if pair is None:

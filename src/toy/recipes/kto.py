@@ -31,6 +31,7 @@ from toy.recipes.pairs import (
     SMALL_SET_EPOCHS,
     PairData,
     PairJob,
+    accuracy_figure,
     answer_logps,
     batches_unit,
     build_pairs,
@@ -39,7 +40,7 @@ from toy.runs import Project
 from toy.train import dist
 from toy.train.config import RunConfig
 from toy.train.job import Built
-from toy.train.recipe import Figure, Flag, Recipe
+from toy.train.recipe import Flag, Recipe
 
 DATA_HELP = (
     'labelled completions, one JSON object a line (TRL\'s unpaired form): {"prompt", '
@@ -77,17 +78,7 @@ FLAGS = (
     ),
 )
 DEFAULTS = {**PAIR_DEFAULTS, "lr": 1e-3, "min_lr": 1e-4, "epochs": SMALL_SET_EPOCHS}
-FIGURES = (
-    Figure(
-        "label_accuracy",
-        "held-out label accuracy",
-        final=True,
-        json_key="val_label_accuracies",
-        bar="acc",
-        plot=True,
-        span=(0.0, 1.0),
-    ),
-)
+FIGURES = (accuracy_figure("label_accuracy", "held-out label accuracy", "val_label_accuracies"),)
 UNPAIRED = PairData(
     lambda path, cfg: read_unpaired(path, int(cfg.batch_size)),
     encode_unpaired,
@@ -176,10 +167,7 @@ class KTOJob(PairJob):
 
     units = "examples"
     halves = True  # the own and KL sequences run apart (the KL ones without a gradient)
-
-    def __init__(self, *args, **kw):
-        super().__init__(*args, **kw)
-        self.tally = KTOTally()
+    tally_class = KTOTally
 
 
 def rows(b: dict[str, torch.Tensor], part: slice) -> dict[str, torch.Tensor]:

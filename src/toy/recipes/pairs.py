@@ -57,18 +57,17 @@ DATA_HELP = (
 
 
 PAIR_FLAGS = adapter_flags(DATA_HELP)
+
+
 # The figures of every preference recipe (Figures below): the rewards, the margin and the
 # accuracy on each step's line; the held-out accuracy on the done line, the bar and the plot.
+def accuracy_figure(key: str, label: str, json_key: str) -> Figure:
+    """A held-out accuracy in [0, 1]: on the done line, the bar ("acc"), --json and the plot."""
+    return Figure(key, label, final=True, json_key=json_key, bar="acc", plot=True, span=(0.0, 1.0))
+
+
 PAIR_FIGURES = (
-    Figure(
-        "pref_accuracy",
-        "held-out preference accuracy",
-        final=True,
-        json_key="val_pref_accuracies",
-        bar="acc",
-        plot=True,
-        span=(0.0, 1.0),
-    ),
+    accuracy_figure("pref_accuracy", "held-out preference accuracy", "val_pref_accuracies"),
 )
 
 
@@ -197,13 +196,14 @@ class PairJob(AdapterJob):
 
     units = "pairs"
     halves = False  # whether the loss runs a batch's two halves apart (References)
+    tally_class: type = Tally  # what gathers the figures the loss reports
 
     def __init__(self, recipe, a, cfg, config, micro, evals, n_pairs, pair_loss, reference):
         super().__init__(recipe, a, cfg, config)
         self.micro, self.evals, self.n_pairs = micro, evals, n_pairs
         self.pair_loss, self.reference = pair_loss, reference
         self.references: References | None = None  # made by bind, in the run's precision
-        self.tally = Tally()
+        self.tally = self.tally_class()
         self.filled: list = []
 
     def bind(self, device, precision, run_dir=None) -> None:
