@@ -160,7 +160,7 @@ def run_toy(a) -> dict:
     from toy.runs import EventLog, Project
     from toy.train.device import resolve_precision
     from toy.train.loop import train
-    from toy.train.schedule import resolve_optimizer_state
+    from toy.train.run import with_optimizer_state
 
     cpu = torch.device("cpu")
     precision = resolve_precision("auto", cpu)
@@ -172,12 +172,7 @@ def run_toy(a) -> dict:
     load_s = time.perf_counter() - t0
     job = built.job
     # --optimizer-state resolved as `toy train` resolves it (auto: bf16 moments under bf16)
-    trained = sum(p.numel() for _, p in built.job.trainable())
-    opts = opts.replace(
-        optimizer_state=resolve_optimizer_state(
-            opts.optimizer_state, precision.name, trained, False
-        )
-    )
+    opts = with_optimizer_state(opts, built, False)
     job.eval_batches = lambda: []  # time training only
     ends: list[float] = []
     shapes: list[tuple[int, int]] = []

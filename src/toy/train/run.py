@@ -315,7 +315,7 @@ def new_run(
     schedule_given = any(cli.get(k) is not None or k in keys for k in ("steps", "epochs"))
     default_schedule = not schedule_given and recipe.defaults.get("epochs") is not None
     cfg = fit_schedule(cfg, built.notes, default_lr, given, default_schedule)
-    cfg = _optimizer_state(cfg, built, d.enabled)  # the resolved config, read-only from here on
+    cfg = with_optimizer_state(cfg, built, d.enabled)  # the resolved config, read-only from here on
     run_dir = None
     if d.is_main:  # rank 0 alone names and makes the run directory, then tells the others
         rid = run_id or make_run_id(
@@ -379,10 +379,7 @@ def new_run(
     return _execute(cfg, built, run_dir, device, precision, events, None, json_mode, recipe.figures)
 
 
-# ------------------------------------------------------------------ a resumed run
-
-
-def _optimizer_state(cfg: RunConfig, built, distributed: bool) -> RunConfig:
+def with_optimizer_state(cfg: RunConfig, built, distributed: bool) -> RunConfig:
     """--optimizer-state resolved (train/schedule.py), with a note when auto halves it."""
     trained = sum(p.numel() for _, p in built.job.trainable())
     sharded = bool(cfg.fsdp and distributed)
@@ -394,6 +391,9 @@ def _optimizer_state(cfg: RunConfig, built, distributed: bool) -> RunConfig:
             "--optimizer-state float32 keeps them in float32"
         )
     return cfg.replace(optimizer_state=name)
+
+
+# ------------------------------------------------------------------ a resumed run
 
 
 def _saved_config(info: dict, run_dir: Path, recipes: dict[str, Recipe]) -> RunConfig:

@@ -215,6 +215,7 @@ class HalfStateAdamW(torch.optim.AdamW):
             raise ValueError("HalfStateAdamW takes no closure")
         for group in self.param_groups:
             pending: list[tuple] = []  # (weights, gradient, m, v, step) pieces for one call
+            size = 0  # their values
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -233,10 +234,13 @@ class HalfStateAdamW(torch.optim.AdamW):
                         tuple(t[i : i + self.CHUNK] for t in flat)
                         for i in range(0, p.numel(), self.CHUNK)
                     ]
-                for piece in pieces:  # the step the update is the step-th of
-                    pending.append((*piece, state["step"] + 1))
-                    if sum(x[0].numel() for x in pending) >= self.CHUNK:
+                step = state["step"] + 1  # the update is the step-th (read, not written)
+                for piece in pieces:
+                    pending.append((*piece, step))
+                    size += piece[0].numel()
+                    if size >= self.CHUNK:
                         self._update(group, pending)
+                        size = 0
                 state["step"] += 1
             self._update(group, pending)
 
