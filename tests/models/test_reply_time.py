@@ -166,6 +166,10 @@ def test_auto_answers_at_once_and_builds_the_steps_in_the_background(
     code, out, err = toy_cli(*args)  # while that build is under way: none more
     assert code == 0 and len(started) == 1, err
     # the build itself (here in this process): the steps, the marker, the lock freed
+    mine = tmp_path / "mine.txt"  # a --build-lock that is not the model's lock stays
+    mine.write_text("a user's file")
+    code, _, err = toy_cli("infer", "--model", quant_gguf, "--build-steps", "--build-lock", mine)
+    assert code == 0 and mine.read_text() == "a user's file" and lock.exists(), err
     code, _, err = toy_cli("infer", "--model", quant_gguf, "--build-steps", "--build-lock", lock)
     assert code == 0 and "built: " in err and not lock.exists(), err
     code, out, err = toy_cli(*args)  # and the next run packs, with the same text

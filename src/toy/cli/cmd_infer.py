@@ -598,7 +598,7 @@ def build_in_background(marker: Path, model_path: Path, adapter: Path | None) ->
 
     if not _background_builds():
         return
-    lock = marker.with_name(marker.name + ".building")
+    lock = _build_lock(marker)
     try:
         lock.parent.mkdir(parents=True, exist_ok=True)
         if lock.exists() and time.time() - lock.stat().st_mtime < 15 * 60:
@@ -624,15 +624,14 @@ def build_in_background(marker: Path, model_path: Path, adapter: Path | None) ->
 
 def build_steps(args, device) -> int:
     """`toy infer --build-steps`: hold --model packed, build (or load) its one-token steps
-    for the first two spans a reply reads, and write the marker auto looks for."""
-    import os
-
+    for the first two spans a reply reads, and write the marker auto looks for. The
+    --build-lock file is removed at the end only where it is this model's own lock (the
+    one build_in_background made): a path toy did not make is never deleted."""
     from toy.models import decode
 
-    lock = getattr(args, "build_lock", None)
+    args.base_dtype = "quantized"
+    lm = load_lm(args, device)
     try:
-        args.base_dtype = "quantized"
-        lm = load_lm(args, device)
         if decode.has_steps(lm.model):
             last = min(2 * decode.SPAN_MIN, lm.limit) - 1
             decode.warm_steps(lm.model, lm.limit, 0, last)
@@ -643,11 +642,14 @@ def build_steps(args, device) -> int:
         print("nothing built: the base does not pack for generation here", file=sys.stderr)
         return 0
     finally:
-        if lock:
-            try:
-                os.unlink(lock)
-            except OSError:
-                pass
+        given = getattr(args, "build_lock", None)
+        if given and lm.steps_marker is not None and Path(given) == _build_lock(lm.steps_marker):
+            Path(given).unlink(missing_ok=True)
+
+
+def _build_lock(marker: Path) -> Path:
+    """The lock beside a steps marker while a background build of those steps runs."""
+    return marker.with_name(marker.name + ".building")
 
 
 def _adapter_reach(sd: dict) -> tuple[list[str], list[int] | None]:
