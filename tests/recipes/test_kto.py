@@ -176,6 +176,15 @@ def test_kto_runs_shows_its_figures_resumes_and_refuses_bad_input(base, toy_cli,
     code, again, err = toy_cli("train", "--resume", run / "checkpoints" / "step-000002")
     assert code == 0, err
     assert [ln for ln in again.splitlines() if ln.startswith("step ")] == steps[2:]
+    # across an epoch (27 batches of 4 here): the reference log-probs come back with the
+    # checkpoint rather than being computed again in other batches (other float rounding)
+    code, ep, err = toy_cli(*common, "--run-id", "e", "--steps", "30", "--lr", "1e-2",
+                            "--save-every", "26", "--precision", "float32", "--json")  # fmt: skip
+    assert code == 0, err
+    code, again, err = toy_cli("train", "--resume", tmp_path / "runs" / "e" / "checkpoints"
+                               / "step-000026", "--json")  # fmt: skip
+    assert code == 0, err
+    assert json.loads(again)["losses"][26:] == json.loads(ep)["losses"][26:]  # every figure, exact
     code, out, err = toy_cli(*common, "--run-id", "j", "--steps", "2", "--json")
     assert code == 0, err
     res = json.loads(out)
@@ -191,4 +200,4 @@ def test_kto_runs_shows_its_figures_resumes_and_refuses_bad_input(base, toy_cli,
     assert len(err.strip().splitlines()) == 1
     code, _, err = toy_cli(*common, "--beta", "0")
     assert code == 2 and "--beta must be > 0" in err
-    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["j", "k"]
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["e", "j", "k"]

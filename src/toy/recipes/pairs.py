@@ -214,6 +214,29 @@ class PairJob(AdapterJob):
     def fill(self, b: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return self.references.fill(b) if self.references is not None else b
 
+    def state(self) -> dict[str, torch.Tensor]:
+        """The reference log-probs met so far: a resumed run reads them back rather than
+        computing them again in other batches (other widths, other float rounding: a
+        KTO run resumed across an epoch moved its figures in the sixth digit)."""
+        r = self.references
+        return {} if r is None else {"ref_logps": r.logps, "ref_known": r.known}
+
+    def load_state(self, states: list[dict[str, torch.Tensor]]) -> None:
+        """This process's own saved references where the run had as many processes (each
+        computed those of its own batches); every process's, where it had not."""
+        r = self.references
+        if r is None:
+            return
+        d = dist.info()
+        mine = [states[d.rank]] if len(states) == d.world else states
+        for st in mine:
+            logps, known = st.get("ref_logps"), st.get("ref_known")
+            if logps is None or known is None or logps.shape != r.logps.shape:
+                continue  # a checkpoint from before these were kept: computed again
+            take = known.bool() & ~r.known
+            r.logps[take] = logps[take].float()
+            r.known |= take
+
     def micro_batch(self, k: int, live=None) -> dict[str, torch.Tensor]:
         return self.fill(self.micro(k))
 
