@@ -102,11 +102,14 @@ def test_the_loss_is_trls_generalized_jsd(beta, temperature):
     assert int(agree) == want
 
 
+@pytest.mark.parametrize("groups", [1, 2])
 @pytest.mark.parametrize("beta", [0.0, 0.3, 1.0])
-def test_closed_form_gradients_are_autograds(beta):
+def test_closed_form_gradients_are_autograds(beta, groups, monkeypatch):
     """The divergences' gradients are written in closed form (models/losses.py _jsd_terms):
     against autograd over the whole logits in float64, with a soft-cap and a temperature,
-    for the whole vocabulary and for a teacher kept as its top K (K + 1 buckets)."""
+    for the whole vocabulary and for a teacher kept as its top K (K + 1 buckets). The head's
+    weight gradient is one matmul over all chunks, or (groups 2: W_GRAD_BYTES holds 20 of
+    the 29 rows) one a group, summed."""
     import torch.nn as nn
 
     from toy.models import losses
@@ -117,6 +120,8 @@ def test_closed_form_gradients_are_autograds(beta):
     head_t = nn.Linear(12, V, bias=False).double().requires_grad_(False)
     h = torch.randn(N, C, dtype=torch.float64, requires_grad=True)
     h_t = torch.randn(N, 12, dtype=torch.float64)
+    if groups == 2:
+        monkeypatch.setattr(losses, "W_GRAD_BYTES", 8 * V * 20)
     old = losses.CHUNK_BYTES
     losses.CHUNK_BYTES = 4 * V * 16  # two chunks and a partial one
     try:
@@ -143,6 +148,37 @@ def test_closed_form_gradients_are_autograds(beta):
         g = torch.autograd.grad(got, (h, head_s.weight))
         r = torch.autograd.grad(want, (h, head_s.weight), retain_graph=True)
         torch.testing.assert_close(g, r)
+
+
+def test_a_tied_students_lookup_gradient_is_the_rows_it_looked_up():
+    """sparse_tied_rows: the student's tied embedding's lookup gradient comes as rows added
+    into the head's (V, C) gradient, which stays dense, and equals the dense lookup's; an
+    untied or frozen embedding is left as it was."""
+    from toy.models import losses
+    from toy.recipes.distill import sparse_tied_rows
+
+    grads = []
+    for sparse in (False, True):
+        model = tiny_model(seed=3)
+        teacher = tiny_model(seed=4).requires_grad_(False)
+        if sparse:
+            sparse_tied_rows(model)
+            assert model.embed_tokens.sparse
+        ids = torch.randint(0, 300, (3, 9), generator=torch.Generator().manual_seed(0))
+        h_t = teacher.hidden(ids).flatten(0, 1)
+        div, _ = losses.distill_divergence(
+            model.hidden(ids).flatten(0, 1), model.lm_head, h_t, teacher.lm_head, 0.5
+        )
+        div.backward()
+        g = model.embed_tokens.weight.grad
+        assert g is not None and not g.is_sparse and g.layout == torch.strided
+        grads.append(g)
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-6, atol=1e-7)
+    untied = tiny_model(seed=3, tie_embeddings=False)
+    frozen = tiny_model(seed=3).requires_grad_(False)
+    for m in (untied, frozen):
+        sparse_tied_rows(m)
+        assert not m.embed_tokens.sparse
 
 
 def test_a_shrunk_teacher_learns_and_runs_in_llamacpp_form(kit, tmp_path, toy_cli, toy_run):

@@ -1,11 +1,16 @@
-"""--optimizer-state: AdamW's moments in bf16 (issue 56's memory goal). HalfStateAdamW is
-torch's fused AdamW run piece by piece on float32 copies of the moments, rounded back to
-bf16: the same bits as one call on the whole tensor, AdamW's update within bf16's
-rounding, auto's rule, and a run that resumes from a bf16 state to the byte."""
+"""--optimizer-state: AdamW's moments in bf16 (issue 56's memory goal). HalfStateAdamW
+updates them in toy's C kernel (train/adamw_bf16.c, built by train/native.py), or where
+none builds, torch's fused AdamW piece by piece on float32 copies rounded back to bf16:
+both the bits of one fused call on the whole tensor, the kernel's the same for any number
+of threads, AdamW's update within bf16's rounding, the fallback when no compiler works,
+auto's rule, and a run that resumes from a bf16 state to the byte."""
 
 from __future__ import annotations
 
 import json
+import os
+import platform
+import shutil
 
 import pytest
 import torch
@@ -14,7 +19,7 @@ from safetensors import safe_open
 from torch.optim.adamw import adamw as adamw_functional
 
 from toy.errors import UsageError
-from toy.train import schedule
+from toy.train import native, schedule
 from toy.train.schedule import HalfStateAdamW, make_adamw, resolve_optimizer_state
 
 
@@ -29,10 +34,24 @@ def grads(ps, step):
     return [torch.randn(p.shape, generator=g) * 0.01 for p in ps]
 
 
-def test_pieces_give_the_bits_of_one_whole_tensor_update(monkeypatch):
-    """CHUNK = 16: the 77-value matrix is cut into 5 pieces, small tensors share a call;
-    each tensor's result must be one fused call on the whole tensor, moments rounded."""
+needs_cc = pytest.mark.skipif(
+    shutil.which(os.environ.get("CC") or "cc") is None, reason="no C compiler here"
+)
+# The kernel repeats torch's arithmetic in torch's order: the same bits where torch's own
+# CPU kernel is the x86 wheel's (GCC's fused multiply-adds); elsewhere within an ulp.
+SAME_BITS = platform.machine() in ("x86_64", "AMD64")
+
+
+@pytest.mark.parametrize("path", ["torch", pytest.param("kernel", marks=needs_cc)])
+def test_pieces_give_the_bits_of_one_whole_tensor_update(monkeypatch, path):
+    """torch's path, CHUNK = 16: the 77-value matrix is cut into 5 pieces, small tensors
+    share a call; the C kernel: every tensor in one call. Each tensor's result must be one
+    fused call on the whole tensor, moments rounded to bf16 after each step."""
     monkeypatch.setattr(HalfStateAdamW, "CHUNK", 16)
+    if path == "torch":
+        monkeypatch.setattr(native, "adamw_bf16", lambda: None)
+    else:
+        assert native.adamw_bf16() is not None  # a compiler is here: the kernel must build
     ps = params()
     ref = [p.detach().clone() for p in ps]
     m = [torch.zeros_like(p, dtype=torch.bfloat16) for p in ps]
@@ -61,8 +80,75 @@ def test_pieces_give_the_bits_of_one_whole_tensor_update(monkeypatch):
     for i, p in enumerate(ps):
         st = opt.state[p]
         assert st["exp_avg"].dtype == torch.bfloat16 and float(st["step"]) == 5
-        assert torch.equal(p.detach(), ref[i]), i
-        assert torch.equal(st["exp_avg"], m[i]) and torch.equal(st["exp_avg_sq"], v[i]), i
+        if path == "torch" or SAME_BITS:
+            assert torch.equal(p.detach(), ref[i]), i
+            assert torch.equal(st["exp_avg"], m[i]) and torch.equal(st["exp_avg_sq"], v[i]), i
+        else:
+            torch.testing.assert_close(p.detach(), ref[i], rtol=1e-6, atol=1e-9)
+
+
+@needs_cc
+def test_the_kernel_gives_the_same_bits_on_any_number_of_threads(monkeypatch):
+    """The kernel cuts the tensors laid end to end into one range a thread, cutting
+    tensors anywhere (here 70,001 + 13 + 977 values, in 1, 2 and 3 parts): every value
+    must come out the same, the ranges' tails and vector loops rounding alike. And it runs
+    where torch's path would: the same bits as torch's fused AdamW over the widened
+    moments, over 6 steps."""
+    assert native.adamw_bf16() is not None
+    g = torch.Generator().manual_seed(3)
+    shapes = [(70001,), (13,), (977,)]
+    start = [torch.randn(s, generator=g) * 0.02 for s in shapes]
+    steps = [[torch.randn(s, generator=g) * 1e-3 for s in shapes] for _ in range(6)]
+    results = {}
+    for parts in (1, 2, 3, "torch"):
+        if parts == "torch":
+            monkeypatch.setattr(native, "adamw_bf16", lambda: None)
+        else:
+            monkeypatch.setattr(native, "threads", lambda parts=parts: parts)
+        ps = [torch.nn.Parameter(s.clone()) for s in start]
+        opt = HalfStateAdamW([{"params": ps, "weight_decay": 0.1}], 1e-3, (0.9, 0.95), 1e-8)
+        for gs in steps:
+            for p, gr in zip(ps, gs):
+                p.grad = gr.clone()
+            opt.step()
+        results[parts] = [
+            t for p in ps for t in (p.detach(), opt.state[p]["exp_avg"], opt.state[p]["exp_avg_sq"])
+        ]
+    for parts in (2, 3) + (("torch",) if SAME_BITS else ()):
+        for a, b in zip(results[1], results[parts]):
+            assert torch.equal(a, b), parts
+
+
+def test_without_a_compiler_the_torch_path_runs_and_says_so_once(monkeypatch, tmp_path, capsys):
+    """CC names no compiler: the kernel is None, one note on stderr (for the first call of
+    the process only), and HalfStateAdamW still steps, through torch; a library built
+    earlier is loaded without a compiler."""
+    monkeypatch.setattr(native, "_loaded", {})
+    monkeypatch.setattr(native, "_noted", False)
+    monkeypatch.setenv("TOY_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    assert native.adamw_bf16() is None
+    monkeypatch.setattr(native, "_loaded", {})
+    assert native.adamw_bf16() is None
+    err = capsys.readouterr().err
+    assert err.count("toy: note:") == 1 and "no-such-cc" in err and "C compiler" in err
+    ps = params()
+    before = [p.detach().clone() for p in ps]
+    opt = HalfStateAdamW(ps, 1e-2, (0.9, 0.95), 1e-8)
+    for p, gr in zip(ps, grads(ps, 1)):
+        p.grad = gr
+    opt.step()
+    assert all(not torch.equal(p.detach(), b) for p, b in zip(ps, before))
+    assert not list((tmp_path / "native").glob("*"))  # no half-built file left behind
+    if shutil.which("cc"):  # built once with a compiler, then loaded with none
+        monkeypatch.setenv("CC", "cc")
+        monkeypatch.setattr(native, "_loaded", {})
+        assert native.adamw_bf16() is not None
+        built = list((tmp_path / "native").glob("*.so"))
+        monkeypatch.setattr(native, "_loaded", {})
+        monkeypatch.setattr(native.subprocess, "run", None)  # any build would fail now
+        assert native.adamw_bf16() is not None
+        assert list((tmp_path / "native").glob("*.so")) == built
 
 
 def test_the_update_is_adamws_within_bf16_rounding():

@@ -37,6 +37,8 @@ CUDA_CHUNK_BYTES = 1 << 30
 # Under autocast, the trained head's weight gradient in the compute dtype (bench/ab_levers.py
 # turns it off to measure what it gives).
 HEAD_GRAD_IN_COMPUTE_DTYPE = True
+# The logits' gradients a trained head's weight gradient takes in one matmul (_chunked_head_loss)
+W_GRAD_BYTES = 64 << 20
 
 
 def chunk_bytes(device: torch.device | None) -> int:
@@ -686,16 +688,25 @@ def _chunked_head_loss(h, w, softcap, per_chunk, want_h: bool, want_w: bool):
     dt = compute_dtype(h)
     acc = torch.promote_types(h.dtype, torch.float32)
     wd = w.detach().to(dt)  # the one cast
+    n_rows, vocab = h.shape[0], int(w.shape[0])
     grad_h = torch.zeros_like(h) if want_h else None
-    grad_w = torch.zeros(w.shape, dtype=acc, device=w.device) if want_w else None
+    grad_w = None  # the first group's gradient, then the sum (no zeroed (V, C) first)
     total = torch.zeros((), dtype=acc, device=h.device)
     count = torch.zeros((), dtype=torch.long, device=h.device)
-    step = chunk_rows(int(w.shape[0]), h.device)
+    step = chunk_rows(vocab, h.device)
     want = want_h or want_w
+    hd = h.detach().to(dt)
+    # w's gradient is one matmul over a group of chunks: their logits' gradients kept in
+    # the compute dtype (W_GRAD_BYTES at most), so the float32 (V, C) sum is written once
+    # a group, not read and written again at every chunk (SmolLM2's 113 MB six times a
+    # distill step at batch 4 x 128).
+    group = min(n_rows, max(step, W_GRAD_BYTES // (vocab * wd.element_size())))
+    held = torch.empty(group, vocab, dtype=dt, device=h.device) if want_w else None
+    start = 0  # the first row of the group `held` holds
     with torch.autocast(h.device.type, enabled=False):
-        for i in range(0, h.shape[0], step):
+        for i in range(0, n_rows, step):
             sl = slice(i, i + step)
-            hc = h[sl].detach().to(dt)
+            hc = hd[sl]
             z = _capped((hc @ wd.T).to(acc), softcap)
             loss, n, g = per_chunk(sl, z, want)
             total += loss.detach()
@@ -704,11 +715,16 @@ def _chunked_head_loss(h, w, softcap, per_chunk, want_h: bool, want_w: bool):
                 continue
             if softcap:  # d(cap tanh(x / cap))/dx = 1 - (capped / cap)^2
                 g = g * (1 - (z / softcap).square())
-            gd = g.to(dt)
+            gd = held[i - start : i - start + hc.shape[0]].copy_(g) if want_w else g.to(dt)
             if grad_h is not None:
                 grad_h[sl] = (gd @ wd).to(h.dtype)
-            if grad_w is not None:
-                grad_w.add_(gd.T @ hc)
+            end = i + hc.shape[0]
+            if want_w and (end - start + min(step, n_rows - end) > group or end == n_rows):
+                part = held[: end - start].T @ hd[start:end]
+                grad_w = part.to(acc) if grad_w is None else grad_w.add_(part)
+                start = end
+    if want_w and grad_w is None:  # no rows
+        grad_w = torch.zeros(w.shape, dtype=acc, device=w.device)
     return total, count, grad_h, grad_w
 
 
@@ -721,17 +737,22 @@ class _ChunkedHeadLoss(torch.autograd.Function):
         total, count, grad_h, grad_w = _chunked_head_loss(
             h, w, softcap, per_chunk, *ctx.needs_input_grad[:2]
         )
-        ctx.save_for_backward(grad_h, grad_w)
+        # Held on ctx, not saved for backward: handed back in backward with no other
+        # reference, so autograd takes w's gradient as the parameter's .grad instead of
+        # copying it (113 MB for SmolLM2's tied head, a copy each step).
+        ctx.grads = (grad_h, grad_w)
         ctx.w_dtype = w.dtype
         ctx.mark_non_differentiable(count)
         return total, count
 
     @staticmethod
     def backward(ctx, grad_total, _):
-        grad_h, grad_w = ctx.saved_tensors
+        grad_h, grad_w = ctx.grads
+        ctx.grads = None
         # in place: each is used once, and w's float32 gradient is the head's size
         gh = grad_h.mul_(grad_total) if grad_h is not None else None
         gw = grad_w.mul_(grad_total).to(ctx.w_dtype) if grad_w is not None else None
+        del grad_h, grad_w
         return gh, gw, None, None
 
 

@@ -22,12 +22,14 @@ The schedule, and what a resume does to it, are defined here and nowhere else:
 
 from __future__ import annotations
 
+import ctypes
 import math
 from dataclasses import asdict, dataclass
 
 import torch
 
 from toy.errors import UsageError
+from toy.train import native
 from toy.train.config import OPTIMIZER_STATES
 
 
@@ -182,12 +184,21 @@ def make_adamw(
 class HalfStateAdamW(torch.optim.AdamW):
     """AdamW whose two moments are stored in bfloat16: 4 bytes a trained value instead
     of 8 (a whole SmolLM2-135M's state 0.54 GB instead of 1.08). The update itself is
-    torch's fused AdamW in float32, run on pieces of at most CHUNK values: each piece's
-    moments are widened to float32, updated with the weights and the gradient (both
-    float32), and rounded back to bf16 (to nearest). So the float32 copies alive at once
-    are one piece's, not the model's, and the weights keep float32. Pieces start at
-    multiples of CHUNK, a whole number of any vector width: the kernel's vector and tail
-    paths round alike and the weights get the bits one call on the whole tensor gives.
+    torch's fused AdamW's arithmetic in float32, in one pass over memory: toy's C kernel
+    (adamw_bf16.c, built for this machine by train/native.py) reads each moment as bf16,
+    updates it with the weight and the gradient (both float32) and writes it back rounded
+    to nearest, one thread per core on its own range of values. The distill student's
+    81M values on an AMX Xeon, 2 threads: 48-51 ms a step, against 55-60 ms for torch's
+    fused AdamW on float32 moments (which moves 28 bytes a value to this kernel's 20).
+
+    Where the kernel cannot run (no C compiler, a GPU, a weight or gradient that is not
+    float32 and contiguous) the update is torch's fused AdamW on pieces of at most CHUNK
+    values: each piece's moments widened to float32 into a kept buffer, updated, rounded
+    back (108-145 ms for the same student: widening and rounding are memory traffic).
+    Pieces start at multiples of CHUNK, a whole number of any vector width: the kernel's
+    vector and tail paths round alike and the weights get the bits one call on the whole
+    tensor gives. The C kernel does torch's arithmetic in torch's order, so on x86 (torch's
+    Linux wheel) both paths give the same bits (tests/train/test_optimizer_state.py).
 
     Rounding the moments to bf16's 8-bit mantissa each step is safe at toy's betas (0.9,
     0.95): a step moves the second moment by 5% of the new square, more than bf16's
@@ -195,27 +206,27 @@ class HalfStateAdamW(torch.optim.AdamW):
     be: the reason for stochastic rounding elsewhere). docs/performance.md
     ("Distillation") has the learning check against float32 state."""
 
-    # Values a fused call takes at once (512 KiB of each float32 moment, widened into one
-    # buffer kept between calls, so a piece stays in cache from widening to rounding).
-    # The distill student's 81M values (an embedding and 137 block tensors) on an AMX
-    # Xeon, 2 threads: 108-114 ms a step, against 120-128 ms in pieces of 2M through
-    # torch's functional adamw with fresh copies, and 55 ms for torch's fused AdamW on
-    # float32 moments. Widening and rounding the whole state at once costs ~105 ms of
-    # memory traffic alone: only a kernel reading bf16 moments directly would do better.
+    # The torch path's values a fused call takes at once (512 KiB of each float32 moment,
+    # widened into one buffer kept between calls, so a piece stays in cache from widening
+    # to rounding): 108-114 ms a step for the student above, against 120-128 ms in pieces
+    # of 2M through torch's functional adamw with fresh copies.
     CHUNK = 1 << 17
     state_dtype = torch.bfloat16
 
-    def __init__(self, params, lr: float, betas, eps: float):
+    def __init__(self, params, lr: float, betas, eps: float, native: bool = True):
         super().__init__(params, lr=lr, betas=betas, eps=eps, foreach=False)
         self._wide: torch.Tensor | None = None  # the float32 moments of the pending pieces
+        self.native = native  # False: always the torch path (tests compare the two)
 
     @torch.no_grad()
     def step(self, closure=None):  # noqa: D102 (torch's)
         if closure is not None:
             raise ValueError("HalfStateAdamW takes no closure")
+        kernel = native.adamw_bf16() if self.native else None
         for group in self.param_groups:
             pending: list[tuple] = []  # (weights, gradient, m, v, step) pieces for one call
             size = 0  # their values
+            whole: list[tuple] = []  # (weights, gradient, m, v, step) for the C kernel
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -227,6 +238,12 @@ class HalfStateAdamW(torch.optim.AdamW):
                 for key in ("exp_avg", "exp_avg_sq"):  # a float32 state (torch's own load)
                     if state[key].dtype != self.state_dtype:
                         state[key] = state[key].to(self.state_dtype)
+                if kernel is not None and _kernel_takes(p, state):
+                    whole.append(
+                        (p, p.grad, state["exp_avg"], state["exp_avg_sq"], state["step"] + 1)
+                    )
+                    state["step"] += 1
+                    continue
                 pieces = [(p, p.grad, state["exp_avg"], state["exp_avg_sq"])]
                 if p.numel() > self.CHUNK and p.is_contiguous() and p.grad.is_contiguous():
                     flat = [t.view(-1) for t in pieces[0]]
@@ -243,6 +260,8 @@ class HalfStateAdamW(torch.optim.AdamW):
                         size = 0
                 state["step"] += 1
             self._update(group, pending)
+            if whole:
+                _kernel_update(kernel, group, whole)
 
     def _update(self, group: dict, pending: list[tuple]) -> None:
         """One fused call on the pending pieces, their moments widened into float32 and
@@ -282,3 +301,45 @@ class HalfStateAdamW(torch.optim.AdamW):
         for v, a in zip(vs, v32):
             v.copy_(a)
         pending.clear()
+
+
+def _kernel_takes(p: torch.Tensor, state: dict) -> bool:
+    """Whether adamw_bf16.c can update p: float32 weight and gradient, bf16 moments, all
+    contiguous on the CPU."""
+    g = p.grad
+    return (
+        p.device.type == "cpu"
+        and p.dtype == torch.float32
+        and g.dtype == torch.float32
+        and not g.is_sparse
+        and p.is_contiguous()
+        and g.is_contiguous()
+        and state["exp_avg"].is_contiguous()
+        and state["exp_avg_sq"].is_contiguous()
+    )
+
+
+def _kernel_update(kernel, group: dict, whole: list[tuple]) -> None:
+    """One AdamW step of a group's tensors in adamw_bf16.c: the tensors laid end to end,
+    cut into one range of values a thread. Each tensor's scalars from its own step count,
+    computed in double as torch's kernel does and handed over as float32."""
+    k = len(whole)
+    ptrs = [(ctypes.c_void_p * k)(*[w[i].data_ptr() for w in whole]) for i in range(4)]
+    lr, wd, eps = float(group["lr"]), float(group["weight_decay"]), float(group["eps"])
+    beta1, beta2 = (float(b) for b in group["betas"])
+    steps = [float(w[4]) for w in whole]
+    decay = (ctypes.c_float * k)(*[1.0 - lr * wd] * k)
+    step_size = (ctypes.c_float * k)(*[lr / (1.0 - beta1**t) for t in steps])
+    bc2_sqrt = (ctypes.c_float * k)(*[math.sqrt(1.0 - beta2**t) for t in steps])
+    sizes = [w[0].numel() for w in whole]
+    n = (ctypes.c_int64 * k)(*sizes)
+    total = sum(sizes)
+    parts = native.threads() if total >= 1 << 16 else 1  # a thread's start costs ~50 us
+
+    def work(i: int) -> None:
+        lo, hi = total * i // parts, total * (i + 1) // parts
+        kernel(
+            k, *ptrs, n, lo, hi, decay, step_size, bc2_sqrt, 1.0 - beta1, beta2, 1.0 - beta2, eps
+        )
+
+    native.parallel(parts, work)
