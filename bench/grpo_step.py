@@ -2,12 +2,19 @@
 so its load time and peak RSS are its alone, then the two in one table.
 
     python bench/grpo_step.py --gguf data/smollm2-135m.gguf --hf data/smollm2-135m-transformers
-                              [--steps 3] [--tokens 128] [--only toy|trl]
+                              [--steps 3] [--tokens 128] [--only toy|trl] [--task arith|open]
 
-The same work on each side: 4 prompts a step (arithmetic questions as a user turn through
-the chat template), G = 8 completions each at temperature 1, up to --tokens new tokens
-ending at <|im_end|>, one reward (the completion's length, from the same TRL-style
-function in both), LoRA r8 on q_proj, v_proj, loss dapo, beta 0, one iteration, bf16 where
+The same work on each side: 4 prompts a step as a user turn through the chat template,
+G = 8 completions each at temperature 1, up to --tokens new tokens ending at <|im_end|>,
+one reward from the same TRL-style function in both:
+- --task arith (the default): arithmetic questions, short answers; the reward the
+  completion's shortness (what the issue's reference measurement rewarded);
+- --task open: open questions, a short-answer one and a long-answer one in turn ("What
+  is the capital of Italy?", "Write a short story about a lighthouse keeper."), so a
+  step's answers run from a few tokens to the limit (a long tail: the batch decodes for
+  its longest answer); the reward the number of distinct tokens (capped at 48), which
+  does not favour short answers.
+LoRA r8 on q_proj, v_proj, loss dapo, beta 0, one iteration, bf16 where
 the CPU has bf16 units (toy's default; TRL's bf16=True) else float32. toy reads the Q4_1
 GGUF; TRL the transformers directory `toy fetch smollm2 --as transformers` makes of it (the
 same weights in float32). The first step of each is a warm-up and is not timed. Reported:
@@ -36,22 +43,67 @@ def reward_len(completions, completion_ids=None, **kwargs):
     """Shorter is better: what the issue's reference measurement rewarded."""
     return [-len(ids) / 64.0 for ids in completion_ids]
 '''
+OPEN_REWARD = '''
+def reward_len(completions, completion_ids=None, **kwargs):
+    """Distinct tokens, up to 48: neither short nor long answers favoured by length alone."""
+    return [min(len(set(ids)), 48) / 48.0 for ids in completion_ids]
+'''
 PROMPTS, G, RANK, ALPHA = 4, 8, 8, 16
+SHORT = [
+    "What is the capital of Italy?",
+    "Name a primary colour.",
+    "How many legs does a spider have?",
+    "What is the opposite of up?",
+    "Is ice cold? Answer yes or no.",
+    "What colour is the sky on a clear day?",
+    "Which is larger, a cat or an elephant?",
+    "Give one word that rhymes with cat.",
+    "What day comes after Monday?",
+    "How many wheels does a bicycle have?",
+    "What do bees make?",
+    "What is frozen water called?",
+]
+LONG = [
+    "Write a short story about a lighthouse keeper.",
+    "Explain how a bicycle works.",
+    "Describe the water cycle step by step.",
+    "Write a poem about the autumn wind.",
+    "Give me a recipe for vegetable soup.",
+    "Explain why the sky is blue.",
+    "Describe a busy market in the morning.",
+    "Write a letter to a friend about your holiday.",
+    "Explain how plants make their food.",
+    "Tell me about the history of bread.",
+    "Describe how to plant a tree.",
+    "Write a story about a lost dog finding its way home.",
+]
 
 
-def questions(path: Path, n: int) -> None:
-    from toy.data.arith import questions as make
+def prompt_texts(task: str, n: int) -> list[str]:
+    """n prompts of the task, the same on both sides."""
+    if task == "arith":
+        from toy.data.arith import questions as make
 
+        return [q["prompt"] for q in make(n, seed=0)]
+    both = [q for pair in zip(SHORT, LONG) for q in pair]  # short and long in turn
+    return [both[i % len(both)] for i in range(n)]
+
+
+def questions(path: Path, n: int, task: str) -> None:
     with open(path, "w") as f:
-        for q in make(n, seed=0):
-            f.write(json.dumps(q) + "\n")
+        for q in prompt_texts(task, n):
+            f.write(json.dumps({"prompt": q}) + "\n")
+
+
+def reward_source(task: str) -> str:
+    return OPEN_REWARD if task == "open" else REWARD
 
 
 def child_toy(a, d: Path) -> dict:
     reward = d / "rw.py"
-    reward.write_text(REWARD)
+    reward.write_text(reward_source(a.task))
     data = d / "q.jsonl"
-    questions(data, PROMPTS * (a.steps + 1))
+    questions(data, PROMPTS * (a.steps + 1), a.task)
     cmd = [sys.executable, "-m", "toy", "train", "--recipe", "grpo", "--model", str(a.gguf)]
     cmd += ["--data", str(data), "--val-data", str(data), "--eval-batches", "1"]
     cmd += ["--reward", f"{reward}:reward_len", "--num-generations", str(G)]
@@ -86,16 +138,15 @@ def child_trl(a, d: Path) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from toy.data.arith import questions as make
     from toy.train.device import cpu_bf16_units
 
     sys.path.insert(0, str(d))
-    (d / "rw.py").write_text(REWARD)
+    (d / "rw.py").write_text(reward_source(a.task))
     from rw import reward_len
 
     rows = [
-        {"prompt": [{"role": "user", "content": q["prompt"]}]}
-        for q in make(PROMPTS * (a.steps + 1), seed=0)
+        {"prompt": [{"role": "user", "content": q}]}
+        for q in prompt_texts(a.task, PROMPTS * (a.steps + 1))
     ]
     times: list[float] = []
     tokens: list[float] = []
@@ -163,6 +214,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3, help="timed steps (after one warm-up)")
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--only", choices=("toy", "trl"))
+    ap.add_argument("--task", choices=("arith", "open"), default="arith")
     ap.add_argument("--child", choices=("toy", "trl"), help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
@@ -172,12 +224,13 @@ def main() -> None:
         return
     from toy.train.device import cpu_kind
 
-    out = {"cpu_kind": cpu_kind(), "threads": os.cpu_count(), "tokens": a.tokens}
+    out = {"cpu_kind": cpu_kind(), "threads": os.cpu_count(), "tokens": a.tokens, "task": a.task}
     for impl in ("toy", "trl"):
         if a.only and impl != a.only:
             continue
         argv = [sys.executable, __file__, "--child", impl, "--gguf", str(a.gguf)]
         argv += ["--hf", str(a.hf), "--steps", str(a.steps), "--tokens", str(a.tokens)]
+        argv += ["--task", a.task]
         r = subprocess.run(argv, capture_output=True, text=True)
         if r.returncode:
             out[impl] = {"error": r.stderr.strip().splitlines()[-3:]}

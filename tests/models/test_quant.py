@@ -146,3 +146,42 @@ def test_errors():
         dequantize(raw, int(T.Q4_0), 64)
     with pytest.raises(ValueError, match="uint8"):
         dequantize(raw.to(torch.int8), int(T.Q4_0), 32)
+
+
+@pytest.mark.parametrize("qtype", [quant.F32, quant.F16, quant.BF16])
+@pytest.mark.parametrize("autocast", [False, True])
+def test_a_float_held_weight_is_a_plain_linear_with_the_same_bits(qtype, autocast):
+    """A base held as floats (GGUF F32/F16/BF16 bytes: held_as's bfloat16 copy) runs as
+    F.linear on a view of its bytes, not through _QuantLinearFn: the same output and input
+    gradient, bit for bit, as the block path gives, in float32 and under bf16 autocast;
+    and blocks still take the block path."""
+    dt = {quant.F32: torch.float32, quant.F16: torch.float16, quant.BF16: torch.bfloat16}[qtype]
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(24, 40, generator=g).to(dt)
+    raw = w.view(torch.uint8).reshape(24, -1)
+    spec = quant.QuantSpec(qtype, (24, 40))
+    bias = torch.randn(24, generator=g)
+    assert quant._float_weight((raw,), spec) is not None
+    x0 = torch.randn(3, 5, 40, generator=g)
+    outs = []
+    for path in ("plain", "blocks"):
+        x = x0.clone().requires_grad_(True)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            if path == "plain":
+                y = quant.frozen_linear(x, (raw,), bias, spec)
+            else:
+                d = torch.bfloat16 if autocast else torch.float32
+                with torch.autocast("cpu", enabled=False):
+                    y = quant._QuantLinearFn.apply(x.to(d), bias.to(d), spec, raw)
+        y.float().square().sum().backward()
+        outs.append((y.detach(), x.grad))
+    assert outs[0][0].dtype == outs[1][0].dtype
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+    q4 = quant.QuantSpec(quant.Q4_0, (24, 64))
+    assert (
+        quant._float_weight(
+            (torch.zeros(24, quant.row_bytes(quant.Q4_0, 64), dtype=torch.uint8),), q4
+        )
+        is None
+    )
