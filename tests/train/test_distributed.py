@@ -90,6 +90,7 @@ def test_torchrun_two_processes_match_one(corpus, single, tmp_path):
         "backend": "gloo",
         "global_batch": 4,
         "fsdp": False,
+        "launcher": "torchrun",
     }
     started = json.loads((tmp_path / "two" / "events.jsonl").read_text().splitlines()[0])
     assert started["world_size"] == 2 and started["global_batch"] == 4

@@ -109,6 +109,30 @@ def test_nproc_run_trains_to_torchruns_losses(corpus, run_n2, tmp_path):
     assert _losses(r.stdout) == _losses(t.stdout)
 
 
+def test_a_resume_without_nproc_starts_the_runs_processes_again(corpus, tmp_path):
+    """A run `--nproc 2` started, cut after step 2 and resumed with no --nproc, runs on 2
+    processes again (a note says so): the unbroken run's losses, byte for byte. Resumed on
+    one process instead (what it did before, silently), KTO's KL estimate and every sum's
+    order change with the world size."""
+    import shutil
+
+    r = _toy("train", "--nproc", "2", "--corpus", corpus, "--out", tmp_path, *TINY, "--json",
+             "--run-id", "full", "--save-every", "2")  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    info = json.loads((tmp_path / "full" / "run.json").read_text())
+    assert info["distributed"]["launcher"] == "nproc"
+    shutil.copytree(tmp_path / "full", tmp_path / "cut")
+    shutil.rmtree(tmp_path / "cut" / "checkpoints" / "step-000003")
+    shutil.rmtree(tmp_path / "cut" / "final")
+    m = _toy("train", "--resume", tmp_path / "cut", "--json")
+    assert m.returncode == 0, m.stderr[-3000:]
+    assert "resuming on 2 processes, as the run was trained" in m.stderr
+    assert _losses(m.stdout) == _losses(r.stdout)
+    info = json.loads((tmp_path / "cut" / "run.json").read_text())
+    assert [g["world_size"] for g in info["segments"]] == [2, 2]
+    assert info["segments"][-1]["launcher"] == "nproc"
+
+
 def test_a_mistake_every_rank_makes_is_one_line_and_exit_2(run_n2):
     # Every process finds it (before the process group): toy's one line, once.
     run_dir, r = run_n2

@@ -17,7 +17,7 @@ from toy.runs import find_project, json_safe
 from toy.train import dist
 from toy.train.config import RunConfig
 from toy.train.progress import stdout_closed
-from toy.train.run import new_run, resume_run
+from toy.train.run import new_run, resume_run, resumed_processes
 
 
 def add_parser(sub, recipes: bool = True) -> None:
@@ -49,8 +49,17 @@ def add_parser(sub, recipes: bool = True) -> None:
 
 
 def run(args) -> int:
-    if args.nproc and args.nproc > 1 and "WORLD_SIZE" not in os.environ:
-        return dist.launch(args.nproc, args.argv)
+    nproc = args.nproc
+    if nproc is None and args.resume and "WORLD_SIZE" not in os.environ:
+        # a run `toy train --nproc N` started resumes on N processes unless told otherwise
+        if nproc := resumed_processes(Path(args.resume)):
+            print(
+                f"toy train: resuming on {nproc} processes, as the run was trained "
+                "(--nproc 1 resumes it on one: the same global batch, losses close, not equal)",
+                file=sys.stderr,
+            )
+    if nproc and nproc > 1 and "WORLD_SIZE" not in os.environ:
+        return dist.launch(nproc, args.argv)
     try:
         return _run(args)
     finally:

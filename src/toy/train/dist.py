@@ -233,8 +233,18 @@ def _worker_env(nproc: int) -> dict[str, str]:
         MASTER_PORT=str(_free_port()),
         WORLD_SIZE=str(nproc),
         LOCAL_WORLD_SIZE=str(nproc),
+        TOY_LAUNCHER="nproc",  # run.json's distributed.launcher: a resume starts as many
     )
     return base
+
+
+def launcher(enabled: bool) -> str:
+    """Who started this run's processes, as run.json records it: "nproc" (`toy train
+    --nproc N`: a resume without --nproc starts N again, on this machine), "torchrun" (any
+    other launcher: nodes toy cannot start; a resume runs where it is started), "none"."""
+    if not enabled:
+        return "none"
+    return "nproc" if os.environ.get("TOY_LAUNCHER") == "nproc" else "torchrun"
 
 
 def _wait(procs: list, signals: list[int]) -> tuple[int, int] | None:

@@ -328,6 +328,7 @@ def new_run(
         "backend": d.backend if d.enabled else "none",
         "global_batch": cfg.batch_size * cfg.grad_accum * d.world,
         "fsdp": bool(cfg.fsdp and d.enabled),
+        "launcher": dist.launcher(d.enabled),
     }
     info = {
         "run_id": run_dir.name,
@@ -461,6 +462,26 @@ def _more_epochs(saved: RunConfig, cli: dict) -> dict[str, Any]:
     if e < saved.epochs:
         raise UsageError(f"--epochs {e} is below the run's {saved.epochs}; it may only be raised")
     return {"steps": saved.steps // saved.epochs * e, "epochs": e}
+
+
+def resumed_processes(path: Path) -> int | None:
+    """How many processes `toy train --resume PATH` starts when --nproc is not given: the
+    run's own count where `toy train --nproc N` started it (run.json's launcher "nproc",
+    its latest segment's where a resume recorded one), so that a resume is the run it
+    continues, to the byte; None (this process alone, or a torchrun's) otherwise, and where
+    PATH is not a run resume_run can read (it says why)."""
+    run_dir = path
+    if path.parent.name == "checkpoints":
+        run_dir = path.parent.parent
+    try:
+        info = json.loads((run_dir / "run.json").read_text())
+        last = info.get("distributed", {})
+        later = [g for g in info.get("segments", []) if "launcher" in g]
+        last = later[-1] if later else last  # the latest resume's, where one was recorded
+        world = int(last.get("world_size", 1))
+    except (OSError, ValueError, TypeError, AttributeError):
+        return None
+    return world if last.get("launcher") == "nproc" and world > 1 else None
 
 
 def resume_run(
@@ -619,6 +640,7 @@ def resume_run(
                 "from_step": done,
                 "steps": cfg.steps,
                 "world_size": d.world,
+                "launcher": dist.launcher(d.enabled),
                 "started": time.time(),
                 **this_process(),
                 "device": device_info(device),  # this segment's (--device, --threads)
