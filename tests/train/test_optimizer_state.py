@@ -122,7 +122,7 @@ def test_the_kernel_gives_the_same_bits_on_any_number_of_threads(monkeypatch):
 def test_without_a_compiler_the_torch_path_runs_and_says_so_once(monkeypatch, tmp_path, capsys):
     """CC names no compiler: the kernel is None, one note on stderr (for the first call of
     the process only), and HalfStateAdamW still steps, through torch; a library built
-    earlier is loaded without a compiler."""
+    earlier is loaded without a compiler, a damaged one is built again."""
     monkeypatch.setattr(native, "_loaded", {})
     monkeypatch.setattr(native, "_noted", False)
     monkeypatch.setenv("TOY_CACHE", str(tmp_path))
@@ -145,6 +145,13 @@ def test_without_a_compiler_the_torch_path_runs_and_says_so_once(monkeypatch, tm
         monkeypatch.setattr(native, "_loaded", {})
         assert native.adamw_bf16() is not None
         built = list((tmp_path / "native").glob("*.so"))
+        good = built[0].read_bytes()
+        damaged = tmp_path / "damaged.so"  # a new file over the name (the loaded one stays mapped)
+        damaged.write_bytes(good[: len(good) // 2])
+        os.replace(damaged, built[0])  # damaged: built again, not loaded
+        monkeypatch.setattr(native, "_loaded", {})
+        assert native.adamw_bf16() is not None
+        assert built[0].read_bytes() == good
         monkeypatch.setattr(native, "_loaded", {})
         monkeypatch.setattr(native.subprocess, "run", None)  # any build would fail now
         assert native.adamw_bf16() is not None

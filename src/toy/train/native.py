@@ -4,8 +4,9 @@ job: today one, AdamW over bfloat16 moments (adamw_bf16.c, HalfStateAdamW's upda
 The system's C compiler ($CC, else `cc`) builds the file with -O3 -march=native into
 toy's cache folder (native/, keyed by the source, the flags and this CPU's model and
 feature flags: a cache folder shared between machines never runs another CPU's code), in
-about 0.3 s the first time; later processes load the built library. Written to a temporary
-name and renamed, so two processes building at once (`--nproc 2`) never load half a file.
+about 0.3 s the first time; later processes load the built library once its sha256 (kept
+beside it) matches. Written to a temporary name and renamed, so two processes building at
+once (`--nproc 2`) never load half a file.
 Where no compiler works (or TOY_NATIVE=0) the caller gets None and keeps its torch path:
 one note on stderr says so, once a process."""
 
@@ -62,6 +63,18 @@ def _note(why: str) -> None:
         )
 
 
+def _intact(lib: Path) -> bool:
+    """Whether a built library is the file toy wrote: its sha256 beside it (lib.sha256,
+    written after the library). Anything else at that name (damaged, truncated, another
+    build's) is built again over it: a library is loaded into the process, never trusted
+    for its name alone."""
+    try:
+        want = lib.with_suffix(".sha256").read_text().strip()
+        return hashlib.sha256(lib.read_bytes()).hexdigest() == want
+    except OSError:
+        return False
+
+
 def _build(source: Path, name: str) -> Path | None:
     """The built library for `source` on this machine (built now if it is not)."""
     cc = os.environ.get("CC") or "cc"
@@ -71,7 +84,7 @@ def _build(source: Path, name: str) -> Path | None:
             b"\0".join([text, cc.encode(), " ".join(FLAGS + arch).encode(), _machine().encode()])
         ).hexdigest()[:16]
         lib = cache_dir() / "native" / f"{name}-{key}.so"
-        if lib.is_file():
+        if _intact(lib):
             return lib
         try:
             lib.parent.mkdir(parents=True, exist_ok=True)
@@ -87,7 +100,13 @@ def _build(source: Path, name: str) -> Path | None:
                 timeout=120,
             )
             if done.returncode == 0:
+                digest = hashlib.sha256(Path(tmp).read_bytes()).hexdigest()
+                side = lib.with_suffix(".sha256")
+                # the library first, then its digest: a digest names only a whole file
                 os.replace(tmp, lib)
+                with tempfile.NamedTemporaryFile("w", dir=lib.parent, delete=False) as f:
+                    f.write(digest)
+                os.replace(f.name, side)
                 return lib
         except (OSError, subprocess.SubprocessError):
             pass
