@@ -464,15 +464,21 @@ def _more_epochs(saved: RunConfig, cli: dict) -> dict[str, Any]:
     return {"steps": saved.steps // saved.epochs * e, "epochs": e}
 
 
+def _run_of(path: Path) -> tuple[Path | None, Path]:
+    """(the checkpoint chosen, the run directory) of a --resume PATH: RUN, or one of its
+    RUN/checkpoints/step-N."""
+    if path.parent.name == "checkpoints" and (path.parent.parent / "run.json").is_file():
+        return path, path.parent.parent
+    return None, path
+
+
 def resumed_processes(path: Path) -> int | None:
     """How many processes `toy train --resume PATH` starts when --nproc is not given: the
     run's own count where `toy train --nproc N` started it (run.json's launcher "nproc",
     its latest segment's where a resume recorded one), so that a resume is the run it
     continues, to the byte; None (this process alone, or a torchrun's) otherwise, and where
     PATH is not a run resume_run can read (it says why)."""
-    run_dir = path
-    if path.parent.name == "checkpoints":
-        run_dir = path.parent.parent
+    _, run_dir = _run_of(path)
     try:
         info = json.loads((run_dir / "run.json").read_text())
         last = info.get("distributed", {})
@@ -495,9 +501,7 @@ def resume_run(
     """`toy train --resume RUN`: its recorded config (only --steps may be raised, and the
     device and --compile changed), from its latest checkpoint, in place; or `--resume
     RUN/checkpoints/step-N`: from that one (the checkpoints after it are set aside)."""
-    chosen = None
-    if run_dir.parent.name == "checkpoints" and (run_dir.parent.parent / "run.json").is_file():
-        chosen, run_dir = run_dir, run_dir.parent.parent
+    chosen, run_dir = _run_of(run_dir)
     if not (run_dir / "run.json").is_file():
         raise UsageError(
             f"--resume {run_dir}: no run.json there; give a run directory made by `toy train`"
