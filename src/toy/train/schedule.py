@@ -188,13 +188,13 @@ class HalfStateAdamW(torch.optim.AdamW):
     (adamw_bf16.c, built for this machine by train/native.py) reads each moment as bf16,
     updates it with the weight and the gradient (both float32) and writes it back rounded
     to nearest, one thread per core on its own range of values. The distill student's
-    81M values on an AMX Xeon, 2 threads: 48-51 ms a step, against 55-60 ms for torch's
+    81M values on an AMX Xeon, 2 threads: 48-62 ms a step, against 60-68 ms for torch's
     fused AdamW on float32 moments (which moves 28 bytes a value to this kernel's 20).
 
     Where the kernel cannot run (no C compiler, a GPU, a weight or gradient that is not
     float32 and contiguous) the update is torch's fused AdamW on pieces of at most CHUNK
     values: each piece's moments widened to float32 into a kept buffer, updated, rounded
-    back (108-145 ms for the same student: widening and rounding are memory traffic).
+    back (108-172 ms for the same student: widening and rounding are memory traffic).
     Pieces start at multiples of CHUNK, a whole number of any vector width: the kernel's
     vector and tail paths round alike and the weights get the bits one call on the whole
     tensor gives. The C kernel does torch's arithmetic in torch's order, so on x86 (torch's
@@ -238,27 +238,25 @@ class HalfStateAdamW(torch.optim.AdamW):
                 for key in ("exp_avg", "exp_avg_sq"):  # a float32 state (torch's own load)
                     if state[key].dtype != self.state_dtype:
                         state[key] = state[key].to(self.state_dtype)
+                step = state["step"] + 1  # the update is the step-th (read, not written)
+                state["step"] += 1
+                tensors = (p, p.grad, state["exp_avg"], state["exp_avg_sq"])
                 if kernel is not None and _kernel_takes(p, state):
-                    whole.append(
-                        (p, p.grad, state["exp_avg"], state["exp_avg_sq"], state["step"] + 1)
-                    )
-                    state["step"] += 1
+                    whole.append((*tensors, step))
                     continue
-                pieces = [(p, p.grad, state["exp_avg"], state["exp_avg_sq"])]
+                pieces = [tensors]
                 if p.numel() > self.CHUNK and p.is_contiguous() and p.grad.is_contiguous():
-                    flat = [t.view(-1) for t in pieces[0]]
+                    flat = [t.view(-1) for t in tensors]
                     pieces = [
                         tuple(t[i : i + self.CHUNK] for t in flat)
                         for i in range(0, p.numel(), self.CHUNK)
                     ]
-                step = state["step"] + 1  # the update is the step-th (read, not written)
                 for piece in pieces:
                     pending.append((*piece, step))
                     size += piece[0].numel()
                     if size >= self.CHUNK:
                         self._update(group, pending)
                         size = 0
-                state["step"] += 1
             self._update(group, pending)
             if whole:
                 _kernel_update(kernel, group, whole)
