@@ -185,3 +185,34 @@ def test_a_float_held_weight_is_a_plain_linear_with_the_same_bits(qtype, autocas
         )
         is None
     )
+
+
+@pytest.mark.skipif(
+    not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()),
+    reason="oneDNN has no bf16 product on this CPU",
+)
+@pytest.mark.parametrize("rows", [1, 14, 32, 64, 65])
+def test_a_few_rows_without_gradients_use_the_weight_reordered_once(rows, monkeypatch):
+    """A decode step's rows against a bf16-held weight under bf16 autocast, without
+    gradients: the weight is reordered for oneDNN once and kept (one copy per held tensor),
+    and the product is F.linear's to the bit; past PACK_ROWS rows, with gradients, or in
+    float32 nothing is reordered."""
+    monkeypatch.setattr(quant, "_PACKED", quant.WeakTensorKeyDictionary())
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(96, 40, generator=g).to(torch.bfloat16)
+    raw = w.view(torch.uint8).reshape(96, -1)
+    spec = quant.QuantSpec(quant.BF16, (96, 40))
+    bias = torch.randn(96, generator=g)
+    x = torch.randn(rows, 1, 40, generator=g)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        y = quant.frozen_linear(x, (raw,), bias, spec)
+        again = quant.frozen_linear(x, (raw,), bias, spec)
+    want = torch.nn.functional.linear(x.bfloat16(), w, bias.bfloat16())
+    assert torch.equal(y, want) and torch.equal(again, want)
+    assert len(quant._PACKED) == (1 if rows <= quant.PACK_ROWS else 0)
+    monkeypatch.setattr(quant, "_PACKED", quant.WeakTensorKeyDictionary())
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # gradients on: training's product
+        quant.frozen_linear(x.requires_grad_(True), (raw,), bias, spec)
+    with torch.no_grad():  # float32
+        quant.frozen_linear(x, (raw,), bias, spec)
+    assert len(quant._PACKED) == 0

@@ -40,6 +40,8 @@ once, so they equal `gguf` rounded to that dtype.
 from __future__ import annotations
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
+from torch.utils.weak import WeakTensorKeyDictionary
 
 from toy.models import mlx_quant
 from toy.models.quant_types import (  # noqa: F401
@@ -572,6 +574,9 @@ def frozen_linear(
         b = bias.to(dtype) if bias is not None else None
         w = _float_weight(weight, spec)
         if w is not None:  # held as floats: the same linear with no node of toy's own
+            packed = _packed_weight(x, weight[0], w, dtype)
+            if packed is not None:
+                return torch.ops.mkldnn._linear_pointwise(x.to(dtype), packed, b, "none", [], "")
             return torch.nn.functional.linear(x.to(dtype), w.to(dtype), b)
         return _QuantLinearFn.apply(x.to(dtype), b, spec, *weight)
 
@@ -591,6 +596,45 @@ def _float_weight(parts: tuple[torch.Tensor, ...], spec: Spec) -> torch.Tensor |
     if not raw.is_contiguous() or raw.storage_offset() % dt.itemsize:
         return None
     return raw.view(dt).view(spec.shape)
+
+
+# A decode step's few rows (GRPO's sampling, a bf16 reply) against a bf16 weight held as
+# floats: oneDNN reorders the weight into its blocked bf16 layout at every call, which at a
+# few rows costs more than the product. Reordered once and kept (beside the held bytes, one
+# more copy of each weight so used), the product is the same bits (tests/models/test_quant.py)
+# and 1.2-1.9x faster a matrix (docs/performance.md, "GRPO on a long-tailed prompt set").
+# Only without gradients (training's products keep F.linear: their input gradient needs W
+# as it is) and at most PACK_ROWS rows (a prefill or a scoring pass amortizes the reorder);
+# 0 turns it off.
+PACK_ROWS = 64
+_PACKED = WeakTensorKeyDictionary()  # held bytes -> their reordered weight, while they live
+_PACK_OK: list[bool] = []
+
+
+def _packed_weight(
+    x: torch.Tensor, raw: torch.Tensor, w: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor | None:
+    """The weight w (a view of the held bytes `raw`) reordered once for oneDNN's bf16
+    product, where this product qualifies (above); None where it does not."""
+    if (
+        dtype != torch.bfloat16
+        or x.device.type != "cpu"
+        or torch.is_grad_enabled()
+        or x.shape[:-1].numel() > PACK_ROWS
+        or is_fake(x)  # a compiled step's trace (models/decode.py): its own products
+    ):
+        return None
+    if not _PACK_OK:
+        _PACK_OK.append(
+            torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        )
+    if not _PACK_OK[0]:
+        return None
+    packed = _PACKED.get(raw)
+    if packed is None:
+        packed = torch.ops.mkldnn._reorder_linear_weight(w.to(dtype), PACK_ROWS)
+        _PACKED[raw] = packed
+    return packed
 
 
 def register_parts(module: torch.nn.Module, spec: Spec, parts: tuple[torch.Tensor, ...]) -> None:
