@@ -421,7 +421,7 @@ def test_a_compiled_step_gives_the_eager_logits(name, monkeypatch):
         eager = _greedy_logits(model, [1, 2, 3, 4, 5], 10, 20, grow_to)
         assert decode.compile_steps(model) == cfg.n_layer
         compiled = _greedy_logits(model, [1, 2, 3, 4, 5], 10, 20, grow_to)
-    spans = {span for block in model.blocks for span in block.forward.spans}
+    spans = {shape[:2] for block in model.blocks for shape in block.forward.spans}
     # (span, cache length): SPAN_MIN, then the whole cache (the next doubling reaches it), then
     # a cache grown to 64 (other strides) read over a doubled span; or the whole cache alone
     assert spans == ({(8, 20), (20, 20), (16, 64)} if spanned else {(20, 20)})
@@ -571,3 +571,60 @@ def test_an_adapter_has_steps_of_its_own_kind():
     other_targets = {"layers.0.attn.k_proj.lora_A": 0, "layers.1.attn.v_proj.lora_B": 0}
     assert _adapter_shape(a) == _adapter_shape(same)
     assert len({_adapter_shape(x) for x in (a, other_layers, other_targets)}) == 3
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["float32", "bf16"])
+def test_batched_steps_give_the_eager_completions_and_logits(autocast, monkeypatch):
+    """compile_steps(rows=True), GRPO's sampling path: a batch of rows of prompts of three
+    lengths (left-padded rows), a LoRA adapter live on q and v (its weights are the graph's
+    inputs: changed after the build, the step follows), rows ending at their own tokens. The
+    compiled steps keep every row in the batch and draw from the live rows only; their logits
+    are the eager blocks' within float32 rounding (one bf16 rounding under autocast), and
+    greedy completions are the eager ones."""
+    from toy.lora import apply_lora
+    from toy.models.sample import last_logits, sample_groups
+
+    monkeypatch.setattr(decode, "ROW_SPAN", 16)  # spans 16 and 32 of a 32-position cache
+    fam = registry.family("llama")
+    torch.manual_seed(0)
+    model = fam.model(fam.config(**fam.tiny)).eval()
+    apply_lora(model, ["q_proj", "v_proj"], rank=4, alpha=8.0, dropout=0.0, seed=0)
+    for n, p in model.named_parameters():
+        if "lora_B" in n:
+            torch.nn.init.normal_(p, 0, 0.5)
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9], [10, 11]]
+    stops: set[int] = set()
+
+    def run():
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            groups = sample_groups(
+                model, prompts, 2, 20, temperature=0.0, generator=None, stop_ids=stops
+            )
+            cache = model.new_cache(6, 32)  # GRPO's batch: the same graphs
+            cache.pad = torch.tensor([3, 3, 0, 0, 4, 4])
+            ids = torch.tensor([[7], [8], [9], [10], [11], [12]])
+            steps = []
+            for pos in range(6, 32, 5):  # tokens in both spans, rows padded
+                cache.pos = pos
+                steps.append(last_logits(model, ids, cache).float())
+        return [[c.ids for c in g] for g in groups], torch.stack(steps)
+
+    first = run()[0]  # a stop: the first prompt's fifth token, where the others go on
+    stops.add(next(t for t in first[0][0][4:] if t not in first[1][0][:8] + first[2][0][:8]))
+    eager_ids, eager = run()
+    assert decode.compile_steps(model, rows=True) == len(model.blocks)
+    assert decode.row_steps(model)
+    ids, compiled = run()
+    tol = 3e-2 if autocast else 1e-5
+    assert torch.allclose(compiled, eager, rtol=tol, atol=tol), (compiled - eager).abs().max()
+    if not autocast:  # bf16's rounding may turn a greedy pick of a tiny random model
+        assert ids == eager_ids
+    assert len({len(c) for g in ids for c in g}) > 1  # rows ended apart
+    shapes = {shape for block in model.blocks for shape in block.forward.spans}
+    assert {s[:3] for s in shapes} == {(16, 32, 6), (32, 32, 6)}  # span, cache, rows
+    with torch.no_grad():  # the adapter's new values are read: its weights are inputs
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.mul_(-1.0)
+    _, flipped = run()
+    assert not torch.allclose(flipped, compiled, rtol=tol, atol=tol)

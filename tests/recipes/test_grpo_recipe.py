@@ -253,3 +253,27 @@ def test_chunked_completion_logprobs_equal_one_padded_forward():
         torch.testing.assert_close(lp, whole, atol=1e-5, rtol=1e-5)
         for a, w in zip(gs, grads):
             torch.testing.assert_close(a, w, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.skipif(
+    __import__("toy.train.device", fromlist=["x"]).cpu_bf16_units() is None,
+    reason="bf16 sampling needs a cpu with bf16 units",
+)
+def test_sampling_on_compiled_decode_steps_is_deterministic(kit, tmp_path):
+    """TOY_DECODE_STEPS=1 (the tiny model is under the size they are chosen from): GRPO's
+    sampling under bf16 on the compiled batched steps (models/decode.py), said once in the
+    log; two runs in processes of their own give the same lines byte for byte, and a run
+    without them (TOY_DECODE_STEPS=0) samples eagerly, saying nothing of them."""
+    steps = ["--steps", "4", "--precision", "bf16"]
+    on = {"TOY_DECODE_STEPS": "1"}
+    a = train(kit, tmp_path, "a", *steps, run=lambda *x, **k: run_toy(*x, **k, env=on))
+    assert a.returncode == 0, a.stderr[-3000:]
+    assert a.stdout.count("sampling on compiled decode steps") == 1, a.stdout[-2000:]
+    assert "compiling failed" not in a.stderr, a.stderr[-2000:]  # not eager after all
+    b = train(kit, tmp_path, "b", *steps, run=lambda *x, **k: run_toy(*x, **k, env=on))
+    assert b.returncode == 0, b.stderr[-3000:]
+    assert step_lines(a.stdout) == step_lines(b.stdout) and len(step_lines(a.stdout)) == 4
+    off = {"TOY_DECODE_STEPS": "0"}
+    c = train(kit, tmp_path, "c", *steps, run=lambda *x, **k: run_toy(*x, **k, env=off))
+    assert c.returncode == 0 and "compiled decode steps" not in c.stdout + c.stderr
+    assert len(step_lines(c.stdout)) == 4

@@ -793,26 +793,42 @@ def _rebuild(args, it):
     return type(args)(_rebuild(a, it) if isinstance(a, (tuple, list)) else next(it) for a in args)
 
 
+def _autocast_dtype() -> torch.dtype | None:
+    """The cpu autocast dtype in force, None where autocast is off: a graph traced under
+    autocast has its casts written in, so it is a graph of its own."""
+    return torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None
+
+
+def _row_span(pos: int, max_len: int) -> int:
+    """A batched step's span (see compile_steps' rows): the positions up to pos in whole
+    ROW_SPAN units, the whole cache at most (a 32-row cache of 256 positions read whole at
+    every token is 2.5x the bytes GRPO's mean answer needs)."""
+    return min(max_len, -(-(pos + 1) // ROW_SPAN) * ROW_SPAN)
+
+
+ROW_SPAN = 64
+
+
 class _StepForward:
     """A block's forward: the compiled graph for one token of generation with a KVCache,
     its own eager forward for everything else (prefill, training, other devices)."""
 
-    def __init__(self, block: torch.nn.Module, eager, notes: list):
+    def __init__(self, block: torch.nn.Module, eager, notes: list, rows: bool = False):
         self.block, self.eager, self.notes = block, eager, notes  # notes: shared, emptied once said
+        self.rows = rows  # batches of rows, padded ones, and autocast taken too (compile_steps)
         self.state: dict[str, torch.Tensor] | None = None
-        self.spans: dict[
-            tuple, object
-        ] = {}  # (span, cache length) -> the compiled step this block calls
+        self.spans: dict[tuple, object] = {}  # what makes a step's shapes -> the compiled step
 
     def __call__(self, *args):
         x = args[0]
         if (
             _tracing
-            or x.shape[0] != 1
             or x.shape[1] != 1
-            or x.dtype != torch.float32
             or x.device.type != "cpu"
             or torch.is_grad_enabled()
+            or (
+                not self.rows and (x.shape[0] != 1 or x.dtype != torch.float32 or _autocast_dtype())
+            )
         ):
             return self.eager(*args)
         leaves = _leaves(args)
@@ -820,9 +836,9 @@ class _StepForward:
         if at is None:
             return self.eager(*args)
         cache, layer = leaves[at], leaves[at + 1]  # every family passes (..., cache, layer)
-        if cache.pad is not None:  # rows at their own positions: the step knows only one
+        if cache.pad is not None and not self.rows:  # rows at their own positions
             return self.eager(*args)
-        span = _span(cache.pos, cache.max_len)
+        span = (_row_span if self.rows else _span)(cache.pos, cache.max_len)
         if self.state is None:
             self.state = dict(self.block.named_parameters())
             self.state.update(self.block.named_buffers())
@@ -831,15 +847,21 @@ class _StepForward:
             cache.k[layer][:, :, :span],
             cache.v[layer][:, :, :span],
             torch.tensor([cache.pos]),
-            *self.state.values(),
         ]
-        step = self.spans.get((span, cache.max_len))  # the buffers' strides follow max_len
+        if cache.pad is not None:
+            inputs.append(cache.pad)
+        inputs += self.state.values()
+        # the buffers' strides follow max_len; a batch's shape, dtype and autocast its graph
+        shape = (span, cache.max_len, x.shape[0], x.dtype, cache.pad is None, _autocast_dtype())
+        step = self.spans.get(shape)
         if step is None:
             key = (
                 _structure(self.block),
                 repr([type(a).__name__ for a in leaves]),
                 tuple((tuple(t.shape), t.stride(), t.dtype) for t in inputs),
             )
+            if shape[-1] is not None:  # keys of the steps built before stay the same
+                key += (("autocast", str(shape[-1])),)
             step = _STEPS.get(key) or _load_built(key)
             if step is not None:
                 _STEPS[key] = step
@@ -853,7 +875,7 @@ class _StepForward:
                 except Exception as e:  # inductor could not build it: this block stays eager
                     _fell_back(e)
                     return self.eager(*args)
-            self.spans[(span, cache.max_len)] = step
+            self.spans[shape] = step
         return step(inputs)[0]
 
     def _compile(self, args, names: list[str], inputs: list[torch.Tensor], key: tuple):
@@ -863,10 +885,11 @@ class _StepForward:
         global _tracing
         leaves = _leaves(args)
         n = sum(isinstance(a, torch.Tensor) for a in leaves)
+        m = len(inputs) - len(names) - n  # the cache's tensors: k, v, pos (and pad)
 
         def step(*flat):
             tensors = iter(flat[:n])
-            cache = StepKV(*flat[n : n + 3])
+            cache = StepKV(*flat[n : n + m])
             it = iter(
                 [
                     next(tensors)
@@ -878,7 +901,7 @@ class _StepForward:
                 ]
             )
             return functional_call(
-                self.block, dict(zip(names, flat[n + 3 :])), _rebuild(args, it), tie_weights=False
+                self.block, dict(zip(names, flat[n + m :])), _rebuild(args, it), tie_weights=False
             )
 
         _tracing = True
@@ -889,19 +912,32 @@ class _StepForward:
         return _compile(graph, inputs, key)
 
 
-def compile_steps(model: torch.nn.Module, note=None, check: bool = True) -> int:
+def compile_steps(model: torch.nn.Module, note=None, check: bool = True, rows: bool = False) -> int:
     """Give every block of a model (model.blocks) the compiled one-token forward (see above);
     compiled (or loaded, where built here before) on first use, `note()` called before the
     first compile. Returns how many blocks; 0 where inductor cannot build (the reason is
-    compile_unavailable's; check=False skips the look, for steps built here before)."""
+    compile_unavailable's; check=False skips the look, for steps built here before).
+
+    rows: the steps also take a batch of rows (padded ones too: KVCache.pad) and a step
+    under autocast (GRPO's sampling), each batch size, dtype and span (_row_span) a graph
+    of its own; without it, one row of float32 as a reply decodes."""
     blocks = getattr(model, "blocks", None)
     if blocks is None or (check and compile_unavailable(torch.device("cpu"))):
         return 0
     notes = [note] if note is not None else []
     for block in blocks:
-        if not isinstance(block.__dict__.get("forward"), _StepForward):
-            block.forward = _StepForward(block, block.forward, notes)
+        fwd = block.__dict__.get("forward")
+        if not isinstance(fwd, _StepForward):
+            block.forward = _StepForward(block, block.forward, notes, rows)
+        elif rows:
+            fwd.rows = True
     return len(blocks)
+
+
+def row_steps(model: torch.nn.Module) -> bool:
+    """Whether compile_steps(rows=True) gave this model's blocks their batched steps."""
+    blocks = getattr(model, "blocks", None)
+    return bool(blocks) and getattr(blocks[0].__dict__.get("forward"), "rows", False)
 
 
 def steps_marker(key: str) -> Path:

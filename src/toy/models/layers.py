@@ -232,11 +232,18 @@ class KVCache:
 
 class StepKV:
     """The cache as a compiled decode step (models/decode.py) sees one layer of it: that
-    layer's key/value buffers cut to a fixed span of positions, and the new token's
-    position as a (1,) tensor, so that one compiled graph serves every position."""
+    layer's key/value buffers cut to a fixed span of positions, the new token's slot as a
+    (1,) tensor, so that one compiled graph serves every position, and the rows' left
+    padding (KVCache.pad) where they have any."""
 
-    def __init__(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor):
-        self.k, self.v, self.pos = k, v, pos
+    def __init__(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        pos: torch.Tensor,
+        pad: torch.Tensor | None = None,
+    ):
+        self.k, self.v, self.pos, self.pad = k, v, pos, pad
 
     def update(
         self, layer: int, k: torch.Tensor, v: torch.Tensor
@@ -308,11 +315,10 @@ def attend(
     so that path computes the scores itself."""
     T = q.shape[2]
     gqa = k.shape[1] != q.shape[1]
-    if isinstance(
-        cache, StepKV
-    ):  # a compiled decode step: the position is a tensor, the keys a fixed span
+    stepped = isinstance(cache, StepKV)
+    if stepped:  # a compiled decode step: the position is a tensor, the keys a fixed span
         k, v = cache.update(layer, k, v)
-        qpos, pad = cache.pos.view(1, 1), None
+        qpos, pad = cache.pos.view(1, 1), cache.pad
     else:
         past = cache.pos if cache is not None else 0
         pad = cache.pad if cache is not None else None
@@ -338,8 +344,8 @@ def attend(
         m = m & (kpos > qpos - window)
     if pad is not None:  # no row sees its empty slots
         m = m & (kpos >= pad[:, None])[:, None, None, :]  # (B, 1, T, S)
-        if T == 1 and not softcap and q.device.type == "cpu":
-            return _one_token_cpu(q, k, v, m, gqa, scale)
+    if T == 1 and not softcap and q.device.type == "cpu" and (pad is not None or stepped):
+        return _one_token_cpu(q, k, v, m, gqa, scale)
     if softcap:
         if gqa:
             k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)

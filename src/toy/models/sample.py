@@ -11,9 +11,13 @@ to its n rows, right-aligned: the prompts end at the same slot, a shorter one's
 rows left-padded (`KVCache.pad`: those slots are never attended to, and each row's
 rotary positions count from its own first token), so rows of prompts of any lengths share
 every decode step. A row that samples a stop id is dropped from the batch (its cache rows
-too), so later steps compute only the rows still going. The model runs as it is: a LoRA
-adapter applied unmerged (base + scale * B(A x)), on a float or a quantized base, under
-the caller's autocast if one is on (no dtype is forced).
+too), so later steps compute only the rows still going; except where the blocks have their
+compiled batched steps (models/decode.py compile_steps(rows=True)): there every row stays to
+the end (a batch of another size would be another graph to build; a decode step's cost is
+the weights' reading, not its rows), the cache is a power of two positions long (its strides
+are the graph's), and only the live rows' logits are drawn from, in the same order. The
+model runs as it is: a LoRA adapter applied unmerged (base + scale * B(A x)), on a float or
+a quantized base, under the caller's autocast if one is on (no dtype is forced).
 
 `pick` and `draw` are toy's one sampler: GRPO's rows here and `toy infer`'s tokens
 (models/generate.py, a generator from `seeded`) go through them, so the same seed and
@@ -36,6 +40,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
+
+from toy.models import decode
 
 
 @dataclass
@@ -205,6 +211,9 @@ def _decode(model, prompts, n, max_new_tokens, limit, opts, generator, stop_ids)
     device = next(model.parameters()).device
     width = max(len(p) for p in prompts)  # the prompts end together, at slot `width`
     size = width + max_new_tokens
+    stepped = decode.row_steps(model)  # compiled batched steps: every row stays (module docstring)
+    if stepped:
+        size = max(decode.ROW_SPAN, 1 << (size - 1).bit_length())
     cache = model.new_cache(len(prompts) * n, size)
     pad = [width - len(p) for p in prompts for _ in range(n)]
     firsts = []
@@ -227,23 +236,30 @@ def _decode(model, prompts, n, max_new_tokens, limit, opts, generator, stop_ids)
     # the model's context (as generate: a prompt of L tokens gets limit - L + 1 at most).
     cap = [min(max_new_tokens, limit - len(p) + 1) for p in prompts for _ in range(n)]
     out: list[list[int]] = [[] for _ in cap]
-    live = list(range(len(cap)))  # the rows of `out` still in the batch, in batch order
+    live = list(range(len(cap)))  # the rows of `out` still going, in batch order
     done = [False] * len(cap)
+    feed = torch.zeros(len(cap), dtype=torch.long, device=device) if stepped else None
+    at = None  # stepped: the live rows' places in the batch, where some have ended
     while True:
-        nxt = pick(logits, *opts, generator)  # (R,)
+        nxt = pick(logits if at is None else logits.index_select(0, at), *opts, generator)
         toks = nxt.tolist()  # the one transfer to the host a step
         ends = []
         for row, t in zip(live, toks):
             out[row].append(t)
             done[row] = t in stop_ids
             ends.append(done[row] or len(out[row]) == cap[row])
+        if feed is not None:  # every row is fed; the ended ones' tokens are never read
+            feed.index_copy_(0, torch.tensor(live, device=device), nxt)
         if any(ends):
             keep = [i for i, e in enumerate(ends) if not e]
             if not keep:
                 break
-            rows = torch.tensor(keep, device=device)
-            _keep_rows(cache, rows)
-            nxt = nxt.index_select(0, rows)
             live = [live[i] for i in keep]
-        logits = last_logits(model, nxt.view(-1, 1), cache)
+            if stepped:
+                at = torch.tensor(live, device=device)
+            else:
+                rows = torch.tensor(keep, device=device)
+                _keep_rows(cache, rows)
+                nxt = nxt.index_select(0, rows)
+        logits = last_logits(model, (nxt if feed is None else feed).view(-1, 1), cache)
     return [Completion(ids, stopped) for ids, stopped in zip(out, done)]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import math
+import os
 import re
 import signal
 import sys
@@ -87,6 +88,35 @@ def compile_blocks(model: torch.nn.Module, device: torch.device, live: bool = Fa
         f"--compile: {plural(len(found), 'block')} compiled with inductor "
         + ("for any batch and length; the sampling runs eagerly" if live else "")
         + "(the first steps include compile time)"
+    )
+
+
+# From this many base weights a live job's sampling on a cpu under bf16 compiles its decode
+# steps (sample_steps); TOY_DECODE_STEPS=0 never, =1 at any size.
+SAMPLE_STEPS_MIN = 30_000_000
+
+
+def sample_steps(model: torch.nn.Module, device: torch.device, precision: Precision) -> str:
+    """A live job's sampling (GRPO) on compiled batched decode steps (models/decode.py
+    compile_steps(rows=True): each block one call a token, its small ops fused) where they
+    pay: a cpu, bf16 (float32 stays eager, to the bit), a model of SAMPLE_STEPS_MIN base
+    weights or more (a SmolLM2-135M step's sampling 1.5x faster, docs/performance.md, for a
+    build of ~1 min once a machine; a tiny model's build would cost more than its run), and
+    a C++ compiler. Returns a line for the log ("" where nothing is said)."""
+    from toy.models import decode, quant
+
+    env = os.environ.get("TOY_DECODE_STEPS", "")
+    if env == "0" or device.type != "cpu" or precision.name != "bf16":
+        return ""
+    if env != "1" and quant.count_params(model) < SAMPLE_STEPS_MIN:
+        return ""
+    why = compile_unavailable(device)
+    if why:
+        return f"sampling eagerly: {why}"
+    decode.compile_steps(model, check=False, rows=True)
+    return (
+        "sampling on compiled decode steps (built on first use, once on this machine: "
+        "about a minute; TOY_DECODE_STEPS=0 samples eagerly)"
     )
 
 
@@ -230,6 +260,8 @@ class Trainer:
             tune_malloc(MMAP_THRESHOLD_LOW_MEMORY, MMAP_THRESHOLD_LOW_MEMORY)
         if cfg.compile:
             reporter.message(compile_blocks(self.model, device, job.live))
+        elif job.live and (line := sample_steps(self.model, device, self.precision)):
+            reporter.message(line)
         self.ddp, self.fsdp = self._wrap()
         self.named = job.trainable()  # after sharding: FSDP replaces parameters with DTensors
         self.names = {id(p): n for n, p in self.named}
