@@ -102,7 +102,8 @@ def sample_steps(model: torch.nn.Module, device: torch.device, precision: Precis
     pay: a cpu, bf16 (float32 stays eager, to the bit), a model of SAMPLE_STEPS_MIN base
     weights or more (a SmolLM2-135M step's sampling 1.5x faster, docs/performance.md, for a
     build of ~1 min once a machine; a tiny model's build would cost more than its run), and
-    a C++ compiler. Returns a line for the log ("" where nothing is said)."""
+    a C++ compiler; not under --fsdp (its parameters become DTensors after this). Returns a
+    line for the log ("" where nothing is said)."""
     from toy.models import decode, quant
 
     env = os.environ.get("TOY_DECODE_STEPS", "")
@@ -260,7 +261,9 @@ class Trainer:
             tune_malloc(MMAP_THRESHOLD_LOW_MEMORY, MMAP_THRESHOLD_LOW_MEMORY)
         if cfg.compile:
             reporter.message(compile_blocks(self.model, device, job.live))
-        elif job.live and (line := sample_steps(self.model, device, self.precision)):
+        elif (
+            job.live and not cfg.fsdp and (line := sample_steps(self.model, device, self.precision))
+        ):
             reporter.message(line)
         self.ddp, self.fsdp = self._wrap()
         self.named = job.trainable()  # after sharding: FSDP replaces parameters with DTensors
