@@ -43,10 +43,19 @@ def test_grpo_on_smollm2_and_every_client_answers_alike(smollm2_gguf, smol_dirs,
     assert toy_run("new", tmp_path / "proj").returncode == 0
     data = tmp_path / "proj" / "data" / "arith"
     valid = [json.loads(x) for x in (data / "valid.jsonl").read_text().splitlines()]
+    # One thread, sampled eagerly (TOY_DECODE_STEPS=0): the adapter whose answer leads (above).
+    # SmolLM2's bf16 GRPO steps are not the same bytes at 1 and 2 threads (from step 2: the
+    # suite's workers run one, a lone pytest two), and the compiled decode steps sample other
+    # completions (other bf16 roundings); on those trajectories this seed's adapter answered
+    # the held-out question on near-ties ("To solve" / "32 + 45 =", "To add" / "To solve"),
+    # where the runtimes part on noise. This walk checks that the clients read one adapter
+    # alike; the compiled sampler is checked in tests/recipes/test_grpo_recipe.py and
+    # measured in bench/grpo_step.py.
     r = run_toy(
         "train", "--recipe", "grpo", "--model", smollm2_gguf, "--data", data, "--reward",
         "accuracy", "--reward", "length:0.05", "--target-length", "3", *STEPS, "--out",
-        tmp_path / "runs", "--run-id", "g", "--json", timeout=1800,
+        tmp_path / "runs", "--run-id", "g", "--json", "--threads", "1", timeout=1800,
+        env={"TOY_DECODE_STEPS": "0"},
     )  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(r.stdout.strip().splitlines()[-1])
