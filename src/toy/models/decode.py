@@ -1003,13 +1003,11 @@ def warm_steps(model: torch.nn.Module, max_len: int, first: int, last: int) -> N
     wrap the blocks."""
     if not has_steps(model):
         return
-    from toy.models.generate import next_logits
-
     seen = {}
     for p in range(max(0, first), min(last, max_len - 1) + 1):
         seen.setdefault(_span(p, max_len), p)
     for p in seen.values():
         scratch = model.new_cache(1, max_len, lazy=True)  # resident where the step reads
         scratch.pos = p
-        with torch.no_grad():
-            next_logits(model, torch.zeros((1, 1), dtype=torch.long), scratch)
+        with torch.no_grad():  # the blocks' steps and the head's kernel, as a token meets them
+            model.lm_head(model.hidden(torch.zeros((1, 1), dtype=torch.long), scratch)[:, -1])
