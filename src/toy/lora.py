@@ -31,6 +31,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from toy.errors import InputError, UsageError
+from toy.models.ordered import ordered, ordered_mm
 from toy.models.quant import QuantLinear, Spec, frozen_linear, parts_of, register_parts
 from toy.models.registry import lora_targets
 
@@ -121,8 +122,13 @@ class LoRALinear(nn.Module):
         h = self.dropout(x)
         if not torch.is_autocast_enabled(x.device.type):
             h = h.to(self.lora_A.dtype)
-        lora = F.linear(F.linear(h, self.lora_A), self.lora_B) * self.scaling
-        return y + lora.to(y.dtype)
+        if h.dtype == torch.float32 and torch.is_grad_enabled() and ordered(h):
+            # float32 on the CPU: the adapter's gradients the same bytes at any thread count
+            # (bf16's products are not, forward either: models/ordered.py)
+            lora = _LowRank.apply(h, self.lora_A, self.lora_B)
+        else:
+            lora = F.linear(F.linear(h, self.lora_A), self.lora_B)
+        return y + (lora * self.scaling).to(y.dtype)
 
     def base_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The frozen base weight as floats (out, in), dequantized when it is blocks."""
@@ -152,6 +158,29 @@ class LoRALinear(nn.Module):
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"bias={self.bias is not None}, rank={self.rank}, alpha={self.alpha}"
         )
+
+
+class _LowRank(torch.autograd.Function):
+    """(h A^T) B^T in float32: the same products, forward and for h's gradient, as two
+    F.linear calls; A's and B's gradients, sums over the batch's tokens, by `ordered_mm`
+    (models/ordered.py): the same bytes at any thread count, and autograd's own to the bit
+    for a batch of at most SUM_RUN tokens."""
+
+    @staticmethod
+    def forward(ctx, h, a, b):
+        mid = F.linear(h, a)
+        ctx.save_for_backward(h, a, b, mid)
+        return F.linear(mid, b)
+
+    @staticmethod
+    def backward(ctx, g):
+        h, a, b, mid = ctx.saved_tensors
+        g2 = g.reshape(-1, g.shape[-1])
+        dmid = g2.mm(b)
+        grad_b = ordered_mm(g2.t(), mid.reshape(-1, mid.shape[-1]))
+        grad_a = ordered_mm(dmid.t(), h.reshape(-1, h.shape[-1]))
+        dh = dmid.mm(a).view(h.shape) if ctx.needs_input_grad[0] else None
+        return dh, grad_a, grad_b
 
 
 def _module_seed(seed: int, name: str) -> int:

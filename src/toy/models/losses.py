@@ -27,6 +27,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from toy.models.ordered import ordered, ordered_mm
 from toy.models.quant import QuantLinear
 
 IGNORE = -100
@@ -75,6 +76,15 @@ def _takes_bf16_softmax(dt: torch.dtype, acc: torch.dtype, softcap: float, scale
     """Whether a head's chunks take _bf16_softmax: bf16 matmuls, a float32 loss, and no
     soft-cap or temperature on the logits (their float32 path keeps those)."""
     return dt == torch.bfloat16 and acc == torch.float32 and not softcap and scale == 1.0
+
+
+def _mm(a: torch.Tensor, b: torch.Tensor, dt: torch.dtype) -> torch.Tensor:
+    """a @ b; in float32 on the CPU by `ordered_mm`, whose long sums (a vocabulary's rows, a
+    chunk's tokens) are the same bytes at any thread count (bf16's products are not: oneDNN
+    blocks by thread count even where the sum is short, models/ordered.py)."""
+    if dt == torch.float32 and ordered(a):
+        return ordered_mm(a, b)
+    return a @ b
 
 
 def _vocab_step(N: int, C: int, device: torch.device) -> int:
@@ -153,8 +163,8 @@ def _chunked(
                 if scale != 1.0:
                     g.mul_(scale)
                 gd = g.to(dt)  # once for both products (a no-op without autocast)
-            if grad_h is not None:
-                grad_h[i : i + step] = (gd @ w).to(h.dtype)
+            if grad_h is not None:  # a vocabulary-long sum: in fixed runs (models/ordered.py)
+                grad_h[i : i + step] = (_mm(gd, w, dt)).to(h.dtype)
             if grad_w is None:
                 continue
             if dt != acc and HEAD_GRAD_IN_COMPUTE_DTYPE:
@@ -163,7 +173,7 @@ def _chunked(
                 # on a CPU with bf16 units a float32 matmul here was a third of the head.
                 grad_w.add_(gd.T @ hc.to(dt))
             else:
-                grad_w.addmm_(g.T.to(acc), hc.to(acc))  # float32: the head's own gradient
+                grad_w.add_(_mm(g.T.to(acc), hc.to(acc), acc))  # float32: the head's own
     return loss, grad_h, grad_w
 
 
@@ -220,7 +230,7 @@ def _vocab_chunked(
             if dcap is not None:
                 e.mul_(dcap)
             with off:
-                soft.mul_(scale[:, None]).add_((e.to(dt) @ w).to(acc))
+                soft.mul_(scale[:, None]).add_(_mm(e.to(dt), w, dt).to(acc))
             d_t = (
                 inside.to(acc)
                 if dcap is None

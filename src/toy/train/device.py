@@ -197,9 +197,10 @@ def autocast(device: torch.device, precision: Precision | None = None):
 class Threads:
     """torch's CPU thread count for a run: the user's (--threads N, or OMP_NUM_THREADS) as
     given, else the cores other programs leave free, looked at again every few seconds
-    (`check`, between optimizer steps) and changed when two looks in a row agree. The
-    thread count changes no result: the same losses, byte for byte, on 1 and 2 threads
-    (tests/train/test_threads.py)."""
+    (`check`, between optimizer steps) and changed when two looks in a row agree. A float32
+    step's gradients are the same bytes on any count (models/ordered.py); a bf16 step's
+    products, and a float32 sampler's few-row ones, follow the count (docs/architecture.md,
+    "Threads and the same bytes"): `--threads N` holds it for a run that must repeat."""
 
     EVERY = 2.0  # seconds between looks while training
 
