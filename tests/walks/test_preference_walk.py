@@ -24,10 +24,11 @@ from helpers.real_model import (  # noqa: F401
 )
 
 OPENING = "Verily"
-# The README's line: dpo's defaults (3 epochs of the 68 pairs, 4 a step, --lr 1e-3,
-# --sft-weight 1; docs/results.md, "Preference defaults for small sets")
-STEPS = 51
-TRAIN = ["--seq-len", "96", "--eval-batches", "3"]
+# The README's line: dpo's defaults (4 pairs a step, --lr 1e-3, --sft-weight 1; docs/results.md,
+# "Preference defaults for small sets") for two passes over the 68 pairs, which this set
+# needs: the third pass of the defaults (51 steps, 126 of the walk's 151 s) changed no check.
+STEPS = 34
+TRAIN = ["--seq-len", "96", "--eval-batches", "3", "--epochs", "2"]
 NEW = 6  # tokens enough to read the opening word
 
 pytestmark = [
