@@ -607,14 +607,23 @@ def build_parser_all():
     return build_parser("all")
 
 
-@pytest.mark.parametrize("argv", [["--help"], ["runs"], ["list"], ["fetch", "--list"]])
+@pytest.mark.parametrize(
+    "argv",
+    [["--help"], ["runs"], ["list"], ["fetch", "--list"], ["new", "p"], ["prep", "--help"]]
+    + [["prep", "t.txt", "--vocab-size", "300", "--out", "t.bin"]],
+)
 def test_quick_commands_never_import_torch(argv, tmp_path):
-    """torch takes about a second to import: the commands that only read files answer
-    without it (startup is timed in docs, not here). `toy describe` reads a model's
-    family, whose file holds its torch module too (a family is one file): it imports torch."""
+    """torch takes about a second to import: the commands that only read and write files
+    answer without it (startup is timed in docs, not here): `toy new`, and `toy prep` with a
+    tokenizer trained or read from a tokenizer.json (the README walk runs seven such). A GGUF's
+    tokenizer, and `toy describe`, read a model's family, whose file holds its torch module
+    too (a family is one file): they import torch."""
     import subprocess
     import sys
 
+    from toy.data.prep import bundled_text_paths
+
+    (tmp_path / "t.txt").write_text(bundled_text_paths()[0].read_text()[:20000])
     code = (
         "import sys\nfrom toy.cli.main import main\n"
         f"try:\n    main({argv!r})\nexcept SystemExit:\n    pass\n"
@@ -622,6 +631,8 @@ def test_quick_commands_never_import_torch(argv, tmp_path):
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
     assert "NO-TORCH" in r.stderr, r.stderr[-2000:]
+    if "--help" not in argv and argv[0] in ("new", "prep"):  # and the work was done
+        assert "error" not in r.stderr and (tmp_path / argv[-1]).exists(), r.stderr[-2000:]
 
 
 def test_fit_schedule_caps_the_warmup_and_warns_of_runs_too_short_to_learn():

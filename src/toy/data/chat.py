@@ -46,12 +46,11 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jinja2
 import jinja2.ext
 import numpy as np
-import torch
 from jinja2.exceptions import SecurityError, TemplateError, TemplateSyntaxError
 from tokenizers import Tokenizer
 
@@ -62,6 +61,10 @@ from toy.runs import plural
 from toy.tokenizer import encode_prompt
 
 ROLES = ("system", "user", "assistant")
+
+if TYPE_CHECKING:
+    import torch
+
 IGNORE_INDEX = -100  # a target the loss skips (torch's cross_entropy default, models.losses.IGNORE)
 SCHEMA_HINT = (
     'each line must be one of {"messages": [{"role": "system"|"user"|"assistant", "content": '
@@ -747,6 +750,8 @@ def pad_batch(
     Right padding needs no attention mask: with causal attention a real token never
     sees the padding after it, and padding positions are never targets.
     """
+    import torch  # here: `toy prep` and `toy new` read chat files without torch (~1 s)
+
     if not samples:
         raise ValueError("pad_batch needs at least one sample")
     T = seq_len if seq_len is not None else max(len(ids) for ids, _ in samples)
@@ -778,6 +783,8 @@ def to_batch(
         width = -(-(longest - 1) // bucket) * bucket + 1  # inputs are width - 1 long
         if seq_len is not None:
             width = min(width, max(longest, seq_len + 1))
+    import torch
+
     b = pad_batch(samples, pad, width)  # ids, mask: (n, L)
     ids, mask = b["ids"], b["mask"]
     targets = torch.where(mask[:, 1:] > 0, ids[:, 1:], torch.full_like(ids[:, 1:], IGNORE_INDEX))

@@ -21,12 +21,15 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from toy.errors import InputError
 from toy.runs import write_file_atomic
+
+if TYPE_CHECKING:
+    import torch
 
 MAGIC = b"TOYTOK\x00\x01"
 VERSION = 1
@@ -208,6 +211,8 @@ class Windows:
         rows = np.stack(
             [np.asarray(self.tf.tokens[s : s + self.T + 1], dtype=np.int64) for s in starts]
         )
+        import torch  # here: `toy prep` writes token files without torch (~1 s to import)
+
         t = torch.from_numpy(rows)
         return {"ids": t[:, :-1], "targets": t[:, 1:]}
 
