@@ -777,14 +777,14 @@ def to_batch(
     `bucket` > 1 (under --compile) pads the length up to a multiple of it (at most
     seq_len), so the compiled blocks meet a handful of shapes instead of one per batch:
     each new shape is a recompile, and past dynamo's limit it silently runs eagerly."""
+    import torch  # here, as in pad_batch
+
     longest = max(len(ids) for ids, _ in samples)
     width = None
     if bucket > 1:
         width = -(-(longest - 1) // bucket) * bucket + 1  # inputs are width - 1 long
         if seq_len is not None:
             width = min(width, max(longest, seq_len + 1))
-    import torch
-
     b = pad_batch(samples, pad, width)  # ids, mask: (n, L)
     ids, mask = b["ids"], b["mask"]
     targets = torch.where(mask[:, 1:] > 0, ids[:, 1:], torch.full_like(ids[:, 1:], IGNORE_INDEX))

@@ -7,9 +7,10 @@ which the busy-machine rule changes within a run (train/device.py, Threads): Smo
 float32 LoRA gradients were other bytes at 1 and 2 threads from the first step. `ordered_mm`
 sums such a product in fixed runs of SUM_RUN, in order, in float32: no product of 256 inner
 terms was split at 1-16 threads on Intel AMX (float32 and bf16, 60-5440 rows, 64-2048
-columns; 512 already was), so a run's float32 losses are the same bytes at any thread count
-(tests/train/test_threads.py). bf16 products are not covered: oneDNN blocks even a 576-long
-sum by thread count (docs/architecture.md, "Threads").
+columns; 512 already was), so a float32 step's gradients are the same bytes at any thread
+count (tests/models/test_ordered.py). Not covered (docs/architecture.md, "Threads and the
+same bytes"): bf16 products (oneDNN blocks even a 576-long sum by thread count), float32
+products of a few rows over a long sum (a sampler's), a from-scratch model's own weights.
 """
 
 from __future__ import annotations
