@@ -799,14 +799,14 @@ def _autocast_dtype() -> torch.dtype | None:
     return torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None
 
 
+ROW_SPAN = 64
+
+
 def _row_span(pos: int, max_len: int) -> int:
     """A batched step's span (see compile_steps' rows): the positions up to pos in whole
     ROW_SPAN units, the whole cache at most (a 32-row cache of 256 positions read whole at
     every token is 2.5x the bytes GRPO's mean answer needs)."""
     return min(max_len, -(-(pos + 1) // ROW_SPAN) * ROW_SPAN)
-
-
-ROW_SPAN = 64
 
 
 class _StepForward:

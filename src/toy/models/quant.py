@@ -39,6 +39,8 @@ once, so they equal `gguf` rounded to that dtype.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch._subclasses.fake_tensor import is_fake
 from torch.utils.weak import WeakTensorKeyDictionary
@@ -608,7 +610,12 @@ def _float_weight(parts: tuple[torch.Tensor, ...], spec: Spec) -> torch.Tensor |
 # 0 turns it off.
 PACK_ROWS = 64
 _PACKED = WeakTensorKeyDictionary()  # held bytes -> their reordered weight, while they live
-_PACK_OK: list[bool] = []
+
+
+@functools.cache
+def _pack_ok() -> bool:
+    """Whether this torch's oneDNN reorders and multiplies bf16 weights here."""
+    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 def _packed_weight(
@@ -624,11 +631,7 @@ def _packed_weight(
         or is_fake(x)  # a compiled step's trace (models/decode.py): its own products
     ):
         return None
-    if not _PACK_OK:
-        _PACK_OK.append(
-            torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-        )
-    if not _PACK_OK[0]:
+    if not _pack_ok():
         return None
     packed = _PACKED.get(raw)
     if packed is None:

@@ -248,8 +248,10 @@ def _decode(model, prompts, n, max_new_tokens, limit, opts, generator, stop_ids)
             out[row].append(t)
             done[row] = t in stop_ids
             ends.append(done[row] or len(out[row]) == cap[row])
-        if feed is not None:  # every row is fed; the ended ones' tokens are never read
-            feed.index_copy_(0, torch.tensor(live, device=device), nxt)
+        if feed is not None and at is None:  # every row is fed
+            feed.copy_(nxt)
+        elif feed is not None:  # the live rows' places; the ended ones' tokens are never read
+            feed.index_copy_(0, at, nxt)
         if any(ends):
             keep = [i for i, e in enumerate(ends) if not e]
             if not keep:
