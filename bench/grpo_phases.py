@@ -67,9 +67,9 @@ def main() -> None:
 
     real_last = sample.last_logits
 
-    def last_logits(model, ids, cache):
+    def last_logits(model, ids, cache, *rest):
         t = time.perf_counter()
-        out = real_last(model, ids, cache)
+        out = real_last(model, ids, cache, *rest)
         if counting[0]:
             dt = time.perf_counter() - t
             if ids.shape[1] > 1 or ids.shape[0] == 1 and cache.pos == 0:

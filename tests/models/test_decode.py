@@ -628,3 +628,99 @@ def test_batched_steps_give_the_eager_completions_and_logits(autocast, monkeypat
                 p.mul_(-1.0)
     _, flipped = run()
     assert not torch.allclose(flipped, compiled, rtol=tol, atol=tol)
+
+
+def test_fewer_rows_halves_at_least_and_keeps_four():
+    """A compiled batch goes on in the smallest power of two of rows that holds its live ones,
+    once they fit in half of it, and never in fewer than FEWEST_ROWS (models/sample.py)."""
+    from toy.models.sample import FEWEST_ROWS, _fewer_rows
+
+    assert FEWEST_ROWS == 4
+    cases = {(17, 32): 0, (16, 32): 16, (9, 32): 16, (8, 32): 8, (12, 16): 0, (8, 16): 8}
+    cases |= {(5, 16): 8, (4, 16): 4, (1, 16): 4, (3, 4): 0, (1, 4): 0, (6, 24): 8, (12, 24): 0}
+    assert {k: _fewer_rows(*k) for k in cases} == cases
+
+
+def test_batched_steps_go_on_in_fewer_rows_as_rows_end():
+    """Rows of four prompts whose completions end apart (each prompt's budget is what the
+    model's context leaves it: 25, 21, 17, 13 tokens): the compiled batch of 16 rows goes on
+    in 8, then 4 rows as they end, the head on the live rows only, and every completion is
+    the eager sampler's, token for token (float32 steps: the same products within rounding,
+    greedy picks with no near-tie in this model)."""
+    from toy.lora import apply_lora
+    from toy.models.sample import sample_groups
+
+    fam = registry.family("llama")
+    torch.manual_seed(0)
+    model = fam.model(fam.config(**fam.tiny)).eval()  # a context of 64 positions
+    apply_lora(model, ["q_proj", "v_proj"], rank=4, alpha=8.0, dropout=0.0, seed=0)
+    for n, p in model.named_parameters():
+        if "lora_B" in n:
+            torch.nn.init.normal_(p, 0, 0.5)
+    prompts = [[1 + (7 * i + j) % 90 for j in range(n)] for i, n in enumerate((40, 44, 48, 52))]
+
+    def run():
+        with torch.no_grad():
+            groups = sample_groups(
+                model, prompts, 4, 25, temperature=0.0, generator=None, stop_ids=set()
+            )
+        return [[c.ids for c in g] for g in groups]
+
+    eager = run()
+    assert [len(g[0]) for g in eager] == [25, 21, 17, 13]
+    assert decode.compile_steps(model, rows=True) == len(model.blocks)
+    assert run() == eager
+    shapes = {shape for block in model.blocks for shape in block.forward.spans}
+    # (span, cache, rows): 16 rows over whole 64-position spans of a 128-position cache, then
+    # 8 and 4 rows over powers of two (decode._row_span)
+    assert {s[:3] for s in shapes} == {(64, 128, 16), (128, 128, 16), (128, 128, 8), (128, 128, 4)}
+
+
+@pytest.mark.parametrize("pad", [False, True], ids=["no-pad", "padded"])
+def test_grouped_one_token_attention_is_sdpas(pad):
+    """The bf16 compiled step's attention (layers._grouped_one_token: each K/V head with its
+    query heads, as products and sums) gives SDPA's float32 result with its heads repeated,
+    under a (1, S) mask or a padded rows' (B, 1, 1, S) one."""
+    import torch.nn.functional as F
+
+    from toy.models.layers import _grouped_one_token
+
+    g = torch.Generator().manual_seed(0)
+    B, H, K, S, D = 5, 6, 2, 24, 16
+    q = torch.randn(B, H, 1, D, generator=g).bfloat16()
+    k, v = (torch.randn(B, K, S, D, generator=g) for _ in range(2))
+    m = torch.arange(S)[None, :] <= 19  # (1, S): the keys up to the token
+    if pad:
+        m = m & (torch.arange(S)[None, :] >= torch.tensor([0, 3, 1, 7, 2])[:, None])[:, None, None]
+    want = F.scaled_dot_product_attention(q.float(), k, v, attn_mask=m, enable_gqa=True)
+    got = _grouped_one_token(q, k, v, m, None)
+    assert got.dtype == torch.bfloat16
+    assert torch.allclose(got.float(), want.bfloat16().float(), rtol=1e-2, atol=1e-2)
+    assert torch.allclose(_grouped_one_token(q.float(), k, v, m, None), want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_cache_held_in_the_autocast_dtype_gives_the_same_logits():
+    """Under bf16 autocast a block writes its keys and values in bf16, so a cache held in
+    bf16 (KVCache.hold_as: what the compiled batched sampler uses) keeps them exactly: the
+    eager blocks give the float32 cache's logits bit for bit, prefill and padded decode."""
+    from toy.models.sample import last_logits
+
+    fam = registry.family("llama")
+    torch.manual_seed(0)
+    model = fam.model(fam.config(**fam.tiny)).eval()
+    ids = torch.randint(0, 96, (3, 9), generator=torch.Generator().manual_seed(1))
+
+    def run(held):
+        out = []
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            cache = model.new_cache(3, 16)
+            if held:
+                cache.hold_as(torch.bfloat16)
+            out.append(last_logits(model, ids, cache))
+            cache.pad = torch.tensor([0, 2, 1])
+            for t in range(4):
+                out.append(last_logits(model, ids[:, t : t + 1], cache))
+        assert cache.k[0].dtype == (torch.bfloat16 if held else torch.float32)
+        return torch.stack(out)
+
+    assert torch.equal(run(True), run(False))

@@ -802,10 +802,17 @@ def _autocast_dtype() -> torch.dtype | None:
 ROW_SPAN = 64
 
 
-def _row_span(pos: int, max_len: int) -> int:
+FEW_ROWS = 8
+
+
+def _row_span(pos: int, max_len: int, rows: int) -> int:
     """A batched step's span (see compile_steps' rows): the positions up to pos in whole
     ROW_SPAN units, the whole cache at most (a 32-row cache of 256 positions read whole at
-    every token is 2.5x the bytes GRPO's mean answer needs)."""
+    every token is 2.5x the bytes GRPO's mean answer needs). A batch of FEW_ROWS or fewer
+    (the long tail a batch compacts to: models/sample.py) reads a power of two of positions
+    instead: its keys are few, and each span is a graph to build for each batch size."""
+    if rows <= FEW_ROWS:
+        return min(max_len, max(ROW_SPAN, 1 << pos.bit_length()))
     return min(max_len, -(-(pos + 1) // ROW_SPAN) * ROW_SPAN)
 
 
@@ -838,7 +845,8 @@ class _StepForward:
         cache, layer = leaves[at], leaves[at + 1]  # every family passes (..., cache, layer)
         if cache.pad is not None and not self.rows:  # rows at their own positions
             return self.eager(*args)
-        span = (_row_span if self.rows else _span)(cache.pos, cache.max_len)
+        pos, size = cache.pos, cache.max_len
+        span = _row_span(pos, size, x.shape[0]) if self.rows else _span(pos, size)
         if self.state is None:
             self.state = dict(self.block.named_parameters())
             self.state.update(self.block.named_buffers())

@@ -12,6 +12,7 @@ import math
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import is_fake
 
 from toy.models import cpu_attention
 
@@ -214,6 +215,12 @@ class KVCache:
                 store[i] = new
         self.max_len = n
 
+    def hold_as(self, dtype: torch.dtype) -> None:
+        """Every layer's buffers as `dtype` from here on, what they hold converted."""
+        for store in (self.k, self.v):
+            for i, t in enumerate(store):
+                store[i] = t.to(dtype)
+
     def truncate(self, n: int) -> None:
         """Forget every position from n on (the next tokens are written at n)."""
         self.pos = min(self.pos, max(0, n))
@@ -296,6 +303,30 @@ def _one_token_cpu(q, k, v, mask, gqa: bool, scale) -> torch.Tensor:
         return o.to(q.dtype)
 
 
+def _grouped_one_token(q, k, v, mask, scale) -> torch.Tensor:
+    """One new token's attention, each K/V head with its H/K query heads, in float32, as a
+    compiled batched decode step traces it (models/decode.py compile_steps(rows=True): a
+    bf16 step under autocast): q (B, H, 1, D), k and v (B, K, S, D), mask (B, 1, 1, S) or (1, S).
+    Written as products and sums, which inductor fuses into loops that read each key and
+    value once; SDPA's CPU kernel there repeated k and v for every query head and made a
+    matrix-vector call for each (row, head): 30 of a 32-row SmolLM2 step's ~100 ms on a
+    2-core Zen 4. The queries are written out before the products (force_stride_order), else
+    inductor recomputes their rotary for every key."""
+    B, H, _, D = q.shape
+    K, S = k.shape[1], k.shape[2]
+    qg = q.float().view(B, K, H // K, 1, D) * (scale if scale is not None else D**-0.5)
+    if is_fake(qg):  # tracing: a buffer of its own
+        from torch._inductor import inductor_prims
+
+        qg = qg.contiguous()
+        qg = inductor_prims.force_stride_order(qg, qg.stride())
+    s = (qg * k.float().unsqueeze(2)).sum(-1)  # (B, K, H/K, S)
+    s = s.masked_fill(~mask.view(-1, 1, 1, S), float("-inf"))  # mask: (B or 1, 1, 1, S)
+    p = torch.softmax(s, dim=-1)
+    o = (p.unsqueeze(-1) * v.float().unsqueeze(2)).sum(-2)  # (B, K, H/K, D)
+    return o.view(B, H, 1, D).to(q.dtype)
+
+
 def attend(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -345,6 +376,8 @@ def attend(
     if pad is not None:  # no row sees its empty slots
         m = m & (kpos >= pad[:, None])[:, None, None, :]  # (B, 1, T, S)
     if T == 1 and not softcap and q.device.type == "cpu" and (pad is not None or stepped):
+        if stepped and q.dtype != torch.float32:  # a bf16 compiled step; float32 as it was
+            return _grouped_one_token(q, k, v, m, scale)
         return _one_token_cpu(q, k, v, m, gqa, scale)
     if softcap:
         if gqa:

@@ -12,10 +12,11 @@ rows left-padded (`KVCache.pad`: those slots are never attended to, and each row
 rotary positions count from its own first token), so rows of prompts of any lengths share
 every decode step. A row that samples a stop id is dropped from the batch (its cache rows
 too), so later steps compute only the rows still going; except where the blocks have their
-compiled batched steps (models/decode.py compile_steps(rows=True)): there every row stays to
-the end (a batch of another size would be another graph to build; a decode step's cost is
-the weights' reading, not its rows), the cache is a power of two positions long (its strides
-are the graph's), and only the live rows' logits are drawn from, in the same order. The
+compiled batched steps (models/decode.py compile_steps(rows=True)): each batch size is a
+graph of its own there, so ended rows stay in the batch until the live ones fit in half of
+it, which then goes on as a power of two of rows (_fewer_rows: 32, 16, 8, 4), the cache is
+a power of two positions long (its strides are the graph's), and the head runs on the live
+rows only, in the same order (so their draws are the same). The
 model runs as it is: a LoRA adapter applied unmerged (base + scale * B(A x)), on a float or
 a quantized base, under the caller's autocast if one is on (no dtype is forced).
 
@@ -105,10 +106,15 @@ def seeded(device: torch.device | str, seed: int) -> torch.Generator:
     return torch.Generator(device="cpu" if device.type == "mps" else device).manual_seed(seed)
 
 
-def last_logits(model: nn.Module, ids: torch.Tensor, cache) -> torch.Tensor:
+def last_logits(
+    model: nn.Module, ids: torch.Tensor, cache, rows: torch.Tensor | None = None
+) -> torch.Tensor:
     """The logits (B, V) after the last position of ids (B, T): the head on that position
-    only, soft-capped (final_softcap * tanh(logits / final_softcap)) where the model caps."""
-    logits = model.lm_head(model.hidden(ids, cache)[:, -1])
+    only, soft-capped (final_softcap * tanh(logits / final_softcap)) where the model caps.
+    `rows` (an index): the head on those rows only, in that order ((len(rows), V)): a
+    batch whose ended rows still decode (compiled steps) spends no head on them."""
+    h = model.hidden(ids, cache)[:, -1]
+    logits = model.lm_head(h if rows is None else h.index_select(0, rows))
     if model.final_softcap:
         logits = model.final_softcap * torch.tanh(logits / model.final_softcap)
     return logits
@@ -215,6 +221,12 @@ def _decode(model, prompts, n, max_new_tokens, limit, opts, generator, stop_ids)
     if stepped:
         size = max(decode.ROW_SPAN, 1 << (size - 1).bit_length())
     cache = model.new_cache(len(prompts) * n, size)
+    if stepped and torch.is_autocast_enabled(device.type):
+        # Under autocast a block's keys and values are its projections in the autocast
+        # dtype (rotary and the norms write that dtype too): held so, the cache keeps them
+        # exactly and a step reads half the bytes (a 32-row SmolLM2 step at 192 positions:
+        # 283 MB of float32 keys and values, more than its bf16 weights).
+        cache.hold_as(torch.get_autocast_dtype(device.type))
     pad = [width - len(p) for p in prompts for _ in range(n)]
     firsts = []
     for j, p in enumerate(prompts):
@@ -239,9 +251,10 @@ def _decode(model, prompts, n, max_new_tokens, limit, opts, generator, stop_ids)
     live = list(range(len(cap)))  # the rows of `out` still going, in batch order
     done = [False] * len(cap)
     feed = torch.zeros(len(cap), dtype=torch.long, device=device) if stepped else None
-    at = None  # stepped: the live rows' places in the batch, where some have ended
+    places = list(live)  # stepped: each live row's place in the batch
+    at = None  # stepped: those places as an index, where some rows have ended
     while True:
-        nxt = pick(logits if at is None else logits.index_select(0, at), *opts, generator)
+        nxt = pick(logits, *opts, generator)  # the live rows' logits, in their order
         toks = nxt.tolist()  # the one transfer to the host a step
         ends = []
         for row, t in zip(live, toks):
@@ -258,10 +271,32 @@ def _decode(model, prompts, n, max_new_tokens, limit, opts, generator, stop_ids)
                 break
             live = [live[i] for i in keep]
             if stepped:
-                at = torch.tensor(live, device=device)
+                places = [places[i] for i in keep]
+                fewer = _fewer_rows(len(live), len(feed))
+                if fewer:  # the live rows to the front of a smaller batch (module docstring)
+                    idx = torch.tensor(places + places[:1] * (fewer - len(places)), device=device)
+                    _keep_rows(cache, idx)
+                    feed = feed.index_select(0, idx)
+                    places = list(range(len(live)))
+                at = None if len(places) == len(feed) else torch.tensor(places, device=device)
             else:
                 rows = torch.tensor(keep, device=device)
                 _keep_rows(cache, rows)
                 nxt = nxt.index_select(0, rows)
-        logits = last_logits(model, (nxt if feed is None else feed).view(-1, 1), cache)
+        logits = last_logits(model, (nxt if feed is None else feed).view(-1, 1), cache, at)
     return [Completion(ids, stopped) for ids, stopped in zip(out, done)]
+
+
+# Compiled batched steps: a batch whose live rows fit in half of it goes on as the smallest
+# power of two of rows that holds them, FEWEST_ROWS at least. A bf16 decode step of SmolLM2
+# costs about its rows' FLOPs at 32 rows (63 ms on a 2-core Zen 4) and its weights' reading
+# below 8 (31 ms at 8 rows, 26 at 4): a long-tailed prompt set decodes most of its steps
+# with 2-4 rows alive, which kept at 32 paid 2.5x. Each batch size is a graph of its own,
+# built once a machine (~8 s each there); fewer than 4 rows would save little for another.
+FEWEST_ROWS = 4
+
+
+def _fewer_rows(live: int, rows: int) -> int:
+    """The rows a batch of `rows` with `live` rows alive goes on with, or 0 to stay."""
+    fewer = max(FEWEST_ROWS, 1 << max(0, live - 1).bit_length())
+    return fewer if 2 * fewer <= rows else 0

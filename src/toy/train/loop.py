@@ -100,8 +100,8 @@ def sample_steps(model: torch.nn.Module, device: torch.device, precision: Precis
     """A live job's sampling (GRPO) on compiled batched decode steps (models/decode.py
     compile_steps(rows=True): each block one call a token, its small ops fused) where they
     pay: a cpu, bf16 (float32 stays eager, to the bit), a model of SAMPLE_STEPS_MIN base
-    weights or more (a SmolLM2-135M step's sampling 1.5x faster, docs/performance.md, for a
-    build of ~1 min once a machine; a tiny model's build would cost more than its run), and
+    weights or more (a SmolLM2-135M step's sampling 1.5-2.4x faster, docs/performance.md, for a
+    build of 1-2 min once a machine; a tiny model's build would cost more than its run), and
     a C++ compiler; not under --fsdp (its parameters become DTensors after this). Returns a
     line for the log ("" where nothing is said)."""
     from toy.models import decode, quant
@@ -117,7 +117,7 @@ def sample_steps(model: torch.nn.Module, device: torch.device, precision: Precis
     decode.compile_steps(model, check=False, rows=True)
     return (
         "sampling on compiled decode steps (built on first use, once on this machine: "
-        "about a minute; TOY_DECODE_STEPS=0 samples eagerly)"
+        "one to two minutes; TOY_DECODE_STEPS=0 samples eagerly)"
     )
 
 
