@@ -55,24 +55,15 @@ def run_toy(a) -> dict:
     return _rates(load_s, times) | {"text": lm.tok.decode(new), "n": len(new)}
 
 
-def _cpu_has_amx() -> bool:
-    """toy.train.device.cpu_has_amx read inline: importing toy there imports torch, and the
-    reply bench's llama.cpp child would then pay torch's import (1.5-2.4 s on a 2-core VM)
-    that a llama.cpp user never does."""
-    try:
-        words = set(Path("/proc/cpuinfo").read_text(errors="replace").split())
-    except OSError:
-        return False
-    return bool({"amx_tile", "amx_bf16"} & words)
-
-
 def llamacpp_safe_on_amx() -> None:
     """On a CPU with AMX, llama.cpp's repacked (AMX) weights crash a prompt of more than a few
     tokens (llama.cpp #20824): turn the repacking off there, as the README tells users to
     (`--no-repack`). Elsewhere the peer keeps its default (repacking is its fast path)."""
     import llama_cpp.llama_cpp as C
 
-    if not _cpu_has_amx() or getattr(C.llama_model_default_params, "toy_no_repack", False):
+    from toy.cores import cpu_has_amx  # torch-free: this peer's process never loads torch
+
+    if not cpu_has_amx() or getattr(C.llama_model_default_params, "toy_no_repack", False):
         return
     orig = C.llama_model_default_params
 

@@ -1,10 +1,29 @@
 """Which of this process's cores other programs keep busy (Linux's /proc/stat): what toy's
-default thread count follows (train/device.py: Threads). Torch-free, so that the first
-look is taken as a command starts, before torch loads."""
+default thread count follows (train/device.py: Threads); and the CPU's flags
+(/proc/cpuinfo). Torch-free, so that the first look is taken as a command starts, before
+torch loads, and a process that never needs torch (a bench's llama.cpp peer) can ask."""
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
+
+
+def cpuinfo_flags() -> set[str]:
+    """The words of /proc/cpuinfo (its flags among them); empty where there is none."""
+    try:
+        text = Path("/proc/cpuinfo").read_text(errors="replace")
+    except OSError:
+        return set()
+    return set(text.split())
+
+
+def cpu_has_amx() -> bool:
+    """Intel AMX tiles (Sapphire Rapids and later: 'amx_tile' in /proc/cpuinfo). llama.cpp
+    built on such a CPU moves Q4_0/Q4_1/Q8_0 weights into its repacked (AMX) buffers, and a
+    prompt of more than a few tokens then crashes with SIGSEGV (llama.cpp #20824, open):
+    what toy says where it sends a user to llama.cpp (train/device.py AMX_LLAMACPP_NOTE)."""
+    return bool({"amx_tile", "amx_bf16"} & cpuinfo_flags())
 
 
 class Cores:

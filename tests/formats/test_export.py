@@ -948,13 +948,11 @@ def test_gguf_exports_say_how_llamacpp_runs_on_amx(
     export's note says the setting that avoids it, in llama.cpp's command line and in
     llama-cpp-python; a CPU without AMX gets no such note. The PEFT export (not for llama.cpp)
     never says it."""
-    import toy.train.device as device
+    import toy.cores as cores
 
     cpu_amx = bool({"amx_tile", "amx_bf16"} & set(Path("/proc/cpuinfo").read_text().split()))
     for i, amx in enumerate((cpu_amx, True, False)):
-        monkeypatch.setattr(
-            device, "_cpuinfo_flags", lambda amx=amx: {"amx_tile"} if amx else set()
-        )
+        monkeypatch.setattr(cores, "cpuinfo_flags", lambda amx=amx: {"amx_tile"} if amx else set())
         for run, argv in (
             (scratch_run, ["--format", "gguf"]),
             (lora_run["run"], ["--format", "gguf-lora"]),

@@ -7,7 +7,6 @@ import os
 import platform
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -54,20 +53,7 @@ class Precision:
         return torch.bfloat16 if self.name == "bf16" else torch.float32
 
 
-def _cpuinfo_flags() -> set[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text(errors="replace")
-    except OSError:
-        return set()
-    return set(text.split())
-
-
-def cpu_has_amx() -> bool:
-    """Intel AMX tiles (Sapphire Rapids and later: 'amx_tile' in /proc/cpuinfo). llama.cpp
-    built on such a CPU moves Q4_0/Q4_1/Q8_0 weights into its repacked (AMX) buffers, and a
-    prompt of more than a few tokens then crashes with SIGSEGV (llama.cpp #20824, open):
-    what toy says where it sends a user to llama.cpp (AMX_LLAMACPP_NOTE)."""
-    return bool({"amx_tile", "amx_bf16"} & _cpuinfo_flags())
+cpu_has_amx = cores.cpu_has_amx  # torch-free there (bench/generate.py's llama.cpp child)
 
 
 AMX_LLAMACPP_NOTE = (
@@ -124,7 +110,7 @@ def cpu_bf16_units() -> str | None:
             return "avx512_bf16"
     except (AttributeError, RuntimeError):
         pass
-    flags = _cpuinfo_flags()
+    flags = cores.cpuinfo_flags()
     for unit in ("amx_bf16", "avx512_bf16"):
         if unit in flags:
             return unit
