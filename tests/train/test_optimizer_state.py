@@ -1,5 +1,5 @@
 """--optimizer-state: AdamW's moments in bf16 (issue 56's memory goal). HalfStateAdamW
-updates them in toy's C kernel (train/adamw_bf16.c, built by train/native.py), or where
+updates them in toy's C kernel (train/adamw_bf16.c, built by models/native.py's builder), or where
 none builds, torch's fused AdamW piece by piece on float32 copies rounded back to bf16:
 both the bits of one fused call on the whole tensor, the kernel's the same for any number
 of threads, AdamW's update within bf16's rounding, the fallback when no compiler works,
@@ -19,6 +19,7 @@ from safetensors import safe_open
 from torch.optim.adamw import adamw as adamw_functional
 
 from toy.errors import UsageError
+from toy.models import native as builder
 from toy.train import native, schedule
 from toy.train.schedule import HalfStateAdamW, make_adamw, resolve_optimizer_state
 
@@ -123,12 +124,12 @@ def test_without_a_compiler_the_torch_path_runs_and_says_so_once(monkeypatch, tm
     """CC names no compiler: the kernel is None, one note on stderr (for the first call of
     the process only), and HalfStateAdamW still steps, through torch; a library built
     earlier is loaded without a compiler, a damaged one is built again."""
-    monkeypatch.setattr(native, "_loaded", {})
-    monkeypatch.setattr(native, "_noted", False)
+    monkeypatch.setattr(builder, "_loaded", {})
+    monkeypatch.setattr(builder, "_noted", False)
     monkeypatch.setenv("TOY_CACHE", str(tmp_path))
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     assert native.adamw_bf16() is None
-    monkeypatch.setattr(native, "_loaded", {})
+    monkeypatch.setattr(builder, "_loaded", {})
     assert native.adamw_bf16() is None
     err = capsys.readouterr().err
     assert err.count("toy: note:") == 1 and "no-such-cc" in err and "C compiler" in err
@@ -142,18 +143,18 @@ def test_without_a_compiler_the_torch_path_runs_and_says_so_once(monkeypatch, tm
     assert not list((tmp_path / "native").glob("*"))  # no half-built file left behind
     if shutil.which("cc"):  # built once with a compiler, then loaded with none
         monkeypatch.setenv("CC", "cc")
-        monkeypatch.setattr(native, "_loaded", {})
+        monkeypatch.setattr(builder, "_loaded", {})
         assert native.adamw_bf16() is not None
         built = list((tmp_path / "native").glob("*.so"))
         good = built[0].read_bytes()
         damaged = tmp_path / "damaged.so"  # a new file over the name (the loaded one stays mapped)
         damaged.write_bytes(good[: len(good) // 2])
         os.replace(damaged, built[0])  # damaged: built again, not loaded
-        monkeypatch.setattr(native, "_loaded", {})
+        monkeypatch.setattr(builder, "_loaded", {})
         assert native.adamw_bf16() is not None
         assert built[0].read_bytes() == good
-        monkeypatch.setattr(native, "_loaded", {})
-        monkeypatch.setattr(native.subprocess, "run", None)  # any build would fail now
+        monkeypatch.setattr(builder, "_loaded", {})
+        monkeypatch.setattr(builder.subprocess, "run", None)  # any build would fail now
         assert native.adamw_bf16() is not None
         assert list((tmp_path / "native").glob("*.so")) == built
 

@@ -26,7 +26,6 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from toy.models.family import (
     Arch,
@@ -43,7 +42,7 @@ from toy.models.family import (
     rope_dims,
     rope_theta_of,
 )
-from toy.models.layers import Attention, KVCache, RMSNorm, Rotary, run_block
+from toy.models.layers import Attention, KVCache, RMSNorm, Rotary, gelu_tanh, run_block
 
 
 @dataclass
@@ -91,7 +90,7 @@ class GeluGated(nn.Module):
         self.down_proj = nn.Linear(d_ff, d_model, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
+        return self.down_proj(gelu_tanh(self.gate_proj(x)) * self.up_proj(x))
 
 
 class Block(nn.Module):

@@ -14,7 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import is_fake
 
-from toy.models import cpu_attention
+from toy.models import cpu_attention, native
 
 
 class RMSNorm(nn.Module):
@@ -491,6 +491,49 @@ class SwiGLU(nn.Module):
         return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
 
 
+class _GeluTanhBF16(torch.autograd.Function):
+    """F.gelu(x, approximate="tanh") on bf16 cpu values through toy's C kernel
+    (models/gelu_bf16.c: 2.3x torch's forward and 2.2x its backward on a Zen 4, results
+    within one bf16 rounding of torch's); keeps x only, as autograd's own gelu does."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        return _gelu_call("toy_gelu_bf16", x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (x,) = ctx.saved_tensors
+        if grad.dtype != torch.bfloat16 or grad.device.type != "cpu":
+            return torch.ops.aten.gelu_backward(grad, x, approximate="tanh")
+        return _gelu_call("toy_gelu_backward_bf16", x, grad.contiguous())
+
+
+def _gelu_call(name: str, x: torch.Tensor, grad: torch.Tensor | None = None) -> torch.Tensor:
+    """One of the kernel's two functions over x's values (it splits them between torch's
+    threads itself)."""
+    out = torch.empty_like(x)
+    ptrs = (x.data_ptr(),) if grad is None else (grad.data_ptr(), x.data_ptr())
+    native.gelu_bf16()[name](*ptrs, out.data_ptr(), x.numel())
+    return out
+
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """GELU, tanh form (GPT-2, Gemma). bf16 values on a cpu go through toy's C kernel where
+    one builds (float32 and every other device: torch's F.gelu, the same bytes as before);
+    a traced or compiled graph keeps torch's op."""
+    if (
+        x.dtype == torch.bfloat16
+        and x.device.type == "cpu"
+        and x.is_contiguous()
+        and not is_fake(x)
+        and not torch.compiler.is_compiling()
+        and native.gelu_bf16() is not None
+    ):
+        return _GeluTanhBF16.apply(x)
+    return F.gelu(x, approximate="tanh")
+
+
 class GeluMLP(nn.Module):
     """fc -> GELU (tanh approximation, as GPT-2) -> proj."""
 
@@ -500,4 +543,4 @@ class GeluMLP(nn.Module):
         self.c_proj = nn.Linear(d_ff, d_model, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
+        return self.c_proj(gelu_tanh(self.c_fc(x)))

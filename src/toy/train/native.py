@@ -1,158 +1,22 @@
-"""C kernels compiled once for the machine toy runs on, where torch has no kernel for the
-job: today one, AdamW over bfloat16 moments (adamw_bf16.c, HalfStateAdamW's update).
-
-The system's C compiler ($CC, else `cc`) builds the file with -O3 -march=native into
-toy's cache folder (native/, keyed by the source, the flags and this CPU's model and
-feature flags: a cache folder shared between machines never runs another CPU's code), in
-about 0.3 s the first time; later processes load the built library once its sha256 (kept
-beside it) matches. Written to a temporary name and renamed, so two processes building at
-once (`--nproc 2`) never load half a file.
-Where no compiler works (or TOY_NATIVE=0) the caller gets None and keeps its torch path:
-one note on stderr says so, once a process."""
+"""AdamW over bfloat16 moments in C (adamw_bf16.c beside this file, HalfStateAdamW's update),
+built for this machine by models/native.py's builder (the same cache, checks and one note
+where no compiler works); parallel and threads are that module's."""
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import platform
-import subprocess
-import sys
-import tempfile
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import torch
+from toy.models.native import kernels, parallel, threads
 
-from toy.runs import cache_dir
+__all__ = ["adamw_bf16", "parallel", "threads"]
 
 SOURCE = Path(__file__).with_name("adamw_bf16.c")
-# -fno-math-errno lets sqrtf vectorize; -ffp-contract=off keeps every product rounded on its
-# own, so the vector loop and its tail give the same bits (see the source's head).
-FLAGS = ("-O3", "-fno-math-errno", "-ffp-contract=off", "-shared", "-fPIC")
-ARCH = ("-march=native",)  # dropped when the compiler refuses it (then still vectorized, narrower)
-
-_loaded: dict[str, object] = {}  # "adamw_bf16" -> the function, or None where none builds
-_noted = False
-
-
-def _machine() -> str:
-    """The CPU as the built code depends on it: its model and feature flags."""
-    try:
-        text = Path("/proc/cpuinfo").read_text(errors="replace")
-    except OSError:
-        text = ""
-    keep = [
-        line
-        for line in text.splitlines()
-        if line.split(":")[0].strip() in ("model name", "flags", "Features", "CPU part")
-    ]
-    head = "\n".join(dict.fromkeys(keep))  # each distinct line once (every core repeats them)
-    return f"{platform.system()} {platform.machine()} {platform.processor()}\n{head}"
-
-
-def _note(why: str) -> None:
-    global _noted
-    if not _noted:
-        _noted = True
-        print(
-            f"toy: note: {why}; AdamW's bf16 moments are updated through torch instead "
-            "(about 2x slower an optimizer step). Install a C compiler (gcc or clang), or "
-            "set CC, to build toy's kernel.",
-            file=sys.stderr,
-        )
-
-
-def _intact(lib: Path) -> bool:
-    """Whether a built library is the file toy wrote: its sha256 beside it (lib.sha256,
-    written after the library). Anything else at that name (damaged, truncated, another
-    build's) is built again over it: a library is loaded into the process, never trusted
-    for its name alone."""
-    try:
-        want = lib.with_suffix(".sha256").read_text().strip()
-        return hashlib.sha256(lib.read_bytes()).hexdigest() == want
-    except OSError:
-        return False
-
-
-def _build(source: Path, name: str) -> Path | None:
-    """The built library for `source` on this machine (built now if it is not)."""
-    cc = os.environ.get("CC") or "cc"
-    text = source.read_bytes()
-    for arch in (ARCH, ()):
-        key = hashlib.sha256(
-            b"\0".join([text, cc.encode(), " ".join(FLAGS + arch).encode(), _machine().encode()])
-        ).hexdigest()[:16]
-        lib = cache_dir() / "native" / f"{name}-{key}.so"
-        if _intact(lib):
-            return lib
-        try:
-            lib.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(suffix=".so", dir=lib.parent)
-            os.close(fd)
-        except OSError as e:
-            _note(f"cannot write toy's cache folder {lib.parent} ({e.strerror or e})")
-            return None
-        try:
-            done = subprocess.run(
-                [cc, *FLAGS, *arch, "-o", tmp, str(source)],
-                capture_output=True,
-                timeout=120,
-            )
-            if done.returncode == 0:
-                digest = hashlib.sha256(Path(tmp).read_bytes()).hexdigest()
-                side = lib.with_suffix(".sha256")
-                # the library first, then its digest: a digest names only a whole file
-                os.replace(tmp, lib)
-                with tempfile.NamedTemporaryFile("w", dir=lib.parent, delete=False) as f:
-                    f.write(digest)
-                os.replace(f.name, side)
-                return lib
-        except (OSError, subprocess.SubprocessError):
-            pass
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-    _note(f"the C compiler {cc!r} did not build {source.name}")
-    return None
 
 
 def adamw_bf16():
-    """toy_adamw_bf16 from adamw_bf16.c as a ctypes function, or None (see the module)."""
-    if "adamw_bf16" not in _loaded:
-        fn = None
-        if os.environ.get("TOY_NATIVE", "1") != "0":
-            lib = _build(SOURCE, "adamw_bf16")
-            if lib is not None:
-                try:
-                    fn = ctypes.CDLL(str(lib)).toy_adamw_bf16
-                except OSError as e:
-                    _note(f"cannot load {lib} ({e})")
-            if fn is not None:
-                P, I64, F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-                fn.argtypes = [I64, P, P, P, P, P, I64, I64, P, P, P, F, F, F, F]
-                fn.restype = None
-        _loaded["adamw_bf16"] = fn
-    return _loaded["adamw_bf16"]
-
-
-_pool: tuple[int, int, ThreadPoolExecutor] | None = None  # (pid, threads, pool)
-
-
-def parallel(parts: int, work) -> None:
-    """work(i) for i in range(parts), part 0 on this thread and the others on threads kept
-    between calls (a ctypes call lets go of Python's lock, so the parts run at once). A
-    forked child (a `--nproc` process) makes its own pool: threads do not cross fork."""
-    global _pool
-    if parts > 1 and (_pool is None or _pool[0] != os.getpid() or _pool[1] < parts - 1):
-        _pool = (os.getpid(), parts - 1, ThreadPoolExecutor(parts - 1, "toy-native"))
-    futures = [_pool[2].submit(work, i) for i in range(1, parts)] if parts > 1 else []
-    work(0)
-    for f in futures:
-        f.result()
-
-
-def threads() -> int:
-    """How many parts a kernel's values are split into: torch's thread count (toy sets it
-    to the free cores, train/device.py)."""
-    return max(1, torch.get_num_threads())
+    """toy_adamw_bf16 from adamw_bf16.c as a ctypes function, or None (models/native.py)."""
+    P, I64, F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+    argtypes = [I64, P, P, P, P, P, I64, I64, P, P, P, F, F, F, F]
+    fns = kernels(SOURCE, {"toy_adamw_bf16": (argtypes, None)})
+    return fns["toy_adamw_bf16"] if fns else None

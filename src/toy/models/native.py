@@ -1,0 +1,195 @@
+"""C kernels compiled once for the machine toy runs on, where torch has no fast kernel for
+the job: AdamW over bfloat16 moments (train/adamw_bf16.c, HalfStateAdamW's update, loaded by
+train/native.py) and the tanh GELU on bfloat16 values (models/gelu_bf16.c, layers.gelu_tanh).
+
+The system's C compiler ($CC, else `cc`) builds a file with -O3 -march=native into
+toy's cache folder (native/, keyed by the source, the flags and this CPU's model and
+feature flags: a cache folder shared between machines never runs another CPU's code), in
+about 0.3 s the first time; later processes load the built library once its sha256 (kept
+beside it) matches. Written to a temporary name and renamed, so two processes building at
+once (`--nproc 2`) never load half a file.
+Where no compiler works (or TOY_NATIVE=0) the caller gets None and keeps its torch path:
+one note on stderr says so, once a process."""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+# -fno-math-errno lets sqrtf vectorize; -ffp-contract=off keeps every product rounded on its
+# own, so the vector loop and its tail give the same bits (see the source's head).
+FLAGS = ("-O3", "-fno-math-errno", "-ffp-contract=off", "-shared", "-fPIC")
+ARCH = ("-march=native",)  # dropped when the compiler refuses it (then still vectorized, narrower)
+
+_loaded: dict[str, object] = {}  # "adamw_bf16" -> its functions, or None where none builds
+_noted = False
+
+
+def cache_dir() -> Path:
+    """toy's cache folder, as runs.cache_dir finds it ($TOY_CACHE, else
+    $XDG_CACHE_HOME/toy, else ~/.cache/toy): models/ imports nothing of toy's lower layers,
+    so it reads the same variables here (tests/models/test_native.py holds the two equal)."""
+    base = os.environ.get("TOY_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "toy"
+    )
+    return Path(base)
+
+
+def _machine() -> str:
+    """The CPU as the built code depends on it: its model and feature flags."""
+    try:
+        text = Path("/proc/cpuinfo").read_text(errors="replace")
+    except OSError:
+        text = ""
+    keep = [
+        line
+        for line in text.splitlines()
+        if line.split(":")[0].strip() in ("model name", "flags", "Features", "CPU part")
+    ]
+    head = "\n".join(dict.fromkeys(keep))  # each distinct line once (every core repeats them)
+    return f"{platform.system()} {platform.machine()} {platform.processor()}\n{head}"
+
+
+def _note(why: str) -> None:
+    global _noted
+    if not _noted:
+        _noted = True
+        print(
+            f"toy: note: {why}; toy's C kernels are replaced by torch's (AdamW's bf16 "
+            "moments about 2x slower an optimizer step, a bf16 GELU about 2x slower). "
+            "Install a C compiler (gcc or clang), or set CC, to build them.",
+            file=sys.stderr,
+        )
+
+
+def _intact(lib: Path) -> bool:
+    """Whether a built library is the file toy wrote: its sha256 beside it (lib.sha256,
+    written after the library). Anything else at that name (damaged, truncated, another
+    build's) is built again over it: a library is loaded into the process, never trusted
+    for its name alone."""
+    try:
+        want = lib.with_suffix(".sha256").read_text().strip()
+        return hashlib.sha256(lib.read_bytes()).hexdigest() == want
+    except OSError:
+        return False
+
+
+def _build(source: Path, name: str, extra: tuple[str, ...] = ()) -> Path | None:
+    """The built library for `source` on this machine (built now if it is not): with the
+    `extra` flags and -march=native, else without each in turn (a compiler that refuses
+    -fopenmp, say, still builds the one-thread loop)."""
+    cc = os.environ.get("CC") or "cc"
+    text = source.read_bytes()
+    tries = (extra + ARCH, ARCH, extra, ()) if extra else (ARCH, ())
+    for arch in dict.fromkeys(tries):
+        key = hashlib.sha256(
+            b"\0".join([text, cc.encode(), " ".join(FLAGS + arch).encode(), _machine().encode()])
+        ).hexdigest()[:16]
+        lib = cache_dir() / "native" / f"{name}-{key}.so"
+        if _intact(lib):
+            return lib
+        try:
+            lib.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(suffix=".so", dir=lib.parent)
+            os.close(fd)
+        except OSError as e:
+            _note(f"cannot write toy's cache folder {lib.parent} ({e.strerror or e})")
+            return None
+        try:
+            done = subprocess.run(
+                [cc, *FLAGS, *arch, "-o", tmp, str(source)],
+                capture_output=True,
+                timeout=120,
+            )
+            if done.returncode == 0:
+                digest = hashlib.sha256(Path(tmp).read_bytes()).hexdigest()
+                side = lib.with_suffix(".sha256")
+                # the library first, then its digest: a digest names only a whole file
+                os.replace(tmp, lib)
+                with tempfile.NamedTemporaryFile("w", dir=lib.parent, delete=False) as f:
+                    f.write(digest)
+                os.replace(f.name, side)
+                return lib
+        except (OSError, subprocess.SubprocessError):
+            pass
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    _note(f"the C compiler {cc!r} did not build {source.name}")
+    return None
+
+
+def kernels(
+    source: Path, signatures: dict[str, tuple[list, object]], extra: tuple[str, ...] = ()
+) -> dict | None:
+    """The functions `signatures` names (name -> (argtypes, restype)) from `source` built
+    for this machine (with `extra` flags where the compiler takes them), as ctypes
+    functions; None where none builds or loads (see the module: one note, the caller keeps
+    its torch path). Built or loaded once a process."""
+    name = source.stem
+    if name not in _loaded:
+        fns = None
+        if os.environ.get("TOY_NATIVE", "1") != "0":
+            lib = _build(source, name, extra)
+            if lib is not None:
+                try:
+                    cdll = ctypes.CDLL(str(lib))
+                    fns = {}
+                    for fn_name, (argtypes, restype) in signatures.items():
+                        fn = getattr(cdll, fn_name)
+                        fn.argtypes, fn.restype = argtypes, restype
+                        fns[fn_name] = fn
+                except (OSError, AttributeError) as e:
+                    _note(f"cannot load {lib} ({e})")
+                    fns = None
+        _loaded[name] = fns
+    return _loaded[name]
+
+
+GELU_SOURCE = Path(__file__).with_name("gelu_bf16.c")
+
+
+def gelu_bf16() -> dict | None:
+    """toy_gelu_bf16 and toy_gelu_backward_bf16 from gelu_bf16.c, or None (see kernels).
+    Built with -fopenmp: its loops share out their values on torch's own OpenMP threads
+    (the library takes the libgomp torch loaded; see the source)."""
+    P, I64 = ctypes.c_void_p, ctypes.c_int64
+    return kernels(
+        GELU_SOURCE,
+        {
+            "toy_gelu_bf16": ([P, P, I64], None),
+            "toy_gelu_backward_bf16": ([P, P, P, I64], None),
+        },
+        extra=("-fopenmp",),
+    )
+
+
+_pool: tuple[int, int, ThreadPoolExecutor] | None = None  # (pid, threads, pool)
+
+
+def parallel(parts: int, work) -> None:
+    """work(i) for i in range(parts), part 0 on this thread and the others on threads kept
+    between calls (a ctypes call lets go of Python's lock, so the parts run at once). A
+    forked child (a `--nproc` process) makes its own pool: threads do not cross fork."""
+    global _pool
+    if parts > 1 and (_pool is None or _pool[0] != os.getpid() or _pool[1] < parts - 1):
+        _pool = (os.getpid(), parts - 1, ThreadPoolExecutor(parts - 1, "toy-native"))
+    futures = [_pool[2].submit(work, i) for i in range(1, parts)] if parts > 1 else []
+    work(0)
+    for f in futures:
+        f.result()
+
+
+def threads() -> int:
+    """How many parts a kernel's values are split into: torch's thread count (toy sets it
+    to the free cores, train/device.py)."""
+    return max(1, torch.get_num_threads())
