@@ -161,8 +161,8 @@ def _chunked(
             if not (want_h or want_w):
                 continue
             # d loss / d logits = softmax - onehot(target), zero on ignored rows; in place.
-            if fused:
-                gd = _less_one_at(p, safe).mul_(valid[:, None])
+            if fused:  # (g: the float32 branch below takes it, bench/ab_levers' -headgrad)
+                gd = g = _less_one_at(p, safe).mul_(valid[:, None])
             else:
                 g = e.div_(total[:, None])
                 g.scatter_add_(1, safe[:, None], torch.full_like(picked[:, None], -1.0))
