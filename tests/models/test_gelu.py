@@ -148,3 +148,20 @@ def test_the_builders_cache_folder_is_toys(monkeypatch, tmp_path):
         for k, v in env.items():
             monkeypatch.setenv(k, v)
         assert native.cache_dir() == cache_dir()
+
+
+@needs_cc
+def test_a_changed_header_builds_its_users_again(monkeypatch, tmp_path):
+    """A built library is keyed by its source and the local headers it includes (bf16.h):
+    a header changed under an unchanged source is a new build, never the old library."""
+    monkeypatch.setenv("TOY_CACHE", str(tmp_path / "cache"))
+    src = tmp_path / "src"
+    src.mkdir()
+    shutil.copy(native.GELU_SOURCE, src / "gelu_bf16.c")
+    shutil.copy(native.GELU_SOURCE.with_name("bf16.h"), src / "bf16.h")
+    first = native._build(src / "gelu_bf16.c", "gelu_bf16")
+    assert first is not None and native._build(src / "gelu_bf16.c", "gelu_bf16") == first
+    header = src / "bf16.h"
+    header.write_text(header.read_text() + "\n/* changed */\n")
+    second = native._build(src / "gelu_bf16.c", "gelu_bf16")
+    assert second is not None and second != first

@@ -17,6 +17,7 @@ import ctypes
 import hashlib
 import os
 import platform
+import re
 import subprocess
 import sys
 import tempfile
@@ -83,12 +84,24 @@ def _intact(lib: Path) -> bool:
         return False
 
 
+def _headers(source: Path) -> list[bytes]:
+    """The bytes of the local headers (#include "...") a source takes, in order: part of a
+    built library's key, so that a changed header (bf16.h) builds its users again."""
+    out = []
+    for inc in re.findall(rb'^\s*#\s*include\s+"([^"]+)"', source.read_bytes(), re.M):
+        try:
+            out.append((source.parent / inc.decode()).read_bytes())
+        except (OSError, UnicodeDecodeError):
+            out.append(inc)  # missing: the compiler says so when it builds
+    return out
+
+
 def _build(source: Path, name: str, extra: tuple[str, ...] = ()) -> Path | None:
     """The built library for `source` on this machine (built now if it is not): with the
     `extra` flags and -march=native, else without each in turn (a compiler that refuses
     -fopenmp, say, still builds the one-thread loop)."""
     cc = os.environ.get("CC") or "cc"
-    text = source.read_bytes()
+    text = source.read_bytes() + b"".join(_headers(source))
     tries = (extra + ARCH, ARCH, extra, ()) if extra else (ARCH, ())
     for arch in dict.fromkeys(tries):
         key = hashlib.sha256(

@@ -17,21 +17,8 @@
 #include <stdint.h>
 #include <string.h>
 
-static inline float widen(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
+#include "../models/bf16.h"
 
-/* to nearest, ties to even (torch's float -> bfloat16 for finite values) */
-static inline uint16_t narrow(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0u; /* NaN, as torch writes it */
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
 
 static void adamw_run(float *restrict p, const float *restrict g, uint16_t *restrict m,
                       uint16_t *restrict v, int64_t n, float decay, float step_size,
