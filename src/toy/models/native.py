@@ -38,7 +38,7 @@ _noted = False
 def cache_dir() -> Path:
     """toy's cache folder, as runs.cache_dir finds it ($TOY_CACHE, else
     $XDG_CACHE_HOME/toy, else ~/.cache/toy): models/ imports nothing of toy's lower layers,
-    so it reads the same variables here (tests/models/test_native.py holds the two equal)."""
+    so it reads the same variables here (tests/models/test_gelu.py holds the two equal)."""
     base = os.environ.get("TOY_CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "toy"
     )
