@@ -635,6 +635,22 @@ def test_quick_commands_never_import_torch(argv, tmp_path):
         assert "error" not in r.stderr and (tmp_path / argv[-1]).exists(), r.stderr[-2000:]
 
 
+def test_a_refused_train_never_imports_fsdps_tensors(tmp_path):
+    """A mistake in `toy train` is answered before any training: without
+    torch.distributed.tensor, which the loop imported at its top for one isinstance check
+    (0.5-0.6 s of the 2.3 s a refusal took on a 2-core Zen 4; --fsdp alone needs it)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\nfrom toy.cli.main import main\n"
+        "code = main(['train', '--recipe', 'dpo', '--model', 'x.gguf', '--data', 'none'])\n"
+        "print(code, 'torch.distributed.tensor' in sys.modules, 'toy.train.loop' in sys.modules)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
+    assert r.stdout.split() == ["2", "False", "True"], r.stdout + r.stderr[-2000:]
+
+
 def test_fit_schedule_caps_the_warmup_and_warns_of_runs_too_short_to_learn():
     from toy.recipes import from_scratch, lora
     from toy.train.run import SHORT_RUN, fit_schedule

@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from toy.errors import Interrupted, RunFailed, SecondInterrupt
 from toy.formats import checkpoint as ckpt
@@ -613,14 +612,22 @@ def train(
     return trainer.run(resume)
 
 
+def _is_dtensor(t) -> bool:
+    """Whether t is an FSDP shard (a DTensor). torch.distributed.tensor is imported only
+    by --fsdp (0.5 s of every process's start on a 2-core Zen 4 where the loop imported
+    it): a module never imported made no DTensor."""
+    m = sys.modules.get("torch.distributed.tensor")
+    return m is not None and isinstance(t, m.DTensor)
+
+
 def _full(t: torch.Tensor) -> torch.Tensor:
     """The whole tensor behind an FSDP shard (a collective); plain tensors as they are."""
-    return t.full_tensor() if isinstance(t, DTensor) else t
+    return t.full_tensor() if _is_dtensor(t) else t
 
 
 def _shard_like(t: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     """A whole tensor laid out like parameter p (sharded when p is a DTensor)."""
-    if isinstance(p, DTensor):
+    if _is_dtensor(p):
         from torch.distributed.tensor import distribute_tensor
 
         return distribute_tensor(t.to(p.device), p.device_mesh, p.placements)
@@ -635,7 +642,7 @@ def materialize(model: torch.nn.Module) -> None:
     whole = {}
     for mod in model.modules():
         for _name, p in list(mod.named_parameters(recurse=False)):
-            if isinstance(p, DTensor) and id(p) not in whole:
+            if _is_dtensor(p) and id(p) not in whole:
                 whole[id(p)] = torch.nn.Parameter(
                     p.full_tensor().detach().clone(), requires_grad=p.requires_grad
                 )
