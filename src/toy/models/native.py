@@ -21,10 +21,7 @@ import re
 import subprocess
 import sys
 import tempfile
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-
-import torch
 
 # -fno-math-errno lets sqrtf vectorize; -ffp-contract=off keeps every product rounded on its
 # own, so the vector loop and its tail give the same bits (see the source's head).
@@ -184,25 +181,3 @@ def gelu_bf16() -> dict | None:
         },
         extra=("-fopenmp",),
     )
-
-
-_pool: tuple[int, int, ThreadPoolExecutor] | None = None  # (pid, threads, pool)
-
-
-def parallel(parts: int, work) -> None:
-    """work(i) for i in range(parts), part 0 on this thread and the others on threads kept
-    between calls (a ctypes call lets go of Python's lock, so the parts run at once). A
-    forked child (a `--nproc` process) makes its own pool: threads do not cross fork."""
-    global _pool
-    if parts > 1 and (_pool is None or _pool[0] != os.getpid() or _pool[1] < parts - 1):
-        _pool = (os.getpid(), parts - 1, ThreadPoolExecutor(parts - 1, "toy-native"))
-    futures = [_pool[2].submit(work, i) for i in range(1, parts)] if parts > 1 else []
-    work(0)
-    for f in futures:
-        f.result()
-
-
-def threads() -> int:
-    """How many parts a kernel's values are split into: torch's thread count (toy sets it
-    to the free cores, train/device.py)."""
-    return max(1, torch.get_num_threads())
