@@ -6,7 +6,9 @@ head's), so that they are read from memory as a model's layers are, not from cac
     python bench/nibble_kernel.py [--threads 2] [--repeats 5]
 
 Prints one JSON line per (type, shape): microseconds a product packed and float32, the
-packed kernel's G codes/s and GB/s, and packed over float32 speed. Run it with nothing else
+packed kernel's G codes/s and GB/s, and packed over float32 speed; where decode_step.c builds,
+its product on the same codes in its blocked order too (c_us, c_gb_per_s, c_over_packed: what
+a llama reply's blocks and head run, models/decode_native.py). Run it with nothing else
 running; it builds each kernel first (a cold build is seconds)."""
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import numpy as np
 import torch
 from gguf.constants import GGMLQuantizationType as T
 
-from toy.models import decode
+from toy.models import decode, decode_native
 from toy.models.quant import QuantLinear, QuantSpec, parts_of
 from toy.train.device import cpu_kind
 
@@ -61,11 +63,16 @@ def main() -> None:
     for qtype in (T.Q4_0, T.Q4_1, T.Q8_0):
         for rows, cols, n in SHAPES:
             packed, dense = matrices(qtype, rows, cols, n)
+            blocked = None
+            if decode_native.library() is not None:  # the same weights, in the C step's order
+                blocked = matrices(qtype, rows, cols, n)[0]
+                decode_native.to_blocked(blocked)
             x = torch.randn(1, 1, cols, generator=torch.Generator().manual_seed(0))
             xv = x.view(cols)
             with torch.no_grad():
                 s_packed = per_product(lambda lin, x=x: lin(x), packed, a.repeats)
                 s_f32 = per_product(lambda w, xv=xv: torch.mv(w, xv), dense, a.repeats)
+                s_c = per_product(lambda lin, x=x: lin(x), blocked, a.repeats) if blocked else None
             nbytes = sum(p.numel() * p.element_size() for p in parts_of(packed[0]) if p.numel())
             row = {
                 "cpu_kind": kind,
@@ -78,6 +85,12 @@ def main() -> None:
                 "packed_gcodes_per_s": round(rows * cols / s_packed / 1e9, 2),
                 "packed_gb_per_s": round(nbytes / s_packed / 1e9, 2),
             }
+            if s_c is not None:  # decode_step.c's product (a llama reply's), on the same codes
+                row |= {
+                    "c_us": round(s_c * 1e6, 1),
+                    "c_gb_per_s": round(nbytes / s_c / 1e9, 2),
+                    "c_over_packed": round(s_packed / s_c, 2),
+                }
             print(json.dumps(row), flush=True)
 
 

@@ -49,3 +49,12 @@ def assert_every_parameter_learns(model) -> None:
         assert p.grad is not None, name
         assert torch.isfinite(p.grad).all(), name
         assert p.grad.abs().sum() > 0, name
+
+
+def no_c_step(monkeypatch) -> None:
+    """decode_step.c as where it does not build (no C compiler, TOY_NATIVE=0): a llama reply on
+    packed codes takes decode.py's compiled steps, as every other family's does; what a test
+    of those steps (their builds, notes and fallbacks) runs on the tiny llama GGUF."""
+    from toy.models import native
+
+    monkeypatch.setitem(native._loaded, "decode_step", None)

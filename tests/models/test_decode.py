@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 from gguf.constants import GGMLQuantizationType as T
-from helpers.common import drop_isa_caps  # noqa: E402
+from helpers.common import drop_isa_caps, no_c_step  # noqa: E402
 from helpers.quant import (  # noqa: E402
     BLOCK_TYPES,
     quant_gguf,  # noqa: F401
@@ -173,9 +173,12 @@ def test_a_long_budget_builds_only_the_first_span_before_the_reply(
     span the budget could reach (256, 512, 1024, the whole cache) was built before the first
     token. Now only the span the first new token reads is; a later one is built where the
     reply reaches it, without a note. SPAN_MIN lowered to 8: the prompt and 12 new tokens
-    read spans 8 and 16 (built cold into this test's own toy-steps)."""
+    read spans 8 and 16 (built cold into this test's own toy-steps). The llama model's reply
+    is stepped by decode.py here, as a family without decode_native's C step is (that path
+    builds nothing: tests/models/test_decode_native.py)."""
     import sys
 
+    no_c_step(monkeypatch)
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     monkeypatch.setattr(decode, "SPAN_MIN", 8)
     order = []
@@ -253,6 +256,7 @@ def _failing_compilers(d: Path, version_ok: bool) -> dict:
 
     env = {"PATH": f"{d}{os.pathsep}{os.environ['PATH']}"}
     env["TORCHINDUCTOR_CACHE_DIR"] = str(d.parent / f"inductor-{d.name}")
+    env["TOY_CACHE"] = str(d.parent / f"toy-cache-{d.name}")  # toy's C kernels unbuilt too
     env.pop("CXX", None)
     return env
 
@@ -263,8 +267,9 @@ def test_infer_with_failing_compilers_falls_back_to_eager(
 ):
     """Compiling is a speed lever, never a requirement (issue 32 item 8): with compilers that
     fail, `toy infer` on a quantized GGUF asked for packed codes gives the float32 text with
-    one note line, exit 0, no traceback; auto, which packs no model this small (pack_pays),
-    gives it with no note (auto choosing packed without a compiler: test_reply_time.py)."""
+    one note line (and one that toy's C kernels did not build), exit 0, no traceback; auto,
+    which packs no model this small (pack_pays), gives it with no note (auto choosing packed
+    without a compiler: test_reply_time.py)."""
     from helpers.common import run_toy
 
     env = _failing_compilers(tmp_path / "bin", version_ok)
@@ -280,8 +285,10 @@ def test_infer_with_failing_compilers_falls_back_to_eager(
         assert len(notes) == (1 if "quantized" in extra else 0), r.stderr
         assert all(line.startswith("note: ") for line in notes)
         others = [line for line in r.stderr.splitlines() if line not in notes]
-        # besides: the note said before a compile is tried, and the speed line
-        assert all(line.startswith(("note: compiling the one-token", "[")) for line in others)
+        # besides: the note said before a compile is tried, the speed line, and one line
+        # naming the C compiler that did not build toy's own kernels (the reply's C step)
+        assert all(line.startswith(("note: compiling the one-token", "[")) for line in others[1:])
+        assert others[0].startswith("toy: note: the C compiler") and "decode_step.c" in others[0]
         assert r.stdout.startswith(ref) and len(ref) > 20
 
 
@@ -291,7 +298,9 @@ def test_compile_note_comes_before_the_reply_not_inside_it(quant_gguf, tmp_path)
     and comes before the text; the reply is the float32 one, and a last stderr line gives the
     time to the first token and the tokens/s. A second process (issue 33 item 3) loads the
     steps built by the first (no note, no compiler stack imported: torch._dynamo alone took
-    1.3 s of a reply) and gives the same text."""
+    1.3 s of a reply) and gives the same text. Run as on a machine without toy's C kernels
+    (TOY_NATIVE=0), where the llama model's reply takes decode.py's compiled steps, as other
+    families' do (with them it builds nothing: tests/models/test_decode_native.py)."""
     import os
     import subprocess
 
@@ -300,6 +309,7 @@ def test_compile_note_comes_before_the_reply_not_inside_it(quant_gguf, tmp_path)
     tell = "import sys; from toy.cli.main import main; code = main(sys.argv[1:]); "
     tell += "print('dynamo imported:', 'torch._dynamo' in sys.modules); sys.exit(code)"
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))  # a cold cache
+    env["TOY_NATIVE"] = "0"
     merged = {}
     for run, dtype in (("f32", "float32"), ("cold", "quantized"), ("warm", "quantized")):
         r = subprocess.run(

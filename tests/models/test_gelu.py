@@ -159,6 +159,7 @@ def test_a_changed_header_builds_its_users_again(monkeypatch, tmp_path):
     src.mkdir()
     shutil.copy(native.GELU_SOURCE, src / "gelu_bf16.c")
     shutil.copy(native.GELU_SOURCE.with_name("bf16.h"), src / "bf16.h")
+    shutil.copy(native.GELU_SOURCE.with_name("exp.h"), src / "exp.h")
     first = native._build(src / "gelu_bf16.c", "gelu_bf16")
     assert first is not None and native._build(src / "gelu_bf16.c", "gelu_bf16") == first
     header = src / "bf16.h"

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.common import no_c_step  # noqa: E402
 from helpers.quant import quant_gguf  # noqa: E402,F401
 
 from toy.cli import cmd_infer  # noqa: E402
@@ -105,6 +106,7 @@ def test_infer_json_and_stderr_report_first_token_and_speed(
     compile is counted as cached once a packed run has built the steps (a marker beside
     inductor's cache): auto keeps float32 before (no reply waits for a build) and packs
     after, with the same text."""
+    no_c_step(monkeypatch)  # decode.py's steps: builds, markers and notes
     monkeypatch.setattr(decode, "_STEPS", {})  # this process's steps stay as other tests left them
     monkeypatch.setattr(decode, "_KERNELS", {})
     marker = tmp_path / "steps-marker"
@@ -141,6 +143,7 @@ def test_auto_answers_at_once_and_builds_the_steps_in_the_background(
     this machine, auto answers from float32 at once and, the reply out, starts `toy infer
     --build-steps` in a process of its own (one a model at a time: a lock); that build
     writes the marker, and the next run packs. Costs set so that packing pays once built."""
+    no_c_step(monkeypatch)  # decode.py's steps: builds, markers and notes
     import subprocess
 
     monkeypatch.delenv("TOY_BACKGROUND_BUILDS", raising=False)
@@ -183,6 +186,7 @@ def test_auto_answers_at_once_and_builds_the_steps_in_the_background(
 def test_auto_choosing_packed_without_a_compiler_generates_in_float32(
     quant_gguf, toy_cli, monkeypatch
 ):
+    no_c_step(monkeypatch)  # decode.py's steps: builds, markers and notes
     monkeypatch.setattr(cmd_infer, "pack_pays", lambda size, tokens, cached: True)
     monkeypatch.setattr(decode, "compile_unavailable", lambda device: "no C++ compiler (test)")
     args = ["infer", "--model", quant_gguf, "--prompt", "ROMEO. What", "--temperature", "0"]

@@ -708,7 +708,7 @@ def load_base_lm(
     from toy.formats import base_readers, packed_cache
     from toy.formats.base_readers import read_base
     from toy.lora import apply_lora, load_lora_state_dict, merge_lora
-    from toy.models import decode
+    from toy.models import decode, decode_native
     from toy.models.layers import kv_cache_bytes
 
     if not model_path.exists():
@@ -756,14 +756,17 @@ def load_base_lm(
         # adapter built them for 33 s while auto counted them as built).
         merged = "" if reach is None else "-" + _adapter_shape(reach)
         marker = decode.steps_marker(packed_cache.path_for(model_path).stem + merged)
-    cached = marker is None or marker.is_file()
+    # A llama model steps its reply in C (models/decode_native.py): nothing to build for it
+    # (an adapter merges float weights into its blocks: those take decode.py's steps).
+    native = packed is not None and reach is None and decode_native.covers(cfg)
+    cached = marker is None or marker.is_file() or native
     want = [base_dtype, torch.device(device).type, probe.float32_bytes(), available_memory()]
     want += [cache, packed, tokens, cached]
     dtype, note = choose_base_dtype(*want)
     # The compiler is looked for only where the packed form is to be used and this machine
     # has not built its steps before (the look imports torch's compiler stack, 1.3 s; built
     # steps load without it, and a shape still to build falls back to eager if it fails).
-    look = dtype == "quantized" and not (marker is not None and marker.is_file())
+    look = dtype == "quantized" and not native and not (marker is not None and marker.is_file())
     why_not = decode.compile_unavailable(torch.device(device)) if look else None
     if why_not and packed is not None:  # compiling is a speed lever, never a requirement
         held = (

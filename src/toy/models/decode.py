@@ -518,22 +518,49 @@ class PackedSpec:
     """A GGUF block type's codes packed for generation (see the module's docstring); the
     float shape (out, in) is the one the blocks stood for, rows in the model's order."""
 
-    __slots__ = ("qtype", "shape", "four_bit", "kernel")
+    __slots__ = ("qtype", "shape", "four_bit", "kernel", "blocked")
     parts = ("codes", "scales", "offsets")
     matvec_ready = True
 
-    def __init__(self, qtype: int, shape: tuple[int, int]):
+    def __init__(self, qtype: int, shape: tuple[int, int], blocked: bool = False):
         self.qtype, self.shape = int(qtype), (int(shape[0]), int(shape[1]))
         self.four_bit = self.qtype in FOUR_BIT
         self.kernel = None  # compiled on first use (inductor caches the code by shape)
+        # blocked: the parts in decode_step.c's order, rows in blocks of 32, the last padded
+        # (codes (ceil(N/32), G, W, 32), scales and offsets (ceil(N/32), G, 32)): a llama
+        # reply's products in C
+        # (models/decode_native.py); every method here takes either order
+        self.blocked = blocked
 
     @property
     def name(self) -> str:
         return f"{QUANT_TYPES[self.qtype][2]} (packed for generation)"
 
+    def grouped(self, parts: tuple[torch.Tensor, ...], idx=slice(None)) -> tuple:
+        """The parts of output rows idx in the grouped order (codes (G, W, n), scales and
+        offsets (G, n)), from either order (a copy from the blocked one)."""
+        if not self.blocked:
+            return tuple(p[..., idx] if p.numel() else p for p in parts)
+        words, s, z = parts
+        nb, G, W, R = words.shape
+        if isinstance(idx, slice):
+            N = self.shape[0]  # the last block's padding rows dropped
+            out = (
+                words.permute(1, 2, 0, 3).reshape(G, W, nb * R)[..., :N],
+                s.permute(1, 0, 2).reshape(G, nb * R)[..., :N],
+                z.permute(1, 0, 2).reshape(G, nb * R)[..., :N] if z.numel() else z,
+            )
+            return tuple(p[..., idx] if p.numel() else p for p in out)
+        b, r = idx // R, idx % R
+        return (
+            words[b, :, :, r].movedim(0, -1),
+            s[b, :, r].movedim(0, -1),
+            z[b, :, r].movedim(0, -1) if z.numel() else z,
+        )
+
     def columns(self, parts: tuple[torch.Tensor, ...], idx=slice(None)) -> torch.Tensor:
         """W^T (in, len(idx)) in float32: the packed codes of output rows idx, dequantized."""
-        words, s, z = (p[..., idx] if p.numel() else p for p in parts)
+        words, s, z = self.grouped(parts, idx)
         w = words.view(torch.int32)  # (G, W, n)
         bits = 4 if self.four_bit else 8
         q = torch.stack([_item(w, k, bits) for k in range(32 // bits)], dim=2).flatten(
@@ -570,10 +597,19 @@ class PackedSpec:
             from torch._inductor import inductor_prims
 
             x = inductor_prims.force_stride_order(x.contiguous(), (1,))
-            return (_matvec4 if self.four_bit else _matvec8)(x, *parts)
+            return (_matvec4 if self.four_bit else _matvec8)(x, *self.grouped(parts))
         if self.kernel is None:
-            self.kernel = _kernel(self.four_bit, parts)
+            if self.blocked:
+                from toy.models import decode_native
+
+                self.kernel = decode_native.kernel(self, parts) or self._lines
+            else:
+                self.kernel = _kernel(self.four_bit, parts)
         return self.kernel([x.contiguous(), *parts])[0]
+
+    def _lines(self, args: list) -> tuple[torch.Tensor]:
+        """The kernel's torch lines, eagerly, on parts in either order."""
+        return ((_matvec4 if self.four_bit else _matvec8)(args[0], *self.grouped(args[1:])),)
 
     def __repr__(self) -> str:
         return f"PackedSpec({self.name}, {self.shape})"
@@ -932,6 +968,10 @@ def compile_steps(model: torch.nn.Module, note=None, check: bool = True, rows: b
     blocks = getattr(model, "blocks", None)
     if blocks is None or (check and compile_unavailable(torch.device("cpu"))):
         return 0
+    if not rows:  # a llama model's reply tokens: its blocks in C (models/decode_native.py)
+        from toy.models import decode_native
+
+        decode_native.install(model)
     notes = [note] if note is not None else []
     for block in blocks:
         fwd = block.__dict__.get("forward")

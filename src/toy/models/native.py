@@ -1,6 +1,8 @@
 """C kernels compiled once for the machine toy runs on, where torch has no fast kernel for
 the job: AdamW over bfloat16 moments (train/adamw_bf16.c, HalfStateAdamW's update, loaded by
-train/native.py) and the tanh GELU on bfloat16 values (models/gelu_bf16.c, layers.gelu_tanh).
+train/native.py), the tanh GELU on bfloat16 values (models/gelu_bf16.c, layers.gelu_tanh) and
+a llama reply's token through its blocks on packed codes (models/decode_step.c,
+models/decode_native.py).
 
 The system's C compiler ($CC, else `cc`) builds a file with -O3 -march=native into
 toy's cache folder (native/, keyed by the source, the flags and this CPU's model and
@@ -63,7 +65,8 @@ def _note(why: str) -> None:
         _noted = True
         print(
             f"toy: note: {why}; toy's C kernels are replaced by torch's (AdamW's bf16 "
-            "moments about 2x slower an optimizer step, a bf16 GELU about 2x slower). "
+            "moments about 2x slower an optimizer step, a bf16 GELU about 2x slower, a "
+            "llama reply's tokens on a quantized base about 1.8x slower). "
             "Install a C compiler (gcc or clang), or set CC, to build them.",
             file=sys.stderr,
         )

@@ -1,0 +1,377 @@
+"""One token through a llama block in C (models/decode_step.c), for a reply on a packed base.
+
+A reply decodes one row of float32 at a time; models/decode.py compiles each block's step
+with inductor, whose product on the codes read them at half the machine's memory speed
+(decode_step.c's head says why). Where a model is llama's (RMSNorm, attention with grouped
+K/V heads and half-split rotary, SwiGLU; no biases, no per-head norms, no sliding window or
+capped scores) and its blocks' seven products are packed codes (decode.pack), `install`
+gives its `hidden` a C path for a reply's tokens: at the first such token the codes of the
+blocks and of the head are put in decode_step.c's order (decode.PackedSpec's blocked parts,
+in place of the grouped ones: no second copy), and each token is then one library call for
+all the blocks and one for the head. A prompt's prefill dequantizes the same parts
+(PackedSpec.columns takes either order). Every other call (more rows, autocast, a gradient,
+a padded cache), family or device keeps decode.py's path, and so does a machine where the
+library does not build (no C compiler, TOY_NATIVE=0)."""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import torch
+
+from toy.models import native
+
+RB = 32  # rows a block of the blocked order (decode_step.c's RB)
+SOURCE = Path(__file__).with_name("decode_step.c")
+_PROJ = ("q", "k", "v", "o", "gate", "up", "down")
+
+
+class Packed(ctypes.Structure):
+    _fields_ = [
+        ("words", ctypes.c_void_p),
+        ("s", ctypes.c_void_p),
+        ("z", ctypes.c_void_p),
+        ("G", ctypes.c_int64),
+        ("W", ctypes.c_int64),
+        ("N", ctypes.c_int64),
+        ("bits", ctypes.c_int32),
+        ("wide", ctypes.c_int32),
+    ]
+
+
+class LlamaBlock(ctypes.Structure):
+    _fields_ = [(name, Packed) for name in _PROJ] + [
+        ("norm1", ctypes.c_void_p),
+        ("norm2", ctypes.c_void_p),
+        ("eps1", ctypes.c_double),
+        ("eps2", ctypes.c_double),
+        ("scale", ctypes.c_double),
+        ("d_model", ctypes.c_int64),
+        ("d_ff", ctypes.c_int64),
+        ("n_head", ctypes.c_int64),
+        ("n_kv", ctypes.c_int64),
+        ("head_dim", ctypes.c_int64),
+        ("rot", ctypes.c_int64),
+    ]
+
+
+def library() -> dict | None:
+    """decode_step.c's functions, or None where it does not build (models/native.py)."""
+    P, I64 = ctypes.c_void_p, ctypes.c_int64
+    return native.kernels(
+        SOURCE,
+        {
+            "toy_packed_matvec": ([P, P, P], None),
+            "toy_llama_steps": ([P, I64, P, P, P, P, P, P, I64, I64], None),
+        },
+        # the products' multiply-adds fused (one rounding each): the sums are float32 and
+        # only reordered against the dequantized product, as inductor's kernels are
+        extra=("-fopenmp", "-ffp-contract=fast"),
+    )
+
+
+def _packed_spec(spec) -> bool:
+    """Whether a spec is decode.PackedSpec's (read by what it holds: decode imports this
+    module, not the other way round)."""
+    return hasattr(spec, "blocked") and getattr(spec, "matvec_ready", False)
+
+
+def blockable(m) -> bool:
+    """Whether a module's packed parts can be put in the blocked order (on the cpu, scales and
+    offsets of one dtype)."""
+    spec = getattr(m, "spec", None)
+    if not _packed_spec(spec) or m.codes.device.type != "cpu":
+        return False
+    s, z = m.scales, m.offsets
+    return spec.blocked or not z.numel() or z.dtype == s.dtype
+
+
+def _padded(t: torch.Tensor, blocks: int) -> torch.Tensor:
+    """t (..., N) with zero rows after the last, to blocks * RB rows."""
+    extra = blocks * RB - t.shape[-1]
+    return torch.nn.functional.pad(t, (0, extra)) if extra else t
+
+
+def to_blocked(modules) -> None:
+    """Put these modules' packed parts in the blocked order, in place of the grouped ones
+    (modules that share parts, a tied head and embedding, share the new ones)."""
+    from toy.models.quant import parts_of, register_parts
+
+    done: dict[int, tuple] = {}
+    files = _file_maps()
+    for m in modules:
+        if m.spec.blocked:
+            continue
+        key = id(m.codes)
+        if key not in done:
+            words, s, z = parts_of(m)
+            G, W, N = words.shape
+            nb = -(-N // RB)
+            parts = (
+                _padded(words.view(torch.int32), nb).view(words.dtype).reshape(G, W, nb, RB),
+                _padded(s, nb).reshape(G, nb, RB),
+                _padded(z, nb).reshape(G, nb, RB) if z.numel() else None,
+            )
+            parts = (
+                parts[0].permute(2, 0, 1, 3).contiguous(),
+                parts[1].permute(1, 0, 2).contiguous(),
+                # a new empty tensor, not the cache's: that one held the packed cache file's
+                # whole map (96 MB of SmolLM2's old order) alive
+                parts[2].permute(1, 0, 2).contiguous() if z.numel() else z.new_empty(0),
+            )
+            done[key] = (type(m.spec)(m.spec.qtype, m.spec.shape, blocked=True), parts)
+            for t in (words, s, z):
+                _drop_file_pages(t, files)
+        spec, parts = done[key]
+        m.spec = spec
+        register_parts(m, spec, parts)
+
+
+def _file_maps() -> list[tuple[int, int]]:
+    """The address ranges of this process's private maps of files (toy's packed cache is
+    read as one: safetensors maps the file)."""
+    out = []
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                cols = line.split()
+                if len(cols) >= 6 and cols[5].startswith("/") and cols[1].endswith("p"):
+                    lo, hi = cols[0].split("-")
+                    out.append((int(lo, 16), int(hi, 16)))
+    except OSError:
+        pass
+    return out
+
+
+def _drop_file_pages(t: torch.Tensor, files: list[tuple[int, int]]) -> None:
+    """Drop the resident pages of a tensor that lies in a private map of a file, once its
+    parts are copied into the blocked order: read again from the file if anything touches
+    them (their bytes are the file's: nothing writes them), so the old order does not stay in
+    memory beside the new until the last of the file's tensors goes (+74 MB of SmolLM2's peak
+    while they did). MADV_PAGEOUT did not drop them on the 2-core VM of docs/performance.md."""
+    import mmap
+
+    start, size = t.data_ptr(), t.numel() * t.element_size()
+    if not size or not any(lo <= start and start + size <= hi for lo, hi in files):
+        return
+    page = mmap.PAGESIZE
+    a, b = -(-start // page) * page, (start + size) // page * page
+    if b > a:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise(ctypes.c_void_p(a), ctypes.c_size_t(b - a), ctypes.c_int(mmap.MADV_DONTNEED))
+
+
+def packed(spec, parts: tuple[torch.Tensor, ...]) -> Packed:
+    """The struct decode_step.c reads for blocked parts (valid while they live)."""
+    words, s, z = parts
+    nb, G, W, R = words.shape
+    return Packed(
+        words.data_ptr(),
+        s.data_ptr(),
+        z.data_ptr() if z.numel() else None,
+        G,
+        W,
+        spec.shape[0],
+        4 if spec.four_bit else 8,
+        int(s.dtype == torch.float32),
+    )
+
+
+def kernel(spec, parts: tuple[torch.Tensor, ...]):
+    """PackedSpec.matvec's kernel for blocked parts: called with [x, *parts], returns (W x,)
+    from decode_step.c; the parts it was made for are held (a call with others, which a
+    spec shared by modules of one shape could see, is made a struct of its own). None where
+    the library does not load (never blocked then: the caller keeps its torch lines)."""
+    lib = library()
+    if lib is None:
+        return None
+    fn, held = lib["toy_packed_matvec"], tuple(parts)
+    mine = packed(spec, held)
+
+    def run(args):
+        x, *ps = args
+        p = mine if ps[0] is held[0] else packed(spec, tuple(ps))
+        y = torch.empty(spec.shape[0])
+        fn(ctypes.byref(p), x.data_ptr(), y.data_ptr())
+        return (y,)
+
+    return run
+
+
+def _plain_linear(m) -> bool:
+    from toy.models.quant import QuantLinear
+
+    return (
+        type(m) is QuantLinear
+        and _packed_spec(m.spec)
+        and getattr(m, "bias", None) is None
+        and m.codes.device.type == "cpu"
+    )
+
+
+def _projections(block) -> list | None:
+    """A llama block's seven linears in _PROJ's order, None where it is not one (see the
+    module's docstring for what a step here covers)."""
+    from toy.models.layers import Attention, RMSNorm, SwiGLU
+
+    a, mlp = getattr(block, "self_attn", None), getattr(block, "mlp", None)
+    norms = (
+        getattr(block, "input_layernorm", None),
+        getattr(block, "post_attention_layernorm", None),
+    )
+    if (
+        type(block).__name__ != "Block"
+        or type(block).__module__ != "toy.models.llama"
+        or type(a) is not Attention
+        or type(mlp) is not SwiGLU
+        or not all(type(n) is RMSNorm and n.weight.dtype == torch.float32 for n in norms)
+        or a.q_norm is not None
+        or a.window
+        or a.softcap
+        or a.n_head % a.n_kv_head
+    ):
+        return None
+    lins = [a.q_proj, a.k_proj, a.v_proj, a.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+    return lins if all(_plain_linear(m) for m in lins) else None
+
+
+def _block_spec(block, lins: list) -> tuple[LlamaBlock, list[torch.Tensor]]:
+    """A llama block as decode_step.c takes it, its linears' parts already blocked, and the
+    tensors the struct points into (held while it is used)."""
+    from toy.models.quant import parts_of
+
+    held = [t for m in lins for t in parts_of(m)]
+    a = block.self_attn
+    n1, n2 = block.input_layernorm, block.post_attention_layernorm
+    norms = [n1.weight.detach().contiguous(), n2.weight.detach().contiguous()]
+    held += norms
+    spec = LlamaBlock(
+        *(packed(m.spec, parts_of(m)) for m in lins),
+        norms[0].data_ptr(),
+        norms[1].data_ptr(),
+        float(n1.eps),
+        float(n2.eps),
+        float(a.scale if a.scale is not None else a.head_dim**-0.5),
+        n1.weight.shape[0],
+        lins[4].spec.shape[0],
+        a.n_head,
+        a.n_kv_head,
+        a.head_dim,
+        a.head_dim,  # rot: the tables' width, set at each call (partial rotary)
+    )
+    return spec, held
+
+
+class Hidden:
+    """A llama model's `hidden` (see models/llama.py) with one token of a reply through
+    decode_step.c: one row of float32, no gradient, no autocast, a cache without padding
+    on the cpu; the model's own `hidden` for everything else. The blocks' specs are built,
+    and the parts put in the blocked order, at a generation's first call (its prompt: None
+    until then; False where a block has none)."""
+
+    def __init__(self, model, eager):
+        self.model, self.eager = model, eager
+        self.blocks = None  # ctypes array of LlamaBlock, or False
+        self.held: list[torch.Tensor] = []
+
+    def _build(self) -> bool:
+        """The blocks' specs, their parts (and the head's) put in the blocked order; False
+        (for good) where a block is not one decode_step.c steps or the library does not build."""
+        lib = library()
+        lins = [_projections(b) for b in self.model.blocks]
+        if lib is None or not all(ls and all(blockable(m) for m in ls) for ls in lins):
+            self.blocks = False
+            return False
+        to_blocked([m for ls in lins for m in ls])
+        head = self.model.lm_head
+        if blockable(head) and not head.spec.blocked:
+            to_blocked(
+                [head]
+                + [
+                    m
+                    for m in self.model.modules()
+                    if m is not head and getattr(m, "codes", None) is head.codes
+                ]
+            )
+        specs = []
+        for block, ls in zip(self.model.blocks, lins):
+            spec, held = _block_spec(block, ls)
+            specs.append(spec)
+            self.held += held
+        self.blocks = (LlamaBlock * len(specs))(*specs)
+        self.fn = lib["toy_llama_steps"]
+        return True
+
+    def __call__(self, idx: torch.Tensor, cache=None) -> torch.Tensor:
+        if self.blocks is False or cache is None or torch.is_grad_enabled() or self.model.training:
+            return self.eager(idx, cache)
+        if self.blocks is None and not self._build():  # at a generation's first call, the
+            return self.eager(idx, cache)  # prompt's: its head's row runs in C too
+        if (
+            idx.shape != (1, 1)
+            or cache.pad is not None
+            or cache.pos >= cache.max_len
+            or torch.is_autocast_enabled("cpu")
+        ):
+            return self.eager(idx, cache)
+        kc, vc = cache.k, cache.v
+        k0 = kc[0]
+        D = self.blocks[0].head_dim
+        if (
+            k0.dtype != torch.float32
+            or k0.device.type != "cpu"
+            or k0.stride(-1) != 1
+            or k0.stride(-2) != D
+            or any(t.stride() != k0.stride() or t.dtype != k0.dtype for t in (*kc, *vc))
+        ):
+            return self.eager(idx, cache)
+        x = self.model.embed_tokens(idx)
+        if x.dtype != torch.float32:
+            return self.eager(idx, cache)
+        cos, sin = self.model.rotary.tables(cache.pos, 1)
+        cos, sin = cos.reshape(-1).contiguous(), sin.reshape(-1).contiguous()
+        for b in self.blocks:
+            b.rot = cos.numel()
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        n = len(self.blocks)
+        kp = (ctypes.c_void_p * n)(*(t.data_ptr() for t in kc))
+        vp = (ctypes.c_void_p * n)(*(t.data_ptr() for t in vc))
+        self.fn(
+            self.blocks,
+            n,
+            x.data_ptr(),
+            out.data_ptr(),
+            cos.data_ptr(),
+            sin.data_ptr(),
+            kp,
+            vp,
+            k0.stride(1),
+            cache.pos,
+        )
+        cache.pos += 1
+        return self.model.norm(out)
+
+
+def covers(cfg) -> bool:
+    """Whether a packed model of this config takes its reply's tokens here, so that packing it
+    costs no compile (cmd_infer's auto: decode.py's steps take ~20 s to build the first time):
+    llama's plain block, the library built. A base whose projections do not all pack still
+    finds out at its first call."""
+    from toy.models.llama import LlamaConfig
+
+    if type(cfg) is not LlamaConfig or cfg.qkv_bias or cfg.qk_norm or cfg.sliding_window:
+        return False
+    return cfg.n_head % cfg.n_kv_head == 0 and library() is not None
+
+
+def install(model) -> bool:
+    """Give a llama model on packed codes the C step for a reply's tokens (Hidden); False
+    where the model is not llama's. Whether its blocks qualify is seen at the first token."""
+    from toy.models.llama import Llama
+
+    if type(model) is not Llama or isinstance(model.__dict__.get("hidden"), Hidden):
+        return False
+    model.hidden = Hidden(model, model.hidden)
+    return True
