@@ -90,6 +90,9 @@ def test_blocked_parts_give_the_files_weights_and_the_one_row_product(qtype):
     assert torch.equal(lin.dequantized().view(torch.int32), w.view(torch.int32))
     idx = torch.tensor([[5, 0, 39, 33, 5]])
     assert torch.equal(lin.spec.gather(parts_of(lin), idx.view(-1), torch.float32), w[idx[0]])
+    for rows in (slice(3, 37), slice(32, 40), slice(0, 8), slice(35, 35)):  # a head's chunks
+        got = lin.spec.dequantize(parts_of(lin), rows=rows)
+        assert torch.equal(got.view(torch.int32), w[rows].view(torch.int32)), rows
     x = torch.randn(1, 1, cols, generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         y = lin(x)

@@ -19,9 +19,11 @@ HOUR_AGO = time.time() - 2 * 3600  # unused for longer than prune_builds waits (
 
 
 def _infer(gguf, cache: Path):
+    """A packed reply whose blocks take decode.py's built steps: TOY_NATIVE=0, as where toy's
+    C kernels do not build (with them this llama model's reply builds nothing)."""
     args = ["infer", "--model", gguf, "--prompt", "ROMEO. What", "--temperature", "0"]
     args += ["--max-new-tokens", "4", "--base-dtype", "quantized"]
-    return run_toy(*args, env={"TORCHINDUCTOR_CACHE_DIR": str(cache)})
+    return run_toy(*args, env={"TORCHINDUCTOR_CACHE_DIR": str(cache), "TOY_NATIVE": "0"})
 
 
 @pytest.fixture(scope="module")

@@ -543,14 +543,18 @@ class PackedSpec:
             return tuple(p[..., idx] if p.numel() else p for p in parts)
         words, s, z = parts
         nb, G, W, R = words.shape
-        if isinstance(idx, slice):
-            N = self.shape[0]  # the last block's padding rows dropped
+        if isinstance(idx, slice) and idx.step in (None, 1):  # only the blocks it reaches
+            start, end, _ = idx.indices(self.shape[0])  # (the last block's padding dropped)
+            b0, b1 = start // R, max(start // R, -(-end // R))
             out = (
-                words.permute(1, 2, 0, 3).reshape(G, W, nb * R)[..., :N],
-                s.permute(1, 0, 2).reshape(G, nb * R)[..., :N],
-                z.permute(1, 0, 2).reshape(G, nb * R)[..., :N] if z.numel() else z,
+                words[b0:b1].permute(1, 2, 0, 3).reshape(G, W, -1),
+                s[b0:b1].permute(1, 0, 2).reshape(G, -1),
+                z[b0:b1].permute(1, 0, 2).reshape(G, -1) if z.numel() else z,
             )
-            return tuple(p[..., idx] if p.numel() else p for p in out)
+            cut = slice(start - b0 * R, end - b0 * R)
+            return tuple(p[..., cut] if p.numel() else p for p in out)
+        if isinstance(idx, slice):
+            idx = torch.arange(self.shape[0])[idx]
         b, r = idx // R, idx % R
         return (
             words[b, :, :, r].movedim(0, -1),

@@ -321,6 +321,7 @@ class Hidden:
         if (
             k0.dtype != torch.float32
             or k0.device.type != "cpu"
+            or k0.shape[:2] != (1, self.blocks[0].n_kv)
             or k0.stride(-1) != 1
             or k0.stride(-2) != D
             or any(t.stride() != k0.stride() or t.dtype != k0.dtype for t in (*kc, *vc))
