@@ -46,9 +46,16 @@ def product(lib: dict, lin: QuantLinear, x: torch.Tensor) -> torch.Tensor:
     return y
 
 
-def _portable(monkeypatch) -> dict:
-    """decode_step.c built without -march=native (x86-64's baseline: no AVX-512 loop)."""
-    monkeypatch.setattr(native, "ARCH", ())
+# decode_step.c's product loops: the AVX-512 one where -march=native has it (this CPU), the
+# AVX2 one (FMA and F16C: most laptops), and the plain C one (x86-64's baseline: SSE2)
+BUILDS = {"native": None, "avx2": ("-mavx2", "-mfma", "-mf16c"), "portable": ()}
+
+
+def _built_with(monkeypatch, arch: tuple | None) -> dict:
+    """decode_step.c built with these flags in place of -march=native (None: as toy builds it)."""
+    if arch is None:
+        return decode_native.library()
+    monkeypatch.setattr(native, "ARCH", arch)
     saved = native._loaded.pop("decode_step", None)
     try:
         lib = decode_native.library()
@@ -60,21 +67,21 @@ def _portable(monkeypatch) -> dict:
     return lib
 
 
-@pytest.mark.parametrize("portable", [False, True], ids=["native", "portable"])
+@pytest.mark.parametrize("build", list(BUILDS))
 @pytest.mark.parametrize("qtype", BLOCK_TYPES, ids=lambda t: t.name)
-def test_the_product_on_the_steps_layout_is_the_dequantized_matmul(qtype, portable, monkeypatch):
+def test_the_product_on_the_steps_layout_is_the_dequantized_matmul(qtype, build, monkeypatch):
     """Sums reordered and multiply-adds fused, nothing else: within 1e-5 of the largest output
     of a float64 product of the same float32 weight (1e-4, what decode.py's kernels were asked,
     built for x86-64's baseline: no FMA there, each product rounded on its own, and a type with
     offsets cancels s * sum(q x) against z * sum(x)); 72 rows are two blocks of 32 and one of
     8 padded to 32."""
-    lib = _portable(monkeypatch) if portable else decode_native.library()
+    lib = _built_with(monkeypatch, BUILDS[build])
     cols = 512 if qtype in (T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K) else 160
     lin, w = packed_linear(qtype, 72, cols, seed=int(qtype))
     x = torch.randn(cols, generator=torch.Generator().manual_seed(1))
     ref = (w.double() @ x.double()).float()
     y = product(lib, lin, x)
-    bound = (1e-4 if portable else 1e-5) * ref.abs().max()
+    bound = (1e-4 if build == "portable" else 1e-5) * ref.abs().max()
     assert (y - ref).abs().max() <= bound, (y - ref).abs().max()
 
 

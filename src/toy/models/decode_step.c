@@ -30,7 +30,7 @@
 #include <string.h>
 
 #include "exp.h"
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
 #include <immintrin.h>
 #endif
 
@@ -84,6 +84,13 @@ static inline void load_row(const uint8_t *p, int wide, float *out) {
 static inline __m512 load16(const uint8_t *p, int wide) {
     return wide ? _mm512_loadu_ps(p) : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
 }
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define TOY_AVX2 1
+/* 8 scales or offsets of a record as float32 */
+static inline __m256 load8(const uint8_t *p, int wide) {
+    return wide ? _mm256_loadu_ps((const float *)p)
+                : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+}
 #endif
 
 /* rows b*RB .. b*RB+RB-1 of y = W x (xsum: each group's sum of x) */
@@ -130,6 +137,44 @@ static void rows(const toy_packed *P, const float *x, const float *xsum, float *
     float out[RB];
     _mm512_storeu_ps(out, y0);
     _mm512_storeu_ps(out + 16, y1);
+#elif defined(TOY_AVX2)
+    /* the same loop 8 rows a vector (most laptops' CPUs: AVX2, FMA and F16C, no AVX-512) */
+    const __m256i m = _mm256_set1_epi32(bits == 4 ? 15 : 255);
+    __m256 yv[4];
+    for (int i = 0; i < 4; i++) yv[i] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < P->G; g++, sp += RB * sb, zp = zp ? zp + RB * sb : 0) {
+        for (int64_t c = 0; c < W * RB; c += 16) __builtin_prefetch(w32 + PREFETCH * W * RB + c);
+        const float *xg = x + g * L;
+        __m256 a[4], c2[4];
+        for (int i = 0; i < 4; i++) a[i] = c2[i] = _mm256_setzero_ps();
+        for (int64_t w = 0; w < W; w++, w32 += RB) {
+            __m256i v[4];
+            for (int i = 0; i < 4; i++) v[i] = _mm256_loadu_si256((const __m256i *)(w32 + 8 * i));
+            const float *xw = xg + w * per;
+            for (int k = 0; k < per; k += 2) { /* x pre-scaled (products): codes in place */
+                const __m256 xa = _mm256_set1_ps(xw[k]), xb = _mm256_set1_ps(xw[k + 1]);
+                const __m256i ma = _mm256_slli_epi32(m, bits * k);
+                const int top = k + 1 == per - 1; /* the last code: its high bit is the sign */
+                const __m256i mb = _mm256_slli_epi32(m, bits * (k + 1));
+                for (int i = 0; i < 4; i++) {
+                    const __m256i cb = top ? _mm256_srli_epi32(v[i], bits * (k + 1))
+                                           : _mm256_and_si256(v[i], mb);
+                    a[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v[i], ma)), xa, a[i]);
+                    c2[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(cb), xb, c2[i]);
+                }
+            }
+        }
+        const __m256 xs = _mm256_set1_ps(xsum[g]), bias = _mm256_set1_ps(-128.0f);
+        for (int i = 0; i < 4; i++) {
+            const __m256 si = load8(sp + 8 * i * sb, P->wide);
+            yv[i] = _mm256_fmadd_ps(_mm256_add_ps(a[i], c2[i]), si, yv[i]);
+            __m256 zi = zp ? load8(zp + 8 * i * sb, P->wide) : _mm256_setzero_ps();
+            if (bits == 8) zi = _mm256_fmadd_ps(bias, si, zi); /* codes are q + 128 */
+            yv[i] = _mm256_fmadd_ps(zi, xs, yv[i]);
+        }
+    }
+    float out[RB];
+    for (int i = 0; i < 4; i++) _mm256_storeu_ps(out + 8 * i, yv[i]);
 #else
     const uint32_t mask = bits == 4 ? 15u : 255u;
     float out[RB] = {0};
@@ -166,6 +211,18 @@ static void group_sums(const toy_packed *P, const float *x, float *xsum) {
 static void products(const toy_packed *const *P, int n, const float *x, float *const *y) {
     float xsum[P[0]->G];
     group_sums(P[0], x, xsum);
+#ifdef TOY_AVX2
+    /* x scaled by 2^-(bits k) for code k of a word (exact: powers of two), so that the loop
+       takes each code masked where it lies, without a shift (the top code: shifted down) */
+    const int64_t K = P[0]->G * P[0]->W * (P[0]->bits == 4 ? 8 : 4);
+    const int per = P[0]->bits == 4 ? 8 : 4;
+    float xq[K];
+    for (int64_t i = 0; i < K; i++) {
+        const int k = (int)(i % per);
+        xq[i] = k == per - 1 ? x[i] : ldexpf(x[i], -P[0]->bits * k);
+    }
+    x = xq;
+#endif
     int64_t blocks[4] = {0};
     for (int i = 0; i < n; i++) blocks[i + 1] = blocks[i] + (P[i]->N + RB - 1) / RB;
 #pragma omp parallel for schedule(static)

@@ -30,6 +30,14 @@ from pathlib import Path
 FLAGS = ("-O3", "-fno-math-errno", "-ffp-contract=off", "-shared", "-fPIC")
 ARCH = ("-march=native",)  # dropped when the compiler refuses it (then still vectorized, narrower)
 
+
+def _arch() -> tuple[str, ...]:
+    """ARCH, held below AVX-512 where torch's own kernels are (ATEN_CPU_CAPABILITY=avx2, as
+    `bench/run.py --isa avx2` sets it): an AVX2 machine's code paths on an AVX-512 CPU."""
+    capped = os.environ.get("ATEN_CPU_CAPABILITY", "").lower() == "avx2"
+    return ARCH + ("-mno-avx512f",) if ARCH and capped else ARCH
+
+
 _loaded: dict[str, object] = {}  # "adamw_bf16" -> its functions, or None where none builds
 _noted = False
 
@@ -102,7 +110,8 @@ def _build(source: Path, name: str, extra: tuple[str, ...] = ()) -> Path | None:
     -fopenmp, say, still builds the one-thread loop)."""
     cc = os.environ.get("CC") or "cc"
     text = source.read_bytes() + b"".join(_headers(source))
-    tries = (extra + ARCH, ARCH, extra, ()) if extra else (ARCH, ())
+    base = _arch()
+    tries = (extra + base, base, extra, ()) if extra else (base, ())
     for arch in dict.fromkeys(tries):
         key = hashlib.sha256(
             b"\0".join([text, cc.encode(), " ".join(FLAGS + arch).encode(), _machine().encode()])
