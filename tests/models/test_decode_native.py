@@ -119,12 +119,16 @@ def eager_kernels(monkeypatch):
     )
 
 
-def _packed_model(quant_gguf, dtype: str):
+def _packed_model(quant_gguf, dtype: str, adapt=None):
+    """The tiny GGUF held as `dtype`, `adapt(model)` run on it first (as `toy infer` merges an
+    adapter before packing), packed where quantized."""
     from toy.formats import base_readers
     from toy.formats.base_readers import read_base
 
     probe = read_base(quant_gguf, "quantized")
     model = base_readers.held_as(probe, quant_gguf, dtype).build_model("cpu").eval()
+    if adapt is not None:
+        model = adapt(model)
     if dtype == "quantized":
         decode.pack(model)
     return model
@@ -161,7 +165,7 @@ def test_what_is_not_a_replys_token_takes_the_models_own_path(
     quant_gguf, monkeypatch, eager_kernels
 ):
     """Two rows, autocast, a gradient, a padded cache or a block that is not llama's plain one
-    (float weights here: an adapter merged into it) never reach the C step."""
+    (a bias on a projection, qwen2's) never reach the C step."""
     calls = []
     lib = decode_native.library()
     monkeypatch.setitem(lib, "toy_llama_steps", lambda *a: calls.append(a))
@@ -177,11 +181,42 @@ def test_what_is_not_a_replys_token_takes_the_models_own_path(
         model(tok, padded)
     model(tok, model.new_cache(1, 8))  # grad enabled
     assert calls == []
-    f32 = _packed_model(quant_gguf, "float32")
-    decode_native.install(f32)
+    biased = _packed_model(quant_gguf, "quantized")
+    q = biased.layers[1].self_attn.q_proj
+    q.bias = torch.nn.Parameter(torch.zeros(q.spec.shape[0]), requires_grad=False)
+    decode_native.install(biased)
     with torch.no_grad():
-        f32(tok, f32.new_cache(1, 8))
-    assert calls == [] and f32.hidden.blocks is False
+        biased(tok, biased.new_cache(1, 8))
+    assert calls == [] and biased.hidden.blocks is False
+
+
+def _adapted(model, seed: int = 7):
+    """An adapter on q, v and down (B not zero), merged: those projections float32 rows."""
+    from toy.lora import LoRALinear, apply_lora, merge_lora
+
+    apply_lora(model, ["q_proj", "v_proj", "down_proj"], 4, 8.0, 0.0, seed)
+    g = torch.Generator().manual_seed(seed)
+    for m in model.modules():
+        if isinstance(m, LoRALinear):
+            m.lora_B.data = torch.randn(m.lora_B.shape, generator=g) * 0.05
+    return merge_lora(model)
+
+
+def test_an_adapter_merged_into_the_blocks_steps_in_c_too(quant_gguf, monkeypatch, eager_kernels):
+    """`toy infer --adapter` merges the adapter into the projections it adapts (float32 rows
+    there, the rest packed): those blocks step in C as well (one dot product a row), the
+    logits within float32 rounding of the float32 base with the same adapter merged."""
+    calls = _count_steps(monkeypatch)
+    with torch.no_grad():
+        f32 = _packed_model(quant_gguf, "float32", _adapted)
+        want = _greedy(f32, [5, 9, 12, 7], 30, f32.new_cache(1, 64))
+        model = _packed_model(quant_gguf, "quantized", _adapted)
+        assert type(model.layers[0].self_attn.q_proj) is torch.nn.Linear
+        assert decode_native.install(model)
+        got = _greedy(model, [5, 9, 12, 7], 30, model.new_cache(1, 64))
+    assert calls == list(range(4, 34))
+    scale = want.abs().max()
+    assert (got - want).abs().max() <= 1e-4 * scale, (got - want).abs().max() / scale
 
 
 def _count_steps(monkeypatch) -> list:

@@ -756,9 +756,9 @@ def load_base_lm(
         # adapter built them for 33 s while auto counted them as built).
         merged = "" if reach is None else "-" + _adapter_shape(reach)
         marker = decode.steps_marker(packed_cache.path_for(model_path).stem + merged)
-    # A llama model steps its reply in C (models/decode_native.py): nothing to build for it
-    # (an adapter merges float weights into its blocks: those take decode.py's steps).
-    native = packed is not None and reach is None and decode_native.covers(cfg)
+    # A llama model steps its reply in C (models/decode_native.py), an adapter merged into
+    # its blocks or not: nothing to build for it.
+    native = packed is not None and decode_native.covers(cfg)
     cached = marker is None or marker.is_file() or native
     want = [base_dtype, torch.device(device).type, probe.float32_bytes(), available_memory()]
     want += [cache, packed, tokens, cached]

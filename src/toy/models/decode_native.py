@@ -4,13 +4,14 @@ A reply decodes one row of float32 at a time; models/decode.py compiles each blo
 with inductor, whose product on the codes read them at half the machine's memory speed
 (decode_step.c's head says why). Where a model is llama's (RMSNorm, attention with grouped
 K/V heads and half-split rotary, SwiGLU; no biases, no per-head norms, no sliding window or
-capped scores) and its blocks' seven products are packed codes (decode.pack), `install`
-gives its `hidden` a C path for a reply's tokens: at the first such token the codes of the
-blocks and of the head are put in decode_step.c's order (decode.PackedSpec's blocked parts,
-in place of the grouped ones: no second copy), and each token is then one library call for
-all the blocks and one for the head. A prompt's prefill dequantizes the same parts
-(PackedSpec.columns takes either order). Every other call (more rows, autocast, a gradient,
-a padded cache), family or device keeps decode.py's path, and so does a machine where the
+capped scores) and its blocks' products are packed codes (decode.pack), or float32 rows
+where an adapter was merged into them, `install` gives its `hidden` a C path for a reply's
+tokens: at a generation's first call the codes of the blocks and of the head are put in
+decode_step.c's order (decode.PackedSpec's blocked parts, in place of the grouped ones: no
+second copy), and each token is then one library call for all the blocks and one for the
+head. A prompt's prefill dequantizes the same parts (PackedSpec.columns takes either
+order). Every other call (more rows, autocast, a gradient, a padded cache), family, device
+or a model with no packed block keeps decode.py's path, and so does a machine where the
 library does not build (no C compiler, TOY_NATIVE=0)."""
 
 from __future__ import annotations
@@ -200,14 +201,24 @@ def kernel(spec, parts: tuple[torch.Tensor, ...]):
 
 
 def _plain_linear(m) -> bool:
+    """A projection the step takes: packed codes, or float32 weights (an adapter merged into
+    it: toy/lora.py merge_lora); no bias, on the cpu."""
     from toy.models.quant import QuantLinear
 
+    if type(m) is torch.nn.Linear:
+        w = m.weight
+        return m.bias is None and w.dtype == torch.float32 and w.device.type == "cpu"
     return (
         type(m) is QuantLinear
         and _packed_spec(m.spec)
         and getattr(m, "bias", None) is None
         and m.codes.device.type == "cpu"
     )
+
+
+def _dense(w: torch.Tensor) -> Packed:
+    """The struct for float32 rows (N, K) (valid while w lives)."""
+    return Packed(w.data_ptr(), None, None, 1, w.shape[1], w.shape[0], 32, 1)
 
 
 def _projections(block) -> list | None:
@@ -241,20 +252,24 @@ def _block_spec(block, lins: list) -> tuple[LlamaBlock, list[torch.Tensor]]:
     tensors the struct points into (held while it is used)."""
     from toy.models.quant import parts_of
 
-    held = [t for m in lins for t in parts_of(m)]
+    weights = {id(m): m.weight.detach().contiguous() for m in lins if type(m) is torch.nn.Linear}
+    held = [t for m in lins if id(m) not in weights for t in parts_of(m)] + list(weights.values())
     a = block.self_attn
     n1, n2 = block.input_layernorm, block.post_attention_layernorm
     norms = [n1.weight.detach().contiguous(), n2.weight.detach().contiguous()]
     held += norms
     spec = LlamaBlock(
-        *(packed(m.spec, parts_of(m)) for m in lins),
+        *(
+            _dense(weights[id(m)]) if id(m) in weights else packed(m.spec, parts_of(m))
+            for m in lins
+        ),
         norms[0].data_ptr(),
         norms[1].data_ptr(),
         float(n1.eps),
         float(n2.eps),
         float(a.scale if a.scale is not None else a.head_dim**-0.5),
         n1.weight.shape[0],
-        lins[4].spec.shape[0],
+        lins[4].out_features,
         a.n_head,
         a.n_kv_head,
         a.head_dim,
@@ -280,10 +295,15 @@ class Hidden:
         (for good) where a block is not one decode_step.c steps or the library does not build."""
         lib = library()
         lins = [_projections(b) for b in self.model.blocks]
-        if lib is None or not all(ls and all(blockable(m) for m in ls) for ls in lins):
+        dense = torch.nn.Linear
+        if (
+            lib is None
+            or not all(ls and all(type(m) is dense or blockable(m) for m in ls) for ls in lins)
+            or all(type(m) is dense for ls in lins for m in ls)  # a float model: decode.py's
+        ):
             self.blocks = False
             return False
-        to_blocked([m for ls in lins for m in ls])
+        to_blocked([m for ls in lins for m in ls if type(m) is not dense])
         head = self.model.lm_head
         if blockable(head) and not head.spec.blocked:
             to_blocked(

@@ -21,6 +21,9 @@
    bytes): the arithmetic of decode.py's kernels, in float32, the sums in another order (the
    tests hold the result to the dequantized product within float32 rounding).
 
+   A matrix of bits 32 is float32 rows (N, K) at `words` (a projection an adapter was merged
+   into: toy/lora.py merge_lora): one dot product a row.
+
    Threads: the products of a step split their row blocks over OpenMP's threads; the library
    is built with -fopenmp and takes the libgomp torch has loaded (models/native.py), so the
    split runs on torch's own threads at torch's thread count. The glue is a few microseconds
@@ -93,8 +96,27 @@ static inline __m256 load8(const uint8_t *p, int wide) {
 }
 #endif
 
+/* sum of a[i] * b[i], in 16 running partial sums (a loop the compiler vectorises without
+   reordering a float sum it was not told it may reorder) */
+static inline float dot(const float *a, const float *b, int64_t n) {
+    float part[16] = {0};
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16)
+        for (int j = 0; j < 16; j++) part[j] += a[i + j] * b[i + j];
+    float s = 0;
+    for (; i < n; i++) s += a[i] * b[i];
+    for (int j = 0; j < 16; j++) s += part[j];
+    return s;
+}
+
 /* rows b*RB .. b*RB+RB-1 of y = W x (xsum: each group's sum of x) */
 static void rows(const toy_packed *P, const float *x, const float *xsum, float *y, int64_t b) {
+    if (P->bits == 32) { /* float32 rows (N, K), an adapter merged in: one dot product a row */
+        const float *w = (const float *)P->words;
+        const int64_t end = (b + 1) * RB < P->N ? (b + 1) * RB : P->N;
+        for (int64_t r = b * RB; r < end; r++) y[r] = dot(w + r * P->W, x, P->W);
+        return;
+    }
     const int bits = P->bits, per = bits == 4 ? 8 : 4;
     const int64_t W = P->W, L = W * per, sb = P->wide ? 4 : 2;
     const uint32_t *w32 = P->words + b * P->G * W * RB;
@@ -207,29 +229,44 @@ static void group_sums(const toy_packed *P, const float *x, float *xsum) {
     }
 }
 
-/* y_i = W_i x for up to three matrices of one input, their row blocks shared out together */
-static void products(const toy_packed *const *P, int n, const float *x, float *const *y) {
-    float xsum[P[0]->G];
-    group_sums(P[0], x, xsum);
+static int64_t in_features(const toy_packed *P) {
+    return P->bits == 32 ? P->W : P->G * P->W * (P->bits == 4 ? 8 : 4);
+}
+
+/* what rows() reads of x for a matrix: its groups' sums, and (the AVX2 loop) x scaled by
+   2^-(bits k) for code k of a word (exact: powers of two), so that the loop takes each code
+   masked where it lies, without a shift (the top code, whose high bit is the sign: shifted);
+   returns the x to pass */
+static const float *prepare(const toy_packed *P, const float *x, float *xsum, float *xq) {
+    if (P->bits == 32) return x;
+    group_sums(P, x, xsum);
 #ifdef TOY_AVX2
-    /* x scaled by 2^-(bits k) for code k of a word (exact: powers of two), so that the loop
-       takes each code masked where it lies, without a shift (the top code: shifted down) */
-    const int64_t K = P[0]->G * P[0]->W * (P[0]->bits == 4 ? 8 : 4);
-    const int per = P[0]->bits == 4 ? 8 : 4;
-    float xq[K];
-    for (int64_t i = 0; i < K; i++) {
+    const int per = P->bits == 4 ? 8 : 4;
+    for (int64_t i = 0, K = in_features(P); i < K; i++) {
         const int k = (int)(i % per);
-        xq[i] = k == per - 1 ? x[i] : ldexpf(x[i], -P[0]->bits * k);
+        xq[i] = k == per - 1 ? x[i] : ldexpf(x[i], -P->bits * k);
     }
-    x = xq;
+    return xq;
+#else
+    (void)xq;
+    return x;
 #endif
+}
+
+/* y_i = W_i x for up to three matrices of one input (each its own block type: a Q4_K_M file
+   keeps attn_v in Q6_K beside Q4_K queries and keys), their row blocks shared out together */
+static void products(const toy_packed *const *P, int n, const float *x, float *const *y) {
+    const int64_t K = in_features(P[0]);
+    float xsum[3][K / 16 + 1], xq[3][K]; /* groups are 16 or 32 inputs long */
+    const float *xin[3];
+    for (int i = 0; i < n; i++) xin[i] = prepare(P[i], x, xsum[i], xq[i]);
     int64_t blocks[4] = {0};
     for (int i = 0; i < n; i++) blocks[i + 1] = blocks[i] + (P[i]->N + RB - 1) / RB;
 #pragma omp parallel for schedule(static)
     for (int64_t t = 0; t < blocks[n]; t++) {
         int i = 0;
         while (t >= blocks[i + 1]) i++;
-        rows(P[i], x, xsum, y[i], t - blocks[i]);
+        rows(P[i], xin[i], xsum[i], y[i], t - blocks[i]);
     }
 }
 
@@ -255,19 +292,6 @@ static void rotate(float *h, const float *cos, const float *sin, int64_t rot) {
         h[i] = a * cos[i] - b * sin[i];
         h[i + m] = b * cos[i + m] + a * sin[i + m];
     }
-}
-
-/* sum of a[i] * b[i], in 16 running partial sums (a loop the compiler vectorises without
-   reordering a float sum it was not told it may reorder) */
-static inline float dot(const float *a, const float *b, int64_t n) {
-    float part[16] = {0};
-    int64_t i = 0;
-    for (; i + 16 <= n; i += 16)
-        for (int j = 0; j < 16; j++) part[j] += a[i + j] * b[i + j];
-    float s = 0;
-    for (; i < n; i++) s += a[i] * b[i];
-    for (int j = 0; j < 16; j++) s += part[j];
-    return s;
 }
 
 /* one query head over n cached keys and values (D each): softmax(q k^T * scale) v */
