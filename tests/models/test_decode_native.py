@@ -293,3 +293,57 @@ def test_a_first_packed_reply_builds_nothing_and_imports_no_compiler(quant_gguf,
     assert out["auto"]["text"] == text
     assert out["auto"]["base_dtype"] == "quantized (packed)", out["auto"]
     assert not (tmp_path / "inductor").exists() or not any((tmp_path / "inductor").rglob("*.so"))
+
+
+def _mixed_llama(seed: int = 0):
+    """A tiny llama whose projections are random blocks of different types, as a Q4_K_M file
+    mixes them (q, k Q4_K, v and down Q6_K: 16-long groups beside 32-long ones, 8-bit words
+    beside nibbles), packed; and the float32 model of the same weights."""
+    from toy.models.llama import Llama, LlamaConfig
+
+    cfg = LlamaConfig(
+        vocab_size=64, d_model=256, n_layer=2, n_head=4, n_kv_head=2, d_ff=512, max_seq_len=128
+    )
+    torch.manual_seed(seed)
+    ref = Llama(cfg).eval()
+    model = Llama(cfg).eval()
+    model.load_state_dict(ref.state_dict())
+    types = {
+        "q_proj": T.Q4_K, "k_proj": T.Q4_K, "v_proj": T.Q6_K, "o_proj": T.Q4_0,
+        "gate_proj": T.Q4_1, "up_proj": T.Q8_0, "down_proj": T.Q6_K,
+    }  # fmt: skip
+    for i, (block, twin) in enumerate(zip(model.layers, ref.layers)):
+        for part, twin_part in ((block.self_attn, twin.self_attn), (block.mlp, twin.mlp)):
+            for name, qtype in types.items():
+                if hasattr(part, name):
+                    rows, cols = getattr(part, name).weight.shape
+                    raw = torch.from_numpy(random_blocks(qtype, rows, cols, MILD_F16, 10 * i))
+                    spec = QuantSpec(int(qtype), (rows, cols))
+                    setattr(part, name, QuantLinear(raw, spec))
+                    getattr(twin_part, name).weight.data = spec.dequantize((raw,))
+    decode.pack(model)
+    return model, ref
+
+
+@pytest.mark.parametrize("build", ["native", "avx2"])
+def test_a_block_of_mixed_types_steps_as_the_float32_one(build, monkeypatch, eager_kernels):
+    """q, k and v (and gate and up) go through one parallel region each: a matrix's group sums
+    (and the AVX2 loop's scaled x) are its own, not the first one's. This untrained model of
+    random blocks carries float32 rounding further than a real one: the C step is held to
+    twice what decode.py's own packed path (its kernels' torch lines) differs from float32
+    by (1.6e-4 of the logits here), and the same greedy tokens."""
+    lib = _built_with(monkeypatch, BUILDS[build])
+    monkeypatch.setattr(decode_native, "library", lambda: lib)
+    calls = []
+    real = lib["toy_llama_steps"]
+    monkeypatch.setitem(lib, "toy_llama_steps", lambda *a: calls.append(a[-1]) or real(*a))
+    model, ref = _mixed_llama()
+    with torch.no_grad():
+        want = _greedy(ref, [5, 9, 12], 20, ref.new_cache(1, 32))
+        eager = _greedy(_mixed_llama()[0], [5, 9, 12], 20, ref.new_cache(1, 32))
+        assert decode_native.install(model)
+        got = _greedy(model, [5, 9, 12], 20, model.new_cache(1, 32))
+    assert calls == list(range(3, 23))
+    bound = max(1e-4 * want.abs().max(), 2 * (eager - want).abs().max())
+    assert (got - want).abs().max() <= bound, ((got - want).abs().max(), bound)
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
