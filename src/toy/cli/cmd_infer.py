@@ -627,7 +627,7 @@ def build_steps(args, device) -> int:
     for the first two spans a reply reads, and write the marker auto looks for. The
     --build-lock file is removed at the end only where it is this model's own lock (the
     one build_in_background made): a path toy did not make is never deleted."""
-    from toy.models import decode
+    from toy.models import decode, decode_native
 
     args.base_dtype = "quantized"
     lm = load_lm(args, device)
@@ -635,6 +635,12 @@ def build_steps(args, device) -> int:
         if decode.has_steps(lm.model):
             last = min(2 * decode.SPAN_MIN, lm.limit) - 1
             decode.warm_steps(lm.model, lm.limit, 0, last)
+            if decode_native.serving(lm.model):  # nothing built in C's place
+                print(
+                    "nothing to build: this model's reply steps in C (models/decode_step.c)",
+                    file=sys.stderr,
+                )
+                return 0
             if lm.steps_marker is not None and decode.compile_failed is None:
                 decode.mark_steps(lm.steps_marker)
                 print(f"built: {lm.steps_marker.name}", file=sys.stderr)
@@ -867,7 +873,7 @@ def stream(lm: LM, ids: list[int], args, cache=None, echo: str = "") -> list[int
 
     import torch
 
-    from toy.models import decode
+    from toy.models import decode, decode_native
 
     out = sys.stdout
     new: list[int] = []
@@ -885,8 +891,12 @@ def stream(lm: LM, ids: list[int], args, cache=None, echo: str = "") -> list[int
         last = min(first + args.max_new_tokens - 1, decode.span_last(first, cache.max_len))
         decode.warm_steps(lm.model, cache.max_len, first, last)
         decode.quiet_steps(lm.model)
-        if lm.steps_marker is not None and decode.compile_failed is None:
-            decode.mark_steps(lm.steps_marker)  # auto may count on the cached compile now
+        if (  # auto may count on the cached compile now (not built where C stepped it)
+            lm.steps_marker is not None
+            and decode.compile_failed is None
+            and not decode_native.serving(lm.model)
+        ):
+            decode.mark_steps(lm.steps_marker)
     quiet = getattr(args, "json", False)  # the text goes into the JSON object instead
     if echo and not quiet:
         out.write(echo)

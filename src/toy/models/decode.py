@@ -545,7 +545,13 @@ class PackedSpec:
         nb, G, W, R = words.shape
         if isinstance(idx, slice) and idx.step in (None, 1):  # only the blocks it reaches
             start, end, _ = idx.indices(self.shape[0])  # (the last block's padding dropped)
-            b0, b1 = start // R, max(start // R, -(-end // R))
+            if end <= start:  # no rows: the grouped order's empty parts
+                return (
+                    words.new_empty((G, W, 0)),
+                    s.new_empty((G, 0)),
+                    z.new_empty((G, 0)) if z.numel() else z,
+                )
+            b0, b1 = start // R, -(-end // R)
             out = (
                 words[b0:b1].permute(1, 2, 0, 3).reshape(G, W, -1),
                 s[b0:b1].permute(1, 0, 2).reshape(G, -1),
@@ -555,6 +561,7 @@ class PackedSpec:
             return tuple(p[..., cut] if p.numel() else p for p in out)
         if isinstance(idx, slice):
             idx = torch.arange(self.shape[0])[idx]
+        idx = torch.where(idx < 0, idx + self.shape[0], idx)  # -1: the last real row
         b, r = idx // R, idx % R
         return (
             words[b, :, :, r].movedim(0, -1),

@@ -79,13 +79,11 @@ def _packed_spec(spec) -> bool:
 
 
 def blockable(m) -> bool:
-    """Whether a module's packed parts can be put in the blocked order (on the cpu, scales and
-    offsets of one dtype)."""
+    """Whether a module's packed parts can be put in the blocked order (on the cpu)."""
     spec = getattr(m, "spec", None)
     if not _packed_spec(spec) or m.codes.device.type != "cpu":
         return False
-    s, z = m.scales, m.offsets
-    return spec.blocked or not z.numel() or z.dtype == s.dtype
+    return True
 
 
 def _padded(t: torch.Tensor, blocks: int) -> torch.Tensor:
@@ -107,6 +105,8 @@ def to_blocked(modules) -> None:
         key = id(m.codes)
         if key not in done:
             words, s, z = parts_of(m)
+            if z.numel() and z.dtype != s.dtype:  # decode._narrow kept one in float16: both
+                s, z = s.float(), z.float()  # float32 (exact), one dtype for the C loop
             G, W, N = words.shape
             nb = -(-N // RB)
             parts = (
@@ -193,27 +193,52 @@ def kernel(spec, parts: tuple[torch.Tensor, ...]):
     def run(args):
         x, *ps = args
         p = mine if ps[0] is held[0] else packed(spec, tuple(ps))
-        y = torch.empty(spec.shape[0])
+        y = torch.empty(spec.shape[0], dtype=torch.float32)
         fn(ctypes.byref(p), x.data_ptr(), y.data_ptr())
         return (y,)
 
     return run
 
 
-def _plain_linear(m) -> bool:
-    """A projection the step takes: packed codes, or float32 weights (an adapter merged into
-    it: toy/lora.py merge_lora); no bias, on the cpu."""
-    from toy.models.quant import QuantLinear
+def _float_rows(m) -> bool:
+    """Whether a projection is float rows the step takes as they are: an nn.Linear (an adapter
+    merged into it: toy/lora.py merge_lora) or a GGUF tensor stored as F32/F16/BF16 (which
+    decode.pack leaves unpacked), on the cpu, without a bias."""
+    from toy.models.quant import QuantLinear, QuantSpec
+    from toy.models.quant_types import BF16, F16, F32
 
     if type(m) is torch.nn.Linear:
         w = m.weight
         return m.bias is None and w.dtype == torch.float32 and w.device.type == "cpu"
     return (
         type(m) is QuantLinear
+        and type(m.spec) is QuantSpec
+        and m.spec.qtype in (F32, F16, BF16)
+        and m.bias is None
+        and m.weight.device.type == "cpu"
+    )
+
+
+def _plain_linear(m) -> bool:
+    """A projection the step takes: packed codes, or float rows (_float_rows)."""
+    from toy.models.quant import QuantLinear
+
+    if _float_rows(m):
+        return True
+    return (
+        type(m) is QuantLinear
         and _packed_spec(m.spec)
         and getattr(m, "bias", None) is None
         and m.codes.device.type == "cpu"
     )
+
+
+def _rows_weight(m) -> torch.Tensor:
+    """A _float_rows projection's weight as float32 rows (N, K): its own, or the file's
+    F16/BF16 widened (a copy, held by the step)."""
+    if type(m) is torch.nn.Linear:
+        return m.weight.detach().contiguous()
+    return m.dequantized(torch.float32).contiguous()
 
 
 def _dense(w: torch.Tensor) -> Packed:
@@ -247,12 +272,26 @@ def _projections(block) -> list | None:
     return lins if all(_plain_linear(m) for m in lins) else None
 
 
+def _rows_cols(m) -> tuple[int, int]:
+    return (m.out_features, m.in_features)
+
+
+def _shapes_fit(block, lins: list) -> bool:
+    """Whether the projections' shapes are the ones decode_step.c sizes its buffers by (a
+    llama.Block's always are; checked, not trusted)."""
+    a = block.self_attn
+    C, H, K, D = block.input_layernorm.weight.shape[0], a.n_head, a.n_kv_head, a.head_dim
+    F = lins[4].out_features
+    want = [(H * D, C), (K * D, C), (K * D, C), (C, H * D), (F, C), (F, C), (C, F)]
+    return [_rows_cols(m) for m in lins] == want
+
+
 def _block_spec(block, lins: list) -> tuple[LlamaBlock, list[torch.Tensor]]:
     """A llama block as decode_step.c takes it, its linears' parts already blocked, and the
     tensors the struct points into (held while it is used)."""
     from toy.models.quant import parts_of
 
-    weights = {id(m): m.weight.detach().contiguous() for m in lins if type(m) is torch.nn.Linear}
+    weights = {id(m): _rows_weight(m) for m in lins if _float_rows(m)}
     held = [t for m in lins if id(m) not in weights for t in parts_of(m)] + list(weights.values())
     a = block.self_attn
     n1, n2 = block.input_layernorm, block.post_attention_layernorm
@@ -295,15 +334,15 @@ class Hidden:
         (for good) where a block is not one decode_step.c steps or the library does not build."""
         lib = library()
         lins = [_projections(b) for b in self.model.blocks]
-        dense = torch.nn.Linear
         if (
             lib is None
-            or not all(ls and all(type(m) is dense or blockable(m) for m in ls) for ls in lins)
-            or all(type(m) is dense for ls in lins for m in ls)  # a float model: decode.py's
+            or not all(ls and all(_float_rows(m) or blockable(m) for m in ls) for ls in lins)
+            or all(_float_rows(m) for ls in lins for m in ls)  # a float model: decode.py's
+            or not all(_shapes_fit(b, ls) for b, ls in zip(self.model.blocks, lins))
         ):
             self.blocks = False
             return False
-        to_blocked([m for ls in lins for m in ls if type(m) is not dense])
+        to_blocked([m for ls in lins for m in ls if not _float_rows(m)])
         head = self.model.lm_head
         if blockable(head) and not head.spec.blocked:
             to_blocked(
@@ -339,12 +378,19 @@ class Hidden:
         k0 = kc[0]
         D = self.blocks[0].head_dim
         if (
-            k0.dtype != torch.float32
+            len(kc) != len(self.blocks)
+            or len(vc) != len(kc)
+            or k0.dtype != torch.float32
             or k0.device.type != "cpu"
             or k0.shape[:2] != (1, self.blocks[0].n_kv)
+            or k0.shape[2] <= cache.pos
+            or k0.shape[3] != D
             or k0.stride(-1) != 1
             or k0.stride(-2) != D
-            or any(t.stride() != k0.stride() or t.dtype != k0.dtype for t in (*kc, *vc))
+            or any(
+                t.shape != k0.shape or t.stride() != k0.stride() or t.dtype != k0.dtype
+                for t in (*kc, *vc)
+            )
         ):
             return self.eager(idx, cache)
         x = self.model.embed_tokens(idx)
@@ -373,6 +419,13 @@ class Hidden:
         )
         cache.pos += 1
         return self.model.norm(out)
+
+
+def serving(model) -> bool:
+    """Whether a model's reply tokens went through the C step (its blocks' specs built): then
+    decode.py's steps were not built, and nothing is to be marked as built."""
+    hidden = getattr(model, "__dict__", {}).get("hidden")
+    return isinstance(hidden, Hidden) and bool(hidden.blocks)
 
 
 def covers(cfg) -> bool:
