@@ -528,8 +528,7 @@ class PackedSpec:
         self.kernel = None  # compiled on first use (inductor caches the code by shape)
         # blocked: the parts in decode_step.c's order, rows in blocks of 32, the last padded
         # (codes (ceil(N/32), G, W, 32), scales and offsets (ceil(N/32), G, 32)): a llama
-        # reply's products in C
-        # (models/decode_native.py); every method here takes either order
+        # reply's products in C (models/decode_native.py); every method here takes either
         self.blocked = blocked
 
     @property
