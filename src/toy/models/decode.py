@@ -773,14 +773,9 @@ def _page_out(t: torch.Tensor) -> None:
     advice = getattr(mmap, "MADV_PAGEOUT", None)
     if advice is None or t.device.type != "cpu" or t.numel() == 0:
         return
-    import ctypes
+    from toy.models import native
 
-    page = mmap.PAGESIZE
-    start = -(-t.data_ptr() // page) * page
-    end = (t.data_ptr() + t.numel() * t.element_size()) // page * page
-    if end > start:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), ctypes.c_int(advice))
+    native.advise(t.data_ptr(), t.numel() * t.element_size(), advice)
 
 
 # ---- a whole block per token: compile_steps -------------------------------------------------

@@ -154,13 +154,8 @@ def _drop_file_pages(t: torch.Tensor, files: list[tuple[int, int]]) -> None:
     import mmap
 
     start, size = t.data_ptr(), t.numel() * t.element_size()
-    if not size or not any(lo <= start and start + size <= hi for lo, hi in files):
-        return
-    page = mmap.PAGESIZE
-    a, b = -(-start // page) * page, (start + size) // page * page
-    if b > a:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.madvise(ctypes.c_void_p(a), ctypes.c_size_t(b - a), ctypes.c_int(mmap.MADV_DONTNEED))
+    if size and any(lo <= start and start + size <= hi for lo, hi in files):
+        native.advise(start, size, mmap.MADV_DONTNEED)
 
 
 def packed(spec, parts: tuple[torch.Tensor, ...]) -> Packed:
@@ -312,7 +307,7 @@ def _block_spec(block, lins: list) -> tuple[LlamaBlock, list[torch.Tensor]]:
         a.n_head,
         a.n_kv_head,
         a.head_dim,
-        a.head_dim,  # rot: the tables' width, set at each call (partial rotary)
+        a.head_dim,  # rot: llama's Rotary turns the whole head (Hidden checks the tables)
     )
     return spec, held
 
@@ -398,8 +393,8 @@ class Hidden:
             return self.eager(idx, cache)
         cos, sin = self.model.rotary.tables(cache.pos, 1)
         cos, sin = cos.reshape(-1).contiguous(), sin.reshape(-1).contiguous()
-        for b in self.blocks:
-            b.rot = cos.numel()
+        if cos.numel() != self.blocks[0].rot:
+            return self.eager(idx, cache)
         x = x.contiguous()
         out = torch.empty_like(x)
         n = len(self.blocks)

@@ -109,19 +109,13 @@ static inline float dot(const float *a, const float *b, int64_t n) {
     return s;
 }
 
-/* rows b*RB .. b*RB+RB-1 of y = W x (xsum: each group's sum of x) */
-static void rows(const toy_packed *P, const float *x, const float *xsum, float *y, int64_t b) {
-    if (P->bits == 32) { /* float32 rows (N, K), an adapter merged in: one dot product a row */
-        const float *w = (const float *)P->words;
-        const int64_t end = (b + 1) * RB < P->N ? (b + 1) * RB : P->N;
-        for (int64_t r = b * RB; r < end; r++) y[r] = dot(w + r * P->W, x, P->W);
-        return;
-    }
+/* out[r] = row b*RB + r of W x for the codes of one block of rows (w32, sp, zp: its words,
+   scales and offsets; xsum: each group's sum of x), one loop per instruction set */
+#ifdef __AVX512F__
+static void block_rows(const toy_packed *P, const float *x, const float *xsum,
+                       const uint32_t *w32, const uint8_t *sp, const uint8_t *zp, float *out) {
     const int bits = P->bits, per = bits == 4 ? 8 : 4;
     const int64_t W = P->W, L = W * per, sb = P->wide ? 4 : 2;
-    const uint32_t *w32 = P->words + b * P->G * W * RB;
-    const uint8_t *sp = P->s + b * P->G * RB * sb, *zp = P->z ? P->z + b * P->G * RB * sb : 0;
-#ifdef __AVX512F__
     /* by hand: gcc's vectorisation of the loops below ran at a third of this speed */
     const __m512i m = _mm512_set1_epi32(bits == 4 ? 15 : 255);
     __m512 y0 = _mm512_setzero_ps(), y1 = _mm512_setzero_ps();
@@ -156,10 +150,15 @@ static void rows(const toy_packed *P, const float *x, const float *xsum, float *
         const __m512 xs = _mm512_set1_ps(xsum[g]);
         y0 = _mm512_fmadd_ps(z0, xs, y0), y1 = _mm512_fmadd_ps(z1, xs, y1);
     }
-    float out[RB];
     _mm512_storeu_ps(out, y0);
     _mm512_storeu_ps(out + 16, y1);
+}
+
 #elif defined(TOY_AVX2)
+static void block_rows(const toy_packed *P, const float *x, const float *xsum,
+                       const uint32_t *w32, const uint8_t *sp, const uint8_t *zp, float *out) {
+    const int bits = P->bits, per = bits == 4 ? 8 : 4;
+    const int64_t W = P->W, L = W * per, sb = P->wide ? 4 : 2;
     /* the same loop 8 rows a vector (most laptops' CPUs: AVX2, FMA and F16C, no AVX-512) */
     const __m256i m = _mm256_set1_epi32(bits == 4 ? 15 : 255);
     __m256 yv[4];
@@ -195,11 +194,16 @@ static void rows(const toy_packed *P, const float *x, const float *xsum, float *
             yv[i] = _mm256_fmadd_ps(zi, xs, yv[i]);
         }
     }
-    float out[RB];
     for (int i = 0; i < 4; i++) _mm256_storeu_ps(out + 8 * i, yv[i]);
+}
+
 #else
+static void block_rows(const toy_packed *P, const float *x, const float *xsum,
+                       const uint32_t *w32, const uint8_t *sp, const uint8_t *zp, float *out) {
+    const int bits = P->bits, per = bits == 4 ? 8 : 4;
+    const int64_t W = P->W, L = W * per, sb = P->wide ? 4 : 2;
     const uint32_t mask = bits == 4 ? 15u : 255u;
-    float out[RB] = {0};
+    memset(out, 0, RB * sizeof(float));
     for (int64_t g = 0; g < P->G; g++, sp += RB * sb, zp = zp ? zp + RB * sb : 0) {
         for (int64_t c = 0; c < W * RB; c += 16) __builtin_prefetch(w32 + PREFETCH * W * RB + c);
         float acc[RB] = {0}, s[RB], z[RB] = {0};
@@ -215,7 +219,23 @@ static void rows(const toy_packed *P, const float *x, const float *xsum, float *
             for (int r = 0; r < RB; r++) z[r] -= 128.0f * s[r];
         for (int r = 0; r < RB; r++) out[r] += acc[r] * s[r] + z[r] * xsum[g];
     }
+}
+
 #endif
+
+/* rows b*RB .. b*RB+RB-1 of y = W x (xsum: each group's sum of x) */
+static void rows(const toy_packed *P, const float *x, const float *xsum, float *y, int64_t b) {
+    if (P->bits == 32) { /* float32 rows (N, K), an adapter merged in: one dot product a row */
+        const float *w = (const float *)P->words;
+        const int64_t end = (b + 1) * RB < P->N ? (b + 1) * RB : P->N;
+        for (int64_t r = b * RB; r < end; r++) y[r] = dot(w + r * P->W, x, P->W);
+        return;
+    }
+    const int64_t sb = P->wide ? 4 : 2;
+    const uint32_t *w32 = P->words + b * P->G * P->W * RB;
+    const uint8_t *sp = P->s + b * P->G * RB * sb, *zp = P->z ? P->z + b * P->G * RB * sb : 0;
+    float out[RB];
+    block_rows(P, x, xsum, w32, sp, zp, out);
     const int64_t n = P->N - b * RB < RB ? P->N - b * RB : RB; /* the last block's real rows */
     memcpy(y + b * RB, out, n * sizeof(float));
 }

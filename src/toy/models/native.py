@@ -38,6 +38,18 @@ def _arch() -> tuple[str, ...]:
     return ARCH + ("-mno-avx512f",) if ARCH and capped else ARCH
 
 
+def advise(start: int, size: int, advice: int) -> None:
+    """madvise(2) over the whole pages inside [start, start + size) (a tensor's bytes: its
+    first and last pages may hold a neighbour's); best effort."""
+    import mmap
+
+    page = mmap.PAGESIZE
+    a, b = -(-start // page) * page, (start + size) // page * page
+    if b > a:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise(ctypes.c_void_p(a), ctypes.c_size_t(b - a), ctypes.c_int(advice))
+
+
 _loaded: dict[str, object] = {}  # "adamw_bf16" -> its functions, or None where none builds
 _noted = False
 
