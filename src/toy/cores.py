@@ -26,6 +26,21 @@ def cpu_has_amx() -> bool:
     return bool({"amx_tile", "amx_bf16"} & cpuinfo_flags())
 
 
+def physical_cores() -> int:
+    """This process's cores, each physical core once (its hyperthreads not counted): the
+    thread count torch starts with, for a process that runs without torch (a reply in C,
+    models/reply_c.py). From Linux's /sys topology; elsewhere the CPUs it may run on."""
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    seen = set()
+    for c in cpus:
+        top = Path(f"/sys/devices/system/cpu/cpu{c}/topology")
+        try:
+            seen.add(((top / "physical_package_id").read_text(), (top / "core_id").read_text()))
+        except OSError:
+            return len(cpus) or os.cpu_count() or 1
+    return len(seen) or os.cpu_count() or 1
+
+
 class Cores:
     """How many of this process's cores other programs keep busy, from /proc/stat (Linux),
     measured between two looks: every core's busy time over the interval, less this

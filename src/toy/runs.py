@@ -407,6 +407,15 @@ def fingerprint(path: Path, limit: int = 1 << 22, files: list[Path] | None = Non
     return h.hexdigest()[:16]
 
 
+def file_key(path: Path, *extra) -> str:
+    """A key for what toy keeps in its cache from a file (formats/packed_cache.py,
+    formats/reply_image.py): its fingerprint, size, mtime and inode, and `extra` (the kept
+    layout's version): a changed or replaced file finds nothing kept."""
+    st = Path(path).stat()
+    parts = [fingerprint(Path(path)), st.st_size, st.st_mtime_ns, st.st_ino, *extra]
+    return hashlib.sha256(":".join(map(str, parts)).encode()).hexdigest()[:24]
+
+
 def cache_dir() -> Path:
     """toy's cache folder: $TOY_CACHE, else $XDG_CACHE_HOME/toy, else ~/.cache/toy."""
     base = os.environ.get("TOY_CACHE") or os.path.join(

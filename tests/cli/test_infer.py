@@ -79,12 +79,12 @@ class Spy:
     """Records the prompt ids every generate() call gets, and the KV caches made."""
 
     def __init__(self, monkeypatch):
-        from toy.cli import cmd_infer
+        from toy.models import generate as gen_module
         from toy.models import layers
 
         self.prompts: list[list[int]] = []
         self.caches: list = []
-        real_generate, real_init = cmd_infer.generate, layers.KVCache.__init__
+        real_generate, real_init = gen_module.generate, layers.KVCache.__init__
 
         def generate(model, prompt_ids, *a, **kw):
             self.prompts.append(list(prompt_ids))
@@ -94,7 +94,7 @@ class Spy:
             real_init(cache, *a, **kw)
             self.caches.append(cache)
 
-        monkeypatch.setattr(cmd_infer, "generate", generate)
+        monkeypatch.setattr(gen_module, "generate", generate)  # stream imports it at its call
         monkeypatch.setattr(layers.KVCache, "__init__", init)
 
 

@@ -10,10 +10,9 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from toy.cli import reply_fast
 from toy.cli.args import finite_float, human_size, nonneg_int, positive_int
 from toy.errors import InputError, UsageError
-from toy.formats.model_dir import final_dir, load_model_dir
-from toy.models.generate import generate
 from toy.tokenizer import encode_prompt, eos_id
 from toy.train.memory import available_memory
 
@@ -197,8 +196,6 @@ def run(args) -> int:
         from toy.cli.cmd_infer_image import infer_image
 
         return infer_image(args)
-    from toy.train.device import apply_threads, resolve_device
-
     if args.temperature < 0:
         raise UsageError(f"--temperature must be >= 0 (0 is greedy), got {args.temperature}")
     if not 0 < args.top_p <= 1:
@@ -233,17 +230,23 @@ def run(args) -> int:
         )
     if getattr(args, "json", False) and args.prompt is None and args.chat is None:
         raise UsageError("--json needs --prompt TEXT or --chat MESSAGE (not an interactive chat)")
-    device = resolve_device(args.device)
-    apply_threads(args.threads)
-    args.precision = infer_precision(args, device)
-    if getattr(args, "build_steps", False):
-        if not args.model or args.run or args.prompt is not None or args.chat is not None:
-            raise UsageError(
-                "--build-steps takes --model BASE (a GGUF file) and optionally --adapter, "
-                "nothing to generate"
-            )
-        return build_steps(args, device)
-    lm = load_lm(args, device)
+    lm = reply_fast.load(args)  # a llama GGUF's reply kept in toy's cache: no torch
+    if lm is None:
+        from toy.train.device import apply_threads, resolve_device
+
+        device = resolve_device(args.device)
+        apply_threads(args.threads)
+        args.precision = infer_precision(args, device)
+        if getattr(args, "build_steps", False):
+            if not args.model or args.run or args.prompt is not None or args.chat is not None:
+                raise UsageError(
+                    "--build-steps takes --model BASE (a GGUF file) and optionally --adapter, "
+                    "nothing to generate"
+                )
+            return build_steps(args, device)
+        lm = load_lm(args, device)
+    else:
+        reply_fast.threads(args)
     try:
         if args.prompt is not None:
             code = continue_text(lm, args)
@@ -335,12 +338,15 @@ class LM:
         self.steps_marker = None  # a file written once the compiled steps are built (decode)
         self.build = None  # (marker, model, adapter): steps to build in the background after
         self.report: dict = {}  # the last reply: its text, tokens and times (--json)
+        self.c = None  # models/reply_c.Model: a one-shot reply's loop in C (cli/reply_fast.py)
+        self.image = None  # (path, sizes, note): the C loop's model to keep after the reply
 
 
 def load_lm(args, device) -> LM:
     # A LoRA run directory stands for its final/ adapter, as in `toy export`.
     from toy.cli.adapter_base import resolve_base, run_dir_of
     from toy.formats.checkpoint import read_json
+    from toy.formats.model_dir import final_dir, load_model_dir
 
     adapter = _adapter_path(args.adapter) if args.adapter else None
     model_path = Path(args.model) if args.model else None
@@ -410,31 +416,35 @@ def _round_up(n: int, chunk: int) -> int:
     return -(-n // chunk) * chunk
 
 
+def _prompt_len(lm: LM, args) -> int:
+    """The ids --prompt or --chat's rendered message feed (0 for a chat without a template,
+    refused once loaded)."""
+    if args.prompt is not None:
+        return max(1, len(encode_prompt(lm.tok, args.prompt)))
+    if lm.template is None:
+        return 0
+    from toy.data.chat import render_template
+
+    text = render_template(
+        lm.template,
+        [*_system(args), {"role": "user", "content": args.chat}],
+        add_generation_prompt=True,
+        bos_token=lm.bos,
+        eos_token=lm.eos,
+    )
+    return len(encode_prompt(lm.tok, text))
+
+
 def _planned_cache(args):
     """The KV cache positions the generation will need, from an LM whose weights are not
     loaded yet: its prompt (or rendered chat message) plus --max-new-tokens; for an
     interactive chat, its first allocation (a chunk for the first message, and the reply)."""
 
     def plan(lm: LM) -> int:
-        n = args.max_new_tokens
-        if args.prompt is not None:
-            n += max(1, len(encode_prompt(lm.tok, args.prompt)))
-        elif args.chat is not None:
-            if lm.template is None:
-                return 0  # refused once loaded
-            from toy.data.chat import render_template
-
-            text = render_template(
-                lm.template,
-                [*_system(args), {"role": "user", "content": args.chat}],
-                add_generation_prompt=True,
-                bos_token=lm.bos,
-                eos_token=lm.eos,
-            )
-            n += len(encode_prompt(lm.tok, text))
-        else:
-            n = _round_up(n + CACHE_CHUNK, CACHE_CHUNK)
-        return min(lm.limit, n)
+        if args.prompt is None and args.chat is None:
+            return min(lm.limit, _round_up(args.max_new_tokens + CACHE_CHUNK, CACHE_CHUNK))
+        fed = _prompt_len(lm, args)
+        return min(lm.limit, fed + args.max_new_tokens) if fed else 0
 
     return plan
 
@@ -526,6 +536,8 @@ def _adapter_path(arg: str) -> Path:
             f"--adapter {p}: no such run or adapter directory or file; pass {ADAPTER_FORMS}"
         )
     if p.is_dir():
+        from toy.formats.model_dir import final_dir
+
         d = final_dir(arg, "--adapter")
         if not (d / "adapter_config.json").is_file():
             raise InputError(
@@ -726,13 +738,13 @@ def load_base_lm(
     # is refused before any work; its tokenizer, template and size decide the rest.
     probe = read_base(model_path, "quantized")
     cfg, tok, special = probe.config, probe.tokenizer, probe.special
-    template, why = None, ""
+    template, why, template_note = None, "", None
     try:
-        template, note = resolve_chat_template(
+        template, template_note = resolve_chat_template(
             probe.chat_template, probe.vocab_tokens, probe.chat_format, None, str(model_path)
         )
-        if note:
-            print(f"note: {note}", file=sys.stderr)
+        if template_note:
+            print(f"note: {template_note}", file=sys.stderr)
     except InputError as e:
         why = e.message.removeprefix(f"{model_path}: ")
     lm = LM(
@@ -830,6 +842,11 @@ def load_base_lm(
             decode.trust_isa()  # built here before: inductor's per-process ISA probe is skipped
         if model_path.is_file():  # a GGUF: packed once, then read from toy's cache
             packed_cache.pack(model, model_path)
+            if native and adapted is None and precision == "float32":
+                # a one-shot reply's C loop (cli/reply_fast.py) kept for the next command
+                sizes = {"float32_bytes": want[2], "packed_bytes": packed}
+                sizes |= {"n_layer": cfg.n_layer, "n_kv": cfg.n_kv_head, "head_dim": cfg.head_dim}
+                lm.image = (model_path, sizes, template_note)
         else:
             decode.pack(model)
         decode.compile_steps(
@@ -868,16 +885,25 @@ def stream(lm: LM, ids: list[int], args, cache=None, echo: str = "") -> list[int
     the model's context, so that a compiled step's shapes (models/decode.py) are the same
     for every prompt and come from inductor's cache; the first span's steps are built (or
     loaded) before the first token, so no note lands inside the reply. Ends with one stderr line:
-    the time to the first token and the tokens/s after it."""
-    import time
+    the time to the first token and the tokens/s after it.
 
+    A one-shot reply (no cache given) of a llama base held packed steps in C from its first
+    token to its last (models/reply_c.py), on a model read from toy's cache (lm.c:
+    cli/reply_fast.py) or made from the loaded one, which is then kept for the next command."""
+    if cache is None:
+        c = lm.c if lm.model is None else _c_model(lm, ids, args)
+        if c is not None:
+            from toy.models import reply_c
+
+            drawn = reply_c.reply(c, ids, *_sampling(lm, args))
+            new = _emit(lm, drawn, ids, args, echo, True, reply_c.threads(0))
+            _keep(lm, c, args)
+            return new
     import torch
 
     from toy.models import decode, decode_native
+    from toy.models.generate import generate
 
-    out = sys.stdout
-    new: list[int] = []
-    shown = ""
     room = max(1, lm.limit - (cache.pos if cache is not None else 0))
     fed = min(len(ids), room)
     if cache is None and decode.has_steps(lm.model):  # else generate makes it, no larger
@@ -897,23 +923,58 @@ def stream(lm: LM, ids: list[int], args, cache=None, echo: str = "") -> list[int
             and not decode_native.serving(lm.model)
         ):
             decode.mark_steps(lm.steps_marker)
+    drawn = generate(lm.model, ids, *_sampling(lm, args), cache=cache)
+    return _emit(lm, drawn, ids, args, echo, cache is None, torch.get_num_threads())
+
+
+def _sampling(lm: LM, args) -> tuple:
+    """What a reply's loop takes after the prompt (generate's and reply_c.reply's order)."""
+    return (args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed, lm.stop)
+
+
+def _c_model(lm: LM, ids: list[int], args):
+    """The C loop's model (models/reply_c.py) for a one-shot reply of a loaded LM: a llama
+    base held packed whose prompt and reply reply_fast.takes; None for decode.py's path."""
+    if len(ids) > reply_fast.PREFILL_MAX or lm.held != "quantized (packed)":
+        return None
+    from toy.models import decode_native
+
+    c = decode_native.reply_model(lm.model)
+    if c is None or not reply_fast.takes(len(ids), args.max_new_tokens, c, lm.limit):
+        return None
+    return c
+
+
+def _keep(lm: LM, c, args) -> None:
+    """After a reply from a loaded model: its C loop's model kept in toy's cache (best
+    effort), where load_base_lm marked it for keeping and no good copy is there yet (none,
+    or one reply_fast found damaged or stale)."""
+    if lm.image is None or lm.model is None:
+        return
+    from toy.formats import reply_image
+
+    model_path, sizes, note = lm.image
+    lm.image = None
+    path = reply_image.path_for(model_path)
+    if getattr(args, "reply_image_bad", False) or not path.is_file():
+        reply_image.write(path, c.plan, c.arrays, reply_fast.meta_of(lm, sizes, note))
+
+
+def _emit(lm: LM, drawn, ids: list[int], args, echo: str, cut_note: bool, threads: int):
+    """Print the tokens `drawn` yields as they come (see stream), the speed line after them,
+    and keep the reply's report (lm.report); returns the new ids."""
+    import time
+
+    out = sys.stdout
+    new: list[int] = []
+    shown = ""
     quiet = getattr(args, "json", False)  # the text goes into the JSON object instead
     if echo and not quiet:
         out.write(echo)
         out.flush()
     t0 = time.perf_counter()
     t1 = None
-    for t in generate(
-        lm.model,
-        ids,
-        args.max_new_tokens,
-        args.temperature,
-        args.top_k,
-        args.top_p,
-        args.seed,
-        lm.stop,
-        cache=cache,
-    ):
+    for t in drawn:
         if t1 is None:
             t1 = time.perf_counter()
         new.append(t)
@@ -931,7 +992,7 @@ def stream(lm: LM, ids: list[int], args, cache=None, echo: str = "") -> list[int
             out.write(text[len(shown) :])
         out.write("\n")
         out.flush()
-    if cache is None and new and len(new) < args.max_new_tokens and held >= lm.limit:
+    if cut_note and new and len(new) < args.max_new_tokens and held >= lm.limit:
         print(
             f"[cut at {len(new)} new tokens: the model's context of {lm.limit} tokens is full "
             f"(--max-new-tokens {args.max_new_tokens} asked for more)]",
@@ -951,7 +1012,7 @@ def stream(lm: LM, ids: list[int], args, cache=None, echo: str = "") -> list[int
         ),
         "base_dtype": lm.held,
         "why": lm.why,
-        "threads": torch.get_num_threads(),
+        "threads": threads,
     }
     return new
 

@@ -22,18 +22,13 @@ import torch
 
 from toy.data.prep import cache_dir
 from toy.models import decode
-from toy.runs import fingerprint
+from toy.runs import file_key
 
 LAYOUT = 1  # bump when decode.pack_parts changes what it writes
 
 
 def path_for(model_path: Path) -> Path:
-    st = Path(model_path).stat()
-    key = hashlib.sha256(
-        f"{fingerprint(Path(model_path))}:{st.st_size}:{st.st_mtime_ns}:{st.st_ino}:"
-        f"{LAYOUT}:{sys.byteorder}".encode()
-    ).hexdigest()[:24]
-    return cache_dir() / "packed" / f"{key}.safetensors"
+    return cache_dir() / "packed" / f"{file_key(model_path, LAYOUT, sys.byteorder)}.safetensors"
 
 
 def _digest(tensors: dict[str, torch.Tensor]) -> str:

@@ -17,59 +17,11 @@ library does not build (no C compiler, TOY_NATIVE=0)."""
 from __future__ import annotations
 
 import ctypes
-from pathlib import Path
 
 import torch
 
-from toy.models import native
-
-RB = 32  # rows a block of the blocked order (decode_step.c's RB)
-SOURCE = Path(__file__).with_name("decode_step.c")
-_PROJ = ("q", "k", "v", "o", "gate", "up", "down")
-
-
-class Packed(ctypes.Structure):
-    _fields_ = [
-        ("words", ctypes.c_void_p),
-        ("s", ctypes.c_void_p),
-        ("z", ctypes.c_void_p),
-        ("G", ctypes.c_int64),
-        ("W", ctypes.c_int64),
-        ("N", ctypes.c_int64),
-        ("bits", ctypes.c_int32),
-        ("wide", ctypes.c_int32),
-    ]
-
-
-class LlamaBlock(ctypes.Structure):
-    _fields_ = [(name, Packed) for name in _PROJ] + [
-        ("norm1", ctypes.c_void_p),
-        ("norm2", ctypes.c_void_p),
-        ("eps1", ctypes.c_double),
-        ("eps2", ctypes.c_double),
-        ("scale", ctypes.c_double),
-        ("d_model", ctypes.c_int64),
-        ("d_ff", ctypes.c_int64),
-        ("n_head", ctypes.c_int64),
-        ("n_kv", ctypes.c_int64),
-        ("head_dim", ctypes.c_int64),
-        ("rot", ctypes.c_int64),
-    ]
-
-
-def library() -> dict | None:
-    """decode_step.c's functions, or None where it does not build (models/native.py)."""
-    P, I64 = ctypes.c_void_p, ctypes.c_int64
-    return native.kernels(
-        SOURCE,
-        {
-            "toy_packed_matvec": ([P, P, P], None),
-            "toy_llama_steps": ([P, I64, P, P, P, P, P, P, I64, I64], None),
-        },
-        # the products' multiply-adds fused (one rounding each): the sums are float32 and
-        # only reordered against the dequantized product, as inductor's kernels are
-        extra=("-fopenmp", "-ffp-contract=fast"),
-    )
+from toy.models import native, reply_c
+from toy.models.reply_c import RB, Packed, library
 
 
 def _packed_spec(spec) -> bool:
@@ -236,11 +188,6 @@ def _rows_weight(m) -> torch.Tensor:
     return m.dequantized(torch.float32).contiguous()
 
 
-def _dense(w: torch.Tensor) -> Packed:
-    """The struct for float32 rows (N, K) (valid while w lives)."""
-    return Packed(w.data_ptr(), None, None, 1, w.shape[1], w.shape[0], 32, 1)
-
-
 def _projections(block) -> list | None:
     """A llama block's seven linears in _PROJ's order, None where it is not one (see the
     module's docstring for what a step here covers)."""
@@ -281,35 +228,73 @@ def _shapes_fit(block, lins: list) -> bool:
     return [_rows_cols(m) for m in lins] == want
 
 
-def _block_spec(block, lins: list) -> tuple[LlamaBlock, list[torch.Tensor]]:
-    """A llama block as decode_step.c takes it, its linears' parts already blocked, and the
-    tensors the struct points into (held while it is used)."""
-    from toy.models.quant import parts_of
+class _Plan:
+    """reply_c.Model's plan and arrays for a model's torch tensors: each tensor once (a tied
+    head and embedding share their parts), seen by numpy without a copy; `held` keeps the
+    tensors (copies among them: a file's F16 rows widened) alive with the model."""
 
-    weights = {id(m): _rows_weight(m) for m in lins if _float_rows(m)}
-    held = [t for m in lins if id(m) not in weights for t in parts_of(m)] + list(weights.values())
-    a = block.self_attn
-    n1, n2 = block.input_layernorm, block.post_attention_layernorm
-    norms = [n1.weight.detach().contiguous(), n2.weight.detach().contiguous()]
-    held += norms
-    spec = LlamaBlock(
-        *(
-            _dense(weights[id(m)]) if id(m) in weights else packed(m.spec, parts_of(m))
-            for m in lins
-        ),
-        norms[0].data_ptr(),
-        norms[1].data_ptr(),
-        float(n1.eps),
-        float(n2.eps),
-        float(a.scale if a.scale is not None else a.head_dim**-0.5),
-        n1.weight.shape[0],
-        lins[4].out_features,
-        a.n_head,
-        a.n_kv_head,
-        a.head_dim,
-        a.head_dim,  # rot: llama's Rotary turns the whole head (Hidden checks the tables)
-    )
-    return spec, held
+    def __init__(self):
+        self.arrays: dict[str, object] = {}
+        self.names: dict[tuple[int, int], str] = {}
+        self.held: list[torch.Tensor] = []
+
+    def name(self, t: torch.Tensor) -> str:
+        key = (t.data_ptr(), t.numel())
+        if key not in self.names:
+            self.names[key] = f"t{len(self.names)}"
+            self.held.append(t)
+            self.arrays[self.names[key]] = t.detach().numpy()
+        return self.names[key]
+
+    def matrix(self, m) -> dict:
+        """A projection or head as reply_c's packed dict: its blocked parts, or float32 rows
+        (_float_rows)."""
+        if _float_rows(m):
+            w = _rows_weight(m)
+            return {
+                "words": self.name(w),
+                "s": None,
+                "z": None,
+                **dict(zip(reply_c.PACKED_NUMBERS, (1, w.shape[1], w.shape[0], 32, 1))),
+            }
+        from toy.models.quant import parts_of
+
+        words, sc, z = parts_of(m)
+        nb, G, W, R = words.shape
+        return {
+            "words": self.name(words),
+            "s": self.name(sc),
+            "z": self.name(z) if z.numel() else None,
+            "G": G,
+            "W": W,
+            "N": m.spec.shape[0],
+            "bits": 4 if m.spec.four_bit else 8,
+            "wide": int(sc.dtype == torch.float32),
+        }
+
+    def block(self, block, lins: list) -> dict:
+        """A llama block as decode_step.c takes it, its linears' parts already blocked."""
+        a = block.self_attn
+        n1, n2 = block.input_layernorm, block.post_attention_layernorm
+        return {
+            **{p: self.matrix(m) for p, m in zip(reply_c.PROJ, lins)},
+            "norm1": self.name(n1.weight.detach().contiguous()),
+            "norm2": self.name(n2.weight.detach().contiguous()),
+            "eps1": float(n1.eps),
+            "eps2": float(n2.eps),
+            "scale": float(a.scale if a.scale is not None else a.head_dim**-0.5),
+            "d_model": n1.weight.shape[0],
+            "d_ff": lins[4].out_features,
+            "n_head": a.n_head,
+            "n_kv": a.n_kv_head,
+            "head_dim": a.head_dim,
+            "rot": a.head_dim,  # llama's Rotary turns the whole head (Hidden checks the tables)
+        }
+
+
+def _tied_to_head(model) -> list:
+    head = model.lm_head
+    return [m for m in model.modules() if m is not head and getattr(m, "codes", None) is head.codes]
 
 
 class Hidden:
@@ -322,6 +307,7 @@ class Hidden:
     def __init__(self, model, eager):
         self.model, self.eager = model, eager
         self.blocks = None  # ctypes array of LlamaBlock, or False
+        self.plan = None  # _Plan of the blocks (reply_model adds the rest)
         self.held: list[torch.Tensor] = []
 
     def _build(self) -> bool:
@@ -340,20 +326,11 @@ class Hidden:
         to_blocked([m for ls in lins for m in ls if not _float_rows(m)])
         head = self.model.lm_head
         if blockable(head) and not head.spec.blocked:
-            to_blocked(
-                [head]
-                + [
-                    m
-                    for m in self.model.modules()
-                    if m is not head and getattr(m, "codes", None) is head.codes
-                ]
-            )
-        specs = []
-        for block, ls in zip(self.model.blocks, lins):
-            spec, held = _block_spec(block, ls)
-            specs.append(spec)
-            self.held += held
-        self.blocks = (LlamaBlock * len(specs))(*specs)
+            to_blocked([head] + _tied_to_head(self.model))
+        plan = _Plan()
+        blocks = [plan.block(b, ls) for b, ls in zip(self.model.blocks, lins)]
+        self.blocks = reply_c.block_array(blocks, plan.arrays)
+        self.plan, self.block_plans, self.held = plan, blocks, plan.held
         self.fn = lib["toy_llama_steps"]
         return True
 
@@ -414,6 +391,68 @@ class Hidden:
         )
         cache.pos += 1
         return self.model.norm(out)
+
+
+def reply_model(model) -> reply_c.Model | None:
+    """reply_c's Model of a llama model whose reply tokens the C step takes (Hidden, built
+    here where it was not: the parts put in the blocked order), on the model's own tensors:
+    its blocks, final norm and head, its embedding (the head's parts where tied, else put in
+    the blocked order too, or float32 rows), and the rotary tables of its context (as far as
+    reply_c.TABLE_POSITIONS). None where a part is not one decode_step.c takes."""
+    from toy.models.layers import RMSNorm
+
+    hidden = getattr(model, "__dict__", {}).get("hidden")
+    if not isinstance(hidden, Hidden) or model.training or model.final_softcap:
+        return None
+    if hidden.blocks is None:
+        hidden._build()
+    norm, head, emb = model.norm, model.lm_head, model.embed_tokens
+    if (
+        not hidden.blocks
+        or type(norm) is not RMSNorm
+        or norm.weight.dtype != torch.float32
+        or not (blockable(head) or _float_rows(head))
+        or getattr(head, "bias", None) is not None
+    ):
+        return None
+    plan = hidden.plan
+    if blockable(head) and not head.spec.blocked:
+        to_blocked([head] + _tied_to_head(model))
+    head_d = plan.matrix(head)
+    if getattr(emb, "codes", None) is not None and emb.codes is getattr(head, "codes", None):
+        embed_d = head_d  # tied: the head's rows are the embeddings
+    elif blockable(emb):
+        to_blocked([emb])
+        embed_d = plan.matrix(emb)
+    elif (
+        type(emb) is torch.nn.Embedding
+        and emb.weight.dtype == torch.float32
+        and emb.weight.device.type == "cpu"
+    ):
+        w = emb.weight.detach().contiguous()
+        embed_d = {"words": plan.name(w), "s": None, "z": None}
+        embed_d |= dict(zip(reply_c.PACKED_NUMBERS, (1, w.shape[1], w.shape[0], 32, 1)))
+    else:
+        return None
+    limit = int(model.cfg.max_seq_len)
+    cos, sin = model.rotary.tables(0, min(limit, reply_c.TABLE_POSITIONS))
+    if cos.dtype != torch.float32 or cos.shape[-1] != hidden.block_plans[0]["rot"]:
+        return None
+    out = reply_c.Model(
+        {
+            "blocks": hidden.block_plans,
+            "head": head_d,
+            "embed": embed_d,
+            "norm": plan.name(norm.weight.detach().contiguous()),
+            "norm_eps": float(norm.eps),
+            "cos": plan.name(cos.contiguous()),
+            "sin": plan.name(sin.contiguous()),
+            "limit": limit,
+        },
+        plan.arrays,
+    )
+    out.held = plan.held
+    return out
 
 
 def serving(model) -> bool:

@@ -33,6 +33,9 @@
 #include <string.h>
 
 #include "exp.h"
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
 #include <immintrin.h>
 #endif
@@ -302,6 +305,59 @@ static void rms_norm(const float *x, const float *w, double eps, int64_t n, floa
     for (int64_t i = 0; i < n; i++) ss += x[i] * x[i];
     const float r = 1.0f / sqrtf(ss / (float)n + (float)eps);
     for (int64_t i = 0; i < n; i++) out[i] = w[i] * (x[i] * r);
+}
+
+/* the final norm of a model, before its head (models/reply_c.py) */
+void toy_rms_norm(const float *x, const float *w, double eps, int64_t n, float *out) {
+    rms_norm(x, w, eps, n, out);
+}
+
+/* row n of a packed matrix as float32 (a token's embedding): the file's value of each code,
+   s q + z (q the code; a byte's stored q + 128 taken back to q), one rounding as the file's
+   own dequantization; bits 32: the row as it is */
+void toy_packed_row(const toy_packed *P, int64_t n, float *out) {
+    if (P->bits == 32) {
+        memcpy(out, (const float *)P->words + n * P->W, P->W * sizeof(float));
+        return;
+    }
+    const int per = P->bits == 4 ? 8 : 4, mask = P->bits == 4 ? 15 : 255;
+    const int64_t b = n / RB, r = n % RB, sb = P->wide ? 4 : 2, L = P->W * per;
+    const float bias = P->bits == 8 ? 128.0f : 0.0f;
+    for (int64_t g = 0; g < P->G; g++) {
+        const uint32_t *w = P->words + ((b * P->G + g) * P->W) * RB + r;
+        const uint8_t *sp = P->s + ((b * P->G + g) * RB + r) * sb;
+        float s, z = 0;
+        if (P->wide) {
+            memcpy(&s, sp, 4);
+            if (P->z) memcpy(&z, P->z + ((b * P->G + g) * RB + r) * sb, 4);
+        } else {
+            uint16_t h;
+            memcpy(&h, sp, 2);
+            s = half(h);
+            if (P->z) {
+                memcpy(&h, P->z + ((b * P->G + g) * RB + r) * sb, 2);
+                z = half(h);
+            }
+        }
+        for (int64_t j = 0; j < P->W; j++)
+            for (int k = 0; k < per; k++) {
+                const float q = (float)((w[j * RB] >> (P->bits * k)) & mask) - bias;
+                out[g * L + j * per + k] = s * q + z;
+            }
+    }
+}
+
+/* the threads OpenMP shares a product's rows over from now on (n > 0), and the count; 1
+   where the library was built without OpenMP. A process with torch never calls it: the
+   library runs on torch's libgomp at torch's count. */
+int toy_threads(int n) {
+#ifdef _OPENMP
+    if (n > 0) omp_set_num_threads(n);
+    return omp_get_max_threads();
+#else
+    (void)n;
+    return 1;
+#endif
 }
 
 /* half-split rotary on the first `rot` dims of one head (Rotary.tables' cos, sin) */

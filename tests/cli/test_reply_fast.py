@@ -1,0 +1,119 @@
+"""`toy infer` on a llama GGUF without torch (cli/reply_fast.py): the first packed reply
+keeps its C loop's model in toy's cache, the next one starts from it without importing torch
+and writes the same text; a damaged kept file is not trusted; what the path does not take
+goes through torch as before."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from helpers.gguf_fixtures import smollm2_gguf  # noqa: F401
+from helpers.quant import quant_gguf  # noqa: F401
+
+from toy.cli import reply_fast
+from toy.formats import reply_image
+from toy.models import reply_c
+
+pytestmark = pytest.mark.skipif(
+    reply_c.library() is None, reason="decode_step.c does not build here"
+)
+
+TELL = (
+    "import sys; from toy.cli.main import main; code = main(sys.argv[1:]); "
+    "print('torch imported:', 'torch' in sys.modules, file=sys.stderr); sys.exit(code)"
+)
+
+
+def _infer(args: list, cache) -> tuple[dict, str]:
+    r = subprocess.run(
+        [sys.executable, "-c", TELL, "infer", *map(str, args), "--json"],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, TOY_CACHE=str(cache)),
+        timeout=600,
+    )
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout), r.stderr
+
+
+def test_a_second_reply_starts_without_torch_and_writes_the_first_ones_text(
+    quant_gguf,  # noqa: F811
+    tmp_path,
+):
+    args = ["--model", quant_gguf, "--prompt", "ROMEO. What", "--base-dtype", "quantized"]
+    args += ["--temperature", "0.9", "--seed", "7", "--max-new-tokens", "30"]
+    first, err1 = _infer(args, tmp_path)
+    assert "torch imported: True" in err1
+    kept = list((tmp_path / "reply").iterdir())  # in TOY_CACHE, under the file's key
+    assert [p.name for p in kept] == [reply_image.path_for(quant_gguf).name]
+    second, err2 = _infer(args, tmp_path)
+    assert "torch imported: False" in err2, err2
+    assert second["text"] == first["text"] and first["tokens"] >= 10
+    for key in ("tokens", "base_dtype", "why"):
+        assert second[key] == first[key]
+    assert second["base_dtype"] == "quantized (packed)"
+    # another seed draws another text, from the kept model too
+    other, err3 = _infer([*args[:-4], "--seed", "8", "--max-new-tokens", "30"], tmp_path)
+    assert "torch imported: False" in err3 and other["text"] != first["text"]
+
+
+def test_a_damaged_kept_model_is_not_trusted_and_is_written_again(
+    quant_gguf,  # noqa: F811
+    toy_run,
+    monkeypatch,
+):
+    args = ["infer", "--model", quant_gguf, "--prompt", "ROMEO. What", "--temperature", "0"]
+    args += ["--base-dtype", "quantized", "--max-new-tokens", "20"]
+    first = toy_run(*args)
+    assert first.returncode == 0, first.stderr
+    path = reply_image.path_for(quant_gguf)
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x10  # a code of a block
+    path.write_bytes(bytes(data))
+    taken = []
+    real = reply_fast.load
+    monkeypatch.setattr(reply_fast, "load", lambda a: taken.append(real(a)) or taken[-1])
+    again = toy_run(*args)
+    assert again.returncode == 0 and again.stdout == first.stdout
+    assert taken == [None]  # not trusted: torch's path, which wrote it again
+    assert reply_image.read(path) is not None
+    last = toy_run(*args)
+    assert last.stdout == first.stdout and taken[-1] is not None
+
+
+def test_what_the_path_does_not_take_goes_through_torch(quant_gguf, toy_run, monkeypatch):  # noqa: F811
+    base = ["infer", "--model", quant_gguf, "--prompt", "ROMEO. What", "--temperature", "0"]
+    base += ["--max-new-tokens", "12"]
+    assert toy_run(*base, "--base-dtype", "quantized").returncode == 0  # keeps the model
+    taken = []
+    real = reply_fast.load
+    monkeypatch.setattr(reply_fast, "load", lambda a: taken.append(real(a)) or taken[-1])
+    for extra in (["--base-dtype", "float32"], ["--threads", "1", "--base-dtype", "quantized"]):
+        r = toy_run(*base, *extra)
+        assert r.returncode == 0, r.stderr
+    assert taken[0] is None and taken[1] is not None
+    monkeypatch.setattr(reply_fast, "PREFILL_MAX", 2)  # a prompt longer than C prefills
+    r = toy_run(*base, "--base-dtype", "quantized")
+    assert r.returncode == 0 and taken[-1] is None
+    monkeypatch.setenv("TOY_NATIVE", "0")
+    r = toy_run(*base, "--base-dtype", "quantized")
+    assert r.returncode == 0 and taken[-1] is None
+
+
+@pytest.mark.slow
+def test_smollm2_chat_reply_from_the_kept_model_is_the_first_ones(smollm2_gguf, tmp_path):  # noqa: F811
+    """SmolLM2-135M Q4_1 through its ChatML template: the second command maps the kept model,
+    never imports torch, and answers with the first one's text, greedy and sampled."""
+    for temp in ("0", "0.8"):
+        args = ["--model", smollm2_gguf, "--chat", "Tell me about the sea."]
+        args += ["--temperature", temp, "--max-new-tokens", "40"]
+        first, err1 = _infer(args, tmp_path / temp)
+        second, err2 = _infer(args, tmp_path / temp)
+        assert "torch imported: True" in err1
+        assert "torch imported: False" in err2, err2
+        assert second["text"] == first["text"] and len(first["text"]) > 60
+        assert second["base_dtype"] == first["base_dtype"] == "quantized (packed)"
