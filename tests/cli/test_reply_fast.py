@@ -53,6 +53,9 @@ def test_a_second_reply_starts_without_torch_and_writes_the_first_ones_text(
     second, err2 = _infer(args, tmp_path)
     assert "torch imported: False" in err2, err2
     assert second["text"] == first["text"] and first["tokens"] >= 10
+    # the same lines on stderr but the speed line's figures (and this test's own line)
+    said = [[x for x in e.splitlines() if not x.startswith(("[", "torch"))] for e in (err1, err2)]
+    assert said[0] == said[1]
     for key in ("tokens", "base_dtype", "why"):
         assert second[key] == first[key]
     assert second["base_dtype"] == "quantized (packed)"

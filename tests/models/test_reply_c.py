@@ -4,6 +4,8 @@ GGUF (greedy and sampled), and a kept model reads back to the same tokens or not
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -75,7 +77,7 @@ def test_a_reply_is_generates_on_the_float32_model(quant_gguf, temperature):  # 
     assert np.abs(got - ref).max() <= 1e-5 * np.abs(ref).max()
     # a stop id ends the reply before it; a short context ends it when full
     assert list(reply_c.reply(c, ids, 60, temperature, 0, 1.0, 3, {want[5]})) == want[:5]
-    c.limit = 10  # 4 prompt positions and 6 of the reply's: a 7th token from the last one
+    c.plan["limit"] = 10  # 4 prompt positions and 6 of the reply's: a 7th token from the last one
     assert list(reply_c.reply(c, ids, 60, temperature, 0, 1.0, 3)) == want[:7]
 
 
@@ -99,3 +101,17 @@ def test_a_kept_model_reads_back_to_the_same_reply_or_not_at_all(quant_gguf, tmp
     assert reply_image.read(path) is None
     path.write_bytes(b"TOYREPLY\xff")  # a header that is not one
     assert reply_image.read(path) is None
+    for n in (2**40, 2**64 - 1):  # a length past the file's end, never read or allocated
+        path.write_bytes(b"TOYREPLY" + n.to_bytes(8, "little") + b"{}")
+        assert reply_image.read(path) is None
+    # a number of the plan changed in the header (the data intact): its sha256 fails too
+    assert reply_image.write(path, c.plan, c.arrays, {"limit": 512})
+    raw = path.read_bytes()
+    at = raw.index(b'"G": ')
+    path.write_bytes(raw[:at] + b'"G": 9' + raw[at + 6 :])
+    assert reply_image.read(path) is None
+    # and a plan whose arrays do not fit it is refused before any C reads them
+    plan = json.loads(json.dumps(c.plan))
+    plan["blocks"][0]["q"]["G"] += 1
+    with pytest.raises(ValueError, match="block 0 q"):
+        reply_c.Model(plan, c.arrays)

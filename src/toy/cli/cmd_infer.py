@@ -339,7 +339,7 @@ class LM:
         self.build = None  # (marker, model, adapter): steps to build in the background after
         self.report: dict = {}  # the last reply: its text, tokens and times (--json)
         self.c = None  # models/reply_c.Model: a one-shot reply's loop in C (cli/reply_fast.py)
-        self.image = None  # (path, sizes, note): the C loop's model to keep after the reply
+        self.image = None  # (path, sizes, note): a one-shot reply steps in C, its model kept
 
 
 def load_lm(args, device) -> LM:
@@ -843,10 +843,13 @@ def load_base_lm(
         if model_path.is_file():  # a GGUF: packed once, then read from toy's cache
             packed_cache.pack(model, model_path)
             if native and adapted is None and precision == "float32":
-                # a one-shot reply's C loop (cli/reply_fast.py) kept for the next command
+                # a one-shot reply steps in C from its first token (models/reply_c.py), as
+                # the next command (cli/reply_fast.py) will from the model kept after it
+                from toy.formats import reply_image
+
                 sizes = {"float32_bytes": want[2], "packed_bytes": packed}
                 sizes |= {"n_layer": cfg.n_layer, "n_kv": cfg.n_kv_head, "head_dim": cfg.head_dim}
-                lm.image = (model_path, sizes, template_note)
+                lm.image = (reply_image.path_for(model_path), sizes, template_note)
         else:
             decode.pack(model)
         decode.compile_steps(
@@ -935,12 +938,12 @@ def _sampling(lm: LM, args) -> tuple:
 def _c_model(lm: LM, ids: list[int], args):
     """The C loop's model (models/reply_c.py) for a one-shot reply of a loaded LM: a llama
     base held packed whose prompt and reply reply_fast.takes; None for decode.py's path."""
-    if len(ids) > reply_fast.PREFILL_MAX or lm.held != "quantized (packed)":
+    if len(ids) > reply_fast.PREFILL_MAX or lm.image is None:  # only what reply_fast takes
         return None
     from toy.models import decode_native
 
     c = decode_native.reply_model(lm.model)
-    if c is None or not reply_fast.takes(len(ids), args.max_new_tokens, c, lm.limit):
+    if c is None or not reply_fast.takes(len(ids), args.max_new_tokens, c.positions(), lm.limit):
         return None
     return c
 
@@ -953,9 +956,8 @@ def _keep(lm: LM, c, args) -> None:
         return
     from toy.formats import reply_image
 
-    model_path, sizes, note = lm.image
+    path, sizes, note = lm.image
     lm.image = None
-    path = reply_image.path_for(model_path)
     if getattr(args, "reply_image_bad", False) or not path.is_file():
         reply_image.write(path, c.plan, c.arrays, reply_fast.meta_of(lm, sizes, note))
 

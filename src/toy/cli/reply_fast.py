@@ -28,11 +28,12 @@ from pathlib import Path
 PREFILL_MAX = 256
 
 
-def takes(fed: int, new: int, model, limit: int) -> bool:
+def takes(fed: int, new: int, positions: int, limit: int) -> bool:
     """Whether the C loop takes a reply of `fed` prompt ids and `new` new tokens (torch's
     path, cmd_infer.stream, asks the same of its loaded model: both paths give the same
-    text): a prompt of at most PREFILL_MAX ids, and positions the model's tables cover."""
-    return fed <= PREFILL_MAX and min(limit, fed + new) <= model.positions()
+    text): a prompt of at most PREFILL_MAX ids, and positions the model's tables cover
+    (reply_c.Model.positions)."""
+    return fed <= PREFILL_MAX and min(limit, fed + new) <= positions
 
 
 def eligible(args) -> bool:
@@ -54,12 +55,14 @@ def eligible(args) -> bool:
 
 def meta_of(lm, sizes: dict, template_note: str | None) -> dict:
     """What a later reply reads of the file's header, from a loaded LM (cmd_infer.LM):
-    kept beside the model (formats/reply_image.py). The source path in a note is kept as a
-    mark and put back as the later command names the file."""
+    kept beside the model (formats/reply_image.py). A note that opens with the file's path
+    keeps the rest, the path put back as the later command names the file."""
+    if template_note and template_note.startswith(lm.source):
+        template_note = "\0" + template_note[len(lm.source) :]
     return {
         "tokenizer": lm.tok.to_str(),
         "template": lm.template,
-        "template_note": template_note.replace(lm.source, "\0") if template_note else None,
+        "template_note": template_note,
         "no_template": lm.no_template,
         "bos": lm.bos,
         "eos": lm.eos,
@@ -75,34 +78,41 @@ def load(args):
     if not eligible(args):
         return None
     from toy.formats import reply_image
-    from toy.models import reply_c
 
-    if reply_c.library() is None:  # no C compiler: nothing to reply with here
-        return None
     try:
         path = reply_image.path_for(Path(args.model))
     except OSError:
         return None
-    got = reply_image.read(path) if path.is_file() else None
-    if got is None:
-        args.reply_image_bad = path.is_file()  # damaged or stale: the torch path writes it
+    if not path.is_file():
         return None
+    got = reply_image.read(path)
+    if got is None:
+        args.reply_image_bad = True  # damaged or another layout: the torch path writes it
+        return None
+    from toy.errors import ToyError
+
+    try:
+        return _lm(args, *got)
+    except ToyError:  # the user's to mend (a template that does not render): torch's path
+        return None  # says it, as it always has
+    except Exception:  # a kept file this toy cannot use: torch's path writes it again
+        args.reply_image_bad = True
+        return None
+
+
+def _lm(args, plan: dict, arrays: dict, meta: dict):
+    """load's LM from a kept model, or None where auto would not hold it packed or the
+    reply is not one the loop takes (takes)."""
     from tokenizers import Tokenizer
 
     from toy.cli.cmd_infer import LM, _prompt_len, choose_base_dtype
+    from toy.models import reply_c
     from toy.train.memory import available_memory
 
-    plan, arrays, meta = got
-    try:
-        model = reply_c.Model(plan, arrays)
-        tok = Tokenizer.from_str(meta["tokenizer"])
-    except Exception:  # a kept file this toy cannot use (tokenizers raises its own kinds)
-        args.reply_image_bad = True
-        return None
-    source = str(args.model)
+    source = str(Path(args.model))  # as torch's path names it (cmd_infer.load_base_lm)
     lm = LM(
         None,
-        tok,
+        Tokenizer.from_str(meta["tokenizer"]),
         meta["template"],
         meta["bos"],
         meta["eos"],
@@ -113,16 +123,22 @@ def load(args):
     )
     fed = _prompt_len(lm, args)
     positions = min(lm.limit, fed + args.max_new_tokens) if fed else 0
-    if not takes(fed, args.max_new_tokens, model, lm.limit):
+    if not takes(fed, args.max_new_tokens, reply_c.positions(plan, arrays), lm.limit):
         return None
     tokens = args.max_new_tokens
     kv = 2 * meta["n_layer"] * meta["n_kv"] * meta["head_dim"] * positions * 4
     want = [args.base_dtype, "cpu", meta["float32_bytes"], available_memory(), kv]
     dtype, note = choose_base_dtype(*want, meta["packed_bytes"], tokens, True)
-    if dtype != "quantized":
+    # the library last: loaded before torch, it brings the system's libgomp, which a torch
+    # loaded after it would then share (a command this path does not take imports torch)
+    if dtype != "quantized" or reply_c.library() is None:
         return None
-    if meta["template_note"]:
-        print(f"note: {meta['template_note'].replace(chr(0), source)}", file=sys.stderr)
+    model = reply_c.Model(plan, arrays)
+    template_note = meta["template_note"]
+    if template_note:
+        if template_note.startswith("\0"):
+            template_note = source + template_note[1:]
+        print(f"note: {template_note}", file=sys.stderr)
     if note:
         print(f"note: {note}", file=sys.stderr)
     lm.held, lm.why = "quantized (packed)", note

@@ -115,15 +115,74 @@ def block_array(blocks: list[dict], arrays: dict):
     )
 
 
+def _check(d: dict, arrays: dict, rows: int, cols: int, what: str) -> None:
+    """A packed dict's arrays are what decode_step.c will read for a (rows, cols) matrix: the
+    shapes, dtypes and sizes its loops index by (a kept file's plan is checked, not trusted).
+    ValueError where they are not."""
+    words = arrays[d["words"]]
+    G, W, N, bits, wide = (d[k] for k in PACKED_NUMBERS)
+    ok = N == rows and words.flags.c_contiguous
+    if bits == 32:
+        ok = ok and words.dtype == np.float32 and words.shape == (rows, cols) and W == cols
+    else:
+        per = 8 if bits == 4 else 4
+        nb, sdt = -(-rows // RB), np.dtype(np.float32 if wide else np.float16)
+        ok = ok and bits in (4, 8) and G * W * per == cols and words.itemsize == 4
+        ok = ok and words.shape == (nb, G, W, RB)
+        for key in ("s", "z"):
+            a = arrays[d[key]] if d.get(key) else None
+            if key == "s" or a is not None:
+                ok = ok and a is not None and a.dtype == sdt and a.shape == (nb, G, RB)
+                ok = ok and a.flags.c_contiguous
+    if not ok:
+        raise ValueError(f"{what}: its arrays are not the plan's")
+
+
+def _check_plan(plan: dict, arrays: dict) -> None:
+    """Every matrix, norm and table of a plan as decode_step.c's buffers are sized."""
+    first = plan["blocks"][0]
+    C = first["d_model"]
+    for i, b in enumerate(plan["blocks"]):
+        H, K, D, F = b["n_head"], b["n_kv"], b["head_dim"], b["d_ff"]
+        if (
+            b["d_model"] != C
+            or min(H, K, D, F) < 1
+            or H % K
+            or not 0 < b["rot"] <= D
+            or b["rot"] % 2
+            or b["rot"] != first["rot"]
+        ):
+            raise ValueError(f"block {i}: its numbers do not fit")
+        shapes = {"q": (H * D, C), "k": (K * D, C), "v": (K * D, C), "o": (C, H * D)}
+        shapes |= {"gate": (F, C), "up": (F, C), "down": (C, F)}
+        for p in PROJ:
+            _check(b[p], arrays, *shapes[p], f"block {i} {p}")
+        for n in ("norm1", "norm2"):
+            if arrays[b[n]].dtype != np.float32 or arrays[b[n]].shape != (C,):
+                raise ValueError(f"block {i} {n}: not {C} float32 values")
+    _check(plan["head"], arrays, plan["head"]["N"], C, "head")
+    _check(plan["embed"], arrays, plan["embed"]["N"], C, "embedding")
+    norm, cos, sin = (arrays[plan[k]] for k in ("norm", "cos", "sin"))
+    if norm.dtype != np.float32 or norm.shape != (C,):
+        raise ValueError("the final norm: not the model's width")
+    for t in (cos, sin):
+        if t.dtype != np.float32 or t.ndim != 2 or t.shape[1] != first["rot"] or not t.shape[0]:
+            raise ValueError("the rotary tables: not (positions, rot) float32")
+        if not t.flags.c_contiguous or t.shape != cos.shape:
+            raise ValueError("the rotary tables: not (positions, rot) float32")
+
+
 class Model:
     """A llama model as decode_step.c steps it. plan: {"blocks": [{proj: packed, "norm1",
     "norm2": array names, BLOCK_NUMBERS...}], "head", "embed": packed, "norm": name,
     "norm_eps", "cos", "sin": names ((P, rot) float32 tables), "limit": the context};
     a packed matrix is {"words", "s", "z": array names (z None: none), PACKED_NUMBERS}.
-    The arrays are held as long as the model is."""
+    The arrays are held as long as the model is; ValueError where they do not fit the plan
+    (their shapes and dtypes against its numbers, _check_plan)."""
 
     def __init__(self, plan: dict, arrays: dict[str, np.ndarray]):
         self.plan, self.arrays = plan, arrays
+        _check_plan(plan, arrays)
         self.lib = library()
         if self.lib is None:
             raise OSError("toy's C library did not build")
@@ -134,11 +193,15 @@ class Model:
         first = plan["blocks"][0]
         self.d_model, self.n_kv, self.head_dim = first["d_model"], first["n_kv"], first["head_dim"]
         self.vocab = plan["head"]["N"]
-        self.limit = plan["limit"]
 
     def positions(self) -> int:
         """The most positions a reply may hold: the context, as far as the tables go."""
-        return min(self.limit, self.cos.shape[0])
+        return positions(self.plan, self.arrays)
+
+
+def positions(plan: dict, arrays: dict) -> int:
+    """A plan's most positions (Model.positions), before any library is loaded."""
+    return min(plan["limit"], arrays[plan["cos"]].shape[0])
 
 
 class State:
