@@ -64,6 +64,36 @@ def test_a_second_reply_starts_without_torch_and_writes_the_first_ones_text(
     assert "torch imported: False" in err3 and other["text"] != first["text"]
 
 
+def test_an_interactive_chat_steps_in_c_and_starts_without_torch_the_next_time(
+    quant_gguf,  # noqa: F811
+    tmp_path,
+):
+    """A chat session on a llama GGUF held packed: every turn in C on one state carried
+    across turns; the first session keeps the model, the next starts from it without torch
+    and writes the same transcript; its first reply is the one-shot --chat reply's."""
+    lines = "Who is there?\nNay, answer me: stand, and unfold yourself.\n\n"
+    args = ["infer", "--model", quant_gguf, "--base-dtype", "quantized", "--temperature", "0.7"]
+    args += ["--max-new-tokens", "12"]
+    runs = []
+    for _ in range(2):
+        r = subprocess.run(
+            [sys.executable, "-c", TELL, *map(str, args)],
+            input=lines,
+            capture_output=True,
+            text=True,
+            env=dict(os.environ, TOY_CACHE=str(tmp_path)),
+            timeout=600,
+        )
+        assert r.returncode == 0, r.stderr
+        runs.append(r)
+    assert "torch imported: True" in runs[0].stderr
+    assert "torch imported: False" in runs[1].stderr, runs[1].stderr
+    assert runs[1].stdout == runs[0].stdout
+    replies = [line.removeprefix("> ") for line in runs[0].stdout.splitlines()]
+    one, _ = _infer([*args[1:], "--chat", "Who is there?"], tmp_path)
+    assert replies[0] == one["text"] and one["text"].strip()
+
+
 def test_a_damaged_kept_model_is_not_trusted_and_is_written_again(
     quant_gguf,  # noqa: F811
     toy_run,

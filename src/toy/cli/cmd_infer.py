@@ -893,15 +893,18 @@ def stream(lm: LM, ids: list[int], args, cache=None, echo: str = "") -> list[int
     A one-shot reply (no cache given) of a llama base held packed steps in C from its first
     token to its last (models/reply_c.py), on a model read from toy's cache (lm.c:
     cli/reply_fast.py) or made from the loaded one, which is then kept for the next command."""
-    if cache is None:
-        c = lm.c if lm.model is None else _c_model(lm, ids, args)
-        if c is not None:
-            from toy.models import reply_c
+    from toy.models import reply_c
 
-            drawn = reply_c.reply(c, ids, *_sampling(lm, args))
-            new = _emit(lm, drawn, ids, args, echo, True, reply_c.threads(0))
-            _keep(lm, c, args)
-            return new
+    c = None
+    if isinstance(cache, reply_c.State):  # an interactive chat's, in C (new_cache)
+        c = cache.m
+    elif cache is None:
+        c = lm.c if lm.model is None else _c_model(lm, ids, args)
+    if c is not None:
+        drawn = reply_c.reply(c, ids, *_sampling(lm, args), state=cache)
+        new = _emit(lm, drawn, ids, args, echo, cache is None, reply_c.threads(0))
+        _keep(lm, c, args)
+        return new
     import torch
 
     from toy.models import decode, decode_native
@@ -946,6 +949,23 @@ def _c_model(lm: LM, ids: list[int], args):
     if c is None or not reply_fast.takes(len(ids), args.max_new_tokens, c.positions(), lm.limit):
         return None
     return c
+
+
+def _session_state(lm: LM):
+    """An interactive chat's state in C (models/reply_c.py: every turn stepped there, as
+    one-shot replies are): its model kept (lm.c, cli/reply_fast.py), or made from the loaded
+    one where the next command could take it from the cache (lm.image); only where its
+    tables cover the model's whole context. None: torch's KV cache (new_cache)."""
+    c = lm.c
+    if c is None and lm.model is not None and lm.image is not None:
+        from toy.models import decode_native
+
+        c = lm.c = decode_native.reply_model(lm.model)
+    if c is None or c.positions() != lm.limit:
+        return None
+    from toy.models import reply_c
+
+    return reply_c.State(c, c.positions())
 
 
 def _keep(lm: LM, c, args) -> None:
@@ -1089,7 +1109,7 @@ def chat_turn(lm: LM, args, messages: list[dict], session: Session | None = None
         return lm.tok.decode(stream(lm, ids, args))
     keep = 0
     if session.cache is None:
-        session.cache = new_cache(lm, len(ids) + args.max_new_tokens)
+        session.cache = _session_state(lm) or new_cache(lm, len(ids) + args.max_new_tokens)
     elif len(ids) < lm.limit:
         while keep < min(len(session.held), len(ids) - 1) and session.held[keep] == ids[keep]:
             keep += 1

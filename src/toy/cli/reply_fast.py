@@ -10,7 +10,8 @@ as the first run's: both go through the same loop on the same bytes.
 Taken only where the torch path would hold the base packed and reply through that loop: a
 GGUF file given as --model (no --run, no --adapter), --device cpu, --base-dtype auto or
 quantized (auto's own weighing, choose_base_dtype, made with the sizes kept), --precision
-auto or float32, a prompt of at most PREFILL_MAX tokens, and a kept file that reads and
+auto or float32, a prompt of at most PREFILL_MAX tokens (an interactive chat: every turn
+in C, where the kept tables cover the model's context), and a kept file that reads and
 checks. Anything else, and every error a user can make, goes the torch path's way
 (cmd_infer.run), which says what is wrong."""
 
@@ -44,7 +45,6 @@ def eligible(args) -> bool:
         and not args.adapter
         and not getattr(args, "image", None)
         and not getattr(args, "build_steps", False)
-        and (args.prompt is not None or args.chat is not None)
         and args.device == "cpu"
         and getattr(args, "base_dtype", "auto") in ("auto", "quantized")
         and getattr(args, "precision", "auto") in ("auto", "float32")
@@ -105,7 +105,7 @@ def _lm(args, plan: dict, arrays: dict, meta: dict):
     reply is not one the loop takes (takes)."""
     from tokenizers import Tokenizer
 
-    from toy.cli.cmd_infer import LM, _prompt_len, choose_base_dtype
+    from toy.cli.cmd_infer import LM, _planned_cache, _prompt_len, _tokens, choose_base_dtype
     from toy.models import reply_c
     from toy.train.memory import available_memory
 
@@ -121,11 +121,14 @@ def _lm(args, plan: dict, arrays: dict, meta: dict):
         meta["no_template"],
         limit=meta["limit"],
     )
-    fed = _prompt_len(lm, args)
-    positions = min(lm.limit, fed + args.max_new_tokens) if fed else 0
-    if not takes(fed, args.max_new_tokens, reply_c.positions(plan, arrays), lm.limit):
+    most = reply_c.positions(plan, arrays)
+    tokens = _tokens(args)  # None: an interactive chat
+    if tokens is None:  # its steps in C where the tables cover the context (cmd_infer.new_cache)
+        if most != lm.limit:
+            return None
+    elif not takes(_prompt_len(lm, args), args.max_new_tokens, most, lm.limit):
         return None
-    tokens = args.max_new_tokens
+    positions = _planned_cache(args)(lm)
     kv = 2 * meta["n_layer"] * meta["n_kv"] * meta["head_dim"] * positions * 4
     want = [args.base_dtype, "cpu", meta["float32_bytes"], available_memory(), kv]
     dtype, note = choose_base_dtype(*want, meta["packed_bytes"], tokens, True)
@@ -143,7 +146,11 @@ def _lm(args, plan: dict, arrays: dict, meta: dict):
         print(f"note: {note}", file=sys.stderr)
     lm.held, lm.why = "quantized (packed)", note
     if not note and args.base_dtype == "auto":
-        lm.why = f"auto: packed, shorter expected wait for {tokens} new tokens"
+        lm.why = (
+            "auto: packed, an interactive chat"
+            if tokens is None
+            else f"auto: packed, shorter expected wait for {tokens} new tokens"
+        )
     lm.c = model
     return lm
 

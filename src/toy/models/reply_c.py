@@ -204,6 +204,17 @@ def positions(plan: dict, arrays: dict) -> int:
     return min(plan["limit"], arrays[plan["cos"]].shape[0])
 
 
+def _zeros(shape: tuple) -> np.ndarray:
+    """float32 zeros on an anonymous map of their own: pages taken only where written (a
+    chat's state holds the model's whole context: 377 MB for SmolLM2, of which a turn writes
+    little). np.zeros is calloc, which under toy's malloc setting (runs.tune_malloc: large
+    blocks from the heap) writes every page."""
+    import mmap
+
+    size = int(np.prod(shape)) * 4
+    return np.frombuffer(mmap.mmap(-1, max(size, 1)), np.float32, size // 4).reshape(shape)
+
+
 class State:
     """One reply's KV cache (every block's keys and values for `positions` positions, the
     pages taken only where written) and its position."""
@@ -211,12 +222,21 @@ class State:
     def __init__(self, model: Model, positions: int):
         self.m, self.pos, self.positions = model, 0, positions
         n, shape = len(model.blocks), (model.n_kv, positions, model.head_dim)
-        self.k = [np.zeros(shape, np.float32) for _ in range(n)]
-        self.v = [np.zeros(shape, np.float32) for _ in range(n)]
+        self.k = [_zeros(shape) for _ in range(n)]
+        self.v = [_zeros(shape) for _ in range(n)]
         self.kp = (ctypes.c_void_p * n)(*(t.ctypes.data for t in self.k))
         self.vp = (ctypes.c_void_p * n)(*(t.ctypes.data for t in self.v))
         self.x = np.empty(model.d_model, np.float32)
         self.out = np.empty(model.d_model, np.float32)
+
+    def truncate(self, keep: int) -> None:
+        """Keep the first `keep` positions (an interactive chat's turn: the conversation's
+        unchanged start); the next token goes to position keep."""
+        self.pos = min(self.pos, keep)
+
+    def reserve(self, positions: int) -> None:
+        """KVCache's: nothing to grow (a session's state holds the model's positions, its
+        pages taken only where written)."""
 
     def step(self, token: int, logits: bool) -> np.ndarray | None:
         """The token at the next position through every block; the logits (V,) after it
@@ -307,15 +327,25 @@ def reply(
     top_p: float = 1.0,
     seed: int = 0,
     stop_ids: set[int] | None = None,
+    state: State | None = None,
 ) -> Iterator[int]:
     """New token ids one at a time, as models/generate.py's `generate` yields them: a stop id
     ends the reply (not yielded), and so does a full context; a prompt longer than the
-    context keeps its end."""
+    context keeps its end. `state` (State of Model.positions()): a conversation carried on,
+    prompt_ids only what is new since its position; its last token is fed to it too, as
+    generate feeds a cache it is given."""
     if not prompt_ids:
         raise ValueError("empty prompt")
     limit = model.positions()
-    ids = prompt_ids[-limit:]
-    state = State(model, min(limit, len(ids) + max_new_tokens))
+    last = state is None  # no step after the reply's last token: nothing reads it
+    if state is None:
+        ids = prompt_ids[-limit:]
+        state = State(model, min(limit, len(ids) + max_new_tokens))
+    else:
+        room = state.positions - state.pos
+        if room < 1:
+            raise ValueError(f"the cache already holds the model's whole context ({limit} tokens)")
+        ids = prompt_ids[-room:]
     uniforms = TorchUniforms(seed) if temperature > 0 else None
     for t in ids[:-1]:
         state.step(t, logits=False)
@@ -325,8 +355,8 @@ def reply(
         if stop_ids and nxt in stop_ids:
             return
         yield nxt
-        if state.pos >= state.positions or i == max_new_tokens - 1:
-            return  # the context (or the reply) is full: no step after the last token
+        if state.pos >= state.positions or (last and i == max_new_tokens - 1):
+            return  # the context (or a one-shot reply) is full
         logits = state.step(nxt, logits=True)
 
 
