@@ -1,6 +1,6 @@
-"""`toy infer --prompt/--chat` on a llama GGUF without importing torch.
+"""`toy infer` (--prompt, --chat, or an interactive chat) on a llama GGUF without torch.
 
-A one-shot reply on a llama GGUF held packed steps every token in C (models/reply_c.py);
+A reply on a llama GGUF held packed steps every token in C (models/reply_c.py);
 its first run, through torch, keeps the model as that loop reads it in toy's cache
 (formats/reply_image.py). From then on the same command maps that file and replies with
 numpy, `tokenizers`, jinja2 and the C library only: `import torch` was 1.0-1.4 s of a

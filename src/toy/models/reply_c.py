@@ -1,6 +1,7 @@
 """A llama reply from its first token to its last in C (models/decode_step.c), torch-free.
 
-`toy infer`'s one-shot replies on a llama GGUF step every token here: the prompt one token
+`toy infer`'s replies on a llama GGUF (one-shot, or an interactive chat's turns on one
+State) step every token here: the prompt one token
 at a time, then each new one, through the blocks, the final norm and the head, with the
 draws taken by `pick` below. A `Model` is a plan (numbers and array names, JSON) and its
 arrays (numpy: a torch model's blocked parts seen without a copy, models/decode_native.py
