@@ -164,6 +164,19 @@ def _leaves(cfg: dict, prefix: tuple = ()) -> list[tuple]:
     return out
 
 
+@pytest.mark.parametrize("value", ["\r", "yarn\nlinear", "\x1b[2J"])
+def test_a_rope_type_that_does_not_print_is_refused_on_one_line(tmp_path, value):
+    """The fuzzing below once drew rope_parameters.rope_type "\r": the refusal printed it as
+    it was and split its one line in two. Values that do not print are shown as their repr."""
+    d = tmp_path / "phi3"
+    shutil.copytree(model_dirs.tiny_dir("phi3"), d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["rope_parameters"] = {"rope_type": value, "rope_theta": 10000.0}
+    (d / "config.json").write_text(json.dumps(cfg))
+    code, _, err = cli("describe", d)
+    assert_refused(code, err, "rope scaling (", repr(value))
+
+
 @pytest.mark.parametrize("model_type", ["qwen3", "phi3", "gemma3"])
 @FUZZ
 @given(data=st.data())

@@ -35,8 +35,9 @@ def add_parser(sub) -> None:
 
 def _text(v) -> str:
     """A string read from the file, safe to print on one line."""
-    s = str(v)
-    return s if s.isprintable() else repr(s)
+    from toy.models.family import shown
+
+    return shown(v)
 
 
 def _row(label: str, text: str) -> str:

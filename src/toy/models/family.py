@@ -26,6 +26,14 @@ from typing import Any
 MAX_CONTEXT = 1 << 20
 
 
+def shown(v) -> str:
+    """A value read from a user's file, safe inside a one-line message: as it is where every
+    character prints, else its repr (a carriage return in a config value split the line a
+    refusal promises: tests/formats/test_hostile_dirs.py's fuzzing found one)."""
+    s = str(v)
+    return s if s.isprintable() else repr(s)
+
+
 class BadConfig(ValueError):
     """A file's hyper-parameters that toy cannot use; the reader adds the file's name."""
 
@@ -217,8 +225,8 @@ def gguf_common(k: Keys, arch: str, eps_default: float = 1e-5) -> Common:
     if scaling not in ("none", None) or "rope_freqs.weight" in k.shapes:
         what = scaling if scaling not in ("none", None) else "rope_freqs.weight"
         raise BadConfig(
-            f"rope scaling ({what}) is not supported by toy; use a model without long-context "
-            "rope scaling"
+            f"rope scaling ({shown(what)}) is not supported by toy; use a model without "
+            "long-context rope scaling"
         )
     n_layer = k.int(a + "block_count")
     if n_layer > len(k.shapes):  # checked before anything loops over the layers
@@ -341,7 +349,8 @@ def rope_theta_of(k: Keys, layer_type: str | None = None) -> float | None:
             and scaling.get("rope_type", scaling.get("type", "default")) != "default"
         ):
             raise BadConfig(
-                f"rope scaling ({scaling.get('rope_type', scaling.get('type'))}) is not supported "
+                f"rope scaling ({shown(scaling.get('rope_type', scaling.get('type')))}) is not "
+                "supported "
                 "by toy; use a model without long-context rope scaling"
             )
     # A base below 1 makes 1 / theta^(2i/d) overflow: rotary angles of inf, NaN outputs.
