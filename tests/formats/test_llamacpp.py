@@ -24,7 +24,7 @@ import json
 import pytest
 import torch
 from helpers.gguf_fixtures import smollm2_gguf  # noqa: E402,F401
-from helpers.llamacpp import _cpp_greedy, _llama  # noqa: F401
+from helpers.llamacpp import _cpp_greedy, _llama, _teacher_forced_margin  # noqa: F401
 
 from toy.cli.main import main  # noqa: E402
 from toy.data.prep import bundled_text_paths  # noqa: E402
@@ -50,19 +50,6 @@ def _toy_greedy(model, prompt: list[int], n: int, stop: set[int]) -> list[int]:
 
 
 @torch.no_grad()
-def _teacher_forced_margin(model, prompt: list[int], chosen: list[int]) -> float:
-    """The largest gap, over positions, between toy's best logit and the logit of the
-    token llama.cpp chose there (0 when every choice is toy's argmax too)."""
-    if not chosen:
-        return 0.0
-    ids = torch.tensor([prompt + chosen])
-    logits = model(ids)[
-        0, len(prompt) - 1 : -1
-    ]  # (len(chosen), V): logits that predicted each chosen token
-    picked = logits.gather(1, torch.tensor(chosen)[:, None])[:, 0]
-    return float((logits.max(-1).values - picked).max())
-
-
 def _common_prefix(a: list[int], b: list[int]) -> int:
     n = 0
     for x, y in zip(a, b):

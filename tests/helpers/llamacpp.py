@@ -69,3 +69,17 @@ def _cpp_greedy(llm, prompt: list[int], n: int, stop: set[int]) -> list[int]:
             break
         out.append(t)
     return out
+
+
+def _teacher_forced_margin(model, prompt: list[int], chosen: list[int]) -> float:
+    """The largest gap, over positions, between toy's best logit and the logit of the
+    token llama.cpp chose there (0 when every choice is toy's argmax too)."""
+    import torch
+
+    if not chosen:
+        return 0.0
+    ids = torch.tensor([prompt + chosen])
+    with torch.no_grad():
+        logits = model(ids)[0, len(prompt) - 1 : -1]  # (len(chosen), V): each choice's logits
+    picked = logits.gather(1, torch.tensor(chosen)[:, None])[:, 0]
+    return float((logits.max(-1).values - picked).max())
