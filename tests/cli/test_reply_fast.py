@@ -14,7 +14,7 @@ import pytest
 from helpers.gguf_fixtures import smollm2_gguf  # noqa: F401
 from helpers.quant import quant_gguf  # noqa: F401
 
-from toy.cli import reply_fast
+from toy.cli import cmd_infer, reply_fast
 from toy.formats import reply_image
 from toy.models import reply_c
 
@@ -108,8 +108,8 @@ def test_a_damaged_kept_model_is_not_trusted_and_is_written_again(
     data[len(data) // 2] ^= 0x10  # a code of a block
     path.write_bytes(bytes(data))
     taken = []
-    real = reply_fast.load
-    monkeypatch.setattr(reply_fast, "load", lambda a: taken.append(real(a)) or taken[-1])
+    real = cmd_infer.load_kept
+    monkeypatch.setattr(cmd_infer, "load_kept", lambda a: taken.append(real(a)) or taken[-1])
     again = toy_run(*args)
     assert again.returncode == 0 and again.stdout == first.stdout
     assert taken == [None]  # not trusted: torch's path, which wrote it again
@@ -123,8 +123,8 @@ def test_what_the_path_does_not_take_goes_through_torch(quant_gguf, toy_run, mon
     base += ["--max-new-tokens", "12"]
     assert toy_run(*base, "--base-dtype", "quantized").returncode == 0  # keeps the model
     taken = []
-    real = reply_fast.load
-    monkeypatch.setattr(reply_fast, "load", lambda a: taken.append(real(a)) or taken[-1])
+    real = cmd_infer.load_kept
+    monkeypatch.setattr(cmd_infer, "load_kept", lambda a: taken.append(real(a)) or taken[-1])
     for extra in (["--base-dtype", "float32"], ["--threads", "1", "--base-dtype", "quantized"]):
         r = toy_run(*base, *extra)
         assert r.returncode == 0, r.stderr

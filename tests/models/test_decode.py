@@ -346,13 +346,13 @@ def test_packed_codes_are_kept_in_the_cache_and_checked_on_read(
     """Issue 33 item 3: a GGUF is packed once; later runs read the packed codes from toy's
     cache (no block is packed again) and give the same text; a damaged cache file is packed
     again from the GGUF and rewritten, never used."""
-    from toy.cli import reply_fast
+    from toy.cli import cmd_infer
     from toy.formats import packed_cache
 
     monkeypatch.setenv("TOY_CACHE", str(tmp_path / "cache"))
     # every run through torch's path, which reads this cache (a later one would reply from
     # the model the first kept for the C loop: tests/cli/test_reply_fast.py)
-    monkeypatch.setattr(reply_fast, "load", lambda args: None)
+    monkeypatch.setattr(cmd_infer, "load_kept", lambda args: None)
     calls = []
     real = decode.pack_parts
     monkeypatch.setattr(decode, "pack_parts", lambda *a, **k: calls.append(1) or real(*a, **k))

@@ -230,7 +230,7 @@ def run(args) -> int:
         )
     if getattr(args, "json", False) and args.prompt is None and args.chat is None:
         raise UsageError("--json needs --prompt TEXT or --chat MESSAGE (not an interactive chat)")
-    lm = reply_fast.load(args)  # a llama GGUF's reply kept in toy's cache: no torch
+    lm = load_kept(args)  # a llama GGUF's reply kept in toy's cache: no torch
     if lm is None:
         from toy.train.device import apply_threads, resolve_device
 
@@ -268,6 +268,88 @@ def run(args) -> int:
     finally:
         if lm.build is not None:  # the reply is out (or the chat over): build for next time
             build_in_background(*lm.build)
+
+
+def load_kept(args) -> LM | None:
+    """An LM whose model is a reply_c.Model read from toy's cache (cli/reply_fast.py), ready
+    for run's replies before torch is imported; None where that path does not take the
+    command."""
+    if not reply_fast.eligible(args):
+        return None
+    from toy.formats import reply_image
+
+    try:
+        path = reply_image.path_for(Path(args.model))
+    except OSError:
+        return None
+    if not path.is_file():
+        return None
+    got = reply_image.read(path)
+    if got is None:
+        args.reply_image_bad = True  # damaged or another layout: the torch path writes it
+        return None
+    from toy.errors import ToyError
+
+    try:
+        return _kept_lm(args, *got)
+    except ToyError:  # the user's to mend (a template that does not render): torch's path
+        return None  # says it, as it always has
+    except Exception:  # a kept file this toy cannot use: torch's path writes it again
+        args.reply_image_bad = True
+        return None
+
+
+def _kept_lm(args, plan: dict, arrays: dict, meta: dict) -> LM | None:
+    """load_kept's LM from a kept model, or None where auto would not hold it packed or the
+    reply is not one the loop takes (reply_fast.takes)."""
+    from tokenizers import Tokenizer
+
+    from toy.models import reply_c
+
+    source = str(Path(args.model))  # as torch's path names it (load_base_lm)
+    lm = LM(
+        None,
+        Tokenizer.from_str(meta["tokenizer"]),
+        meta["template"],
+        meta["bos"],
+        meta["eos"],
+        set(meta["stop"]),
+        source,
+        meta["no_template"],
+        limit=meta["limit"],
+    )
+    most = reply_c.positions(plan, arrays)
+    tokens = _tokens(args)  # None: an interactive chat
+    if tokens is None:  # its steps in C where the tables cover the context (new_cache)
+        if most != lm.limit:
+            return None
+    elif not reply_fast.takes(_prompt_len(lm, args), args.max_new_tokens, most, lm.limit):
+        return None
+    positions = _planned_cache(args)(lm)
+    kv = 2 * meta["n_layer"] * meta["n_kv"] * meta["head_dim"] * positions * 4
+    want = [args.base_dtype, "cpu", meta["float32_bytes"], available_memory(), kv]
+    dtype, note = choose_base_dtype(*want, meta["packed_bytes"], tokens, True)
+    # the library last: loaded before torch, it brings the system's libgomp, which a torch
+    # loaded after it would then share (a command this path does not take imports torch)
+    if dtype != "quantized" or reply_c.library() is None:
+        return None
+    model = reply_c.Model(plan, arrays)
+    template_note = meta["template_note"]
+    if template_note:
+        if template_note.startswith("\0"):
+            template_note = source + template_note[1:]
+        print(f"note: {template_note}", file=sys.stderr)
+    if note:
+        print(f"note: {note}", file=sys.stderr)
+    lm.held, lm.why = "quantized (packed)", note
+    if not note and args.base_dtype == "auto":
+        lm.why = (
+            "auto: packed, an interactive chat"
+            if tokens is None
+            else f"auto: packed, shorter expected wait for {tokens} new tokens"
+        )
+    lm.c = model
+    return lm
 
 
 def _not_utf8(flag: str, what: str) -> str:
@@ -971,7 +1053,7 @@ def _session_state(lm: LM):
 def _keep(lm: LM, c, args) -> None:
     """After a reply from a loaded model: its C loop's model kept in toy's cache (best
     effort), where load_base_lm marked it for keeping and no good copy is there yet (none,
-    or one reply_fast found damaged or stale)."""
+    or one load_kept found damaged or stale)."""
     if lm.image is None or lm.model is None:
         return
     from toy.formats import reply_image

@@ -13,12 +13,15 @@ quantized (auto's own weighing, choose_base_dtype, made with the sizes kept), --
 auto or float32, a prompt of at most PREFILL_MAX tokens (an interactive chat: every turn
 in C, where the kept tables cover the model's context), and a kept file that reads and
 checks. Anything else, and every error a user can make, goes the torch path's way
-(cmd_infer.run), which says what is wrong."""
+(cmd_infer.run), which says what is wrong.
+
+Here: what decides whether a command may take this path (eligible, takes) and what is kept
+beside the model (meta_of). cmd_infer.load_kept reads the kept file and builds the reply's
+LM from them: this module imports nothing of cmd_infer."""
 
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 # A prompt is fed one token at a time through the C step; torch's batched prefill takes
@@ -70,89 +73,6 @@ def meta_of(lm, sizes: dict, template_note: str | None) -> dict:
         "limit": lm.limit,
         **sizes,
     }
-
-
-def load(args):
-    """An LM (cmd_infer.LM) whose model is a reply_c.Model read from toy's cache, ready for
-    cmd_infer.run's replies; None where this path does not take the command."""
-    if not eligible(args):
-        return None
-    from toy.formats import reply_image
-
-    try:
-        path = reply_image.path_for(Path(args.model))
-    except OSError:
-        return None
-    if not path.is_file():
-        return None
-    got = reply_image.read(path)
-    if got is None:
-        args.reply_image_bad = True  # damaged or another layout: the torch path writes it
-        return None
-    from toy.errors import ToyError
-
-    try:
-        return _lm(args, *got)
-    except ToyError:  # the user's to mend (a template that does not render): torch's path
-        return None  # says it, as it always has
-    except Exception:  # a kept file this toy cannot use: torch's path writes it again
-        args.reply_image_bad = True
-        return None
-
-
-def _lm(args, plan: dict, arrays: dict, meta: dict):
-    """load's LM from a kept model, or None where auto would not hold it packed or the
-    reply is not one the loop takes (takes)."""
-    from tokenizers import Tokenizer
-
-    from toy.cli.cmd_infer import LM, _planned_cache, _prompt_len, _tokens, choose_base_dtype
-    from toy.models import reply_c
-    from toy.train.memory import available_memory
-
-    source = str(Path(args.model))  # as torch's path names it (cmd_infer.load_base_lm)
-    lm = LM(
-        None,
-        Tokenizer.from_str(meta["tokenizer"]),
-        meta["template"],
-        meta["bos"],
-        meta["eos"],
-        set(meta["stop"]),
-        source,
-        meta["no_template"],
-        limit=meta["limit"],
-    )
-    most = reply_c.positions(plan, arrays)
-    tokens = _tokens(args)  # None: an interactive chat
-    if tokens is None:  # its steps in C where the tables cover the context (cmd_infer.new_cache)
-        if most != lm.limit:
-            return None
-    elif not takes(_prompt_len(lm, args), args.max_new_tokens, most, lm.limit):
-        return None
-    positions = _planned_cache(args)(lm)
-    kv = 2 * meta["n_layer"] * meta["n_kv"] * meta["head_dim"] * positions * 4
-    want = [args.base_dtype, "cpu", meta["float32_bytes"], available_memory(), kv]
-    dtype, note = choose_base_dtype(*want, meta["packed_bytes"], tokens, True)
-    # the library last: loaded before torch, it brings the system's libgomp, which a torch
-    # loaded after it would then share (a command this path does not take imports torch)
-    if dtype != "quantized" or reply_c.library() is None:
-        return None
-    model = reply_c.Model(plan, arrays)
-    template_note = meta["template_note"]
-    if template_note:
-        if template_note.startswith("\0"):
-            template_note = source + template_note[1:]
-        print(f"note: {template_note}", file=sys.stderr)
-    if note:
-        print(f"note: {note}", file=sys.stderr)
-    lm.held, lm.why = "quantized (packed)", note
-    if not note and args.base_dtype == "auto":
-        lm.why = (
-            "auto: packed, an interactive chat"
-            if tokens is None
-            else f"auto: packed, shorter expected wait for {tokens} new tokens"
-        )
-    lm.c = model
-    return lm
 
 
 def threads(args) -> int:
