@@ -739,3 +739,43 @@ def test_a_cache_held_in_the_autocast_dtype_gives_the_same_logits():
         return torch.stack(out)
 
     assert torch.equal(run(True), run(False))
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "phi3"])
+def test_a_traced_step_of_many_rows_takes_each_projection_as_one_product(arch, monkeypatch):
+    """GRPO's sampling steps a batch of rows under bf16 autocast through the compiled steps
+    (compile_steps(rows=True)). Their traced graph took the attention's output projection
+    of (B, 1, H*D) rows as B products of one row each (aten.bmm): inductor turned that
+    into a loop of dot products reading the weight once a row, 10 of a 32-row SmolLM2
+    step's ~100 ms. Every projection is one matrix product now (aten.mm); training's
+    losses are the same bytes (scripts/same_losses.py). The graphs are run eagerly here
+    (no build): what is checked is what inductor is given."""
+    from toy.models.phi3 import Phi3, Phi3Config
+    from toy.models.sample import sample_groups
+
+    graphs = []
+
+    def keep(graph, inputs, key):  # decode._compile's place: the traced graph, run as is
+        graphs.append(graph)
+        return lambda ins: [graph(*ins)]  # a block's output: one tensor
+
+    monkeypatch.setattr(decode, "_compile", keep)
+    monkeypatch.setattr(decode, "_load_built", lambda key: None)
+    monkeypatch.setattr(decode, "_STEPS", {})
+    torch.manual_seed(0)
+    if arch == "phi3":
+        model = Phi3(Phi3Config(vocab_size=64, n_layer=1, d_model=64, n_head=4, n_kv_head=2,
+                                head_dim=16, rope_dim=16, d_ff=128, max_seq_len=64))  # fmt: skip
+    else:
+        model = registry.build_model(registry.build_config(arch, "tiny", 64, n_layer=1))
+    assert decode.compile_steps(model, check=False, rows=True) == 1
+    with torch.autocast("cpu", torch.bfloat16):
+        got = sample_groups(
+            model, [[1, 2, 3], [4, 5]], 2, 3, generator=torch.Generator().manual_seed(0),
+            stop_ids=set(),
+        )  # fmt: skip
+    assert [len(c.ids) for g in got for c in g] == [3] * 4 and graphs
+    for graph in graphs:
+        ops = [str(n.target) for n in graph.graph.nodes if n.op == "call_function"]
+        assert not any("bmm" in op for op in ops), ops
+        assert sum(op.startswith(("aten.mm", "aten.addmm")) for op in ops) >= 2, ops

@@ -80,7 +80,7 @@ class Phi3Attention(nn.Module):
         v = v.view(B, T, K, D).transpose(1, 2)  # (B, K, T, D)
         q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         y = attend(q, k, v, cache, layer, window=self.window)  # (B, H, T, D)
-        return self.o_proj(y.transpose(1, 2).contiguous().view(B, T, H * D))
+        return self.o_proj(y.transpose(1, 2).reshape(B * T, H * D)).view(B, T, -1)  # see layers.py
 
 
 class Phi3MLP(nn.Module):
