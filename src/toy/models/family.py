@@ -350,8 +350,7 @@ def rope_theta_of(k: Keys, layer_type: str | None = None) -> float | None:
         ):
             raise BadConfig(
                 f"rope scaling ({shown(scaling.get('rope_type', scaling.get('type')))}) is not "
-                "supported "
-                "by toy; use a model without long-context rope scaling"
+                "supported by toy; use a model without long-context rope scaling"
             )
     # A base below 1 makes 1 / theta^(2i/d) overflow: rotary angles of inf, NaN outputs.
     top = k.number("rope_theta", None, 1.0)

@@ -167,9 +167,14 @@ def _check_plan(plan: dict, arrays: dict) -> None:
     if norm.dtype != np.float32 or norm.shape != (C,):
         raise ValueError("the final norm: not the model's width")
     for t in (cos, sin):
-        if t.dtype != np.float32 or t.ndim != 2 or t.shape[1] != first["rot"] or not t.shape[0]:
-            raise ValueError("the rotary tables: not (positions, rot) float32")
-        if not t.flags.c_contiguous or t.shape != cos.shape:
+        if (
+            t.dtype != np.float32
+            or t.ndim != 2
+            or t.shape[1] != first["rot"]
+            or not t.shape[0]
+            or not t.flags.c_contiguous
+            or t.shape != cos.shape
+        ):
             raise ValueError("the rotary tables: not (positions, rot) float32")
 
 
