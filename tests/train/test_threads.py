@@ -50,6 +50,27 @@ def test_others_is_busy_time_less_our_own():
     assert c.others() is None and c.free(2) is None
 
 
+def test_the_compilers_toy_runs_are_its_own_work(monkeypatch):
+    """A step's first build runs inductor's C++ compiler as a child of the run: its CPU time
+    (os.times' children's) is the run's own, not another program's. Counted as another's,
+    a GRPO run that built its steps took the compiler for a busy core and sampled on at one
+    thread (a 32-row SmolLM2 decode step 148-152 ms against 104-114, a 2-core Zen 4)."""
+    import io
+
+    tick = os.sysconf("SC_CLK_TCK")
+    before = f"cpu0 0 0 0 {tick}\ncpu1 0 0 0 {tick}\n"  # (user nice system idle) jiffies
+    after = f"cpu0 {tick} 0 0 {tick}\ncpu1 0 0 0 {2 * tick}\n"  # cpu0 busy for a second
+    stat = iter([before, after])
+    zero, one = (0.0,) * 5, (0.0, 0.0, 1.0, 0.0, 1.0)  # user, system, children's, elapsed
+    times = iter([os.times_result(t) for t in (zero, one)])
+    monkeypatch.setattr(cores, "open", lambda path: io.StringIO(next(stat)), raising=False)
+    monkeypatch.setattr(cores.os, "times", lambda: next(times))
+    monkeypatch.setattr(cores.os, "sched_getaffinity", lambda pid: {0, 1})
+    c = cores.Cores()  # the first look
+    # one second of one core of two busy, all of it the compiler this process waited for
+    assert c.others() == 0.0
+
+
 def test_the_count_changes_when_two_looks_agree(monkeypatch):
     class Fake:
         def __init__(self, answers):
