@@ -42,6 +42,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3, help="timed steps (after one warm-up)")
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--ceiling", type=float, default=0.0, help="bf16 matmul GFLOP/s")
+    ap.add_argument(
+        "--unshared",
+        action="store_true",
+        help="score every row whole, its prompt included (the float32 path), for comparison",
+    )
     a = ap.parse_args()
 
     import grpo_step
@@ -88,6 +93,9 @@ def main() -> None:
     from toy.recipes import grpo
 
     grpo.sample_groups = timed("sampling", real_sample_groups)
+    if a.unshared:
+        real_logps = grpo.completion_logps
+        grpo.completion_logps = lambda m, b, temp: real_logps(m, b, temp, share=False)
     real_sample = grpo.GRPOJob.sample
     grpo.GRPOJob.sample = timed("batch", real_sample)  # sampling + rewards + layout
     real_loss = grpo.GRPOJob.loss

@@ -140,3 +140,34 @@ def test_a_long_sequence_never_allocates_its_square(monkeypatch):
         cpu_attention.causal_attention(q, k, v).sum().backward()
     biggest = max(e.cpu_memory_usage for e in prof.events())
     assert 0 < biggest <= 2 << 20, biggest  # a chunk's float32 scores, not 16 MiB
+
+
+@pytest.mark.parametrize("chunk_bytes", [16 << 20, 8 * 1024])
+def test_queries_after_a_padded_prefix_match_float32_attention(monkeypatch, chunk_bytes):
+    """prefix_attention (GRPO's completions over their prompt's kept keys, PrefixKV): the
+    queries sit after `past` key slots, each row sees none before its own left padding.
+    Output and gradients are as near the float32 masked attention as torch's bf16 kernel
+    with the same mask, in one chunk of queries or several; a padded slot gets no gradient."""
+    monkeypatch.setattr(cpu_attention, "CHUNK_BYTES", chunk_bytes)
+    torch.manual_seed(2)
+    B, H, K, past, T, D = 3, 6, 2, 11, 30, 16
+    assert (len(cpu_attention._chunks(B, K, H // K, T, past)) > 1) == (chunk_bytes < 16 << 20)
+    pad = torch.tensor([0, 4, 9])
+    q = torch.randn(B, H, T, D) * 2
+    k, v = torch.randn(B, K, past + T, D) * 2, torch.randn(B, K, past + T, D)
+    go = torch.randn(B, H, T, D)
+    kpos, qpos = torch.arange(past + T), past + torch.arange(T)[:, None]
+    mask = (kpos <= qpos) & (kpos >= pad[:, None, None, None])  # (B, 1, T, S)
+
+    def sdpa(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+    ref = run(sdpa, q, k, v, go)
+    bf = [t.bfloat16() for t in (q, k, v)]
+    flash = run(sdpa, *bf, go)
+    mine = run(lambda q, k, v: cpu_attention.prefix_attention(q, k, v, past, pad), *bf, go)
+    for name, m, f, r in zip(("out", "dq", "dk", "dv"), mine, flash, ref):
+        assert rel(m, r) < 2e-2, (name, rel(m, r), rel(f, r))
+        assert rel(m, r) < 2 * rel(f, r) + 2e-3, (name, rel(m, r), rel(f, r))
+    for g in mine[2:]:  # dk, dv: nothing reaches a row's padded slots
+        assert all(not g[b, :, : int(pad[b])].any() for b in range(B))

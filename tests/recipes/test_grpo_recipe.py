@@ -255,6 +255,127 @@ def test_chunked_completion_logprobs_equal_one_padded_forward():
             torch.testing.assert_close(a, w, atol=1e-5, rtol=1e-4)
 
 
+def completion_batch(rows):
+    """completion_rows' layout of (prompt, completion) pairs, by hand."""
+    from toy.models.losses import IGNORE
+
+    L, T = max(len(p) + len(c) for p, c in rows), max(len(c) for _, c in rows)
+    ids = torch.zeros((len(rows), L), dtype=torch.long)
+    pos = torch.zeros((len(rows), T), dtype=torch.long)
+    tgt = torch.full((len(rows), T), IGNORE, dtype=torch.long)
+    for r, (p, c) in enumerate(rows):
+        ids[r, : len(p) + len(c)] = torch.tensor(p + c)
+        pos[r, : len(c)] = torch.arange(len(p) - 1, len(p) - 1 + len(c))
+        tgt[r, : len(c)] = torch.tensor(c, dtype=torch.long)
+    return {"ids": ids, "pos": pos, "tgt": tgt, "mask": (tgt != IGNORE).float()}
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2", "phi3", "gemma"])
+def test_each_prompt_runs_once_and_every_row_gets_its_own_logprobs(name, monkeypatch):
+    """Under bf16 GRPO's log-prob pass runs each distinct prompt through the blocks once and
+    its completions after it, over its kept keys and values (PrefixKV). In float32 that is
+    within rounding of every row run whole, log-probs and gradients, for every family
+    (gemma's tiny: a sliding window of 8 that the longer rows pass, capped scores):
+    prompts of different lengths, a group's rows apart in the batch, a completion of no
+    tokens and one of one, in chunks of 1, 3 or every row."""
+    from toy.models import registry
+    from toy.recipes.grpo import completion_logps
+
+    fam = registry.family(name)
+    cfg = fam.config(**fam.tiny)
+    torch.manual_seed(0)
+    model = fam.model(cfg)
+    model.lm_head.weight.requires_grad_(False)  # as an adapter recipe's head (frozen)
+    g = torch.Generator().manual_seed(1)
+    prompts = [[5, 17, 42], [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5], [2, 7]]
+    lengths = [0, 1, 2, 7, 19, 4, 12, 1, 9]
+    rows = [(prompts[i % 3], torch.randint(3, cfg.vocab_size, (n,), generator=g).tolist())
+            for i, n in enumerate(lengths)]  # fmt: skip
+    b = completion_batch(rows)
+    weights = torch.randn(b["pos"].shape, generator=g)
+    seen = []
+    real_hidden = model.hidden
+    monkeypatch.setattr(
+        model, "hidden", lambda ids, *a: seen.append(ids.shape) or real_hidden(ids, *a)
+    )
+
+    def run(share, chunk):
+        model.zero_grad()
+        seen.clear()
+        lp = completion_logps(model, b, 0.8, chunk, share=share)
+        (lp * weights).sum().backward()
+        return lp.detach(), [p.grad.clone() for p in model.parameters() if p.requires_grad]
+
+    whole, grads = run(False, len(rows))
+    assert (whole[0] == 0).all() and (whole[1, 1:] == 0).all() and whole[1, 0] < 0
+    for chunk in (1, 3, len(rows)):
+        lp, gs = run(True, chunk)
+        assert seen[0] == (3, 11)  # the three prompts, once, as one batch
+        # then the completions alone: each row once at most (one of a token needs none), no
+        # longer than its longest completion but the last token
+        assert sum(s[0] for s in seen[1:]) <= 8 and max(s[1] for s in seen[1:]) == 18
+        torch.testing.assert_close(lp, whole, atol=1e-5, rtol=1e-5)
+        for a, w in zip(gs, grads):
+            torch.testing.assert_close(a, w, atol=1e-5, rtol=1e-4)
+
+
+def test_shared_prompts_under_bf16_are_as_near_float32_as_whole_rows():
+    """Under bf16 autocast the shared pass (its completions' attention by matmuls after
+    their prompts' keys, cpu_attention.prefix_attention) is as near the float32 log-probs
+    and gradients as every row run whole under bf16 is."""
+    from toy.recipes.grpo import completion_logps
+
+    model = tiny_model()
+    model.lm_head.weight.requires_grad_(False)
+    g = torch.Generator().manual_seed(3)
+    prompts = [[5, 17, 42, 8, 9], [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5]]
+    rows = [(prompts[i % 2], torch.randint(3, 290, (n,), generator=g).tolist())
+            for i, n in enumerate([6, 30, 17, 3, 25, 40])]  # fmt: skip
+    b = completion_batch(rows)
+    weights = torch.randn(b["pos"].shape, generator=g)
+
+    def run(share, bf16):
+        model.zero_grad()
+        with torch.autocast("cpu", torch.bfloat16, enabled=bf16):
+            lp = completion_logps(model, b, 1.0, 8, share=share)
+        (lp * weights).sum().backward()
+        grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.requires_grad])
+        return lp.detach(), grads
+
+    ref_lp, ref_g = run(False, False)
+    errors = {}
+    for share in (False, True):
+        lp, gr = run(share, True)
+        errors[share] = ((lp - ref_lp).abs().max(), (gr - ref_g).norm() / ref_g.norm())
+    assert 0 < errors[False][1] < 0.05  # bf16's own rounding, a few parts in a thousand
+    assert errors[True][0] <= 1.5 * errors[False][0] + 1e-3, errors
+    assert errors[True][1] <= 1.5 * errors[False][1] + 1e-3, errors
+
+
+def test_prompts_are_shared_by_default_under_bf16_only(monkeypatch):
+    """float32 scores every row whole, to the bytes it always had (the reference losses,
+    scripts/same_losses.py); bf16 autocast shares the prompts; --checkpointing (whose
+    backward runs a block again) keeps every row whole."""
+    from toy.recipes import grpo
+
+    model = tiny_model()
+    model.lm_head.weight.requires_grad_(False)
+    b = completion_batch([([5, 17, 42], [7, 8, 9]), ([5, 17, 42], [10, 11]), ([2, 7], [3, 4])])
+    calls = []
+    real = grpo._shared_logps
+    monkeypatch.setattr(grpo, "_shared_logps", lambda *a: calls.append(1) or real(*a))
+    assert torch.equal(
+        grpo.completion_logps(model, b, 1.0), grpo.completion_logps(model, b, 1.0, share=False)
+    )
+    assert calls == []
+    with torch.autocast("cpu", torch.bfloat16):
+        grpo.completion_logps(model, b, 1.0)
+        assert calls == [1]
+        model.checkpointing = True
+        grpo.completion_logps(model, b, 1.0)
+    assert calls == [1]
+
+
 @pytest.mark.skipif(
     __import__("toy.train.device", fromlist=["x"]).cpu_bf16_units() is None,
     reason="bf16 sampling needs a cpu with bf16 units",

@@ -53,59 +53,63 @@ def wanted(q: torch.Tensor, k: torch.Tensor) -> bool:
     )
 
 
-def _chunks(B: int, K: int, G: int, T: int) -> list[tuple[int, int]]:
+def _chunks(B: int, K: int, G: int, T: int, past: int = 0) -> list[tuple[int, int]]:
     """(i0, i1) ranges of queries of about equal size, each one's float32 scores (B, K, G,
-    i1 - i0, i1) within CHUNK_BYTES (on a Zen 4, 4 MiB chunks ran SmolLM2's attention
+    i1 - i0, past + i1) within CHUNK_BYTES (on a Zen 4, 4 MiB chunks ran SmolLM2's attention
     7.1 ms a layer, whole sequences 9.3, 2 MiB 7.3)."""
-    n = -(-4 * B * K * G * T * T // CHUNK_BYTES)  # chunks
+    n = -(-4 * B * K * G * T * (past + T) // CHUNK_BYTES)  # chunks
     t = max(16, -(-T // n))
     return [(i0, min(T, i0 + t)) for i0 in range(0, T, t)]
 
 
-def _probs(qc, k, i0: int, scale: float):
+def _probs(qc, k, i0: int, scale: float, past: int = 0, pad: torch.Tensor | None = None):
     """Softmax of the scaled causal scores of the queries i0.. of qc (b, K, G, t, D) over
-    the keys up to the last of them, k (b, K, T, D): float32 (b, K, G, t, i0 + t). The bf16
+    the keys up to the last of them, k (b, K, past + T, D): float32 (b, K, G, t, past + i0 +
+    t). Query i sits at key slot past + i; row r sees no key before slot pad[r]. The bf16
     scores are scaled, masked and widened to float32 in one pass (a mixed-dtype add) and
     the softmax is torch's fused kernel, so backward makes the same bits again."""
     b, K, G, t, D = qc.shape
-    keys = i0 + t
+    keys = past + i0 + t
     s = torch.matmul(qc.reshape(b, K, G * t, D), k[:, :, :keys].transpose(-1, -2))
-    future = torch.full((t, keys), float("-inf")).triu_(i0 + 1)  # this chunk's rows only
-    s = torch.add(future, s.view(b, K, G, t, keys), alpha=scale)
+    mask = torch.full((t, keys), float("-inf")).triu_(past + i0 + 1)  # this chunk's rows only
+    if pad is not None:  # (b, 1, 1, t, keys): each row's empty slots too
+        empty = torch.arange(keys) < pad[:, None]  # (b, keys)
+        mask = mask.masked_fill(empty[:, None, None, None, :], float("-inf"))
+    s = torch.add(mask, s.view(b, K, G, t, keys), alpha=scale)
     return torch.softmax(s, dim=-1)
 
 
-def _kept_bytes(B: int, K: int, G: int, chunks: list[tuple[int, int]]) -> int:
-    """Bytes of the bf16 probabilities of every chunk: (B, K, G, i1 - i0, i1) each."""
-    return sum(2 * B * K * G * (i1 - i0) * i1 for i0, i1 in chunks)
+def _kept_bytes(B: int, K: int, G: int, chunks: list[tuple[int, int]], past: int = 0) -> int:
+    """Bytes of the bf16 probabilities of every chunk: (B, K, G, i1 - i0, past + i1) each."""
+    return sum(2 * B * K * G * (i1 - i0) * (past + i1) for i0, i1 in chunks)
 
 
 class CausalAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, scale: float):
+    def forward(ctx, q, k, v, scale: float, past: int = 0, pad: torch.Tensor | None = None):
         B, H, T, D = q.shape
         K = k.shape[1]
         G = H // K
         qg = q.view(B, K, G, T, D)
         out = torch.empty(B, K, G, T, D, dtype=q.dtype)
-        chunks = _chunks(B, K, G, T)
+        chunks = _chunks(B, K, G, T, past)
         kept = []  # each chunk's bf16 probabilities, when they are kept for backward
-        keep = any(ctx.needs_input_grad[:3]) and _kept_bytes(B, K, G, chunks) <= KEEP_BYTES
+        keep = any(ctx.needs_input_grad[:3]) and _kept_bytes(B, K, G, chunks, past) <= KEEP_BYTES
         for i0, i1 in chunks:
-            t = i1 - i0
-            p = _probs(qg[:, :, :, i0:i1], k, i0, scale).to(q.dtype)
-            o = torch.matmul(p.view(B, K, G * t, i1), v[:, :, :i1])
+            t, keys = i1 - i0, past + i1
+            p = _probs(qg[:, :, :, i0:i1], k, i0, scale, past, pad).to(q.dtype)
+            o = torch.matmul(p.view(B, K, G * t, keys), v[:, :, :keys])
             out[:, :, :, i0:i1] = o.view(B, K, G, t, D)
             if keep:
                 kept.append(p)
         ctx.save_for_backward(q, k, v, out, *kept)
-        ctx.scale = scale
+        ctx.scale, ctx.past, ctx.pad = scale, past, pad
         return out.view(B, H, T, D)
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, *kept = ctx.saved_tensors
-        scale = ctx.scale
+        scale, past, pad = ctx.scale, ctx.past, ctx.pad
         B, H, T, D = q.shape
         K = k.shape[1]
         G = H // K
@@ -116,24 +120,25 @@ class CausalAttention(torch.autograd.Function):
         dq = torch.empty_like(qg)
         dk = torch.zeros(k.shape, dtype=torch.float32)
         dv = torch.zeros(v.shape, dtype=torch.float32)
-        for n, (i0, i1) in enumerate(_chunks(B, K, G, T)):
-            t = i1 - i0
-            kc, vc = k[:, :, :i1], v[:, :, :i1]
+        for n, (i0, i1) in enumerate(_chunks(B, K, G, T, past)):
+            t, keys = i1 - i0, past + i1
+            kc, vc = k[:, :, :keys], v[:, :, :keys]
             qc = qg[:, :, :, i0:i1]
             goc = go[:, :, :, i0:i1].reshape(B, K, G * t, D)
-            p = kept[n] if kept else _probs(qc, k, i0, scale).to(q.dtype)  # (B, K, G, t, i1)
-            pb = p.view(B, K, G * t, i1)
-            dv[:, :, :i1] += torch.matmul(pb.transpose(-1, -2), goc)
-            dp = torch.matmul(goc, vc.transpose(-1, -2)).view(B, K, G, t, i1)
+            # (B, K, G, t, keys)
+            p = kept[n] if kept else _probs(qc, k, i0, scale, past, pad).to(q.dtype)
+            pb = p.view(B, K, G * t, keys)
+            dv[:, :, :keys] += torch.matmul(pb.transpose(-1, -2), goc)
+            dp = torch.matmul(goc, vc.transpose(-1, -2)).view(B, K, G, t, keys)
             # dS = P * (dP - delta), P as the forward rounded it (kept or made again: the
             # same bits); the scale is applied to the (t, D) products below
             ds = torch.sub(dp, delta[:, :, :, i0:i1]).mul_(p).to(q.dtype)
-            ds = ds.view(B, K, G * t, i1)
+            ds = ds.view(B, K, G * t, keys)
             dq[:, :, :, i0:i1] = torch.matmul(ds, kc).mul_(scale).view(B, K, G, t, D)
-            dk[:, :, :i1].add_(
+            dk[:, :, :keys].add_(
                 torch.matmul(ds.transpose(-1, -2), qc.reshape(B, K, G * t, D)), alpha=scale
             )
-        return dq.view(B, H, T, D), dk.to(k.dtype), dv.to(v.dtype), None
+        return dq.view(B, H, T, D), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
 def causal_attention(q, k, v, scale: float | None = None) -> torch.Tensor:
@@ -145,4 +150,19 @@ def causal_attention(q, k, v, scale: float | None = None) -> torch.Tensor:
             k.contiguous(),
             v.contiguous(),
             scale if scale is not None else q.shape[-1] ** -0.5,
+        )
+
+
+def prefix_attention(q, k, v, past: int, pad: torch.Tensor, scale: float | None = None):
+    """causal_attention for queries q (B, H, T, D) that follow `past` key slots: k, v (B, K,
+    past + T, D), query i at slot past + i, row r seeing no slot before pad[r] (its prompt's
+    left padding: models.layers.PrefixKV)."""
+    with torch.autocast("cpu", enabled=False):
+        return CausalAttention.apply(
+            q.contiguous(),
+            k.contiguous(),
+            v.contiguous(),
+            scale if scale is not None else q.shape[-1] ** -0.5,
+            past,
+            pad,
         )

@@ -237,6 +237,54 @@ class KVCache:
         return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
 
 
+class PrefixKV:
+    """Prompts' keys and values shared by the rows that continue them, gradients kept: what
+    scoring many completions of one prompt runs its prompt through the blocks once for
+    (GRPO's log-prob pass, recipes/grpo.py). Two passes over one object:
+
+    - the prompts (P, W), right-padded, as a cache at position 0: each layer's keys and
+      values are kept as they are (`record`), and the attention is the uncached one;
+    - the rows' continuations (R, T), prompt `rows[r]` each: each layer attends over that
+      prompt's keys, moved to end at slot W (its left padding `pad`, never seen; rotary
+      and learned positions read it as KVCache.pad), then its own.
+
+    Nothing is written in place: autograd takes the prompts' gradient from every row."""
+
+    def __init__(self, lengths: torch.Tensor):
+        self.lengths = lengths  # (P,) each prompt's tokens
+        self.pos = 0
+        self.pad: torch.Tensor | None = None
+        self.k: list[torch.Tensor] = []
+        self.v: list[torch.Tensor] = []
+        self.rows: torch.Tensor | None = None
+
+    def continue_rows(self, rows: torch.Tensor) -> None:
+        """Turn from the prompts' pass to the continuations' of prompts `rows` (R,): every
+        layer's kept keys and values are right-aligned at slot W (once, here, for every
+        later pass)."""
+        W = self.k[0].shape[2]
+        if self.rows is None:
+            self.k = [self._aligned(k, W) for k in self.k]
+            self.v = [self._aligned(v, W) for v in self.v]
+        self.rows, self.pos = rows, W
+        self.pad = (W - self.lengths).index_select(0, rows)
+
+    def _aligned(self, x: torch.Tensor, W: int) -> torch.Tensor:
+        parts = [
+            F.pad(x[p : p + 1, :, :n], (0, 0, W - n, 0))
+            for p, n in enumerate(self.lengths.tolist())
+        ]
+        return torch.cat(parts)
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        if self.rows is None:
+            self.k.append(k)
+            self.v.append(v)
+            return k, v
+        pk, pv = self.k[layer].index_select(0, self.rows), self.v[layer].index_select(0, self.rows)
+        return torch.cat([pk.to(k.dtype), k], 2), torch.cat([pv.to(v.dtype), v], 2)
+
+
 class StepKV:
     """The cache as a compiled decode step (models/decode.py) sees one layer of it: that
     layer's key/value buffers cut to a fixed span of positions, the new token's slot as a
@@ -356,12 +404,21 @@ def attend(
         if cache is not None:
             k, v = cache.update(layer, k, v)  # (B, K, past+T, D)
         S = past + T  # keys
+        if (
+            isinstance(cache, PrefixKV)
+            and past
+            and not softcap
+            and (window <= 0 or S <= window)
+            and cpu_attention.wanted(q, k[:, :, past:])
+        ):  # completions after their prompts' keys, bf16 on a CPU: matmuls
+            return cpu_attention.prefix_attention(q, k, v, past, pad, scale)
         if pad is None and (past == 0 or T == 1) and not softcap and (window <= 0 or S <= window):
             # Every key is seen: a whole prompt causally, or one new token (a decode step) all
             # of them.
             if T == 1 and q.device.type == "cpu":
                 return _one_token_cpu(q, k, v, None, gqa, scale)
-            if cache is None and cpu_attention.wanted(q, k):  # bf16 on a CPU: matmuls
+            uncached = cache is None or isinstance(cache, PrefixKV)  # prompts kept as they are
+            if uncached and cpu_attention.wanted(q, k):  # bf16 on a CPU: matmuls
                 return cpu_attention.causal_attention(q, k, v, scale)
             return F.scaled_dot_product_attention(
                 q, k, v, is_causal=T > 1, enable_gqa=gqa, scale=scale
