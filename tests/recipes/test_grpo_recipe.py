@@ -210,6 +210,21 @@ def test_token_logprobs_equal_a_plain_log_softmax(quantized):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
+def completion_batch(rows):
+    """completion_rows' layout of (prompt, completion) pairs, by hand."""
+    from toy.models.losses import IGNORE
+
+    L, T = max(len(p) + len(c) for p, c in rows), max(len(c) for _, c in rows)
+    ids = torch.zeros((len(rows), L), dtype=torch.long)
+    pos = torch.zeros((len(rows), T), dtype=torch.long)
+    tgt = torch.full((len(rows), T), IGNORE, dtype=torch.long)
+    for r, (p, c) in enumerate(rows):
+        ids[r, : len(p) + len(c)] = torch.tensor(p + c)
+        pos[r, : len(c)] = torch.arange(len(p) - 1, len(p) - 1 + len(c))
+        tgt[r, : len(c)] = torch.tensor(c, dtype=torch.long)
+    return {"ids": ids, "pos": pos, "tgt": tgt, "mask": (tgt != IGNORE).float()}
+
+
 def test_chunked_completion_logprobs_equal_one_padded_forward():
     """GRPO's log-prob forward runs its rows shortest first, in chunks each cut to its own
     longest row: the log-probs and their gradients are those of one forward over the whole
@@ -224,15 +239,8 @@ def test_chunked_completion_logprobs_equal_one_padded_forward():
     comps = [int(n) for n in torch.randint(1, 20, (len(prompts) * 2,), generator=g)]
     rows = [(prompts[i // 2], torch.randint(3, 90, (n,), generator=g).tolist())
             for i, n in enumerate(comps)]  # fmt: skip
-    L, T = max(len(p) + len(c) for p, c in rows), max(comps)
-    ids = torch.zeros((len(rows), L), dtype=torch.long)
-    pos = torch.zeros((len(rows), T), dtype=torch.long)
-    tgt = torch.full((len(rows), T), IGNORE, dtype=torch.long)
-    for r, (p, c) in enumerate(rows):
-        ids[r, : len(p) + len(c)] = torch.tensor(p + c)
-        pos[r, : len(c)] = torch.arange(len(p) - 1, len(p) - 1 + len(c))
-        tgt[r, : len(c)] = torch.tensor(c)
-    b = {"ids": ids, "pos": pos, "tgt": tgt, "mask": (tgt != IGNORE).float()}
+    b = completion_batch(rows)
+    ids, pos, tgt = b["ids"], b["pos"], b["tgt"]
     weights = torch.randn(pos.shape, generator=g)
 
     def run(chunk):
@@ -253,21 +261,6 @@ def test_chunked_completion_logprobs_equal_one_padded_forward():
         torch.testing.assert_close(lp, whole, atol=1e-5, rtol=1e-5)
         for a, w in zip(gs, grads):
             torch.testing.assert_close(a, w, atol=1e-5, rtol=1e-4)
-
-
-def completion_batch(rows):
-    """completion_rows' layout of (prompt, completion) pairs, by hand."""
-    from toy.models.losses import IGNORE
-
-    L, T = max(len(p) + len(c) for p, c in rows), max(len(c) for _, c in rows)
-    ids = torch.zeros((len(rows), L), dtype=torch.long)
-    pos = torch.zeros((len(rows), T), dtype=torch.long)
-    tgt = torch.full((len(rows), T), IGNORE, dtype=torch.long)
-    for r, (p, c) in enumerate(rows):
-        ids[r, : len(p) + len(c)] = torch.tensor(p + c)
-        pos[r, : len(c)] = torch.arange(len(p) - 1, len(p) - 1 + len(c))
-        tgt[r, : len(c)] = torch.tensor(c, dtype=torch.long)
-    return {"ids": ids, "pos": pos, "tgt": tgt, "mask": (tgt != IGNORE).float()}
 
 
 @pytest.mark.parametrize("name", ["llama", "gpt2", "phi3", "gemma"])
