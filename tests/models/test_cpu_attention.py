@@ -144,8 +144,9 @@ def test_a_long_sequence_never_allocates_its_square(monkeypatch):
 
 @pytest.mark.parametrize("chunk_bytes", [16 << 20, 8 * 1024])
 def test_queries_after_a_padded_prefix_match_float32_attention(monkeypatch, chunk_bytes):
-    """prefix_attention (GRPO's completions over their prompt's kept keys, PrefixKV): the
-    queries sit after `past` key slots, each row sees none before its own left padding.
+    """causal_attention with `past` and `pad` (GRPO's completions over their prompt's kept
+    keys, PrefixKV): the queries sit after `past` key slots, each row sees none before its
+    own left padding.
     Output and gradients are as near the float32 masked attention as torch's bf16 kernel
     with the same mask, in one chunk of queries or several; a padded slot gets no gradient."""
     monkeypatch.setattr(cpu_attention, "CHUNK_BYTES", chunk_bytes)
@@ -165,7 +166,7 @@ def test_queries_after_a_padded_prefix_match_float32_attention(monkeypatch, chun
     ref = run(sdpa, q, k, v, go)
     bf = [t.bfloat16() for t in (q, k, v)]
     flash = run(sdpa, *bf, go)
-    mine = run(lambda q, k, v: cpu_attention.prefix_attention(q, k, v, past, pad), *bf, go)
+    mine = run(lambda q, k, v: cpu_attention.causal_attention(q, k, v, None, past, pad), *bf, go)
     for name, m, f, r in zip(("out", "dq", "dk", "dv"), mine, flash, ref):
         assert rel(m, r) < 2e-2, (name, rel(m, r), rel(f, r))
         assert rel(m, r) < 2 * rel(f, r) + 2e-3, (name, rel(m, r), rel(f, r))

@@ -141,22 +141,13 @@ class CausalAttention(torch.autograd.Function):
         return dq.view(B, H, T, D), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
-def causal_attention(q, k, v, scale: float | None = None) -> torch.Tensor:
-    """Causal attention of q (B, H, T, D) over k, v (B, K, T, D), K dividing H: (B, H, T, D)
-    in q's dtype, autocast off inside (every product is bf16 by construction)."""
-    with torch.autocast("cpu", enabled=False):
-        return CausalAttention.apply(
-            q.contiguous(),
-            k.contiguous(),
-            v.contiguous(),
-            scale if scale is not None else q.shape[-1] ** -0.5,
-        )
-
-
-def prefix_attention(q, k, v, past: int, pad: torch.Tensor, scale: float | None = None):
-    """causal_attention for queries q (B, H, T, D) that follow `past` key slots: k, v (B, K,
-    past + T, D), query i at slot past + i, row r seeing no slot before pad[r] (its prompt's
-    left padding: models.layers.PrefixKV)."""
+def causal_attention(
+    q, k, v, scale: float | None = None, past: int = 0, pad: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Causal attention of q (B, H, T, D) over k, v (B, K, past + T, D), K dividing H: (B, H,
+    T, D) in q's dtype, autocast off inside (every product is bf16 by construction). Query i
+    sits at slot past + i; with `pad`, row r sees no slot before pad[r] (its prompt's left
+    padding: GRPO's completions over their prompt's kept keys, models.layers.PrefixKV)."""
     with torch.autocast("cpu", enabled=False):
         return CausalAttention.apply(
             q.contiguous(),

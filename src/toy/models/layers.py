@@ -243,7 +243,8 @@ class PrefixKV:
     (GRPO's log-prob pass, recipes/grpo.py). Two passes over one object:
 
     - the prompts (P, W), right-padded, as a cache at position 0: each layer's keys and
-      values are kept as they are (`record`), and the attention is the uncached one;
+      values are kept as they are (`update` with no rows yet), and the attention is the
+      uncached one;
     - the rows' continuations (R, T), prompt `rows[r]` each: each layer attends over that
       prompt's keys, moved to end at slot W (its left padding `pad`, never seen; rotary
       and learned positions read it as KVCache.pad), then its own.
@@ -411,7 +412,7 @@ def attend(
             and (window <= 0 or S <= window)
             and cpu_attention.wanted(q, k[:, :, past:])
         ):  # completions after their prompts' keys, bf16 on a CPU: matmuls
-            return cpu_attention.prefix_attention(q, k, v, past, pad, scale)
+            return cpu_attention.causal_attention(q, k, v, scale, past, pad)
         if pad is None and (past == 0 or T == 1) and not softcap and (window <= 0 or S <= window):
             # Every key is seen: a whole prompt causally, or one new token (a decode step) all
             # of them.
