@@ -216,3 +216,46 @@ def test_a_few_rows_without_gradients_use_the_weight_reordered_once(rows, monkey
     with torch.no_grad():  # float32
         quant.frozen_linear(x, (raw,), bias, spec)
     assert len(quant._PACKED) == 0
+
+
+@pytest.mark.skipif(quant.native.dequant() is None, reason="no C compiler builds dequant.c")
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q8_0], ids=lambda t: t.name)
+def test_the_c_kernel_gives_the_torch_paths_bits(qtype, monkeypatch):
+    """models/dequant.c (what training's products on a Q4_0, Q4_1 or Q8_0 base dequantize
+    through) against toy's torch path, bit for bit: float32 and bfloat16, extreme scales,
+    leading dims and `out`, a row slice, and a Q/K weight put in half-split order."""
+    assert int(qtype) in quant.NATIVE_TYPES
+    raw = torch.from_numpy(
+        np.concatenate(
+            [
+                random_blocks(qtype, 6, 256, None, seed=300 + int(qtype)),
+                random_blocks(qtype, 6, 256, EXTREME_F16, seed=400 + int(qtype)),
+            ]
+        )
+    )
+    spec = quant.QuantSpec(int(qtype), (12, 256), qk_heads=3)  # 3 heads of 4 rows
+    plain = quant.QuantSpec(int(qtype), (12, 256))
+    calls = []
+    real = quant.native.dequant
+    monkeypatch.setattr(quant.native, "dequant", lambda: calls.append(1) or real())
+
+    def both(fn, *args, **kw):
+        calls.clear()
+        fast = fn(*args, **kw)
+        assert calls, "the kernel was not called"
+        with monkeypatch.context() as m:
+            m.setattr(quant.native, "dequant", lambda: None)
+            slow = fn(*args, **kw)
+        assert fast.dtype == slow.dtype and fast.shape == slow.shape
+        bits = torch.int16 if fast.dtype == torch.bfloat16 else torch.int32
+        assert torch.equal(fast.view(bits), slow.view(bits))
+
+    for dtype in (torch.float32, torch.bfloat16):
+        both(dequantize, raw, int(qtype), 256, dtype)
+        both(dequantize, raw.view(3, 4, -1), int(qtype), 256, dtype)
+        both(quant.dequantize_weight, raw, spec, dtype)
+        both(quant.dequantize_weight, raw, plain, dtype, rows=slice(3, 9))
+        out = torch.full((12, 256), 7.0, dtype=dtype)
+        assert dequantize(raw, int(qtype), 256, dtype, out=out) is out
+        both(dequantize, raw, int(qtype), 256, dtype, out=torch.empty_like(out))
+        assert torch.equal(out, dequantize(raw, int(qtype), 256, dtype))

@@ -1,6 +1,7 @@
 """C kernels compiled once for the machine toy runs on, where torch has no fast kernel for
 the job: AdamW over bfloat16 moments (train/adamw_bf16.c, HalfStateAdamW's update, loaded by
-train/native.py), the tanh GELU on bfloat16 values (models/gelu_bf16.c, layers.gelu_tanh) and
+train/native.py), the tanh GELU on bfloat16 values (models/gelu_bf16.c, layers.gelu_tanh), a
+frozen base's Q4_0, Q4_1 and Q8_0 blocks to weights (models/dequant.c, quant.dequantize) and
 a llama reply's token through its blocks on packed codes (models/decode_step.c,
 models/decode_native.py).
 
@@ -203,5 +204,19 @@ def gelu_bf16() -> dict | None:
             "toy_gelu_bf16": ([P, P, I64], None),
             "toy_gelu_backward_bf16": ([P, P, P, I64], None),
         },
+        extra=("-fopenmp",),
+    )
+
+
+DEQUANT_SOURCE = Path(__file__).with_name("dequant.c")
+
+
+def dequant() -> dict | None:
+    """toy_dequantize from dequant.c, or None (see kernels). Built with -fopenmp, as
+    gelu_bf16's: its rows are shared out on torch's own threads."""
+    P, I32, I64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64
+    return kernels(
+        DEQUANT_SOURCE,
+        {"toy_dequantize": ([P, P, I64, I64, I32, I32, I64], ctypes.c_int)},
         extra=("-fopenmp",),
     )

@@ -45,7 +45,7 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 from torch.utils.weak import WeakTensorKeyDictionary
 
-from toy.models import mlx_quant
+from toy.models import mlx_quant, native
 from toy.models.quant_types import (  # noqa: F401
     BF16,
     F16,
@@ -123,11 +123,49 @@ def dequantize(
     if block_size == 1:  # plain floats: reinterpret the bytes
         w = raw.view(_FLOATS[qtype]).reshape(*lead, n_cols)
         return w.to(dtype) if out is None else out.copy_(w)
+    fast = _native(raw, qtype, n_cols, dtype, out)
+    if fast is not None:
+        return fast
     flat = None if out is None else out.view(-1, block_size)
     return _KERNELS[qtype](raw.view(-1, type_size), dtype, flat).reshape(*lead, n_cols)
 
 
 _FLOATS = {F32: torch.float32, F16: torch.float16, BF16: torch.bfloat16}
+NATIVE_TYPES = (Q4_0, Q4_1, Q8_0)  # the types models/dequant.c reads
+
+
+def _native(
+    raw: torch.Tensor,
+    qtype: int,
+    n_cols: int,
+    dtype: torch.dtype,
+    out: torch.Tensor | None = None,
+    head_dim: int = 0,
+) -> torch.Tensor | None:
+    """dequantize's result through models/dequant.c (the same bits, one pass over the codes
+    instead of five), with Q/K rows put in half-split order where head_dim > 0; None where
+    the kernel does not serve: another type, dtype or device, a traced or compiled graph, or
+    no C compiler (TOY_NATIVE=0)."""
+    if (
+        qtype not in NATIVE_TYPES
+        or dtype not in (torch.bfloat16, torch.float32)
+        or raw.device.type != "cpu"
+        or is_fake(raw)
+        or torch.compiler.is_compiling()
+        or raw.numel() == 0
+    ):
+        return None
+    fns = native.dequant()
+    if fns is None:
+        return None
+    rows = raw.numel() // raw.shape[-1]
+    if out is None:
+        out = torch.empty((*raw.shape[:-1], n_cols), dtype=dtype)
+    raw = raw.contiguous()
+    done = fns["toy_dequantize"](
+        raw.data_ptr(), out.data_ptr(), rows, n_cols, qtype, dtype == torch.bfloat16, head_dim
+    )
+    return out if done == 0 else None
 
 
 # ---- helpers ----------------------------------------------------------------------------
@@ -458,6 +496,11 @@ def dequantize_weight(
                     "(their rows are interleaved per head)"
                 )
             return dequantize(blocks[rows], spec.qtype, spec.shape[1], dtype)
+        if spec.qk_heads:  # the reorder folded into the kernel's writes, where it serves
+            d = spec.shape[0] // spec.qk_heads
+            w = _native(blocks, spec.qtype, spec.shape[1], dtype, head_dim=d)
+            if w is not None:
+                return w
         w = dequantize(blocks, spec.qtype, spec.shape[1], dtype)
         return half_split_rows(w, spec.qk_heads) if spec.qk_heads else w
 
