@@ -25,7 +25,6 @@ import argparse
 import json
 import resource
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -37,10 +36,11 @@ SEQ, RANK, ALPHA, TARGETS = 128, 8, 16.0, "q_proj,v_proj"
 
 
 def make_data(out: Path, pairs: int) -> None:
-    sys.path.insert(0, str(HERE.parent / "scripts"))
-    from make_pref_pairs import make_pairs, write
+    """scripts/make_pref_pairs.py's set: `--pairs N --seed 0`, speeches up to 160 characters."""
+    from toy.data.dialogue import OPENING, preference_pairs, write_pairs
+    from toy.data.prep import bundled_text_paths
 
-    write(make_pairs(pairs, 0, "Verily,", 160), out, 0.15)
+    write_pairs(preference_pairs(bundled_text_paths(), pairs, 0, OPENING, 160), out, 0.15)
 
 
 def sft_lines(data: Path, out: Path) -> Path:
@@ -57,9 +57,13 @@ def run_toy(a, sft: bool) -> dict:
     from toy.recipes import dpo, lora
     from toy.runs import EventLog, Project
     from toy.train.config import RunConfig
+    from toy.train.device import resolve_precision
     from toy.train.loop import train
 
     recipe, mod = ("lora", lora) if sft else ("dpo", dpo)
+    # resolved as `toy train` resolves its default (bf16 on a cpu with bf16 units), and given
+    # to the recipe as `toy train` gives it: the recipe holds a small base in bf16 under it
+    precision = resolve_precision("auto", torch.device("cpu")).name
     with tempfile.TemporaryDirectory() as d:
         data = sft_lines(a.data, Path(d) / "sft.jsonl") if sft else a.data / "train.jsonl"
         batch = 2 * a.batch if sft else a.batch  # rows: 2 sequences a pair
@@ -73,6 +77,8 @@ def run_toy(a, sft: bool) -> dict:
             targets=TARGETS,
             rank=RANK,
             alpha=ALPHA,
+            device="cpu",
+            precision=precision,
         )
         t0 = time.perf_counter()
         built = mod.build(opts, Project(root=None))
@@ -87,10 +93,16 @@ def run_toy(a, sft: bool) -> dict:
             min_lr=1e-5,
             warmup=0,
             weight_decay=0.0,
+            precision=precision,
         )
         res = train(built.job, cfg, None, torch.device("cpu"), EventLog(None))
     # DPO counts pairs, SFT tokens (only its peak RSS is compared).
-    return {"load_s": load_s, ("tokens_per_s" if sft else "pairs_per_s"): res.items_per_s}
+    return {
+        "load_s": load_s,
+        ("tokens_per_s" if sft else "pairs_per_s"): res.items_per_s,
+        "precision": precision,
+        "base_dtype": built.job.adapted.dtype,
+    }
 
 
 def run_trl(a) -> dict:
@@ -193,7 +205,7 @@ def main() -> None:
         tune_malloc()  # what `toy train` does at start
     r = run_trl(a) if a.impl == "trl" else run_toy(a, a.impl == "toy-sft")
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    out = {k: round(v, 3) for k, v in r.items()}
+    out = {k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()}
     print(json.dumps({"impl": a.impl, **out, "peak_rss_mb": round(rss, 1)}))
 
 

@@ -24,14 +24,16 @@ LAYERS = [
 RANK = {name: i for i, name in enumerate(LAYERS)}
 # What recipes share without being recipes: the recipe table, the decoder-LM part and
 # the adapter recipes' part (base, flags, --output, the final adapter, chat data), the
-# donor embedding a fresh model starts from (warm-start, distill), and
-# the preference recipes' part (pairs, references, figures).
+# donor embedding a fresh model starts from (warm-start, distill),
+# the preference recipes' part (pairs, references, figures), and the answers' log-probs
+# after their prompts, each prompt's blocks once (GRPO's completions, the pairs' answers).
 SHARED_RECIPE_PARTS = (
     "toy.recipes",
     "toy.recipes.lm",
     "toy.recipes.adapter",
     "toy.recipes.donor",
     "toy.recipes.pairs",
+    "toy.recipes.scoring",
 )
 
 

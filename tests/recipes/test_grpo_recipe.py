@@ -230,7 +230,7 @@ def test_chunked_completion_logprobs_equal_one_padded_forward():
     longest row: the log-probs and their gradients are those of one forward over the whole
     right-padded batch, in the rows' own order, whatever the chunk size."""
     from toy.models.losses import IGNORE
-    from toy.recipes.grpo import completion_logps
+    from toy.recipes.scoring import completion_logps
 
     model = tiny_model()  # float32
     model.lm_head.weight.requires_grad_(False)  # as an adapter recipe's head (frozen)
@@ -272,7 +272,7 @@ def test_each_prompt_runs_once_and_every_row_gets_its_own_logprobs(name, monkeyp
     prompts of different lengths, a group's rows apart in the batch, a completion of no
     tokens and one of one, in chunks of 1, 3 or every row."""
     from toy.models import registry
-    from toy.recipes.grpo import completion_logps
+    from toy.recipes.scoring import completion_logps
 
     fam = registry.family(name)
     cfg = fam.config(**fam.tiny)
@@ -314,9 +314,9 @@ def test_each_prompt_runs_once_and_every_row_gets_its_own_logprobs(name, monkeyp
 
 def test_shared_prompts_under_bf16_are_as_near_float32_as_whole_rows():
     """Under bf16 autocast the shared pass (its completions' attention by matmuls after
-    their prompts' keys, cpu_attention.prefix_attention) is as near the float32 log-probs
-    and gradients as every row run whole under bf16 is."""
-    from toy.recipes.grpo import completion_logps
+    their prompts' keys, cpu_attention.causal_attention with `past`) is as near the float32
+    log-probs and gradients as every row run whole under bf16 is."""
+    from toy.recipes.scoring import completion_logps
 
     model = tiny_model()
     model.lm_head.weight.requires_grad_(False)
@@ -349,23 +349,24 @@ def test_prompts_are_shared_by_default_under_bf16_only(monkeypatch):
     """float32 scores every row whole, to the bytes it always had (the reference losses,
     scripts/same_losses.py); bf16 autocast shares the prompts; --checkpointing (whose
     backward runs a block again) keeps every row whole."""
-    from toy.recipes import grpo
+    from toy.recipes import scoring
 
     model = tiny_model()
     model.lm_head.weight.requires_grad_(False)
     b = completion_batch([([5, 17, 42], [7, 8, 9]), ([5, 17, 42], [10, 11]), ([2, 7], [3, 4])])
     calls = []
-    real = grpo._shared_logps
-    monkeypatch.setattr(grpo, "_shared_logps", lambda *a: calls.append(1) or real(*a))
+    real = scoring.shared_logps
+    monkeypatch.setattr(scoring, "shared_logps", lambda *a: calls.append(1) or real(*a))
     assert torch.equal(
-        grpo.completion_logps(model, b, 1.0), grpo.completion_logps(model, b, 1.0, share=False)
+        scoring.completion_logps(model, b, 1.0),
+        scoring.completion_logps(model, b, 1.0, share=False),
     )
     assert calls == []
     with torch.autocast("cpu", torch.bfloat16):
-        grpo.completion_logps(model, b, 1.0)
+        scoring.completion_logps(model, b, 1.0)
         assert calls == [1]
         model.checkpointing = True
-        grpo.completion_logps(model, b, 1.0)
+        scoring.completion_logps(model, b, 1.0)
     assert calls == [1]
 
 

@@ -12,7 +12,7 @@ from toy.recipes.pairs import (
     PAIR_FIGURES,
     PAIR_FLAGS,
     SMALL_SET_EPOCHS,
-    answer_logps,
+    answer_sums,
     batches_unit,
     build_pairs,
     check_pair_opts,
@@ -63,7 +63,7 @@ def build(cfg: RunConfig, project: Project) -> Built:
     beta, smooth, sft = cfg.beta, cfg.label_smoothing, cfg.sft_weight
 
     def loss(model, b, figs):
-        s, _ = answer_logps(model, b)  # (2B,): chosen rows, then rejected
+        s = answer_sums(model, b)  # (2B,): chosen rows, then rejected
         n = s.shape[0] // 2
         ref = b["ref"]  # (B, 2)
         losses, rc, rr = dpo_loss(s[:n], s[n:], ref[:, 0], ref[:, 1], beta, smooth)

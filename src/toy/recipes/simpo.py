@@ -17,7 +17,7 @@ from toy.recipes.pairs import (
     PAIR_FIGURES,
     PAIR_FLAGS,
     SMALL_SET_EPOCHS,
-    answer_logps,
+    answer_sums,
     batches_unit,
     build_pairs,
     check_pair_opts,
@@ -68,7 +68,7 @@ def build(cfg: RunConfig, project: Project) -> Built:
     beta, gamma = cfg.beta, cfg.gamma
 
     def loss(model, b, figs):
-        s, _ = answer_logps(model, b)  # (2B,): chosen rows, then rejected
+        s = answer_sums(model, b)  # (2B,): chosen rows, then rejected
         n = s.shape[0] // 2
         mean = s / b["n_ans"]  # each answer's mean token log-prob
         losses, rc, rr = simpo_loss(mean[:n], mean[n:], beta, gamma)
