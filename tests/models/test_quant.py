@@ -219,11 +219,14 @@ def test_a_few_rows_without_gradients_use_the_weight_reordered_once(rows, monkey
 
 
 @pytest.mark.skipif(quant.native.dequant() is None, reason="no C compiler builds dequant.c")
-@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q8_0], ids=lambda t: t.name)
+@pytest.mark.parametrize(
+    "qtype", [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K], ids=lambda t: t.name
+)
 def test_the_c_kernel_gives_the_torch_paths_bits(qtype, monkeypatch):
-    """models/dequant.c (what training's products on a Q4_0, Q4_1 or Q8_0 base dequantize
-    through) against toy's torch path, bit for bit: float32 and bfloat16, extreme scales,
-    leading dims and `out`, a row slice, and a Q/K weight put in half-split order."""
+    """models/dequant.c (what training's products on a base in Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
+    Q4_K, Q5_K or Q6_K blocks dequantize through) against toy's torch path, bit for bit:
+    float32 and bfloat16, extreme scales, leading dims and `out`, a row slice, and a Q/K
+    weight put in half-split order."""
     assert int(qtype) in quant.NATIVE_TYPES
     raw = torch.from_numpy(
         np.concatenate(

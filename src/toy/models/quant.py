@@ -131,7 +131,7 @@ def dequantize(
 
 
 _FLOATS = {F32: torch.float32, F16: torch.float16, BF16: torch.bfloat16}
-NATIVE_TYPES = (Q4_0, Q4_1, Q8_0)  # the types models/dequant.c reads
+NATIVE_TYPES = (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K)  # what models/dequant.c reads
 
 
 def _native(
