@@ -80,7 +80,8 @@ def test_an_answer_in_pieces_runs_every_row_whole(model, monkeypatch):
 
 def test_pairs_share_by_default_under_bf16_only(model, monkeypatch):
     """float32 sums every row whole, to its old bytes (scripts/same_losses.py); under bf16
-    autocast the prompts are shared, as near the float32 sums as whole rows under bf16."""
+    autocast the prompts are shared, as near the float32 sums as whole rows under bf16;
+    compiled blocks (--compile) run whole rows."""
     g = torch.Generator().manual_seed(6)
     b = batch(g)
     calls = []
@@ -93,6 +94,10 @@ def test_pairs_share_by_default_under_bf16_only(model, monkeypatch):
             shared = pairs.answer_sums(model, b)
             assert calls == [1]
             whole = pairs.answer_logps(model, b)[0]
+        model.layers[0].compile()  # --compile: whole rows (no build per pass's lengths)
+        with torch.autocast("cpu", torch.bfloat16):
+            pairs.answer_sums(model, b)
+        assert calls == [1]
     err_whole, err_shared = (whole - f32).abs().max(), (shared - f32).abs().max()
     assert 0 < err_whole < 1.0  # bf16's own rounding of sums of ~-100
     assert err_shared <= 1.5 * err_whole + 1e-2, (err_shared, err_whole)

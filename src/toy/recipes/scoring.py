@@ -51,10 +51,13 @@ def completion_logps(
 
 def shares(m) -> bool:
     """Whether m's rows share their prompts' blocks by default: where the blocks compute in
-    bf16 (float32 runs every row whole, the reference bytes), and m does not recompute its
-    blocks in backward (checkpointing)."""
+    bf16 (float32 runs every row whole, the reference bytes), m does not recompute its
+    blocks in backward (checkpointing), and its blocks are not compiled (--compile: a
+    block built for a batch's shape would meet the prompts' and the answers' passes, each
+    of its own lengths, and be built again for each until dynamo's limit)."""
     p = next(p for p in m.parameters() if p.is_floating_point())
-    return compute_dtype(p) == torch.bfloat16 and not checkpointing(m)
+    compiled = any(getattr(x, "_compiled_call_impl", None) is not None for x in m.modules())
+    return compute_dtype(p) == torch.bfloat16 and not checkpointing(m) and not compiled
 
 
 def checkpointing(m) -> bool:
