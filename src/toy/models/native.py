@@ -1,7 +1,7 @@
 """C kernels compiled once for the machine toy runs on, where torch has no fast kernel for
 the job: AdamW over bfloat16 moments (train/adamw_bf16.c, HalfStateAdamW's update, loaded by
 train/native.py), the tanh GELU on bfloat16 values (models/gelu_bf16.c, layers.gelu_tanh), a
-frozen base's Q4_0, Q4_1 and Q8_0 blocks to weights (models/dequant.c, quant.dequantize) and
+frozen base's GGUF blocks to weights (models/dequant.c, quant.dequantize) and
 a llama reply's token through its blocks on packed codes (models/decode_step.c,
 models/decode_native.py).
 

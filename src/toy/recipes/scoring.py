@@ -28,9 +28,10 @@ def completion_logps(
     (SmolLM2, 32 rows of 38 tokens on average). Right padding is never seen by the
     positions before it, so a row's log-probs do not depend on where it is cut.
 
-    share (None: where the blocks compute in bf16, without --checkpointing): each distinct
-    prompt runs through the blocks once, its G completions after it (shared_logps). In
-    float32 every row runs whole, as it always has: the reference bytes."""
+    share (None: as shares says, where the blocks compute in bf16, without --checkpointing
+    or --compile): each distinct prompt runs through the blocks once, its G completions
+    after it (shared_logps). In float32 every row runs whole, as it always has: the
+    reference bytes."""
     if share if share is not None else shares(m):
         return shared_logps(m, b, temp, chunk)
     pos, mask = b["pos"], b["mask"]  # (N, T)
