@@ -78,14 +78,18 @@ def gemma3_gguf(tmp_path_factory) -> Path:
 # what transformers made, written by its own save_pretrained and read back by its own
 # from_pretrained, keyed by the file's bytes and the transformers, tokenizers and torch
 # versions, so a changed file or library makes it anew. Files under REFERENCE_MIN_BYTES
-# (the tests' tiny GGUFs, written each run) are read from the GGUF each time.
+# (the tests' tiny GGUFs, written each run) are read from the GGUF each time, but the tiny
+# families' (tests/helpers/tiny_families.py: the converter's output, kept by its inputs).
 REFERENCES = Path.home() / ".cache" / "toy" / "test-references"
 REFERENCE_MIN_BYTES = 32 << 20
 
 
-def _reference_dir(path: Path, what: str, make) -> Path | None:
-    """The folder holding transformers' `what` ("model" or "tokenizer") of the GGUF at
-    `path`, made by `make(dest)` under a lock the first time; None for a small file."""
+def _reference_dir(
+    path: Path, what: str, make, min_bytes: int = REFERENCE_MIN_BYTES
+) -> Path | None:
+    """The folder holding transformers' `what` ("model" or "tokenizer", or a name that
+    also says how it was loaded) of the GGUF at `path`, made by `make(dest)` under a lock the
+    first time; None for a file under `min_bytes`."""
     import fcntl
     import hashlib
     import shutil
@@ -95,7 +99,7 @@ def _reference_dir(path: Path, what: str, make) -> Path | None:
     import transformers
 
     path = Path(path).resolve()
-    if path.stat().st_size < REFERENCE_MIN_BYTES:
+    if path.stat().st_size < min_bytes:
         return None
     h = hashlib.sha256()
     with open(path, "rb") as f:

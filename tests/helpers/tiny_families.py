@@ -115,13 +115,58 @@ def converter_dir(dest: Path | None = None) -> Path:
     return path
 
 
+def _converted_key(converter: Path, hf_dir: Path, outtype: str, name: str | None) -> str:
+    """What a converted file's bytes depend on: the converter's own code (its script and its
+    gguf-py), every file of the HF directory, the outtype and name, and the libraries the
+    converter imports (it runs in this interpreter, with transformers and torch)."""
+    import hashlib
+
+    import transformers
+
+    h = hashlib.sha256()
+    code = [converter / "convert_hf_to_gguf.py", *sorted((converter / "gguf-py").rglob("*.py"))]
+    for f in [*code, *sorted(p for p in Path(hf_dir).iterdir() if p.is_file())]:
+        h.update(f.name.encode() + b"\0" + f.read_bytes())
+    for part in (outtype, name, sys.version, transformers.__version__, torch.__version__):
+        h.update(repr(part).encode())
+    return h.hexdigest()[:24]
+
+
 def convert(
     converter: Path, hf_dir: Path, out: Path, outtype: str = "f32", name: str | None = None
 ) -> Path:
-    """Run the real converter in a subprocess with its own gguf-py first on PYTHONPATH (so
-    neither it nor this process sees the other's `gguf` package). Raises on failure."""
+    """The real converter's file for `hf_dir`: its output kept in REFERENCES (keyed by
+    _converted_key, so a changed converter, model, outtype or library converts anew) and
+    copied to `out`. A converter run is a fresh interpreter importing torch and
+    transformers (~4 s), paid by each xdist worker whose modules ask, 20 a suite: now once a
+    machine."""
+    import fcntl
+    import shutil
+    import tempfile
+
+    from helpers.gguf_fixtures import REFERENCES
+
     if outtype not in OUTTYPES:
         raise ValueError(f"outtype {outtype!r}: expected one of {OUTTYPES}")
+    kept = REFERENCES / f"converted-{_converted_key(converter, hf_dir, outtype, name)}.gguf"
+    REFERENCES.mkdir(parents=True, exist_ok=True)
+    with open(kept.with_name(f".{kept.name}.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # the other worker waits, then reads what this made
+        if not kept.is_file():
+            tmp = Path(tempfile.mkdtemp(dir=REFERENCES, prefix=".converted-"))
+            try:
+                shutil.move(_run_converter(converter, hf_dir, tmp / out.name, outtype, name), kept)
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copyfile(kept, out)
+    return out
+
+
+def _run_converter(
+    converter: Path, hf_dir: Path, out: Path, outtype: str, name: str | None
+) -> Path:
+    """Run the real converter in a subprocess with its own gguf-py first on PYTHONPATH (so
+    neither it nor this process sees the other's `gguf` package). Raises on failure."""
     env = {k: v for k, v in os.environ.items() if k not in ("NO_LOCAL_GGUF", "PYTHONPATH")}
     env.update(PYTHONPATH=str(converter / "gguf-py"), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     cmd = [

@@ -2,7 +2,8 @@
 converter wrote each file, transformers' own GGUF loader gives back the HF model's logits,
 and the layout each family's file has (tensor names, Q/K row order, norm offsets, fused
 tensors, metadata keys) is pinned here, so a reader written against these facts reads
-real files. Slow: one converter run (~6 s) and one transformers GGUF load per family."""
+real files. Slow: one converter run (~6 s) and one transformers GGUF load per family, each
+kept for later runs (the converter's output by its inputs, the load by the file's bytes)."""
 
 from __future__ import annotations
 
@@ -205,12 +206,28 @@ def transformers_gguf_overrides(family: str, meta: dict) -> dict:
 
 
 def transformers_from_gguf(tf, **overrides):
+    """transformers' own load of the converted file, kept for later runs as the real models'
+    are (helpers.gguf_fixtures._reference_dir: its save_pretrained, keyed by the file's bytes
+    and the library versions; here also by the overrides): its GGUF reader parses SmolLM2's
+    49,152 tokens and merges in Python, 4-5 s a file."""
+    import hashlib
+
+    from helpers.gguf_fixtures import _reference_dir
     from transformers import AutoModelForCausalLM
 
-    with one_gguf_reader():
-        return AutoModelForCausalLM.from_pretrained(
-            tf.gguf.parent, gguf_file=tf.gguf.name, dtype=torch.float32, **overrides
-        ).eval()
+    def make(dest):
+        with one_gguf_reader():
+            model = AutoModelForCausalLM.from_pretrained(
+                tf.gguf.parent, gguf_file=tf.gguf.name, dtype=torch.float32, **overrides
+            )
+        model.hf_quantizer = None  # float32 weights; a GGUF load is marked quantized
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(dest)
+
+    how = hashlib.sha256(repr(sorted(overrides.items())).encode()).hexdigest()[:8]
+    kept = _reference_dir(tf.gguf, f"tiny-model-{how}", make, min_bytes=0)
+    return AutoModelForCausalLM.from_pretrained(kept, dtype=torch.float32).eval()
 
 
 def logits(model, ids):
