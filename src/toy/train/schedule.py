@@ -23,6 +23,7 @@ The schedule, and what a resume does to it, are defined here and nowhere else:
 from __future__ import annotations
 
 import ctypes
+import inspect
 import math
 from dataclasses import asdict, dataclass
 
@@ -147,7 +148,7 @@ def make_adamw(
     lr_scale=None,
     fused: bool = False,
     state_dtype: torch.dtype = torch.float32,
-) -> torch.optim.AdamW:
+) -> AdamW:
     """AdamW with a group for weights that decay (matrices, embeddings) and one for those
     that don't (biases, norm gains), as in GPT-2/nanoGPT; `lr_scale(name)` (default 1)
     splits further: each group's "lr_scale" multiplies the schedule's LR (a resume keeps
@@ -171,7 +172,7 @@ def make_adamw(
     ]
     if state_dtype == torch.bfloat16:
         return HalfStateAdamW(param_groups, lr=lr, betas=betas, eps=eps)
-    return torch.optim.AdamW(
+    return AdamW(
         param_groups,
         lr=lr,
         betas=betas,
@@ -181,7 +182,35 @@ def make_adamw(
     )
 
 
-class HalfStateAdamW(torch.optim.AdamW):
+def _eager(method):
+    """torch.optim's `method` without its dynamo wrapper (torch._disable_dynamo,
+    _use_grad_for_differentiable) or any other: the function they wrap, found through
+    functools.wraps' __wrapped__ (the method itself where torch has none)."""
+    return inspect.unwrap(method)
+
+
+_ADAM_STEP = _eager(torch.optim.Adam.step)
+
+
+class AdamW(torch.optim.AdamW):
+    """torch's AdamW, the same arithmetic and state, whose methods run without the wrappers
+    that keep torch.compile out of an optimizer: each imports torch._dynamo on its first
+    call (1.0-1.2 s on a Zen 4, the first add_param_group of every training process, which
+    waited for it before its first step). toy compiles models, never an optimizer, so the
+    wrappers guard nothing here; the step runs under no_grad, as `_use_grad` sets it for a
+    non-differentiable optimizer (its graph breaks do nothing outside a compile)."""
+
+    add_param_group = _eager(torch.optim.Optimizer.add_param_group)
+    zero_grad = _eager(torch.optim.Optimizer.zero_grad)
+    state_dict = _eager(torch.optim.Optimizer.state_dict)
+    load_state_dict = _eager(torch.optim.Optimizer.load_state_dict)
+
+    def step(self, closure=None):  # noqa: D102 (torch's)
+        with torch.no_grad():
+            return _ADAM_STEP(self, closure)
+
+
+class HalfStateAdamW(AdamW):
     """AdamW whose two moments are stored in bfloat16: 4 bytes a trained value instead
     of 8 (a whole SmolLM2-135M's state 0.54 GB instead of 1.08). The update itself is
     torch's fused AdamW's arithmetic in float32, in one pass over memory: toy's C kernel
