@@ -182,28 +182,23 @@ def make_adamw(
     )
 
 
-def _eager(method):
-    """torch.optim's `method` without its dynamo wrapper (torch._disable_dynamo,
-    _use_grad_for_differentiable) or any other: the function they wrap, found through
-    functools.wraps' __wrapped__ (the method itself where torch has none)."""
-    return inspect.unwrap(method)
-
-
-_ADAM_STEP = _eager(torch.optim.Adam.step)
+# Adam's step without its wrappers (functools.wraps' __wrapped__, as inspect.unwrap follows)
+_ADAM_STEP = inspect.unwrap(torch.optim.Adam.step)
 
 
 class AdamW(torch.optim.AdamW):
     """torch's AdamW, the same arithmetic and state, whose methods run without the wrappers
-    that keep torch.compile out of an optimizer: each imports torch._dynamo on its first
-    call (1.0-1.2 s on a Zen 4, the first add_param_group of every training process, which
-    waited for it before its first step). toy compiles models, never an optimizer, so the
-    wrappers guard nothing here; the step runs under no_grad, as `_use_grad` sets it for a
+    that keep torch.compile out of an optimizer (torch._disable_dynamo,
+    _use_grad_for_differentiable): each imports torch._dynamo on its first call (1.0-1.2 s
+    on a Zen 4, the first add_param_group of every training process, which waited for it
+    before its first step). toy compiles models, never an optimizer, so the wrappers guard
+    nothing here; the step runs under no_grad, as `_use_grad` sets it for a
     non-differentiable optimizer (its graph breaks do nothing outside a compile)."""
 
-    add_param_group = _eager(torch.optim.Optimizer.add_param_group)
-    zero_grad = _eager(torch.optim.Optimizer.zero_grad)
-    state_dict = _eager(torch.optim.Optimizer.state_dict)
-    load_state_dict = _eager(torch.optim.Optimizer.load_state_dict)
+    add_param_group = inspect.unwrap(torch.optim.Optimizer.add_param_group)
+    zero_grad = inspect.unwrap(torch.optim.Optimizer.zero_grad)
+    state_dict = inspect.unwrap(torch.optim.Optimizer.state_dict)
+    load_state_dict = inspect.unwrap(torch.optim.Optimizer.load_state_dict)
 
     def step(self, closure=None):  # noqa: D102 (torch's)
         with torch.no_grad():
