@@ -84,16 +84,37 @@ REFERENCES = Path.home() / ".cache" / "toy" / "test-references"
 REFERENCE_MIN_BYTES = 32 << 20
 
 
+def kept(name: str, make, note: str) -> Path:
+    """REFERENCES/`name`, a folder made by `make(dest)` under a lock the first time (the
+    other worker waits, then reads what this one made), in a temporary folder renamed into
+    place once whole; `note` goes in its `done` marker."""
+    import fcntl
+    import shutil
+    import tempfile
+
+    dest = REFERENCES / name
+    REFERENCES.mkdir(parents=True, exist_ok=True)
+    with open(REFERENCES / f".{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (dest / "done").is_file():
+            tmp = Path(tempfile.mkdtemp(dir=REFERENCES, prefix=f".{name}-"))
+            try:
+                make(tmp)
+                (tmp / "done").write_text(note)
+                shutil.rmtree(dest, ignore_errors=True)
+                tmp.rename(dest)
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+    return dest
+
+
 def _reference_dir(
     path: Path, what: str, make, min_bytes: int = REFERENCE_MIN_BYTES
 ) -> Path | None:
     """The folder holding transformers' `what` ("model" or "tokenizer", or a name that
-    also says how it was loaded) of the GGUF at `path`, made by `make(dest)` under a lock the
-    first time; None for a file under `min_bytes`."""
-    import fcntl
+    also says how it was loaded) of the GGUF at `path`, made by `make(dest)` the first time
+    (`kept`); None for a file under `min_bytes`."""
     import hashlib
-    import shutil
-    import tempfile
 
     import tokenizers
     import transformers
@@ -107,20 +128,17 @@ def _reference_dir(
             h.update(block)
     versions = f"{transformers.__version__}-{tokenizers.__version__}-{torch.__version__}"
     key = hashlib.sha256(f"{h.hexdigest()}-{versions}".encode()).hexdigest()[:20]
-    dest = REFERENCES / f"{what}-{key}"
-    REFERENCES.mkdir(parents=True, exist_ok=True)
-    with open(REFERENCES / f".{what}-{key}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # the other worker waits, then reads what this made
-        if not (dest / "done").is_file():
-            tmp = Path(tempfile.mkdtemp(dir=REFERENCES, prefix=f".{what}-"))
-            try:
-                make(tmp)
-                (tmp / "done").write_text(f"{path.name} {versions}\n")
-                shutil.rmtree(dest, ignore_errors=True)
-                tmp.rename(dest)
-            finally:
-                shutil.rmtree(tmp, ignore_errors=True)
-    return dest
+    return kept(f"{what}-{key}", make, f"{path.name} {versions}\n")
+
+
+def save_gguf_load(model, dest: Path) -> None:
+    """Save transformers' float32 load of a GGUF with its own save_pretrained: its weights
+    are float32 tensors already, but transformers marks a GGUF load quantized ("gguf") and
+    refuses to save it as such."""
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(dest)
 
 
 @functools.cache
@@ -134,13 +152,7 @@ def hf_gguf_model(path: Path):
         return transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32, **kw)
 
     def make(dest: Path) -> None:
-        model = load(str(path.parent), gguf_file=path.name)
-        # its weights are float32 tensors already; transformers marks a GGUF load
-        # quantized ("gguf") and refuses to save it as such
-        model.hf_quantizer = None
-        if hasattr(model.config, "quantization_config"):
-            del model.config.quantization_config
-        model.save_pretrained(dest)
+        save_gguf_load(load(str(path.parent), gguf_file=path.name), dest)
 
     kept = _reference_dir(path, "model", make)
     if kept is None:

@@ -135,30 +135,23 @@ def _converted_key(converter: Path, hf_dir: Path, outtype: str, name: str | None
 def convert(
     converter: Path, hf_dir: Path, out: Path, outtype: str = "f32", name: str | None = None
 ) -> Path:
-    """The real converter's file for `hf_dir`: its output kept in REFERENCES (keyed by
+    """The real converter's file for `hf_dir`: its output kept in REFERENCES (`kept`, keyed by
     _converted_key, so a changed converter, model, outtype or library converts anew) and
     copied to `out`. A converter run is a fresh interpreter importing torch and
     transformers (~4 s), paid by each xdist worker whose modules ask, 20 a suite: now once a
     machine."""
-    import fcntl
     import shutil
-    import tempfile
 
-    from helpers.gguf_fixtures import REFERENCES
+    from helpers.gguf_fixtures import kept
 
     if outtype not in OUTTYPES:
         raise ValueError(f"outtype {outtype!r}: expected one of {OUTTYPES}")
-    kept = REFERENCES / f"converted-{_converted_key(converter, hf_dir, outtype, name)}.gguf"
-    REFERENCES.mkdir(parents=True, exist_ok=True)
-    with open(kept.with_name(f".{kept.name}.lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # the other worker waits, then reads what this made
-        if not kept.is_file():
-            tmp = Path(tempfile.mkdtemp(dir=REFERENCES, prefix=".converted-"))
-            try:
-                shutil.move(_run_converter(converter, hf_dir, tmp / out.name, outtype, name), kept)
-            finally:
-                shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copyfile(kept, out)
+    made = kept(
+        f"converted-{_converted_key(converter, hf_dir, outtype, name)}",
+        lambda dest: _run_converter(converter, hf_dir, dest / "model.gguf", outtype, name),
+        f"{Path(hf_dir).name} {outtype}\n",
+    )
+    shutil.copyfile(made / "model.gguf", out)
     return out
 
 

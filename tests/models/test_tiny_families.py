@@ -212,7 +212,7 @@ def transformers_from_gguf(tf, **overrides):
     49,152 tokens and merges in Python, 4-5 s a file."""
     import hashlib
 
-    from helpers.gguf_fixtures import _reference_dir
+    from helpers.gguf_fixtures import _reference_dir, save_gguf_load
     from transformers import AutoModelForCausalLM
 
     def make(dest):
@@ -220,10 +220,7 @@ def transformers_from_gguf(tf, **overrides):
             model = AutoModelForCausalLM.from_pretrained(
                 tf.gguf.parent, gguf_file=tf.gguf.name, dtype=torch.float32, **overrides
             )
-        model.hf_quantizer = None  # float32 weights; a GGUF load is marked quantized
-        if hasattr(model.config, "quantization_config"):
-            del model.config.quantization_config
-        model.save_pretrained(dest)
+        save_gguf_load(model, dest)
 
     how = hashlib.sha256(repr(sorted(overrides.items())).encode()).hexdigest()[:8]
     kept = _reference_dir(tf.gguf, f"tiny-model-{how}", make, min_bytes=0)
