@@ -154,10 +154,10 @@ def hf_gguf_model(path: Path):
     def make(dest: Path) -> None:
         save_gguf_load(load(str(path.parent), gguf_file=path.name), dest)
 
-    kept = _reference_dir(path, "model", make)
-    if kept is None:
+    folder = _reference_dir(path, "model", make)
+    if folder is None:
         return load(str(path.parent), gguf_file=path.name).eval()
-    return load(str(kept)).eval()
+    return load(str(folder)).eval()
 
 
 @functools.cache
@@ -171,10 +171,10 @@ def hf_gguf_tokenizer(path: Path):
             str(path.parent), gguf_file=path.name
         ).save_pretrained(dest)
 
-    kept = _reference_dir(path, "tokenizer", make)
-    if kept is None:
+    folder = _reference_dir(path, "tokenizer", make)
+    if folder is None:
         return transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    return transformers.AutoTokenizer.from_pretrained(str(kept))
+    return transformers.AutoTokenizer.from_pretrained(str(folder))
 
 
 def converter_permute(w: np.ndarray, n_head: int) -> np.ndarray:

@@ -223,8 +223,8 @@ def transformers_from_gguf(tf, **overrides):
         save_gguf_load(model, dest)
 
     how = hashlib.sha256(repr(sorted(overrides.items())).encode()).hexdigest()[:8]
-    kept = _reference_dir(tf.gguf, f"tiny-model-{how}", make, min_bytes=0)
-    return AutoModelForCausalLM.from_pretrained(kept, dtype=torch.float32).eval()
+    folder = _reference_dir(tf.gguf, f"tiny-model-{how}", make, min_bytes=0)
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
 
 
 def logits(model, ids):
